@@ -1,0 +1,428 @@
+"""Model configuration: one frozen attrs class, loaded from YAML presets or Hugging Face ``config.json``.
+
+Every field of the Qwen3.5-MoE / Qwen3-Next text model (architecture.md §9) plus the kernel switches.
+Checks live in ``__attrs_post_init__`` and name the offending field and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+SPECS_DIR = Path(os.environ.get("Q38_SPECS", Path(__file__).resolve().parent.parent / "specs"))
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+GDN_IMPLEMENTATIONS = ("torch", "fla", "npu")
+CONV_IMPLEMENTATIONS = ("torch", "cuda", "npu")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+class ConfigError(ValueError):
+    """A configuration value is illegal; the message names the field and the fix."""
+
+
+@attrs.frozen(kw_only=True)
+class ModelFamily:
+    """How a ``model_type`` maps onto q38: its checkpoint layout and its MTP depth field names."""
+
+    name: str
+    checkpoint_layout: str  # "qwen3_5_moe" (fused experts, flat GDN projections) | "qwen3_next"
+    prefix: str  # key prefix of the text model in a checkpoint
+
+
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    "qwen3_5_moe": ModelFamily(name="qwen3_5_moe", checkpoint_layout="qwen3_5_moe", prefix="model.language_model."),
+    "qwen3_5_moe_text": ModelFamily(name="qwen3_5_moe", checkpoint_layout="qwen3_5_moe", prefix="model."),
+    "qwen3_next": ModelFamily(name="qwen3_next", checkpoint_layout="qwen3_next", prefix="model."),
+    # The family of the 2.4T preset: the Qwen3.5-MoE text architecture with MTP, saved in the Qwen3.5 layout.
+    "qwen3_8_moe": ModelFamily(name="qwen3_8_moe", checkpoint_layout="qwen3_5_moe", prefix="model.language_model."),
+}
+
+MTP_DEPTH_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp_num_layers")
+
+
+def model_family(model_type: str) -> ModelFamily:
+    try:
+        return MODEL_FAMILIES[model_type]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model_type {model_type!r}; known model types: {', '.join(sorted(MODEL_FAMILIES))}"
+        ) from None
+
+
+def _default_layer_types(num_layers: int, interval: int = 4) -> tuple[str, ...]:
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
+
+
+def _tuple(x):
+    return tuple(x) if x is not None else None
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """Static, hashable model configuration (never a pytree leaf)."""
+
+    model_type: str = "qwen3_5_moe"
+    vocab_size: int = 248320
+    hidden_size: int = 2048
+    num_hidden_layers: int = 40
+    layer_types: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple)
+    # full attention
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    # gated deltanet
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    # moe
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001
+    # mtp
+    mtp_num_layers: int = 0
+    # misc
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    max_position_embeddings: int = 262144
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    # kernel switches (the torch path is the oracle and runs everywhere)
+    gdn_implementation: str = "torch"
+    causal_conv1d_implementation: str = "torch"
+    attention_implementation: str = "sdpa"
+    use_grouped_expert_matmul: bool = False
+    gdn_chunk_size: int = 64
+
+    def __attrs_post_init__(self) -> None:
+        if self.layer_types is None:
+            object.__setattr__(self, "layer_types", _default_layer_types(self.num_hidden_layers))
+        model_family(self.model_type)
+        self._validate()
+
+    # ---- validation ---------------------------------------------------------------------------------
+    def _validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        for name in (
+            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "gdn_chunk_size",
+        ):
+            need(int(getattr(self, name)) > 0, f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        need(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size must be >= 0")
+        need(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_key_value_heads "
+            f"({self.num_key_value_heads}); pick a kv head count that divides the query heads",
+        )
+        need(
+            self.linear_num_value_heads % self.linear_num_key_heads == 0,
+            f"linear_num_value_heads ({self.linear_num_value_heads}) must be divisible by linear_num_key_heads "
+            f"({self.linear_num_key_heads}); each key head serves a whole group of value heads",
+        )
+        need(
+            len(self.layer_types) == self.num_hidden_layers,
+            f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}; "
+            "give one entry per layer or drop layer_types to use the 3:1 default",
+        )
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        need(not bad, f"layer_types entries must be one of {LAYER_TYPES}; got {sorted(set(bad))}")
+        need(
+            self.num_experts_per_tok <= self.num_experts,
+            f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})",
+        )
+        need(
+            0.0 < self.partial_rotary_factor <= 1.0,
+            f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}",
+        )
+        need(
+            self.rotary_dim % 2 == 0 and self.rotary_dim > 0,
+            f"rotary dim = int(head_dim * partial_rotary_factor) = {self.rotary_dim} must be even and > 0; "
+            "change head_dim or partial_rotary_factor",
+        )
+        need(self.mtp_num_layers >= 0, f"mtp_num_layers must be >= 0 (0 disables MTP), got {self.mtp_num_layers}")
+        need(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported; this family uses 'silu'")
+        need(
+            not self.attention_bias,
+            "attention_bias=True is not supported by q38 (no released checkpoint of this family uses it)",
+        )
+        need(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")
+        need(
+            self.gdn_implementation in GDN_IMPLEMENTATIONS,
+            f"gdn_implementation must be one of {GDN_IMPLEMENTATIONS}, got {self.gdn_implementation!r}",
+        )
+        need(
+            self.causal_conv1d_implementation in CONV_IMPLEMENTATIONS,
+            f"causal_conv1d_implementation must be one of {CONV_IMPLEMENTATIONS}, "
+            f"got {self.causal_conv1d_implementation!r}",
+        )
+        need(
+            self.attention_implementation in ATTENTION_IMPLEMENTATIONS,
+            f"attention_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
+            f"got {self.attention_implementation!r}",
+        )
+
+    # ---- derived sizes ------------------------------------------------------------------------------
+    @property
+    def family(self) -> ModelFamily:
+        return model_family(self.model_type)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def gqa_groups(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    @property
+    def linear_value_groups(self) -> int:
+        return self.linear_num_value_heads // self.linear_num_key_heads
+
+    @property
+    def num_full_layers(self) -> int:
+        return sum(t == "full_attention" for t in self.layer_types)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.num_hidden_layers - self.num_full_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE layers in one forward, MTP layers included (each has a router that feeds the aux loss)."""
+        return self.num_hidden_layers + self.mtp_num_layers
+
+    # ---- constructors -------------------------------------------------------------------------------
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return attrs.evolve(self, **changes)
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [a.name for a in attrs.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "config") -> "ModelConfig":
+        d = dict(d)
+        if "full_attention_interval" in d:
+            interval = int(d.pop("full_attention_interval"))
+            if d.get("layer_types") is None:
+                d["layer_types"] = _default_layer_types(int(d.get("num_hidden_layers", 40)), interval)
+        names = cls.field_names()
+        unknown = [k for k in d if k not in names]
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, names, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(f"{source}: unknown model config key(s): {', '.join(hints)}")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "ModelConfig":
+        import yaml
+
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"model config file not found: {path}")
+        with open(path) as f:
+            d = yaml.safe_load(f) or {}
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: expected a mapping of config keys, got {type(d).__name__}")
+        return cls.from_dict(d, source=str(path))
+
+    @classmethod
+    def presets(cls) -> list[str]:
+        return sorted(p.stem for p in (SPECS_DIR / "models").glob("*.yaml"))
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        path = SPECS_DIR / "models" / f"{name}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(cls.presets())}")
+        return cls.from_yaml(path)
+
+    @classmethod
+    def load(cls, name_or_path: str | os.PathLike) -> "ModelConfig":
+        """A preset name, a q38 YAML file, a HF ``config.json`` or a HF checkpoint directory."""
+        p = Path(name_or_path)
+        if p.is_dir() or p.suffix == ".json":
+            return cls.from_hf(p)
+        if p.suffix in (".yaml", ".yml"):
+            return cls.from_yaml(p)
+        return cls.preset(str(name_or_path))
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
+        """Read a Hugging Face ``config.json`` (a path, a checkpoint directory, or the parsed dict)."""
+        if isinstance(path_or_dict, Mapping):
+            raw = dict(path_or_dict)
+        else:
+            p = Path(path_or_dict)
+            if p.is_dir():
+                p = p / "config.json"
+            if not p.is_file():
+                raise ConfigError(f"Hugging Face config not found: {p}")
+            with open(p) as f:
+                raw = json.load(f)
+        top_type = raw.get("model_type")
+        if top_type is None:
+            raise ConfigError(
+                f"config has no model_type; known model types: {', '.join(sorted(MODEL_FAMILIES))}"
+            )
+        model_family(top_type)
+        text = dict(raw.get("text_config") or raw)
+        # MTP depth: whichever of the family's field names is present (top level or text config).
+        mtp = 0
+        for src in (text, raw):
+            for k in MTP_DEPTH_FIELDS:
+                if src.get(k) is not None:
+                    mtp = int(src[k])
+                    break
+            else:
+                continue
+            break
+        rope = dict(text.get("rope_parameters") or raw.get("rope_parameters") or {})
+        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000.0))
+        prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        rope_type = rope.get("rope_type", "default")
+        if rope_type not in ("default", None):
+            raise ConfigError(f"rope_type {rope_type!r} is not supported by q38 (only 'default' RoPE)")
+        if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
+            raise ConfigError(
+                "dense (non-MoE) decoder layers (mlp_only_layers / decoder_sparse_step != 1) are not implemented "
+                "in q38; every released checkpoint of this family is all-MoE"
+            )
+        num_layers = int(text["num_hidden_layers"])
+        layer_types = text.get("layer_types") or _default_layer_types(
+            num_layers, int(text.get("full_attention_interval", 4))
+        )
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        kw = dict(
+            model_type=top_type if top_type != "qwen3_5_moe_text" else "qwen3_5_moe_text",
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            num_hidden_layers=num_layers,
+            layer_types=tuple(layer_types),
+            num_attention_heads=text["num_attention_heads"],
+            num_key_value_heads=text["num_key_value_heads"],
+            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
+            rope_theta=float(rope_theta),
+            partial_rotary_factor=float(prf),
+            linear_num_key_heads=text["linear_num_key_heads"],
+            linear_num_value_heads=text["linear_num_value_heads"],
+            linear_key_head_dim=text["linear_key_head_dim"],
+            linear_value_head_dim=text["linear_value_head_dim"],
+            linear_conv_kernel_dim=text["linear_conv_kernel_dim"],
+            num_experts=text["num_experts"],
+            num_experts_per_tok=text["num_experts_per_tok"],
+            moe_intermediate_size=text["moe_intermediate_size"],
+            shared_expert_intermediate_size=text["shared_expert_intermediate_size"],
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001)),
+            mtp_num_layers=mtp,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            initializer_range=float(text.get("initializer_range", 0.02)),
+            max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
+            hidden_act=text.get("hidden_act", "silu"),
+            attention_bias=bool(text.get("attention_bias", False)),
+            bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
+            eos_token_id=eos,
+            pad_token_id=text.get("pad_token_id", raw.get("pad_token_id")),
+        )
+        return cls(**kw)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A ``config.json`` for ``Qwen3_5MoeForCausalLM`` (model type ``qwen3_5_moe_text``) or Qwen3-Next."""
+        common = dict(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_hidden_layers,
+            layer_types=list(self.layer_types),
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            linear_num_key_heads=self.linear_num_key_heads,
+            linear_num_value_heads=self.linear_num_value_heads,
+            linear_key_head_dim=self.linear_key_head_dim,
+            linear_value_head_dim=self.linear_value_head_dim,
+            linear_conv_kernel_dim=self.linear_conv_kernel_dim,
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+            shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+            router_aux_loss_coef=self.router_aux_loss_coef,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            initializer_range=self.initializer_range,
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act=self.hidden_act,
+            attention_bias=False,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            rope_parameters={
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+            },
+        )
+        if self.family.checkpoint_layout == "qwen3_next":
+            return dict(
+                common,
+                model_type="qwen3_next",
+                architectures=["Qwen3NextForCausalLM"],
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                intermediate_size=self.moe_intermediate_size,
+                num_nextn_predict_layers=self.mtp_num_layers,
+            )
+        if not self.norm_topk_prob:
+            raise ConfigError("the Qwen3.5-MoE layout always renormalises top-k weights; norm_topk_prob must be True")
+        return dict(
+            common,
+            model_type="qwen3_5_moe_text",
+            architectures=["Qwen3_5MoeForCausalLM"],
+            mtp_num_hidden_layers=self.mtp_num_layers,
+            q38_model_type=self.model_type,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["layer_types"] = list(self.layer_types)
+        return d

@@ -1,0 +1,42 @@
+"""The dimension legend, shared by jaxtyping strings, einsum equations, variable suffixes and spec tables.
+
+| letter | meaning                                   |
+|--------|-------------------------------------------|
+| b      | batch                                     |
+| s      | query / current positions                 |
+| t      | key/value positions                       |
+| n      | flattened tokens (b·s)                    |
+| d      | model width (hidden_size)                 |
+| f      | FFN hidden (dense, shared or per expert)  |
+| h      | query heads (or GDN value heads)          |
+| g      | kv heads (or GDN key heads)               |
+| c      | head dim                                  |
+| e      | routed experts (global)                   |
+| k      | top-k                                     |
+| m      | routed slots (n·k)                        |
+| v      | vocab                                     |
+| l      | stacked layers                            |
+| p      | recurrent / linear-attention state size   |
+| w      | convolution window (kernel size)          |
+
+Shard-local sizes get multi-letter names (``el`` = local experts), because DTensor shapes are global.
+"""
+
+LEGEND = {
+    "b": "batch",
+    "s": "query positions",
+    "t": "key/value positions",
+    "n": "flattened tokens",
+    "d": "model width",
+    "f": "ffn hidden",
+    "h": "query heads",
+    "g": "kv heads",
+    "c": "head dim",
+    "e": "routed experts",
+    "k": "top-k",
+    "m": "routed slots",
+    "v": "vocab",
+    "l": "stacked layers",
+    "p": "recurrent state size",
+    "w": "conv window",
+}

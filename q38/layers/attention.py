@@ -1,0 +1,87 @@
+"""Gated full attention: QK-norm, partial RoPE, GQA, sigmoid output gate (architecture.md §4).
+
+Extra dims: none beyond the legend (``h`` query heads, ``g`` kv heads, ``c`` head dim, ``t`` key positions).
+"""
+
+import attrs
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from jaxtyping import Float
+from torch import Tensor
+
+from q38.config import ModelConfig
+from q38.layers.common import ParamInfo
+from q38.layers.context import SeqInfo
+from q38.layers.norm import rms_norm
+from q38.layers.rope import apply_rope, rope_cos_sin
+from q38.pytree import pytree_node
+
+
+@pytree_node
+@attrs.frozen
+class AttnParams:
+    w_q: Tensor  # [2·h·c, d]: per head, c query rows then c gate rows
+    w_k: Tensor  # [g·c, d]
+    w_v: Tensor  # [g·c, d]
+    w_o: Tensor  # [d, h·c]
+    q_norm: Tensor  # [c] zero-centred
+    k_norm: Tensor  # [c] zero-centred
+
+
+def abstract_attention(cfg: ModelConfig) -> AttnParams:
+    d, h, g, c, std = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.initializer_range
+    return AttnParams(
+        w_q=ParamInfo((2 * h * c, d), std=std),
+        w_k=ParamInfo((g * c, d), std=std),
+        w_v=ParamInfo((g * c, d), std=std),
+        w_o=ParamInfo((d, h * c), std=std),
+        q_norm=ParamInfo((c,), "zeros"),
+        k_norm=ParamInfo((c,), "zeros"),
+    )
+
+
+def _attention_mask(info: SeqInfo, seq_idx_k: Tensor, doc_k: Tensor) -> Tensor:
+    """Boolean ``[b, 1, s, t]``: key is not in the future and belongs to the query's document."""
+    causal = seq_idx_k[:, None, :] <= info.seq_idx[:, :, None]
+    same_doc = doc_k[:, None, :] == info.doc_ids[:, :, None]
+    return (causal & same_doc)[:, None]
+
+
+def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, info: SeqInfo) -> Float[Tensor, "b s d"]:
+    """``o_proj(attn(q, k, v) * sigmoid(gate))`` with causal, per-document masking."""
+    h, g, c = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qg_bshc = rearrange(F.linear(x, p.w_q), "b s (h c2) -> b s h c2", h=h)
+    q_bshc, gate_bshc = qg_bshc[..., :c], qg_bshc[..., c:]
+    q_bshc = rms_norm(q_bshc, p.q_norm, cfg.rms_norm_eps)
+    k_bsgc = rms_norm(rearrange(F.linear(x, p.w_k), "b s (g c) -> b s g c", g=g), p.k_norm, cfg.rms_norm_eps)
+    v_bsgc = rearrange(F.linear(x, p.w_v), "b s (g c) -> b s g c", g=g)
+    cos, sin = rope_cos_sin(info.positions, cfg.rotary_dim, cfg.rope_theta)
+    q_bshc, k_bsgc = apply_rope(q_bshc, cos, sin), apply_rope(k_bsgc, cos, sin)
+
+    # Context parallel: keys/values of the whole row (identity on one device).
+    comm = info.comm
+    k_btgc, v_btgc = comm.all_gather_seq(k_bsgc, 1), comm.all_gather_seq(v_bsgc, 1)
+    local = getattr(comm, "is_local", False)
+    mask = None
+    if not (local and not info.packed):
+        seq_idx_k = comm.all_gather_seq(info.seq_idx, 1)
+        doc_k = comm.all_gather_seq(info.doc_ids, 1)
+        mask = _attention_mask(info, seq_idx_k, doc_k)
+
+    q_bhsc = rearrange(q_bshc, "b s h c -> b h s c")
+    k_bhtc = rearrange(k_btgc, "b t g c -> b g t c").repeat_interleave(h // g, dim=1)
+    v_bhtc = rearrange(v_btgc, "b t g c -> b g t c").repeat_interleave(h // g, dim=1)
+    if cfg.attention_implementation == "eager":
+        scores = torch.einsum("bhsc,bhtc->bhst", q_bhsc.float(), k_bhtc.float()) * c**-0.5
+        if mask is None:
+            s, t = scores.shape[-2:]
+            mask = torch.ones(s, t, dtype=torch.bool, device=x.device).tril()[None, None]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        o_bhsc = torch.einsum("bhst,bhtc->bhsc", scores.softmax(-1), v_bhtc.float()).to(x.dtype)
+    elif mask is None:
+        o_bhsc = F.scaled_dot_product_attention(q_bhsc, k_bhtc, v_bhtc, is_causal=True, scale=c**-0.5)
+    else:
+        o_bhsc = F.scaled_dot_product_attention(q_bhsc, k_bhtc, v_bhtc, attn_mask=mask, scale=c**-0.5)
+    o_bsd = rearrange(o_bhsc, "b h s c -> b s (h c)") * torch.sigmoid(rearrange(gate_bshc, "b s h c -> b s (h c)"))
+    return F.linear(o_bsd, p.w_o)

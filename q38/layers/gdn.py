@@ -1,0 +1,315 @@
+"""Gated DeltaNet linear attention (architecture.md §5): causal depthwise conv + SiLU, L2-normalised q/k,
+fp32 beta/decay gates, the gated delta rule (chunked, C = 64; a token-by-token recurrent reference), gated RMSNorm.
+
+Packed rows: the conv taps, the intra-chunk matrices and the carried state are masked by document, so a row holding
+several documents gives exactly the outputs of the documents run one by one.
+
+Extra dims: ``u`` = position inside a chunk, ``j`` = chunk index, ``a``/``p`` = key/value state dims.
+"""
+
+import attrs
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from q38.config import ModelConfig
+from q38.layers.common import ParamInfo
+from q38.layers.context import SeqInfo
+from q38.layers.norm import gated_rms_norm
+from q38.pytree import pytree_node
+
+
+@pytree_node
+@attrs.frozen
+class GDNParams:
+    w_qkv: Tensor  # [2·key_dim + value_dim, d]; rows [q all heads | k all heads | v all heads]
+    w_z: Tensor  # [value_dim, d]
+    w_b: Tensor  # [nv, d]
+    w_a: Tensor  # [nv, d]
+    conv_w: Tensor  # [conv_dim, kernel] depthwise
+    dt_bias: Tensor  # [nv]
+    A_log: Tensor  # [nv]
+    norm_w: Tensor  # [dv] gated RMSNorm weight (plain, init ones)
+    w_out: Tensor  # [d, value_dim]
+
+
+def abstract_gdn(cfg: ModelConfig) -> GDNParams:
+    d, std = cfg.hidden_size, cfg.initializer_range
+    nv = cfg.linear_num_value_heads
+    return GDNParams(
+        w_qkv=ParamInfo((cfg.linear_conv_dim, d), std=std),
+        w_z=ParamInfo((cfg.linear_value_dim, d), std=std),
+        w_b=ParamInfo((nv, d), std=std),
+        w_a=ParamInfo((nv, d), std=std),
+        conv_w=ParamInfo((cfg.linear_conv_dim, cfg.linear_conv_kernel_dim), std=std),
+        dt_bias=ParamInfo((nv,), "ones"),
+        A_log=ParamInfo((nv,), "a_log"),
+        norm_w=ParamInfo((cfg.linear_value_head_dim,), "ones"),
+        w_out=ParamInfo((d, cfg.linear_value_dim), std=std),
+    )
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+# ---- causal depthwise conv ------------------------------------------------------------------------------
+
+
+def causal_conv1d(
+    x: Float[Tensor, "b s ch"],
+    w: Float[Tensor, "ch w"],
+    doc_ids: Int[Tensor, "b s"] | None = None,
+    halo: Float[Tensor, "b w1 ch"] | None = None,
+    halo_doc: Int[Tensor, "b w1"] | None = None,
+) -> Float[Tensor, "b s ch"]:
+    """``y[t] = Σ_j w[:, j] · x[t - K + 1 + j]`` over taps in the same document as ``t`` (no activation).
+
+    ``halo`` holds the ``K - 1`` inputs before this chunk of the sequence (context parallel); zeros otherwise.
+    """
+    b, s, ch = x.shape
+    kw = w.shape[1]
+    if halo is None:
+        halo = x.new_zeros(b, kw - 1, ch)
+    xp = torch.cat([halo, x], dim=1)  # [b, s+K-1, ch]
+    if doc_ids is not None:
+        if halo_doc is None:
+            halo_doc = torch.full((b, kw - 1), -2, dtype=doc_ids.dtype, device=doc_ids.device)
+        dp = torch.cat([halo_doc, doc_ids], dim=1)
+    y = None
+    for j in range(kw):
+        tap = xp[:, j : j + s] * w[:, j]
+        if doc_ids is not None and j < kw - 1:
+            tap = tap * (dp[:, j : j + s] == doc_ids).unsqueeze(-1).to(tap.dtype)
+        y = tap if y is None else y + tap
+    return y
+
+
+def _conv(x: Tensor, w: Tensor, cfg: ModelConfig, info: SeqInfo) -> Tensor:
+    kw = w.shape[1]
+    comm = info.comm
+    local = getattr(comm, "is_local", False)
+    if cfg.causal_conv1d_implementation == "cuda":
+        return _cuda_conv(x, w, info) if local else _unsupported_cp("causal_conv1d_implementation=cuda")
+    if cfg.causal_conv1d_implementation == "npu":
+        return _npu_conv(x, w, info)
+    halo = None if local else comm.prev_tail(x, kw - 1, 1)
+    halo_doc = None if local else comm.prev_tail(info.doc_ids + 2, kw - 1, 1) - 2  # zeros from rank 0 → -2
+    doc_ids = info.doc_ids if (info.packed or not local) else None
+    return causal_conv1d(x, w, doc_ids, halo, halo_doc)
+
+
+def _unsupported_cp(what: str):
+    raise NotImplementedError(f"{what} is not supported with context parallelism; use the torch implementation")
+
+
+def _cuda_conv(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
+    try:
+        from causal_conv1d import causal_conv1d_fn  # type: ignore
+    except ImportError as e:
+        raise ImportError(
+            "causal_conv1d_implementation='cuda' needs the causal-conv1d package (pip install causal-conv1d) "
+            "and a CUDA device; set causal_conv1d_implementation: torch to use the reference path"
+        ) from e
+    if info.packed:
+        raise NotImplementedError(
+            "causal_conv1d_implementation='cuda' is not wired for packed rows; use causal_conv1d_implementation: torch"
+        )
+    return causal_conv1d_fn(x.transpose(1, 2), w, None, activation=None).transpose(1, 2)
+
+
+def _npu_conv(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
+    raise NotImplementedError(
+        "causal_conv1d_implementation='npu' is not available in q38 yet (it needs torch_npu's causal conv kernel); "
+        "use causal_conv1d_implementation: torch"
+    )
+
+
+# ---- the gated delta rule -------------------------------------------------------------------------------
+
+
+def _prep(q, k, v, g, beta):
+    """[b s h c] → fp32 [b h s c] with L2-normalised q/k and q scaled by dk^-0.5 (as FLA / HF)."""
+    q, k, v = (rearrange(t, "b s h c -> b h s c").float() for t in (q, k, v))
+    g, beta = (rearrange(t, "b s h -> b h s").float() for t in (g, beta))
+    q = l2norm(q) * q.shape[-1] ** -0.5
+    k = l2norm(k)
+    return q, k, v, g, beta
+
+
+def gated_delta_rule_recurrent(
+    q: Float[Tensor, "b s h a"],
+    k: Float[Tensor, "b s h a"],
+    v: Float[Tensor, "b s h p"],
+    g: Float[Tensor, "b s h"],
+    beta: Float[Tensor, "b s h"],
+    doc_ids: Int[Tensor, "b s"] | None = None,
+    initial_state: Float[Tensor, "b h a p"] | None = None,
+) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
+    """Token-by-token reference (architecture.md §5.4); the state resets where the document changes."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prep(q, k, v, g, beta)
+    b, h, s, a = k.shape
+    S = torch.zeros(b, h, a, v.shape[-1], dtype=torch.float32, device=v.device)
+    if initial_state is not None:
+        S = initial_state.float()
+    outs = []
+    for t in range(s):
+        if doc_ids is not None and t > 0:
+            keep = (doc_ids[:, t] == doc_ids[:, t - 1]).float()[:, None, None, None]
+            S = S * keep
+        S = S * g[:, :, t].exp()[..., None, None]
+        kv_mem = torch.einsum("bhap,bha->bhp", S, k[:, :, t])
+        delta = (v[:, :, t] - kv_mem) * beta[:, :, t, None]
+        S = S + torch.einsum("bha,bhp->bhap", k[:, :, t], delta)
+        outs.append(torch.einsum("bhap,bha->bhp", S, q[:, :, t]))
+    o = torch.stack(outs, dim=2)
+    return rearrange(o, "b h s p -> b s h p").to(dtype), S
+
+
+def gated_delta_rule_chunked(
+    q: Float[Tensor, "b s h a"],
+    k: Float[Tensor, "b s h a"],
+    v: Float[Tensor, "b s h p"],
+    g: Float[Tensor, "b s h"],
+    beta: Float[Tensor, "b s h"],
+    doc_ids: Int[Tensor, "b s"] | None = None,
+    initial_state: Float[Tensor, "b h a p"] | None = None,
+    chunk_size: int = 64,
+) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
+    """Chunked (WY/UT) gated delta rule in fp32 (architecture.md §5.5), document-masked.
+
+    ``initial_state`` belongs to the document of the first token (``doc_ids[:, 0]``). Returns the outputs and the
+    state after the last token (for the document the row ends in).
+    """
+    dtype = v.dtype
+    q, k, v, g, beta = _prep(q, k, v, g, beta)
+    b, h, s, a = k.shape
+    p = v.shape[-1]
+    C = chunk_size
+    pad = (C - s % C) % C
+    # Zero padding (k = v = β = g = 0) at the tail changes nothing; padded positions stay in the last document.
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    masked = doc_ids is not None
+    if masked:
+        doc = F.pad(doc_ids.float()[:, None], (0, pad), mode="replicate")[:, 0].long()  # [b, s+pad]
+        prev_doc = torch.cat([doc[:, :1], doc[:, :-1]], dim=1)  # the doc the state carries into position t
+    n = (s + pad) // C
+    q, k, v = (rearrange(t, "b h (j u) c -> b h j u c", u=C) for t in (q, k, v))
+    g, beta = (rearrange(t, "b h (j u) -> b h j u", u=C) for t in (g, beta))
+
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    gam = g.cumsum(-1)  # in-chunk cumulative log decay γ
+    causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    if masked:
+        doc_c = rearrange(doc, "b (j u) -> b j u", u=C)
+        same = (doc_c[..., :, None] == doc_c[..., None, :]) & causal  # [b j u u]
+        same = same[:, None]  # broadcast over heads
+        first_doc = rearrange(prev_doc, "b (j u) -> b j u", u=C)[..., 0]  # doc carried into each chunk
+        cont = (doc_c == first_doc[..., None]).float()[:, None]  # [b 1 j u]: token continues the carried doc
+        last_same = (doc_c == doc_c[..., -1:]).float()[:, None]  # [b 1 j u]: same doc as the chunk's last token
+    else:
+        same = causal
+    decay_uu = (gam[..., :, None] - gam[..., None, :]).masked_fill(~same, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * decay_uu
+    u_val = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    w_kc = torch.linalg.solve_triangular(ut, k_beta * gam.exp()[..., None], upper=False, unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay_uu
+    q_dec = q * gam.exp()[..., None]
+    k_dec = k * (gam[..., -1:] - gam).exp()[..., None]
+    chunk_decay = gam[..., -1].exp()  # [b h j]
+    if masked:
+        w_kc, q_dec = w_kc * cont[..., None], q_dec * cont[..., None]
+        k_dec = k_dec * last_same[..., None]
+        chunk_decay = chunk_decay * cont[..., -1]
+
+    S = torch.zeros(b, h, a, p, dtype=torch.float32, device=v.device)
+    if initial_state is not None:
+        S = initial_state.float()
+    outs = []
+    for j in range(n):
+        v_new = u_val[:, :, j] - w_kc[:, :, j] @ S
+        outs.append(q_dec[:, :, j] @ S + intra[:, :, j] @ v_new)
+        S = S * chunk_decay[:, :, j, None, None] + k_dec[:, :, j].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2)
+    o = rearrange(o, "b h j u p -> b (j u) h p")[:, :s]
+    return o.to(dtype), S
+
+
+def _gdn_core(q, k, v, g, beta, cfg: ModelConfig, info: SeqInfo) -> Tensor:
+    comm = info.comm
+    local = getattr(comm, "is_local", False)
+    doc_ids = info.doc_ids if (info.packed or not local) else None
+    impl = cfg.gdn_implementation
+    if impl == "fla":
+        return _fla_gdn(q, k, v, g, beta, info)
+    if impl == "npu":
+        raise NotImplementedError(
+            "gdn_implementation='npu' is not available in q38 yet (it needs MindSpeed's Ascend GDN kernels); "
+            "use gdn_implementation: torch"
+        )
+    if local:
+        return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size=cfg.gdn_chunk_size)[0]
+    # Context parallel: the output and final state are affine in the initial state S0. Running extra value columns
+    # (zero values, identity initial state) gives the response to S0 in the same pass; the comm then composes the
+    # ranks' (final state, transition) pairs into this rank's true S0 (architecture of fla's KCP, exact in fp32).
+    b, s, h, a = q.shape
+    pv = v.shape[-1]
+    v_aug = torch.cat([v, v.new_zeros(b, s, h, a)], dim=-1)
+    eye = torch.eye(a, dtype=torch.float32, device=v.device).expand(b, h, a, a)
+    s0 = torch.cat([torch.zeros(b, h, a, pv, dtype=torch.float32, device=v.device), eye], dim=-1)
+    o_aug, s_aug = gated_delta_rule_chunked(q, k, v_aug, g, beta, doc_ids, s0, chunk_size=cfg.gdn_chunk_size)
+    o_zero, o_resp = o_aug[..., :pv].float(), o_aug[..., pv:].float()  # [b s h p], [b s h a]
+    s_zero, transition = s_aug[..., :pv], s_aug[..., pv:]  # [b h a p], [b h a a]
+    init = comm.gdn_carry(s_zero, transition, info.doc_ids)  # [b h a p]
+    o = o_zero + torch.einsum("bsha,bhap->bshp", o_resp, init)
+    return o.to(v.dtype)
+
+
+def _fla_gdn(q, k, v, g, beta, info: SeqInfo) -> Tensor:
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
+    except ImportError as e:
+        raise ImportError(
+            "gdn_implementation='fla' needs flash-linear-attention (pip install 'q38[cuda]') and a CUDA device; "
+            "set gdn_implementation: torch to use the reference path"
+        ) from e
+    if not getattr(info.comm, "is_local", False):
+        _unsupported_cp("gdn_implementation=fla")
+    cu_seqlens = None
+    if info.packed:
+        # FLA takes packed documents as one batch row with cumulative sequence lengths.
+        b, s = info.doc_ids.shape
+        flat = info.doc_ids + torch.arange(b, device=q.device)[:, None] * (int(info.doc_ids.max()) + 2)
+        flat = flat.reshape(-1)
+        starts = torch.nonzero(torch.cat([flat.new_ones(1, dtype=torch.bool), flat[1:] != flat[:-1]])).flatten()
+        cu_seqlens = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+        q, k, v, g, beta = (t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v, g, beta))
+    o, _ = chunk_gated_delta_rule(
+        q, k, v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens
+    )
+    if info.packed:
+        o = o.reshape(info.doc_ids.shape[0], info.doc_ids.shape[1], *o.shape[2:])
+    return o
+
+
+def gdn_apply(p: GDNParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, info: SeqInfo) -> Float[Tensor, "b s d"]:
+    """Gated DeltaNet token mixer (Qwen3.5 projection layout)."""
+    nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    qkv = F.silu(_conv(F.linear(x, p.w_qkv), p.conv_w, cfg, info))
+    q, k, v = torch.split(qkv, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
+    q = rearrange(q, "b s (g c) -> b s g c", g=nk)
+    k = rearrange(k, "b s (g c) -> b s g c", g=nk)
+    v = rearrange(v, "b s (h c) -> b s h c", h=nv)
+    z = rearrange(F.linear(x, p.w_z), "b s (h c) -> b s h c", h=nv)
+    beta = torch.sigmoid(F.linear(x, p.w_b))
+    g = -p.A_log.float().exp() * F.softplus(F.linear(x, p.w_a).float() + p.dt_bias)  # fp32 log-decay ≤ 0
+    r = nv // nk
+    if r > 1:  # value head i reads key head i // r
+        q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+    o = _gdn_core(q, k, v, g, beta, cfg, info)
+    o = gated_rms_norm(o, z, p.norm_w, cfg.rms_norm_eps)
+    return F.linear(rearrange(o, "b s h c -> b s (h c)"), p.w_out)

@@ -1,0 +1,135 @@
+"""Sparse MoE (architecture.md §6): softmax top-k router with renormalisation, routed SwiGLU experts computed by
+sorting token slots by expert and one grouped (or padded batched) matmul, plus a sigmoid-gated shared expert.
+
+Extra dims: ``m`` = routed slots (n·k) sorted by expert, ``q`` = per-expert capacity in the padded batched path.
+"""
+
+from typing import Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from q38.config import ModelConfig
+from q38.layers.common import ParamInfo
+from q38.pytree import pytree_node
+
+
+@pytree_node
+@attrs.frozen
+class MoEParams:
+    w_router: Tensor  # [e, d]
+    we_gate_up: Tensor  # [e, 2f, d]: rows [0:f] gate, [f:2f] up (the Qwen3.5 fused layout)
+    we_down: Tensor  # [e, d, f]
+    ws_gate: Tensor  # [fs, d] shared expert gate_proj
+    ws_up: Tensor  # [fs, d]
+    ws_down: Tensor  # [d, fs]
+    w_shared_gate: Tensor  # [1, d] sigmoid gate of the shared expert
+
+
+def abstract_moe(cfg: ModelConfig) -> MoEParams:
+    d, e, f, fs, std = (
+        cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size,
+        cfg.initializer_range,
+    )
+    return MoEParams(
+        w_router=ParamInfo((e, d), std=std),
+        we_gate_up=ParamInfo((e, 2 * f, d), std=std),
+        we_down=ParamInfo((e, d, f), std=std),
+        ws_gate=ParamInfo((fs, d), std=std),
+        ws_up=ParamInfo((fs, d), std=std),
+        ws_down=ParamInfo((d, fs), std=std),
+        w_shared_gate=ParamInfo((1, d), std=std),
+    )
+
+
+def route(
+    logits_ne: Float[Tensor, "n e"], top_k: int, normalize: bool
+) -> tuple[Float[Tensor, "n k"], Int[Tensor, "n k"]]:
+    """Softmax over all experts in fp32, top-k, optional renormalisation of the kept weights."""
+    probs = torch.softmax(logits_ne.float(), dim=-1)
+    w_nk, idx_nk = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        w_nk = w_nk / w_nk.sum(-1, keepdim=True)
+    return w_nk.to(logits_ne.dtype), idx_nk
+
+
+def swiglu_grouped(
+    x_md: Float[Tensor, "m d"],
+    counts_e: Int[Tensor, " e"],
+    we_gate_up: Float[Tensor, "e f2 d"],
+    we_down: Float[Tensor, "e d f"],
+    grouped_mm: bool,
+) -> Float[Tensor, "m d"]:
+    """SwiGLU of rows already sorted by expert (``counts_e`` rows for expert 0, then expert 1, ...)."""
+    f = we_down.shape[-1]
+    if grouped_mm:
+        offs = torch.cumsum(counts_e, 0).to(torch.int32)
+        h_mf = F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs)
+        a_mf = F.silu(h_mf[:, :f]) * h_mf[:, f:]
+        return _GradContiguous.apply(F.grouped_mm(a_mf, we_down.transpose(-2, -1), offs=offs))
+    # Padded batched matmul: scatter rows into [e, capacity, d], one bmm per projection.
+    e = counts_e.shape[0]
+    m = x_md.shape[0]
+    if m == 0:
+        return x_md.new_zeros(0, x_md.shape[1])
+    cap = int(counts_e.max())
+    starts = torch.cumsum(counts_e, 0) - counts_e
+    expert_m = torch.repeat_interleave(torch.arange(e, device=x_md.device), counts_e, output_size=m)
+    slot_m = torch.arange(m, device=x_md.device) - starts[expert_m]
+    flat = expert_m * cap + slot_m
+    x_eqd = x_md.new_zeros(e * cap, x_md.shape[1]).index_copy(0, flat, x_md).view(e, cap, -1)
+    h_eqf = torch.bmm(x_eqd, we_gate_up.transpose(-2, -1))
+    a_eqf = F.silu(h_eqf[..., :f]) * h_eqf[..., f:]
+    y_eqd = torch.bmm(a_eqf, we_down.transpose(-2, -1))
+    return y_eqd.reshape(e * cap, -1).index_select(0, flat)
+
+
+class _GradContiguous(torch.autograd.Function):
+    """Identity whose backward makes the incoming gradient contiguous (CPU grouped_mm backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+ExpertFn = Callable[[Tensor, Tensor], Tensor]
+
+
+# How routed slots reach their experts: ``(x_md, expert_m, params, cfg) -> y_md``. ``local_experts`` runs every
+# expert here; expert parallelism (q38.parallel) sends the slots to the ranks that own their experts and back.
+ExpertDispatch = Callable[[Tensor, Tensor, MoEParams, ModelConfig], Tensor]
+
+
+def local_experts(x_md: Tensor, expert_m: Tensor, p: MoEParams, cfg: ModelConfig) -> Tensor:
+    """Every expert is on this device: sort slots by expert, one grouped matmul, unsort."""
+    order = torch.argsort(expert_m, stable=True)
+    counts_e = torch.bincount(expert_m, minlength=cfg.num_experts)
+    y_sorted = swiglu_grouped(x_md[order], counts_e, p.we_gate_up, p.we_down, cfg.use_grouped_expert_matmul)
+    return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+
+
+def moe_apply(
+    p: MoEParams,
+    x: Float[Tensor, "b s d"],
+    cfg: ModelConfig,
+    dispatch: ExpertDispatch | None = None,
+) -> tuple[Float[Tensor, "b s d"], Float[Tensor, "n e"]]:
+    """Routed + shared experts. Returns the output and the raw router logits (for the aux loss)."""
+    b, s, d = x.shape
+    x_nd = x.reshape(-1, d)
+    logits_ne = F.linear(x_nd, p.w_router)
+    w_nk, idx_nk = route(logits_ne, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    k = idx_nk.shape[1]
+    token_m = torch.arange(x_nd.shape[0], device=x.device).repeat_interleave(k)
+    y_md = (dispatch or local_experts)(x_nd[token_m], idx_nk.reshape(-1), p, cfg)
+    routed_nd = torch.zeros_like(x_nd).index_add(0, token_m, y_md * w_nk.reshape(-1, 1))
+    shared_nd = F.linear(F.silu(F.linear(x_nd, p.ws_gate)) * F.linear(x_nd, p.ws_up), p.ws_down)
+    shared_nd = torch.sigmoid(F.linear(x_nd, p.w_shared_gate)) * shared_nd
+    return (routed_nd + shared_nd).reshape(b, s, d), logits_ne

@@ -1,0 +1,225 @@
+"""The composed model: parameter tree, init, forward (hidden states, router logits, MTP hiddens), logits, counts."""
+
+from typing import Any, Callable
+
+import attrs
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from q38.config import ModelConfig
+from q38.layers.block import LayerParams, abstract_layer, layer_apply
+from q38.layers.common import ParamInfo, materialize
+from q38.layers.context import SeqInfo, seq_info
+from q38.layers.moe import ExpertDispatch
+from q38.layers.norm import rms_norm
+from q38.pytree import pytree_node, tree_map_with_path
+
+
+@pytree_node
+@attrs.frozen
+class MTPParams:
+    """Multi-token prediction block (architecture.md §8): shared fc and norms, one decoder layer per depth."""
+
+    norm_emb: Tensor  # [d] pre_fc_norm_embedding
+    norm_hidden: Tensor  # [d] pre_fc_norm_hidden
+    fc: Tensor  # [d, 2d]: columns [0:d] take the embedding, [d:2d] the hidden state
+    layers: list  # list[LayerParams], full attention + MoE, one per depth
+    norm: Tensor  # [d]
+
+
+@pytree_node
+@attrs.frozen
+class ModelParams:
+    embed: Tensor  # [v, d]
+    layers: list  # list[LayerParams]
+    final_norm: Tensor  # [d]
+    lm_head: Tensor | None  # [v, d]; None when tied to the embedding
+    mtp: MTPParams | None
+
+
+@attrs.frozen
+class ModelOutput:
+    """``hidden``: post-final-norm states; ``router_logits``: one ``[n, e]`` per MoE layer (main layers, then MTP
+    depths); ``mtp_hidden``: post-``mtp.norm`` states of each depth (its logits predict token ``t + 1 + depth``)."""
+
+    hidden: Float[Tensor, "b s d"]
+    router_logits: tuple[Tensor, ...]
+    mtp_hidden: tuple[Tensor, ...]
+
+
+@attrs.frozen
+class Runtime:
+    """How the step runs the model; every hook is the identity on one device.
+
+    ``gather``: param subtree → compute form (FSDP all-gather); ``wrap_layer``: wraps each layer call (activation
+    checkpointing / offload); ``dispatch``: EP token dispatch; ``info``: per-token sequence facts (CP-aware).
+    """
+
+    gather: Callable[[Any], Any] = lambda p: p
+    wrap_layer: Callable[..., Any] | None = None
+    dispatch: ExpertDispatch | None = None
+
+
+def abstract_params(cfg: ModelConfig) -> ModelParams:
+    d, v, std = cfg.hidden_size, cfg.vocab_size, cfg.initializer_range
+    mtp = None
+    if cfg.mtp_num_layers > 0:
+        mtp = MTPParams(
+            norm_emb=ParamInfo((d,), "zeros"),
+            norm_hidden=ParamInfo((d,), "zeros"),
+            fc=ParamInfo((d, 2 * d), std=std),
+            layers=[abstract_layer(cfg, "full_attention") for _ in range(cfg.mtp_num_layers)],
+            norm=ParamInfo((d,), "zeros"),
+        )
+    return ModelParams(
+        embed=ParamInfo((v, d), std=std),
+        layers=[abstract_layer(cfg, t) for t in cfg.layer_types],
+        final_norm=ParamInfo((d,), "zeros"),
+        lm_head=None if cfg.tie_word_embeddings else ParamInfo((v, d), std=std),
+        mtp=mtp,
+    )
+
+
+def is_param_info(x: Any) -> bool:
+    return isinstance(x, ParamInfo)
+
+
+def init_params(config: ModelConfig, *, seed: int = 0, device=None, dtype=None) -> ModelParams:
+    """Initialise every parameter; each value depends only on ``seed`` and the parameter's path."""
+    return tree_map_with_path(
+        lambda path, info: materialize(info, path, seed=seed, device=device, dtype=dtype),
+        abstract_params(config),
+        is_leaf=is_param_info,
+    )
+
+
+def head_weight(params: ModelParams) -> Tensor:
+    return params.embed if params.lm_head is None else params.lm_head
+
+
+def shift_tokens(
+    x: Int[Tensor, "b s"], doc_ids: Int[Tensor, "b s"] | None, shift: int, fill: int
+) -> Int[Tensor, "b s"]:
+    """``out[t] = x[t + shift]`` when that position is in the same document as ``t``, else ``fill``."""
+    if shift == 0:
+        return x
+    b, s = x.shape
+    out = torch.full_like(x, fill)
+    if shift >= s:
+        return out
+    src = x[:, shift:]
+    keep = torch.ones_like(src, dtype=torch.bool)
+    if doc_ids is not None:
+        keep = doc_ids[:, shift:] == doc_ids[:, :-shift]
+    out[:, :-shift] = torch.where(keep, src, torch.full_like(src, fill))
+    return out
+
+
+def _run_layer(runtime: Runtime, p, x, cfg, info):
+    fn = lambda p_, x_: layer_apply(runtime.gather(p_), x_, cfg, info, runtime.dispatch)  # noqa: E731
+    if runtime.wrap_layer is not None:
+        return runtime.wrap_layer(fn, p, x)
+    return fn(p, x)
+
+
+def forward(
+    params: ModelParams,
+    input_ids: Int[Tensor, "b s"],
+    config: ModelConfig,
+    *,
+    doc_ids: Int[Tensor, "b s"] | None = None,
+    mtp_input_ids: tuple[Tensor, ...] | None = None,
+    info: SeqInfo | None = None,
+    runtime: Runtime | None = None,
+) -> ModelOutput:
+    """Run the decoder stack and the MTP block.
+
+    ``doc_ids`` marks packed documents (attention, conv and GDN state never cross them; RoPE restarts).
+    ``mtp_input_ids[d-1]`` is the input of depth ``d`` (tokens shifted left by ``d`` within each document); it is
+    derived from ``input_ids`` when not given (context parallel passes it, shifted before the split).
+    """
+    runtime = runtime or Runtime()
+    b, s = input_ids.shape
+    info = info or seq_info(doc_ids, b, s, input_ids.device)
+    embed = runtime.gather(params.embed)
+    x = F.embedding(input_ids, embed)
+    router_logits = []
+    for lp in params.layers:
+        x, rl = _run_layer(runtime, lp, x, config, info)
+        router_logits.append(rl)
+    hidden = rms_norm(x, runtime.gather(params.final_norm), config.rms_norm_eps)
+
+    mtp_hidden = []
+    if params.mtp is not None:
+        mp = params.mtp
+        norm_emb, norm_hidden, fc, norm = runtime.gather((mp.norm_emb, mp.norm_hidden, mp.fc, mp.norm))
+        h_prev = hidden
+        for depth, lp in enumerate(mp.layers, start=1):
+            ids_d = (
+                mtp_input_ids[depth - 1]
+                if mtp_input_ids is not None
+                else shift_tokens(input_ids, info.doc_ids if info.packed else None, depth, fill=0)
+            )
+            e = F.embedding(ids_d, embed)
+            h = F.linear(
+                torch.cat([rms_norm(e, norm_emb, config.rms_norm_eps), rms_norm(h_prev, norm_hidden, config.rms_norm_eps)], -1),
+                fc,
+            )
+            h, rl = _run_layer(runtime, lp, h, config, info)
+            router_logits.append(rl)
+            h_prev = rms_norm(h, norm, config.rms_norm_eps)
+            mtp_hidden.append(h_prev)
+    return ModelOutput(hidden=hidden, router_logits=tuple(router_logits), mtp_hidden=tuple(mtp_hidden))
+
+
+def logits(
+    params: ModelParams,
+    input_ids: Int[Tensor, "b s"],
+    config: ModelConfig,
+    *,
+    doc_ids: Int[Tensor, "b s"] | None = None,
+) -> Float[Tensor, "b s v"]:
+    """Full ``[b, s, v]`` logits of the main head (evaluation and parity; training uses the chunked loss)."""
+    out = forward(params, input_ids, config, doc_ids=doc_ids)
+    return F.linear(out.hidden, head_weight(params))
+
+
+@attrs.frozen
+class ParamCount:
+    total: int
+    active: int
+    mtp_total: int
+    mtp_active: int
+
+    @property
+    def total_with_mtp(self) -> int:
+        return self.total + self.mtp_total
+
+    @property
+    def active_with_mtp(self) -> int:
+        return self.active + self.mtp_active
+
+
+def count_params(config: ModelConfig) -> ParamCount:
+    """Total and per-token active parameter counts from the closed-form formula (architecture.md §12).
+
+    Active counts the embedding, head, all dense parts and ``k`` of ``E`` routed experts per MoE layer.
+    """
+    c = config
+    d, hd = c.hidden_size, c.head_dim
+    p_attn = 2 * c.num_attention_heads * hd * d + 2 * c.num_key_value_heads * hd * d + c.num_attention_heads * hd * d + 2 * hd
+    kd, vd, nv = c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
+    p_gdn = d * (2 * kd + 2 * vd) + 2 * nv * d + (2 * kd + vd) * c.linear_conv_kernel_dim + 2 * nv + c.linear_value_head_dim + vd * d
+    p_exp = 3 * d * c.moe_intermediate_size
+    p_shared = 3 * d * c.shared_expert_intermediate_size + d
+    p_moe = c.num_experts * d + c.num_experts * p_exp + p_shared
+    p_moe_active = c.num_experts * d + c.num_experts_per_tok * p_exp + p_shared
+    emb = c.vocab_size * d * (1 if c.tie_word_embeddings else 2)
+    total = c.num_full_layers * p_attn + c.num_linear_layers * p_gdn + c.num_hidden_layers * (p_moe + 2 * d) + emb + d
+    active = total - c.num_hidden_layers * (p_moe - p_moe_active)
+    n = c.mtp_num_layers
+    mtp_total = (2 * d * d + 3 * d) + n * (p_attn + p_moe + 2 * d) if n else 0
+    mtp_active = mtp_total - n * (p_moe - p_moe_active)
+    return ParamCount(total=total, active=active, mtp_total=mtp_total, mtp_active=mtp_active)

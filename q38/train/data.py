@@ -1,0 +1,582 @@
+"""Data pipeline: tokenizers, JSONL records, ChatML formatting, sequence packing and a deterministic DP loader.
+
+Label convention (Hugging Face style, not pre-shifted): ``labels[b, t]`` is ``input_ids[b, t]`` when the token at
+position ``t`` is a training target and ``-100`` otherwise; the loss shifts later (position ``t`` predicts
+``labels[t + 1]`` when both lie in the same document). ``doc_ids[b, t]`` numbers the documents packed into a row
+``0, 1, 2, ...`` along the row; padding has doc id ``-1``, input id ``pad_id`` and label ``-100``.
+
+Pipeline: ``read_jsonl`` -> ``encode_record`` -> ``pack_documents`` -> ``PackedDataset`` -> ``BatchIterator``;
+``build_dataset`` does the first four steps for a file or a shipped corpus (``"builtin:tiny"``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Protocol, Sequence
+
+import attrs
+import torch
+
+IGNORE_INDEX = -100
+PAD_DOC_ID = -1
+CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
+BUILTIN_PREFIX = "builtin:"
+OVERLONG_MODES = ("truncate", "error", "split")
+CHAT_ROLES = ("system", "user", "assistant")
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+
+class DataError(ValueError):
+    """Bad data, tokenizer or loader settings; the message names the file/line or setting and the fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+class Tokenizer(Protocol):
+    """What the pipeline needs from a tokenizer (``ByteTokenizer`` and ``HFTokenizer`` both provide it)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_id(self) -> int: ...
+    @property
+    def pad_id(self) -> int: ...
+    @property
+    def bos_id(self) -> int | None: ...
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def token_to_id(self, token: str) -> int | None: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes (ids 0..255) plus five special tokens. ``encode`` never produces specials from text."""
+
+    SPECIAL_TOKENS = ("<|pad|>", "<|bos|>", "<|eos|>", IM_START, IM_END)
+
+    def __init__(self) -> None:
+        self._special_to_id = {tok: 256 + i for i, tok in enumerate(self.SPECIAL_TOKENS)}
+        self._id_to_special = {i: tok for tok, i in self._special_to_id.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.SPECIAL_TOKENS)
+
+    @property
+    def pad_id(self) -> int:
+        return 256
+
+    @property
+    def bos_id(self) -> int:
+        return 257
+
+    @property
+    def eos_id(self) -> int:
+        return 258
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._special_to_id.get(token)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        parts: list[str] = []
+        buf = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < 256:
+                buf.append(i)
+                continue
+            if buf:
+                parts.append(buf.decode("utf-8", errors="replace"))
+                buf.clear()
+            # Ids past the specials (the model vocab may be padded beyond 261) render as U+FFFD.
+            parts.append(self._id_to_special.get(i, "\ufffd"))
+        if buf:
+            parts.append(buf.decode("utf-8", errors="replace"))
+        return "".join(parts)
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end_of_text|>")
+
+
+def _token_content(value: Any) -> str | None:
+    """``tokenizer_config.json`` stores special tokens either as a string or as an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (via the ``tokenizers`` library) read from a local directory.
+
+    eos/pad/bos come from ``tokenizer_config.json`` when present; otherwise eos falls back to a common end token
+    (``<|endoftext|>``, ``</s>``, ...) and pad falls back to eos (pad positions are never targets).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        from tokenizers import Tokenizer as _HFTok
+
+        self.path = Path(path)
+        file = self.path / "tokenizer.json" if self.path.is_dir() else self.path
+        if not file.is_file():
+            raise DataError(f"tokenizer: {file} not found; expected a directory containing tokenizer.json")
+        try:
+            self._tok = _HFTok.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises plain Exceptions
+            raise DataError(f"tokenizer: cannot load {file}: {e}") from e
+        config: dict[str, Any] = {}
+        config_file = file.parent / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as e:
+                raise DataError(f"tokenizer: cannot parse {config_file}: {e}") from e
+            if not isinstance(config, dict):
+                raise DataError(f"tokenizer: {config_file} must contain a JSON object")
+        self.eos_token = self._resolve(config, "eos_token", _EOS_CANDIDATES)
+        self.pad_token = self._resolve(config, "pad_token", ()) or self.eos_token
+        self.bos_token = self._resolve(config, "bos_token", ())
+
+    def _resolve(self, config: Mapping[str, Any], key: str, fallbacks: Sequence[str]) -> str | None:
+        name = _token_content(config.get(key))
+        if name is not None:
+            if self._tok.token_to_id(name) is None:
+                raise DataError(
+                    f"tokenizer: {key} {name!r} from {self.path / 'tokenizer_config.json'} is not in the vocabulary "
+                    f"of {self.path / 'tokenizer.json'}"
+                )
+            return name
+        for cand in fallbacks:
+            if self._tok.token_to_id(cand) is not None:
+                return cand
+        return None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_id(self) -> int:
+        if self.eos_token is None:
+            raise DataError(
+                f"tokenizer {self.path}: no end-of-sequence token; set eos_token in tokenizer_config.json "
+                f"(plain-text records end with eos)"
+            )
+        return self._tok.token_to_id(self.eos_token)
+
+    @property
+    def pad_id(self) -> int:
+        return self._tok.token_to_id(self.pad_token) if self.pad_token is not None else 0
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._tok.token_to_id(self.bos_token) if self.bos_token is not None else None
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r})"
+
+
+def load_tokenizer(spec: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
+    """``"byte"`` -> ``ByteTokenizer``; a directory holding ``tokenizer.json`` -> ``HFTokenizer``."""
+    if isinstance(spec, str) and spec == "byte":
+        return ByteTokenizer()
+    path = Path(spec)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return HFTokenizer(path)
+    if path.is_file() and path.name == "tokenizer.json":
+        return HFTokenizer(path.parent)
+    what = "is a directory without tokenizer.json" if path.is_dir() else "does not exist"
+    raise DataError(
+        f"tokenizer: {str(spec)!r} {what}; expected \"byte\" (the built-in byte tokenizer) or a directory "
+        f"containing tokenizer.json (e.g. a Hugging Face model directory)"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Records -> (input_ids, labels)
+
+
+def _special_id(tokenizer: Tokenizer, token: str) -> int:
+    i = tokenizer.token_to_id(token)
+    if i is None:
+        raise DataError(
+            f"tokenizer {tokenizer!r} has no {token} token; chat (\"messages\") records need {IM_START} and "
+            f"{IM_END} in the vocabulary (use a ChatML tokenizer, or plain \"text\" records)"
+        )
+    return i
+
+
+def encode_text(text: str, tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """Plain text: every token is a target, followed by eos (also a target)."""
+    ids = tokenizer.encode(text) + [tokenizer.eos_id]
+    return ids, list(ids)
+
+
+def encode_chat(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message; targets are the assistant contents and
+    their ``<|im_end|>``; everything else is labelled -100."""
+    im_start, im_end = _special_id(tokenizer, IM_START), _special_id(tokenizer, IM_END)
+    newline = tokenizer.encode("\n")
+    ids: list[int] = []
+    labels: list[int] = []
+    for m in messages:
+        head = [im_start] + tokenizer.encode(m["role"] + "\n")
+        body = tokenizer.encode(m["content"]) + [im_end]
+        ids += head + body + newline
+        labels += [IGNORE_INDEX] * len(head)
+        labels += list(body) if m["role"] == "assistant" else [IGNORE_INDEX] * len(body)
+        labels += [IGNORE_INDEX] * len(newline)
+    return ids, labels
+
+
+def render_chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer, *,
+                       add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of a ChatML conversation, ending with ``<|im_start|>assistant\\n`` for sampling."""
+    ids, _ = encode_chat(messages, tokenizer)
+    if add_generation_prompt:
+        ids += [_special_id(tokenizer, IM_START)] + tokenizer.encode("assistant\n")
+    return ids
+
+
+def encode_record(record: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """A validated record (``{"text": ...}`` or ``{"messages": [...]}``) -> ``(input_ids, labels)``."""
+    if "messages" in record:
+        return encode_chat(record["messages"], tokenizer)
+    return encode_text(record["text"], tokenizer)
+
+
+def validate_record(record: Any, where: str) -> None:
+    """Raise ``DataError`` (prefixed with ``where``, e.g. ``file:line``) unless ``record`` is a text or chat record."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object with a \"text\" or \"messages\" key, got "
+                        f"{type(record).__name__}")
+    has_text, has_msgs = "text" in record, "messages" in record
+    if has_text and has_msgs:
+        raise DataError(f"{where}: record has both \"text\" and \"messages\"; use one of them")
+    if not has_text and not has_msgs:
+        keys = ", ".join(repr(k) for k in record) or "none"
+        raise DataError(
+            f"{where}: record is neither plain text nor chat (keys: {keys}); expected {{\"text\": str}} or "
+            f"{{\"messages\": [{{\"role\": \"system\"|\"user\"|\"assistant\", \"content\": str}}, ...]}}"
+        )
+    if has_text:
+        if not isinstance(record["text"], str):
+            raise DataError(f"{where}: \"text\" must be a string, got {type(record['text']).__name__}")
+        return
+    msgs = record["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise DataError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: messages[{j}] must be an object with \"role\" and \"content\" keys")
+        if m["role"] not in CHAT_ROLES:
+            raise DataError(f"{where}: messages[{j}].role is {m['role']!r}; expected one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(m["content"], str):
+            raise DataError(f"{where}: messages[{j}].content must be a string, got {type(m['content']).__name__}")
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
+    """Validated records of a JSONL file (blank lines skipped). Errors name ``file:line``; a file without records
+    raises once iteration reaches its end. A missing file raises immediately."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data: {path} not found (or not a file); expected a JSONL file of {{\"text\": ...}} or "
+                        f"{{\"messages\": [...]}} records, or \"builtin:tiny\"")
+    return (record for _, record in _iter_jsonl(path))
+
+
+def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
+    """``(line number, record)`` pairs of an existing JSONL file."""
+    n = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not valid UTF-8 ({e})") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); each line must be one "
+                                f"JSON object") from None
+            validate_record(record, where)
+            n += 1
+            yield lineno, record
+    if n == 0:
+        raise DataError(f"data: {path} contains no records; expected one JSON object per line")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packing
+
+
+@attrs.frozen
+class PackedRow:
+    input_ids: list[int]
+    labels: list[int]
+    doc_ids: list[int]
+
+
+def pack_documents(docs: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, *, pad_id: int,
+                   overlong: str = "truncate", sources: Sequence[str] | None = None) -> list[PackedRow]:
+    """Greedy in-order packing of ``(input_ids, labels)`` documents into rows of ``seq_len``.
+
+    A document goes into the current row if it fits, else it starts a new row; a document never straddles rows
+    except under ``overlong="split"``. Overlong documents (> seq_len): ``"truncate"`` keeps the first seq_len
+    tokens, ``"error"`` raises, ``"split"`` cuts them into seq_len pieces, each its own document. Empty documents
+    are dropped. ``sources[i]`` (e.g. ``file:line``) is quoted in errors about document ``i``.
+    """
+    if not isinstance(seq_len, int) or seq_len < 1:
+        raise DataError(f"seq_len must be a positive integer, got {seq_len!r}")
+    if overlong not in OVERLONG_MODES:
+        raise DataError(f"overlong is {overlong!r}; expected one of {', '.join(OVERLONG_MODES)}")
+    rows: list[PackedRow] = []
+    cur_ids: list[int] = []
+    cur_labels: list[int] = []
+    cur_docs: list[int] = []
+
+    def flush() -> None:
+        if not cur_ids:
+            return
+        pad = seq_len - len(cur_ids)
+        rows.append(PackedRow(cur_ids + [pad_id] * pad, cur_labels + [IGNORE_INDEX] * pad,
+                              cur_docs + [PAD_DOC_ID] * pad))
+        cur_ids.clear(), cur_labels.clear(), cur_docs.clear()
+
+    for i, (ids, labels) in enumerate(docs):
+        ids, labels = list(ids), list(labels)
+        if len(ids) != len(labels):
+            raise DataError(f"sample {i}: input_ids has {len(ids)} tokens but labels has {len(labels)}")
+        if not ids:
+            continue
+        pieces = [(ids, labels)]
+        if len(ids) > seq_len:
+            if overlong == "error":
+                src = f" ({sources[i]})" if sources is not None else ""
+                raise DataError(
+                    f"sample {i}{src} has {len(ids)} tokens, longer than seq_len {seq_len}; set `overlong: truncate` "
+                    f"or `overlong: split`, raise seq_len, or shorten the sample"
+                )
+            if overlong == "truncate":
+                pieces = [(ids[:seq_len], labels[:seq_len])]
+            else:
+                pieces = [(ids[k:k + seq_len], labels[k:k + seq_len]) for k in range(0, len(ids), seq_len)]
+        for p_ids, p_labels in pieces:
+            if len(cur_ids) + len(p_ids) > seq_len:
+                flush()
+            doc = cur_docs[-1] + 1 if cur_docs else 0
+            cur_ids += p_ids
+            cur_labels += p_labels
+            cur_docs += [doc] * len(p_ids)
+    flush()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dataset and loader
+
+
+class PackedDataset:
+    """Packed rows held as three int64 tensors ``[num_rows, seq_len]``."""
+
+    def __init__(self, rows: Sequence[PackedRow | Mapping[str, Sequence[int]]]) -> None:
+        if not rows:
+            raise DataError("PackedDataset: no rows (the data produced no tokens)")
+        def field(r: Any, k: str) -> Sequence[int]:
+            return r[k] if isinstance(r, Mapping) else getattr(r, k)
+        self.input_ids = torch.tensor([list(field(r, "input_ids")) for r in rows], dtype=torch.int64)
+        self.labels = torch.tensor([list(field(r, "labels")) for r in rows], dtype=torch.int64)
+        self.doc_ids = torch.tensor([list(field(r, "doc_ids")) for r in rows], dtype=torch.int64)
+        if not (self.input_ids.shape == self.labels.shape == self.doc_ids.shape):
+            raise DataError("PackedDataset: input_ids, labels and doc_ids rows must all have the same length")
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def num_tokens(self) -> int:
+        """Non-padding tokens."""
+        return int((self.doc_ids >= 0).sum())
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def __getitem__(self, idx: int | torch.Tensor | Sequence[int]) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.input_ids[idx], "labels": self.labels[idx], "doc_ids": self.doc_ids[idx]}
+
+
+class BatchIterator:
+    """Infinite, deterministic iterator of this DP rank's batches ``{input_ids, labels, doc_ids}: [batch_size,
+    seq_len]`` int64.
+
+    Epoch ``e`` visits the rows in ``torch.randperm(n, generator=Generator().manual_seed(seed + e))`` order (or in
+    order without ``shuffle``), cut into global batches of ``batch_size * dp_size`` rows (the remainder is dropped);
+    rank ``r`` takes rows ``[r * batch_size, (r + 1) * batch_size)`` of each global batch. ``state_dict()`` is
+    ``{"epoch", "index"}`` (``index`` = global batches already consumed in ``epoch``); ``load_state_dict`` resumes
+    exactly where an uninterrupted iterator would be.
+    """
+
+    def __init__(self, dataset: PackedDataset, batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
+                 seed: int = 0, shuffle: bool = True) -> None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise DataError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if not isinstance(dp_size, int) or dp_size < 1:
+            raise DataError(f"dp_size must be a positive integer, got {dp_size!r}")
+        if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+            raise DataError(f"dp_rank must be in [0, {dp_size}), got {dp_rank!r}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.global_batch_size = batch_size * dp_size
+        n = len(dataset)
+        if n < self.global_batch_size:
+            raise DataError(
+                f"the dataset has {n} packed rows of seq_len {dataset.seq_len} but one global batch needs "
+                f"{self.global_batch_size} (batch_size {batch_size} x dp_size {dp_size}); reduce batch_size or "
+                f"seq_len, or add data"
+            )
+        self.steps_per_epoch = n // self.global_batch_size
+        self.epoch = 0
+        self.index = 0
+        self._perm_epoch: int | None = None
+        self._perm: torch.Tensor | None = None
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if self._perm_epoch != epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                self._perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch))
+            else:
+                self._perm = torch.arange(n)
+            self._perm_epoch = epoch
+        assert self._perm is not None
+        return self._perm
+
+    def global_rows(self, step: int) -> torch.Tensor:
+        """Dataset row indices of global batch number ``step`` (counted from the start of epoch 0)."""
+        epoch, index = divmod(int(step), self.steps_per_epoch)
+        start = index * self.global_batch_size
+        return self._permutation(epoch)[start:start + self.global_batch_size]
+
+    def global_batch(self, step: int) -> dict[str, torch.Tensor]:
+        """The whole global batch (all ranks) of ``step``: ``[batch_size * dp_size, seq_len]``."""
+        return self.dataset[self.global_rows(step)]
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        """This rank's share of global batch ``step``."""
+        rows = self.global_rows(step)[self.dp_rank * self.batch_size:(self.dp_rank + 1) * self.batch_size]
+        return self.dataset[rows]
+
+    @property
+    def step(self) -> int:
+        """Global batches consumed so far."""
+        return self.epoch * self.steps_per_epoch + self.index
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        out = self.batch(self.step)
+        self.index += 1
+        if self.index == self.steps_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        missing = [k for k in ("epoch", "index") if k not in state]
+        if missing:
+            raise DataError(f"data iterator state lacks {', '.join(missing)}; expected {{\"epoch\", \"index\"}}")
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < self.steps_per_epoch:
+            raise DataError(
+                f"data iterator state epoch={epoch} index={index} does not fit this dataset ({self.steps_per_epoch} "
+                f"global batches per epoch); was the data, seq_len or global batch size changed since the checkpoint?"
+            )
+        self.epoch, self.index = epoch, index
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def builtin_corpora() -> list[str]:
+    return sorted(f"{BUILTIN_PREFIX}{p.stem}" for p in CORPUS_DIR.glob("*.jsonl"))
+
+
+def resolve_data_path(path_or_builtin: str | os.PathLike) -> Path:
+    """``"builtin:NAME"`` -> the shipped ``corpus/NAME.jsonl``; anything else is a path."""
+    spec = os.fspath(path_or_builtin)
+    if spec.startswith(BUILTIN_PREFIX):
+        path = CORPUS_DIR / f"{spec[len(BUILTIN_PREFIX):]}.jsonl"
+        if not path.is_file():
+            raise DataError(f"data: unknown built-in corpus {spec!r}; available: {', '.join(builtin_corpora())}")
+        return path
+    return Path(spec)
+
+
+def load_documents(path_or_builtin: str | os.PathLike, tokenizer: Tokenizer
+                   ) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
+    """Tokenized ``(input_ids, labels)`` per record, and the ``file:line`` of each."""
+    path = resolve_data_path(path_or_builtin)
+    read_jsonl(path)  # raises DataError for a missing file
+    docs: list[tuple[list[int], list[int]]] = []
+    sources: list[str] = []
+    for lineno, record in _iter_jsonl(path):
+        try:
+            docs.append(encode_record(record, tokenizer))
+        except DataError as e:
+            raise DataError(f"{path}:{lineno}: {e}") from None
+        sources.append(f"{path}:{lineno}")
+    return docs, sources
+
+
+def build_dataset(path_or_builtin: str | os.PathLike, tokenizer: Tokenizer, seq_len: int, *,
+                  overlong: str = "truncate") -> PackedDataset:
+    """A JSONL file (or ``"builtin:tiny"``) -> tokenized, packed ``PackedDataset`` of rows of ``seq_len``."""
+    if overlong not in OVERLONG_MODES:
+        raise DataError(f"overlong is {overlong!r}; expected one of {', '.join(OVERLONG_MODES)}")
+    docs, sources = load_documents(path_or_builtin, tokenizer)
+    rows = pack_documents(docs, seq_len, pad_id=tokenizer.pad_id, overlong=overlong, sources=sources)
+    return PackedDataset(rows)
+
+
+__all__ = [
+    "IGNORE_INDEX", "PAD_DOC_ID", "DataError", "Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer",
+    "encode_text", "encode_chat", "encode_record", "render_chat_prompt", "validate_record", "read_jsonl",
+    "PackedRow", "pack_documents", "PackedDataset", "BatchIterator", "builtin_corpora", "resolve_data_path",
+    "load_documents", "build_dataset",
+]
