@@ -1,0 +1,192 @@
+"""Layer-level numerics and invariances against naive references (fp32)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import q38
+from q38.layers.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
+from q38.layers.moe import MoEParams, moe_apply
+from q38.layers.norm import rms_norm
+from q38.model import init_params
+
+TOL = 1e-5  # fp32 tolerance for reference comparisons
+
+
+def _gdn_inputs(gen, b=2, s=150, h=3, a=8, p=6):
+    q = torch.randn(b, s, h, a, generator=gen)
+    k = torch.randn(b, s, h, a, generator=gen)
+    v = torch.randn(b, s, h, p, generator=gen)
+    g = -F.softplus(torch.randn(b, s, h, generator=gen))  # log-decay ≤ 0
+    beta = torch.rand(b, s, h, generator=gen)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("s", [1, 37, 64, 150])
+def test_gdn_chunked_matches_recurrent(gen, s):
+    q, k, v, g, beta = _gdn_inputs(gen, s=s)
+    o_c, s_c = gated_delta_rule_chunked(q, k, v, g, beta)
+    o_r, s_r = gated_delta_rule_recurrent(q, k, v, g, beta)
+    assert (o_c - o_r).abs().max() <= TOL
+    assert (s_c - s_r).abs().max() <= TOL
+
+
+def test_gdn_chunked_matches_recurrent_with_documents_and_initial_state(gen):
+    q, k, v, g, beta = _gdn_inputs(gen, s=150)
+    doc = torch.tensor([[0] * 20 + [1] * 90 + [2] * 40, [0] * 64 + [1] * 64 + [2] * 22])
+    init = torch.randn(2, 3, 8, 6, generator=gen)
+    o_c, s_c = gated_delta_rule_chunked(q, k, v, g, beta, doc, init, chunk_size=16)
+    o_r, s_r = gated_delta_rule_recurrent(q, k, v, g, beta, doc, init)
+    assert (o_c - o_r).abs().max() <= TOL
+    assert (s_c - s_r).abs().max() <= TOL
+
+
+def test_gdn_documents_do_not_leak(gen):
+    q, k, v, g, beta = _gdn_inputs(gen, b=1, s=100)
+    doc = torch.tensor([[0] * 45 + [1] * 55])
+    o, _ = gated_delta_rule_chunked(q, k, v, g, beta, doc)
+    o2, _ = gated_delta_rule_chunked(*(t[:, 45:] for t in (q, k, v, g, beta)))
+    assert (o[:, 45:] - o2).abs().max() <= TOL
+
+
+def test_causal_conv_matches_conv1d_and_respects_documents(gen):
+    x = torch.randn(2, 30, 5, generator=gen)
+    w = torch.randn(5, 4, generator=gen)
+    ref = F.conv1d(x.transpose(1, 2), w[:, None], padding=3, groups=5)[..., :30].transpose(1, 2)
+    assert (causal_conv1d(x, w) - ref).abs().max() <= TOL
+    doc = torch.tensor([[0] * 10 + [1] * 20] * 2)
+    y = causal_conv1d(x, w, doc)
+    ref2 = F.conv1d(x[:, 10:].transpose(1, 2), w[:, None], padding=3, groups=5)[..., :20].transpose(1, 2)
+    assert (y[:, 10:] - ref2).abs().max() <= TOL
+
+
+def test_rms_norm_zero_centred(gen):
+    x = torch.randn(4, 8, generator=gen)
+    w = torch.randn(8, generator=gen)
+    ref = x / torch.sqrt((x**2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+    assert (rms_norm(x, w, 1e-6) - ref).abs().max() <= TOL
+
+
+def _moe_cfg(**kw):
+    base = dict(hidden_size=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8,
+                shared_expert_intermediate_size=8, num_hidden_layers=1, layer_types=["full_attention"],
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=32)
+    base.update(kw)
+    return q38.ModelConfig(**base)
+
+
+def _naive_moe(p: MoEParams, x, cfg):
+    """Loop-over-tokens reference of the MoE block."""
+    out = torch.zeros_like(x)
+    f = cfg.moe_intermediate_size
+    for n in range(x.shape[0]):
+        probs = torch.softmax(p.w_router @ x[n], -1)
+        w, idx = torch.topk(probs, cfg.num_experts_per_tok)
+        if cfg.norm_topk_prob:
+            w = w / w.sum()
+        for wj, e in zip(w, idx):
+            gu = p.we_gate_up[e] @ x[n]
+            out[n] += wj * (p.we_down[e] @ (F.silu(gu[:f]) * gu[f:]))
+        sh = p.ws_down @ (F.silu(p.ws_gate @ x[n]) * (p.ws_up @ x[n]))
+        out[n] += torch.sigmoid(p.w_shared_gate @ x[n])[0] * sh
+    return out
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("top_k", [1, 2, 6])
+def test_moe_matches_naive_and_is_permutation_invariant(gen, grouped, top_k):
+    cfg = _moe_cfg(use_grouped_expert_matmul=grouped, num_experts_per_tok=top_k, initializer_range=0.3)
+    p = init_params(cfg, seed=1).layers[0].moe
+    x = torch.randn(1, 23, 16, generator=gen)
+    y, logits = moe_apply(p, x, cfg)
+    assert logits.shape == (23, 6)
+    assert (y[0] - _naive_moe(p, x[0], cfg)).abs().max() <= TOL
+    perm = torch.randperm(23, generator=gen)
+    y_perm, _ = moe_apply(p, x[:, perm], cfg)
+    assert (y_perm - y[:, perm]).abs().max() <= TOL
+
+
+def test_moe_grads_grouped_vs_batched(gen):
+    x = torch.randn(1, 19, 16, generator=gen)
+    grads = []
+    for grouped in (False, True):
+        cfg = _moe_cfg(use_grouped_expert_matmul=grouped, initializer_range=0.3)
+        p = init_params(cfg, seed=1).layers[0].moe
+        leaves = [p.we_gate_up.requires_grad_(), p.we_down.requires_grad_(), p.w_router.requires_grad_()]
+        y, _ = moe_apply(p, x, cfg)
+        grads.append(torch.autograd.grad((y * torch.linspace(-1, 1, 16)).sum(), leaves))
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= TOL
+
+
+def test_model_appending_tokens_never_changes_earlier_outputs(tiny_cfg, gen):
+    cfg = tiny_cfg.replace(initializer_range=0.1)
+    p = init_params(cfg, seed=3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 90), generator=gen)
+    full = q38.forward(p, ids, cfg)
+    prefix = q38.forward(p, ids[:, :61], cfg)
+    assert (full.hidden[:, :61] - prefix.hidden).abs().max() <= TOL
+    # MTP depth d at position t sees token t+d: the prefix run stays equal where t + d < 61.
+    assert (full.mtp_hidden[0][:, :60] - prefix.mtp_hidden[0][:, :60]).abs().max() <= TOL
+
+
+def test_packed_row_equals_documents_run_one_by_one(tiny_cfg, gen):
+    cfg = tiny_cfg.replace(initializer_range=0.1, mtp_num_layers=2)
+    p = init_params(cfg, seed=4)
+    lens = [23, 70, 7]
+    ids = torch.randint(0, cfg.vocab_size, (1, sum(lens)), generator=gen)
+    doc = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])[None]
+    packed = q38.forward(p, ids, cfg, doc_ids=doc)
+    packed_logits = q38.logits(p, ids, cfg, doc_ids=doc)
+    start = 0
+    for n in lens:
+        sep = q38.forward(p, ids[:, start : start + n], cfg)
+        assert (packed.hidden[:, start : start + n] - sep.hidden).abs().max() <= TOL
+        for d in range(2):
+            assert (packed.mtp_hidden[d][:, start : start + n] - sep.mtp_hidden[d]).abs().max() <= TOL
+        sep_logits = q38.logits(p, ids[:, start : start + n], cfg)
+        assert (packed_logits[:, start : start + n] - sep_logits).abs().max() <= 1e-4
+        start += n
+
+
+def test_wrong_shape_raises_shape_error(tiny_cfg):
+    from jaxtyping import TypeCheckError
+
+    from q38.layers.attention import attention_apply
+    from q38.layers.context import seq_info
+
+    p = init_params(tiny_cfg, seed=0)
+    x = torch.randn(1, 5, tiny_cfg.hidden_size)
+    with pytest.raises(TypeCheckError):
+        rms_norm(x, torch.zeros(tiny_cfg.hidden_size + 1), 1e-6)  # weight width ≠ channel width
+    with pytest.raises(TypeCheckError):
+        attention_apply(p.layers[3].mixer, x[0], tiny_cfg, seq_info(None, 1, 5, "cpu"))  # missing batch dim
+
+
+def test_param_counts_2_4t_formula_and_meta_init():
+    cfg = q38.ModelConfig.preset("qwen3_8_2_4t")
+    c = q38.count_params(cfg)
+    assert abs(c.total / 2.42e12 - 1) < 0.01
+    assert abs(c.active / 97.6e9 - 1) < 0.01
+    params = init_params(cfg, device="meta")
+    from q38.pytree import named_leaves
+
+    leaves = named_leaves(params)
+    assert all(t.device.type == "meta" for _, t in leaves)
+    meta_total = sum(t.numel() for name, t in leaves if not name.startswith("mtp."))
+    assert meta_total == c.total
+    mtp_total = sum(t.numel() for name, t in leaves if name.startswith("mtp."))
+    assert mtp_total == c.mtp_total
+    # Active by enumeration: every leaf but the (e - k)/e share of routed expert weights.
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    active = sum(t.numel() * (k / e if ".we_" in name else 1) for name, t in leaves if not name.startswith("mtp."))
+    assert active == pytest.approx(c.active, rel=1e-12)
+
+
+def test_init_depends_only_on_seed_and_path(tiny_cfg):
+    a = init_params(tiny_cfg, seed=7)
+    b = init_params(tiny_cfg.replace(num_hidden_layers=8, layer_types=None), seed=7)
+    assert torch.equal(a.layers[2].moe.we_down, b.layers[2].moe.we_down)
+    assert torch.equal(a.embed, b.embed)
+    c = init_params(tiny_cfg, seed=8)
+    assert not torch.equal(a.embed, c.embed)
