@@ -331,8 +331,13 @@ class ModelConfig:
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
         if isinstance(eos, list):
             eos = eos[0] if eos else None
+        # save_hf records the q38 family (e.g. qwen3_8_moe saved as qwen3_5_moe_text); keep it if the layouts agree.
+        model_type = top_type
+        q38_type = raw.get("q38_model_type")
+        if q38_type in MODEL_FAMILIES and MODEL_FAMILIES[q38_type].checkpoint_layout == model_family(top_type).checkpoint_layout:
+            model_type = q38_type
         kw = dict(
-            model_type=top_type if top_type != "qwen3_5_moe_text" else "qwen3_5_moe_text",
+            model_type=model_type,
             vocab_size=text["vocab_size"],
             hidden_size=text["hidden_size"],
             num_hidden_layers=num_layers,

@@ -11,7 +11,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from q38.config import ModelConfig
-from q38.layers.common import ParamInfo
+from q38.layers.common import ParamInfo, kernel_region
 from q38.layers.context import SeqInfo
 from q38.layers.norm import rms_norm
 from q38.layers.rope import apply_rope, rope_cos_sin
@@ -72,16 +72,20 @@ def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, 
     q_bhsc = rearrange(q_bshc, "b s h c -> b h s c")
     k_bhtc = rearrange(k_btgc, "b t g c -> b g t c").repeat_interleave(h // g, dim=1)
     v_bhtc = rearrange(v_btgc, "b t g c -> b g t c").repeat_interleave(h // g, dim=1)
+    with kernel_region("attention"):
+        o_bhsc = _attend(q_bhsc, k_bhtc, v_bhtc, mask, cfg, c)
+    o_bsd = rearrange(o_bhsc, "b h s c -> b s (h c)") * torch.sigmoid(rearrange(gate_bshc, "b s h c -> b s (h c)"))
+    return F.linear(o_bsd, p.w_o)
+
+
+def _attend(q_bhsc: Tensor, k_bhtc: Tensor, v_bhtc: Tensor, mask: Tensor | None, cfg: ModelConfig, c: int) -> Tensor:
     if cfg.attention_implementation == "eager":
         scores = torch.einsum("bhsc,bhtc->bhst", q_bhsc.float(), k_bhtc.float()) * c**-0.5
         if mask is None:
             s, t = scores.shape[-2:]
-            mask = torch.ones(s, t, dtype=torch.bool, device=x.device).tril()[None, None]
+            mask = torch.ones(s, t, dtype=torch.bool, device=q_bhsc.device).tril()[None, None]
         scores = scores.masked_fill(~mask, float("-inf"))
-        o_bhsc = torch.einsum("bhst,bhtc->bhsc", scores.softmax(-1), v_bhtc.float()).to(x.dtype)
-    elif mask is None:
-        o_bhsc = F.scaled_dot_product_attention(q_bhsc, k_bhtc, v_bhtc, is_causal=True, scale=c**-0.5)
-    else:
-        o_bhsc = F.scaled_dot_product_attention(q_bhsc, k_bhtc, v_bhtc, attn_mask=mask, scale=c**-0.5)
-    o_bsd = rearrange(o_bhsc, "b h s c -> b s (h c)") * torch.sigmoid(rearrange(gate_bshc, "b s h c -> b s (h c)"))
-    return F.linear(o_bsd, p.w_o)
+        return torch.einsum("bhst,bhtc->bhsc", scores.softmax(-1), v_bhtc.float()).to(q_bhsc.dtype)
+    if mask is None:
+        return F.scaled_dot_product_attention(q_bhsc, k_bhtc, v_bhtc, is_causal=True, scale=c**-0.5)
+    return F.scaled_dot_product_attention(q_bhsc, k_bhtc, v_bhtc, attn_mask=mask, scale=c**-0.5)

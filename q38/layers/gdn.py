@@ -15,7 +15,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from q38.config import ModelConfig
-from q38.layers.common import ParamInfo
+from q38.layers.common import ParamInfo, kernel_region
 from q38.layers.context import SeqInfo
 from q38.layers.norm import gated_rms_norm
 from q38.pytree import pytree_node
@@ -310,6 +310,7 @@ def gdn_apply(p: GDNParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, info: S
     r = nv // nk
     if r > 1:  # value head i reads key head i // r
         q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
-    o = _gdn_core(q, k, v, g, beta, cfg, info)
+    with kernel_region("gdn"):
+        o = _gdn_core(q, k, v, g, beta, cfg, info)
     o = gated_rms_norm(o, z, p.norm_w, cfg.rms_norm_eps)
     return F.linear(rearrange(o, "b s h c -> b s (h c)"), p.w_out)

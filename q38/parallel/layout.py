@@ -1,0 +1,561 @@
+"""Parallel layouts: the spec tables of ``specs/parallel/*.yaml`` read, validated and turned into placements.
+
+A layout maps every parameter to DTensor placements in two steps (STYLE.md C9/C10):
+
+1. ``params``: parameter path pattern (``fnmatch`` glob on the dotted path) → one *logical axis* per tensor dim;
+2. ``rules``: logical axis → mesh dims (major → minor) or ``null`` (replicated).
+
+The result per parameter is a JAX-style, tensor-dim-indexed spec (``mesh_axes_per_dim``: one tuple of mesh dim
+names per tensor dim), converted to DTensor's mesh-dim-indexed placements in one place
+(:meth:`ParamPlacement.dtensor_placements`). ``compute`` names the mesh dims that stay sharded after the
+just-in-time FSDP all-gather (EP-local experts); ``activations`` maps ``batch`` / ``sequence`` to mesh dims.
+
+Everything that can be wrong is refused with a message naming the layout, the parameter, the tensor dim, the
+mesh dim and the sizes: a parameter matched by no pattern or by several, a logical-axis count that is not the
+tensor rank, a logical axis without a rule, a rule naming a mesh dim the mesh does not have (never silently
+replicated), one mesh dim sharding two dims of one tensor, a sharded dim the mesh does not divide (unless the
+parameter is listed under ``uneven``), and a world size the mesh cannot fill.
+
+Several mesh dims on one tensor dim are applied in mesh order, as DTensor does with repeated ``Shard(d)``
+placements: the first (outermost) mesh dim splits the tensor dim, the next splits each piece, and so on. A rule
+that lists them in another order would need DTensor's ``_StridedShard``; it is refused instead.
+"""
+
+import difflib
+import fnmatch
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import attrs
+import yaml
+
+from q38.config import SPECS_DIR, ModelConfig
+
+MESH_DIM_NAMES = ("dp_replicate", "fsdp", "ep", "cp")
+ACTIVATION_AXES = ("batch", "sequence")
+LAYOUT_KEYS = ("name", "include", "mesh", "params", "rules", "compute", "activations", "uneven")
+LAYOUTS_DIR = SPECS_DIR / "parallel"
+
+MeshItems = tuple[tuple[str, int], ...]
+AxisMap = tuple[tuple[str, tuple[str, ...]], ...]
+
+
+class LayoutError(ValueError):
+    """A layout is illegal for this model or world size; the message names what, where, and the fix."""
+
+
+# ---- YAML -------------------------------------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses duplicate keys (PyYAML keeps the last one silently)."""
+
+
+def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise LayoutError(f"duplicate key {key!r} in {node.start_mark.name} line {key_node.start_mark.line + 1}")
+        seen.add(key)
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise LayoutError(f"layout file not found: {path}")
+    with open(path) as f:
+        d = yaml.load(f, Loader=_StrictLoader) or {}
+    if not isinstance(d, dict):
+        raise LayoutError(f"{path}: expected a mapping with keys {', '.join(LAYOUT_KEYS)}, got {type(d).__name__}")
+    return d
+
+
+def _find_include(name: str, base_dir: Path | None) -> Path:
+    """An ``include:`` target: relative to the including file, else among the shipped layouts."""
+    p = Path(name)
+    candidates = [p] if p.is_absolute() else [*([base_dir / p] if base_dir else []), LAYOUTS_DIR / p]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise LayoutError(f"include {name!r} not found (looked in: {', '.join(str(c) for c in candidates)})")
+
+
+_MERGED_KEYS = ("params", "rules", "compute", "activations")  # merged key by key; the rest is replaced whole
+
+
+def _resolve_includes(d: Mapping[str, Any], base_dir: Path | None, stack: tuple[str, ...] = ()) -> dict:
+    d = dict(d)
+    inc = d.pop("include", None)
+    if inc is None:
+        return d
+    path = _find_include(str(inc), base_dir).resolve()
+    if str(path) in stack:
+        raise LayoutError(f"include cycle: {' → '.join([*stack, str(path)])}")
+    base = _resolve_includes(_read_yaml(path), path.parent, (*stack, str(path)))
+    base.pop("name", None)
+    out = dict(base)
+    for k, v in d.items():
+        if k in _MERGED_KEYS and isinstance(v, Mapping) and isinstance(base.get(k), Mapping):
+            out[k] = {**base[k], **v}
+        else:
+            out[k] = v
+    return out
+
+
+# ---- small helpers ----------------------------------------------------------------------------------------------
+
+
+def _mesh_dims_of(value: Any, where: str) -> tuple[str, ...]:
+    """A rule value (``null`` | mesh dim | list of mesh dims) as a tuple of names."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise LayoutError(f"{where}: expected null, a mesh dim name or a list of them, got {value!r}")
+
+
+def _fmt_mesh(mesh: Sequence[tuple[str, int]]) -> str:
+    return " × ".join(f"{n}={s}" for n, s in mesh) if mesh else "(no mesh dims)"
+
+
+def _suggest(name: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def chunk_size(n: int, k: int, c: int) -> int:
+    """Size of chunk ``c`` of ``n`` split into ``k`` with ``torch.chunk`` semantics (DTensor ``Shard``)."""
+    full = -(-n // k)
+    return max(0, min(n, full * (c + 1)) - full * c)
+
+
+# ---- per-parameter result -----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ParamPlacement:
+    """Where one parameter lives on the mesh.
+
+    ``mesh_axes_per_dim`` is tensor-dim-indexed like a JAX ``PartitionSpec``: entry ``i`` names the mesh dims that
+    shard tensor dim ``i``, major → minor (always in mesh order). ``compute_axes_per_dim`` is the same for the
+    compute form: what stays sharded after the FSDP all-gather (EP-local expert dims). ``mesh`` is the resolved
+    mesh, in order, with sizes.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    pattern: str
+    logical_axes: tuple[str | None, ...]
+    mesh_axes_per_dim: tuple[tuple[str, ...], ...]
+    compute_axes_per_dim: tuple[tuple[str, ...], ...]
+    mesh: MeshItems
+    uneven: bool = False
+
+    def _spec(self, compute: bool) -> tuple[tuple[str, ...], ...]:
+        return self.compute_axes_per_dim if compute else self.mesh_axes_per_dim
+
+    def _placement_items(self, compute: bool) -> list[int | None]:
+        """Per mesh dim: the tensor dim it shards, or ``None`` (replicated; size-1 mesh dims always are)."""
+        where = {m: i for i, dims in enumerate(self._spec(compute)) for m in dims}
+        return [where.get(name) if size > 1 else None for name, size in self.mesh]
+
+    def dtensor_placements(self, *, compute: bool = False) -> list:
+        """DTensor placements, one per mesh dim in the layout's mesh order: ``Shard(d)`` or ``Replicate()``.
+
+        A tensor dim sharded by several mesh dims gets ``Shard(d)`` on each; DTensor applies them in mesh order,
+        which the layout guarantees is the rule's major → minor order.
+        """
+        from torch.distributed.tensor import Replicate, Shard
+
+        return [Replicate() if d is None else Shard(d) for d in self._placement_items(compute)]
+
+    def placement_strs(self, *, compute: bool = False) -> list[str]:
+        """``dtensor_placements`` as strings (``"Shard(0)"``, ``"Replicate()"``), without importing DTensor."""
+        return ["Replicate()" if d is None else f"Shard({d})" for d in self._placement_items(compute)]
+
+    def local_shape(self, coord: Sequence[int], *, compute: bool = False) -> tuple[int, ...]:
+        """The local shard shape at mesh coordinate ``coord`` (DTensor's nested ``torch.chunk`` split)."""
+        shape = list(self.shape)
+        for (_, size), c, d in zip(self.mesh, coord, self._placement_items(compute)):
+            if d is not None:
+                shape[d] = chunk_size(shape[d], size, c)
+        return tuple(shape)
+
+    @property
+    def shard_factor(self) -> int:
+        """How many distinct shards the parameter has (product of the sizes of the mesh dims sharding it)."""
+        sizes = dict(self.mesh)
+        return math.prod(sizes[m] for dims in self.mesh_axes_per_dim for m in dims)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "spec": [list(dims) for dims in self.mesh_axes_per_dim],
+            "placements": self.placement_strs(),
+        }
+
+
+# ---- the layout ---------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Layout:
+    """A parallel layout (one ``specs/parallel/*.yaml``), immutable and checked on construction.
+
+    Build it with :meth:`preset`, :meth:`from_yaml`, :meth:`from_dict` or :meth:`load`; every mapping is stored
+    as a tuple of pairs in file order.
+    """
+
+    name: str
+    mesh: tuple[tuple[str, int], ...]
+    params: tuple[tuple[str, tuple[str | None, ...]], ...]
+    rules: AxisMap
+    compute: AxisMap = ()
+    activations: AxisMap = ()
+    uneven: tuple[str, ...] = ()
+    source: str | None = attrs.field(default=None, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._check_static()
+
+    # ---- constructors ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, base_dir: str | os.PathLike | None = None,
+                  source: str | None = None) -> "Layout":
+        """Build from a parsed table; ``include:`` resolves relative to ``base_dir``, then ``specs/parallel``."""
+        where = source or "layout"
+        d = _resolve_includes(d, Path(base_dir) if base_dir is not None else None)
+        unknown = [k for k in d if k not in LAYOUT_KEYS]
+        if unknown:
+            raise LayoutError(
+                f"{where}: unknown key(s) {', '.join(repr(k) + _suggest(k, LAYOUT_KEYS) for k in unknown)}; "
+                f"known keys: {', '.join(LAYOUT_KEYS)}"
+            )
+        name = d.get("name") or (Path(source).stem if source else "layout")
+
+        def mapping(key: str) -> Mapping:
+            v = d.get(key) or {}
+            if not isinstance(v, Mapping):
+                raise LayoutError(f"{where}: '{key}' must be a mapping, got {type(v).__name__}")
+            return v
+
+        mesh = []
+        for k, v in mapping("mesh").items():
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise LayoutError(f"layout {name!r}: mesh size of {k!r} must be an integer (or -1), got {v!r}")
+            mesh.append((str(k), v))
+        params = []
+        for pat, axes in mapping("params").items():
+            if not isinstance(axes, (list, tuple)) or not all(a is None or isinstance(a, str) for a in axes):
+                raise LayoutError(
+                    f"layout {name!r}: params[{pat!r}] must be a list with one logical axis (or null) per tensor "
+                    f"dim, got {axes!r}"
+                )
+            params.append((str(pat), tuple(axes)))
+        rules = tuple((str(k), _mesh_dims_of(v, f"layout {name!r}: rules[{k!r}]")) for k, v in mapping("rules").items())
+        compute = tuple(
+            (str(k), _mesh_dims_of(v, f"layout {name!r}: compute[{k!r}]")) for k, v in mapping("compute").items()
+        )
+        activations = tuple(
+            (str(k), _mesh_dims_of(v, f"layout {name!r}: activations[{k!r}]"))
+            for k, v in mapping("activations").items()
+        )
+        uneven = d.get("uneven") or []
+        if isinstance(uneven, str) or not all(isinstance(u, str) for u in uneven):
+            raise LayoutError(f"layout {name!r}: 'uneven' must be a list of parameter patterns, got {uneven!r}")
+        return cls(
+            name=str(name), mesh=tuple(mesh), params=tuple(params), rules=rules, compute=compute,
+            activations=activations, uneven=tuple(uneven), source=source,
+        )
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "Layout":
+        path = Path(path)
+        return cls.from_dict(_read_yaml(path), base_dir=path.parent, source=str(path))
+
+    @classmethod
+    def presets(cls) -> list[str]:
+        return sorted(p.stem for p in LAYOUTS_DIR.glob("*.yaml"))
+
+    @classmethod
+    def preset(cls, name: str) -> "Layout":
+        path = LAYOUTS_DIR / f"{name}.yaml"
+        if not path.is_file():
+            raise LayoutError(
+                f"unknown parallel layout {name!r}{_suggest(name, cls.presets())}; "
+                f"known layouts: {', '.join(cls.presets())} (or pass a path to a .yaml file)"
+            )
+        return cls.from_yaml(path)
+
+    @classmethod
+    def load(cls, name_or_path: str | os.PathLike) -> "Layout":
+        """A preset name or a path to a layout YAML file."""
+        p = Path(name_or_path)
+        if p.suffix in (".yaml", ".yml") or p.is_file():
+            return cls.from_yaml(p)
+        return cls.preset(str(name_or_path))
+
+    def with_mesh(self, **sizes: int) -> "Layout":
+        """The same layout with some mesh sizes replaced (e.g. ``ep=8``); the mesh order is unchanged."""
+        names = self.mesh_dim_names
+        bad = [k for k in sizes if k not in names]
+        if bad:
+            raise LayoutError(
+                f"layout {self.name!r} has no mesh dim {', '.join(map(repr, bad))}; its mesh is {_fmt_mesh(self.mesh)}"
+            )
+        return attrs.evolve(self, mesh=tuple((n, sizes.get(n, s)) for n, s in self.mesh))
+
+    # ---- accessors ---------------------------------------------------------------------------------------------
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.mesh)
+
+    @property
+    def rule_map(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.rules)
+
+    @property
+    def compute_map(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.compute)
+
+    @property
+    def logical_axes(self) -> list[str]:
+        """Every logical axis the params table uses, in first-use order."""
+        return list(dict.fromkeys(a for _, axes in self.params for a in axes if a is not None))
+
+    @property
+    def batch_mesh_dims(self) -> tuple[str, ...]:
+        """Mesh dims the batch is split over (data parallel), major → minor."""
+        return dict(self.activations).get("batch", ())
+
+    @property
+    def seq_mesh_dims(self) -> tuple[str, ...]:
+        """Mesh dims the sequence is split over (context parallel), major → minor."""
+        return dict(self.activations).get("sequence", ())
+
+    # ---- static checks (no model, no world size) ---------------------------------------------------------------
+    def _check_static(self) -> None:
+        name, mesh_names = self.name, self.mesh_dim_names
+        known = f"the mesh is {_fmt_mesh(self.mesh)}"
+        for dim, size in self.mesh:
+            if dim not in MESH_DIM_NAMES:
+                raise LayoutError(
+                    f"layout {name!r}: unknown mesh dim {dim!r}{_suggest(dim, MESH_DIM_NAMES)}; "
+                    f"allowed mesh dims: {', '.join(MESH_DIM_NAMES)}"
+                )
+            if size != -1 and size < 1:
+                raise LayoutError(f"layout {name!r}: mesh size {dim}={size} must be >= 1, or -1 for the rest")
+        if sum(s == -1 for _, s in self.mesh) > 1:
+            raise LayoutError(f"layout {name!r}: at most one mesh dim may be -1 (the rest), got {_fmt_mesh(self.mesh)}")
+        for table, key in ((self.rules, "rules"), (self.compute, "compute"), (self.activations, "activations")):
+            for axis, dims in table:
+                for m in dims:
+                    if m not in mesh_names:
+                        raise LayoutError(
+                            f"layout {name!r}: {key}[{axis!r}] names mesh dim {m!r}, which the mesh does not "
+                            f"have ({known}); add {m!r} to mesh or change the rule"
+                        )
+                if len(set(dims)) != len(dims):
+                    raise LayoutError(f"layout {name!r}: {key}[{axis!r}] = {list(dims)} repeats a mesh dim")
+                order = sorted(dims, key=mesh_names.index)
+                if list(dims) != order:
+                    raise LayoutError(
+                        f"layout {name!r}: {key}[{axis!r}] = {list(dims)} lists mesh dims out of mesh order "
+                        f"({', '.join(mesh_names)}); DTensor applies repeated Shard placements in mesh order, so "
+                        f"write {order} or reorder the mesh"
+                    )
+        used = self.logical_axes
+        for axis, _ in self.rules:
+            if axis not in used:
+                raise LayoutError(
+                    f"layout {name!r}: rules[{axis!r}] is for a logical axis no parameter pattern uses"
+                    f"{_suggest(axis, used)}; logical axes: {', '.join(used)}"
+                )
+        rule_map = self.rule_map
+        for axis, dims in self.compute:
+            storage = rule_map.get(axis)
+            if storage is None:
+                raise LayoutError(f"layout {name!r}: compute[{axis!r}] has no matching entry under rules")
+            if storage[: len(dims)] != dims:
+                raise LayoutError(
+                    f"layout {name!r}: compute[{axis!r}] = {list(dims)} must be a leading part of rules[{axis!r}] "
+                    f"= {list(storage)}: the compute form is reached by all-gathering the remaining (minor) mesh dims"
+                )
+        for key, _ in self.activations:
+            if key not in ACTIVATION_AXES:
+                raise LayoutError(
+                    f"layout {name!r}: unknown activation axis {key!r}{_suggest(key, ACTIVATION_AXES)}; "
+                    f"known: {', '.join(ACTIVATION_AXES)}"
+                )
+        act = [m for _, dims in self.activations for m in dims]
+        twice = sorted({m for m in act if act.count(m) > 1})
+        if twice:
+            raise LayoutError(f"layout {name!r}: mesh dim(s) {twice} split both the batch and the sequence")
+        idle = [m for m in mesh_names if m not in act]
+        if idle:
+            raise LayoutError(
+                f"layout {name!r}: mesh dim(s) {idle} carry no activations (every rank of a mesh dim must see "
+                f"different tokens); add them to activations.batch or activations.sequence"
+            )
+
+    # ---- mesh --------------------------------------------------------------------------------------------------
+    def resolve_mesh(self, world_size: int) -> dict[str, int]:
+        """Mesh dim → size for ``world_size`` ranks, filling the ``-1`` dim with the rest."""
+        fixed = math.prod(s for _, s in self.mesh if s != -1)
+        rest = [n for n, s in self.mesh if s == -1]
+        if world_size < 1:
+            raise LayoutError(f"WORLD_SIZE must be >= 1, got {world_size}")
+        if rest:
+            if world_size % fixed:
+                raise LayoutError(
+                    f"layout {self.name!r}: mesh {_fmt_mesh(self.mesh)} needs a world size divisible by {fixed} "
+                    f"(the product of its fixed sizes; {rest[0]} takes the rest), but WORLD_SIZE={world_size}"
+                )
+            return {n: (world_size // fixed if s == -1 else s) for n, s in self.mesh}
+        if fixed != world_size:
+            raise LayoutError(
+                f"layout {self.name!r}: mesh {_fmt_mesh(self.mesh)} has {fixed} ranks, but WORLD_SIZE={world_size}; "
+                f"set one mesh size to -1 to absorb the world size, or launch {fixed} ranks"
+            )
+        return {n: s for n, s in self.mesh}
+
+    def _mesh_items(self, mesh: Mapping[str, int] | int) -> MeshItems:
+        if isinstance(mesh, int):
+            return tuple(self.resolve_mesh(mesh).items())
+        if set(mesh) != set(self.mesh_dim_names):
+            raise LayoutError(
+                f"layout {self.name!r}: mesh sizes {dict(mesh)} must name exactly the mesh dims "
+                f"{list(self.mesh_dim_names)}"
+            )
+        for n, s in mesh.items():
+            if s < 1:
+                raise LayoutError(f"layout {self.name!r}: mesh size {n}={s} must be >= 1")
+        return tuple((n, int(mesh[n])) for n in self.mesh_dim_names)
+
+    # ---- placements --------------------------------------------------------------------------------------------
+    def placements(self, params: Any, mesh: Mapping[str, int] | int) -> dict[str, ParamPlacement]:
+        """Placement of every parameter of ``params`` (a tree of ``ParamInfo`` or tensors) on ``mesh``.
+
+        ``mesh`` is a world size or a resolved ``{mesh dim: size}``. Raises :class:`LayoutError` listing every
+        problem found (one line, grouped by pattern).
+        """
+        from q38.model import is_param_info
+        from q38.pytree import named_leaves
+
+        leaves = [(p, tuple(int(s) for s in x.shape)) for p, x in named_leaves(params, is_leaf=is_param_info)]
+        return self.placements_of_shapes(leaves, mesh)
+
+    def placements_of_shapes(
+        self, leaves: Sequence[tuple[str, tuple[int, ...]]], mesh: Mapping[str, int] | int
+    ) -> dict[str, ParamPlacement]:
+        """:meth:`placements` over ``[(dotted path, global shape)]``."""
+        mesh_items = self._mesh_items(mesh)
+        sizes = dict(mesh_items)
+        where = f"layout {self.name!r} on mesh {_fmt_mesh(mesh_items)}"
+        rule_map, compute_map = self.rule_map, self.compute_map
+        patterns = [p for p, _ in self.params]
+        axes_of = dict(self.params)
+        regexes = [(p, re.compile(fnmatch.translate(p))) for p in patterns]
+        uneven_res = [re.compile(fnmatch.translate(p)) for p in self.uneven]
+        errors: dict[tuple, list[str]] = {}  # (kind, key) → [message for the first path, more paths...]
+        unmatched: list[str] = []
+
+        def err(kind: tuple, path: str, msg: str) -> None:
+            if kind in errors:
+                errors[kind].append(path)
+            else:
+                errors[kind] = [msg]
+
+        out = {}
+        for path, shape in leaves:
+            hits = [p for p, rx in regexes if rx.match(path)]
+            if not hits:
+                unmatched.append(f"{path} {list(shape)}")
+                continue
+            if len(hits) > 1:
+                err(("multi", tuple(hits)), path,
+                    f"parameter {path!r} matches {len(hits)} patterns ({', '.join(repr(h) for h in hits)}); each "
+                    f"parameter must match exactly one: make the patterns disjoint")
+                continue
+            pat = hits[0]
+            axes = axes_of[pat]
+            if len(axes) != len(shape):
+                err(("rank", pat), path,
+                    f"parameter {path!r} has rank {len(shape)} (shape {list(shape)}) but pattern {pat!r} gives "
+                    f"{len(axes)} logical axes {list(axes)}; give one logical axis (or null) per tensor dim")
+                continue
+            spec, cspec, ok = [], [], True
+            for i, axis in enumerate(axes):
+                if axis is not None and axis not in rule_map:
+                    err(("norule", axis), path,
+                        f"parameter {path!r} dim {i} has logical axis {axis!r}, which has no rule; add "
+                        f"'{axis}: <mesh dim, list of mesh dims, or null>' under rules")
+                    ok = False
+                    continue
+                spec.append(rule_map.get(axis, ()) if axis is not None else ())
+                cspec.append(compute_map.get(axis, ()) if axis is not None else ())
+            if not ok:
+                continue
+            seen: dict[str, int] = {}
+            for i, dims in enumerate(spec):
+                for m in dims:
+                    if m in seen:
+                        j = seen[m]
+                        err(("twice", pat, m), path,
+                            f"parameter {path!r} (pattern {pat!r}): mesh dim {m!r} shards both dim {j} "
+                            f"({axes[j]}) and dim {i} ({axes[i]}); a mesh dim can shard only one tensor dim")
+                        ok = False
+                    seen[m] = i
+            if not ok:
+                continue
+            is_uneven = any(rx.match(path) for rx in uneven_res)
+            for i, dims in enumerate(spec):
+                k = math.prod(sizes[m] for m in dims)
+                if dims and shape[i] % k and not is_uneven:
+                    err(("divide", pat, i), path,
+                        f"parameter {path!r} dim {i} ({axes[i]}, size {shape[i]}) is sharded over mesh dims "
+                        f"{' × '.join(f'{m}={sizes[m]}' for m in dims)} = {k} ranks, and {shape[i]} is not "
+                        f"divisible by {k}; change rules[{axes[i]!r}] or the mesh, or list the parameter under "
+                        f"'uneven' to accept torch.chunk-style shards")
+                    ok = False
+            if ok:
+                out[path] = ParamPlacement(
+                    path=path, shape=shape, pattern=pat, logical_axes=axes, mesh_axes_per_dim=tuple(spec),
+                    compute_axes_per_dim=tuple(cspec), mesh=mesh_items, uneven=is_uneven,
+                )
+        msgs = []
+        if unmatched:
+            shown = ", ".join(unmatched[:8]) + (f" and {len(unmatched) - 8} more" if len(unmatched) > 8 else "")
+            msgs.append(f"{len(unmatched)} parameter(s) match no pattern in params: {shown}; add a pattern for them")
+        for first, *more in errors.values():
+            msgs.append(first + (f" (and {len(more)} more parameter(s) alike, e.g. {more[0]!r})" if more else ""))
+        if msgs:
+            raise LayoutError(f"{where}: " + "; ".join(msgs))
+        return out
+
+    def validate(self, cfg: ModelConfig, world_size: int | Mapping[str, int] | None = None) -> dict[str, ParamPlacement]:
+        """Check this layout against ``cfg``'s abstract parameters; returns the placements.
+
+        ``world_size`` defaults to the smallest world the mesh allows (the ``-1`` dim of size 1).
+        """
+        from q38.model import abstract_params
+
+        if world_size is None:
+            world_size = math.prod(s for _, s in self.mesh if s != -1)
+        return self.placements(abstract_params(cfg), world_size)
+
+    def describe(self) -> str:
+        """One line: name, mesh, activation split."""
+        return (
+            f"{self.name}: mesh {_fmt_mesh(self.mesh)}; batch over {list(self.batch_mesh_dims)}, "
+            f"sequence over {list(self.seq_mesh_dims)}"
+        )

@@ -1,0 +1,164 @@
+"""Training configuration (frozen attrs) and the up-front validation of option combinations.
+
+Every rule here has a test that triggers its message (tests/test_train_config.py) and a line in the README.
+"""
+
+import difflib
+from typing import Any, Mapping
+
+import attrs
+
+from q38.config import ConfigError, ModelConfig
+
+SCHEDULES = ("cosine", "linear", "constant")
+AUX_SCOPES = ("micro_batch", "global_batch")
+NAN_POLICIES = ("stop", "skip")
+DEFAULT_NO_DECAY = (
+    "*norm*", "*.dt_bias", "*.A_log", "*.w_shared_gate", "*.w_router",  # norms, gates, biases
+)
+
+
+def _tuple(x):
+    return tuple(x) if x is not None else None
+
+
+@attrs.frozen(kw_only=True)
+class TrainConfig:
+    """Optimizer, schedule, loss options, recompute and micro-batching for ``train_step``."""
+
+    # optimizer (AdamW) and schedule
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    schedule: str = "cosine"
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    no_decay: tuple[str, ...] = attrs.field(default=DEFAULT_NO_DECAY, converter=_tuple)
+    grad_clip: float | None = 1.0
+    # gradient accumulation: the step's batch is split into this many micro-batches (MindSpeed's chunk_mbs)
+    micro_batches: int = 1
+    # losses
+    loss_chunk_size: int | None = 1024
+    dynamic_chunk_loss: bool = False
+    loss_chunk_budget_bytes: int | None = None
+    mtp_loss_scaling_factor: float = 0.1
+    aux_loss_coef: float | None = None  # None: the model's router_aux_loss_coef
+    aux_loss_scope: str = "micro_batch"
+    # memory
+    recompute: bool = False
+    skip_flash_attn_recompute: bool = False
+    skip_gdn_recompute: bool = False
+    offload_activations: bool = False
+    # expert-parallel balance (needs an `ep` mesh dim > 1)
+    enable_ep_balance: bool = False
+    max_dup_experts_num: int = 2
+    # failure handling
+    nan_policy: str = "stop"
+
+    def __attrs_post_init__(self) -> None:
+        validate_train_config(self)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return attrs.evolve(self, **changes)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], *, source: str = "train") -> "TrainConfig":
+        names = [a.name for a in attrs.fields(cls)]
+        unknown = [k for k in d if k not in names]
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(k, names, n=1)
+                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ConfigError(f"{source}: unknown train config key(s): {', '.join(hints)}")
+        return cls(**dict(d))
+
+    def to_dict(self) -> dict[str, Any]:
+        d = attrs.asdict(self)
+        d["no_decay"] = list(self.no_decay)
+        return d
+
+
+def validate_train_config(t: TrainConfig) -> None:
+    """Rules that need only the train config. Each message names the options involved and the fix."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    need(t.lr > 0, f"lr must be > 0, got {t.lr}")
+    need(0 <= t.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    need(t.total_steps > 0, f"total_steps must be > 0, got {t.total_steps}")
+    need(
+        0 <= t.warmup_steps <= t.total_steps,
+        f"warmup_steps ({t.warmup_steps}) must be between 0 and total_steps ({t.total_steps})",
+    )
+    need(t.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {t.schedule!r}")
+    need(t.micro_batches >= 1, f"micro_batches must be >= 1, got {t.micro_batches}")
+    need(t.grad_clip is None or t.grad_clip > 0, "grad_clip must be > 0, or null to disable clipping")
+    need(t.aux_loss_scope in AUX_SCOPES, f"aux_loss_scope must be one of {AUX_SCOPES}, got {t.aux_loss_scope!r}")
+    need(t.nan_policy in NAN_POLICIES, f"nan_policy must be one of {NAN_POLICIES}, got {t.nan_policy!r}")
+    need(t.mtp_loss_scaling_factor >= 0, "mtp_loss_scaling_factor must be >= 0")
+    need(
+        not (t.skip_flash_attn_recompute and not t.recompute),
+        "skip_flash_attn_recompute: true needs recompute: true (it keeps the attention kernel's output during "
+        "activation recompute); set recompute: true or drop skip_flash_attn_recompute",
+    )
+    need(
+        not (t.skip_gdn_recompute and not t.recompute),
+        "skip_gdn_recompute: true needs recompute: true (it keeps the GDN kernel's output during activation "
+        "recompute); set recompute: true or drop skip_gdn_recompute",
+    )
+    if t.dynamic_chunk_loss:
+        need(
+            t.loss_chunk_budget_bytes is not None and t.loss_chunk_budget_bytes > 0,
+            "dynamic_chunk_loss: true needs loss_chunk_budget_bytes (the memory budget for one chunk's logits), "
+            "e.g. loss_chunk_budget_bytes: 268435456",
+        )
+    else:
+        need(
+            t.loss_chunk_size is None or t.loss_chunk_size > 0,
+            "loss_chunk_size must be > 0, or null for the unchunked reference loss",
+        )
+    need(t.max_dup_experts_num >= 0, "max_dup_experts_num must be >= 0")
+
+
+def validate_run(model: ModelConfig, train: TrainConfig, *, device: str = "cpu", ep_size: int = 1) -> None:
+    """Cross-config rules: kernels vs device, EP balance vs the layout, MTP depth."""
+    dev = device.split(":")[0]
+    if model.gdn_implementation == "fla" and dev != "cuda":
+        raise ConfigError(
+            f"gdn_implementation: fla needs a CUDA device but the run is on {device!r}; "
+            "set gdn_implementation: torch (runs everywhere) or run on CUDA"
+        )
+    if model.causal_conv1d_implementation == "cuda" and dev != "cuda":
+        raise ConfigError(
+            f"causal_conv1d_implementation: cuda needs a CUDA device but the run is on {device!r}; "
+            "set causal_conv1d_implementation: torch"
+        )
+    for name in ("gdn_implementation", "causal_conv1d_implementation"):
+        if getattr(model, name) == "npu":
+            raise ConfigError(
+                f"{name}: npu is not available in q38 yet (Ascend kernels are not wired); set {name}: torch"
+            )
+    if model.gdn_implementation == "fla":
+        try:
+            import fla  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "gdn_implementation: fla needs flash-linear-attention (pip install 'q38[cuda]'); "
+                "or set gdn_implementation: torch"
+            ) from None
+    if train.enable_ep_balance and ep_size <= 1:
+        raise ConfigError(
+            "enable_ep_balance: true needs expert parallelism (a layout with an `ep` mesh dim > 1); "
+            f"the layout's ep size is {ep_size}. Use an EP layout (e.g. fsdp_ep) or set enable_ep_balance: false"
+        )
+    if train.skip_flash_attn_recompute and model.attention_implementation == "eager":
+        raise ConfigError(
+            "skip_flash_attn_recompute: true needs a fused attention kernel (attention_implementation: sdpa); "
+            "eager attention has no single kernel output to keep"
+        )

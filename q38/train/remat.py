@@ -1,0 +1,43 @@
+"""Activation recompute (per layer, optionally selective) and activation offload to host memory."""
+
+import functools
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from q38.layers.common import current_region
+from q38.train.config import TrainConfig
+
+
+def _policy(keep: frozenset):
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if current_region() in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def layer_wrapper(tc: TrainConfig):
+    """``wrap_layer(fn, params, x)`` for ``Runtime``: plain call, checkpoint, or selective checkpoint; with offload
+    every tensor saved for backward lives in host memory until it is needed."""
+    keep = frozenset(
+        name for name, on in (("attention", tc.skip_flash_attn_recompute), ("gdn", tc.skip_gdn_recompute)) if on
+    )
+
+    def wrap(fn, p, x):
+        if not tc.recompute:
+            return fn(p, x)
+        kwargs = {}
+        if keep:
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _policy(keep))
+        return checkpoint(fn, p, x, use_reentrant=False, determinism_check="none", **kwargs)
+
+    if not (tc.recompute or tc.offload_activations):
+        return None
+    if tc.offload_activations:
+
+        def offloaded(fn, p, x):
+            with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+                return wrap(fn, p, x)
+
+        return offloaded
+    return wrap

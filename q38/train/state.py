@@ -1,0 +1,89 @@
+"""``TrainState``: parameters, AdamW moments and the step count, with the static configs as pytree metadata."""
+
+import fnmatch
+import math
+
+import attrs
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from q38.config import ModelConfig
+from q38.model import ModelParams, init_params
+from q38.pytree import named_leaves, tree_map
+from q38.train.config import TrainConfig
+
+
+@attrs.frozen
+class TrainState:
+    """Leaves: ``params``, ``exp_avg``, ``exp_avg_sq`` (fp32, same tree as params) and ``step`` (0-dim int64).
+    ``model_config`` / ``train_config`` ride along as static metadata (the pytree context), never as leaves."""
+
+    params: ModelParams
+    exp_avg: ModelParams
+    exp_avg_sq: ModelParams
+    step: Tensor
+    model_config: ModelConfig
+    train_config: TrainConfig
+
+
+def _flatten(s: TrainState):
+    return [s.params, s.exp_avg, s.exp_avg_sq, s.step], (s.model_config, s.train_config)
+
+
+def _unflatten(children, ctx):
+    return TrainState(*children, model_config=ctx[0], train_config=ctx[1])
+
+
+def _flatten_with_keys(s: TrainState):
+    names = ("params", "exp_avg", "exp_avg_sq", "step")
+    children, ctx = _flatten(s)
+    return [(pytree.GetAttrKey(n), c) for n, c in zip(names, children)], ctx
+
+
+pytree.register_pytree_node(
+    TrainState, _flatten, _unflatten, serialized_type_name="q38.train.state.TrainState",
+    flatten_with_keys_fn=_flatten_with_keys,
+)
+
+
+def init_state(model_config: ModelConfig, train_config: TrainConfig, *, seed: int = 0, device=None,
+               dtype=None) -> TrainState:
+    """Fresh state: parameters from ``init_params`` (seed- and path-determined), zero fp32 moments, step 0."""
+    params = init_params(model_config, seed=seed, device=device, dtype=dtype)
+    return state_from_params(params, model_config, train_config)
+
+
+def state_from_params(params: ModelParams, model_config: ModelConfig, train_config: TrainConfig) -> TrainState:
+    zeros = lambda p: torch.zeros_like(p, dtype=torch.float32)  # noqa: E731
+    return TrainState(
+        params=params,
+        exp_avg=tree_map(zeros, params),
+        exp_avg_sq=tree_map(zeros, params),
+        step=torch.zeros((), dtype=torch.int64),
+        model_config=model_config,
+        train_config=train_config,
+    )
+
+
+def decay_mask(params: ModelParams, train_config: TrainConfig) -> list[bool]:
+    """Per leaf (flatten order): whether weight decay applies (not to paths matching ``no_decay`` patterns)."""
+    return [
+        not any(fnmatch.fnmatchcase(name, pat) for pat in train_config.no_decay)
+        for name, _ in named_leaves(params)
+    ]
+
+
+def learning_rate(step: int, t: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio · lr`` or constant.
+
+    ``step`` counts completed updates; the update that makes step ``k + 1`` uses ``learning_rate(k + 1)``."""
+    if t.warmup_steps > 0 and step <= t.warmup_steps:
+        return t.lr * step / t.warmup_steps
+    if t.schedule == "constant":
+        return t.lr
+    frac = min(1.0, (step - t.warmup_steps) / max(1, t.total_steps - t.warmup_steps))
+    floor = t.lr * t.min_lr_ratio
+    if t.schedule == "linear":
+        return floor + (t.lr - floor) * (1.0 - frac)
+    return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
