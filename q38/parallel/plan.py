@@ -266,7 +266,11 @@ def plan(
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
 
 
 def _count(n: int) -> str:

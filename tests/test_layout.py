@@ -1,0 +1,375 @@
+"""Parallel layouts (specs/parallel/*.yaml): validation, placements, golden sharding files, and ``q38 plan``.
+
+Golden files: ``tests/golden/<layout>.json`` hold ``{param path: {"shape", "spec", "placements"}}`` for the tiny
+preset on the mesh given in ``GOLDEN_MESHES``. After an intended layout change, regenerate them with
+
+    Q38_UPDATE_GOLDEN=1 pytest tests/test_layout.py -k golden
+
+and review the diff like code.
+"""
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from q38 import ModelConfig, abstract_params, count_params, init_params
+from q38.parallel import Layout, LayoutError, format_plan, plan, plan_cli
+from q38.parallel.plan import local_numel_grid
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+# layout → (world size, mesh size overrides) used for the golden file of the tiny preset
+GOLDEN_MESHES = {
+    "single": (1, {}),
+    "fsdp": (4, {}),
+    "fsdp_ep": (4, {}),
+    "fsdp_cp": (4, {}),
+    "fsdp_ep_cp": (8, {}),
+    "qwen3_8_2_4t": (8, {"ep": 2}),  # the production mesh shrunk to tiny's 8 experts
+}
+# layout → world size for the qwen3_8_2_4t preset
+BIG_WORLDS = {"single": 1, "fsdp": 64, "fsdp_ep": 64, "fsdp_cp": 64, "fsdp_ep_cp": 64, "qwen3_8_2_4t": 1024}
+
+
+@pytest.fixture(scope="module")
+def big_cfg():
+    return ModelConfig.preset("qwen3_8_2_4t")
+
+
+def _tiny_layout(name: str) -> tuple[Layout, int]:
+    world, overrides = GOLDEN_MESHES[name]
+    return Layout.preset(name).with_mesh(**overrides), world
+
+
+def _base_dict() -> dict:
+    """The fsdp_ep layout as a plain dict (params, rules, ... resolved), for building broken variants."""
+    lay = Layout.preset("fsdp_ep")
+    return {
+        "name": "broken",
+        "mesh": dict(lay.mesh),
+        "params": {p: list(a) for p, a in lay.params},
+        "rules": {k: list(v) or None for k, v in lay.rules},
+        "compute": {k: list(v) for k, v in lay.compute},
+        "activations": {k: list(v) or None for k, v in lay.activations},
+    }
+
+
+# ---- shipped layouts ------------------------------------------------------------------------------------------------
+
+
+def test_every_shipped_layout_has_a_golden_mesh():
+    assert sorted(GOLDEN_MESHES) == Layout.presets() == sorted(BIG_WORLDS)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_MESHES))
+def test_shipped_layout_validates_tiny(name, tiny_cfg):
+    layout, world = _tiny_layout(name)
+    pl = layout.validate(tiny_cfg, world)
+    paths = [p for p, _ in __import__("q38.pytree", fromlist=["x"]).named_leaves(
+        abstract_params(tiny_cfg), is_leaf=lambda x: hasattr(x, "init"))]
+    assert sorted(pl) == sorted(paths)
+
+
+@pytest.mark.parametrize("name", sorted(BIG_WORLDS))
+def test_shipped_layout_validates_2_4t(name, big_cfg):
+    pl = Layout.preset(name).validate(big_cfg, BIG_WORLDS[name])
+    assert len(pl) == 1 + 92 * 0 + len(pl)  # every leaf placed (no exception)
+    assert sum(math.prod(p.shape) for p in pl.values()) == count_params(big_cfg).total_with_mtp
+
+
+def test_placements_accept_meta_tensors(tiny_cfg):
+    layout = Layout.preset("fsdp_ep")
+    meta = init_params(tiny_cfg, device="meta")
+    assert layout.placements(meta, 4) == layout.placements(abstract_params(tiny_cfg), 4)
+
+
+def test_fsdp_convention(tiny_cfg):
+    pl = Layout.preset("fsdp_ep").validate(tiny_cfg, 4)
+    # dense weights: dim 0 over every rank; experts: dim 0 on ep, FSDP on the expert ffn dim; norms replicated
+    assert pl["layers.3.mixer.w_q"].mesh_axes_per_dim == (("fsdp", "ep"), ())
+    assert pl["layers.0.moe.we_gate_up"].mesh_axes_per_dim == (("ep",), ("fsdp",), ())
+    assert pl["layers.0.moe.we_gate_up"].placement_strs() == ["Shard(1)", "Shard(0)"]
+    assert pl["layers.0.moe.we_gate_up"].placement_strs(compute=True) == ["Replicate()", "Shard(0)"]
+    assert pl["layers.0.moe.we_gate_up"].logical_axes == ("expert", "expert_mlp", "expert_embed")
+    assert pl["mtp.layers.0.moe.we_down"].mesh_axes_per_dim == (("ep",), (), ("fsdp",))
+    assert pl["layers.0.mixer.w_b"].mesh_axes_per_dim == ((), ("fsdp", "ep"))  # skinny: its d dim
+    assert pl["final_norm"].placement_strs() == ["Replicate()", "Replicate()"]
+
+
+def test_dtensor_placements_and_size_one_dims(tiny_cfg):
+    from torch.distributed.tensor import Replicate, Shard
+
+    pp = Layout.preset("fsdp_ep_cp").validate(tiny_cfg, 8)["layers.0.moe.we_gate_up"]
+    assert pp.dtensor_placements() == [Shard(1), Shard(1), Shard(0)]  # mesh (fsdp, cp, ep)
+    assert pp.dtensor_placements(compute=True) == [Replicate(), Replicate(), Shard(0)]
+    pp4 = Layout.preset("fsdp_ep_cp").validate(tiny_cfg, 4)["layers.0.moe.we_gate_up"]  # fsdp = 1
+    assert pp4.mesh_axes_per_dim == (("ep",), ("fsdp", "cp"), ())  # the spec as declared ...
+    assert pp4.dtensor_placements() == [Replicate(), Shard(1), Shard(0)]  # ... size-1 fsdp → Replicate
+
+
+def test_activation_rules():
+    lay = Layout.preset("fsdp_ep_cp")
+    assert lay.batch_mesh_dims == ("fsdp", "ep") and lay.seq_mesh_dims == ("cp",)
+    assert Layout.preset("single").batch_mesh_dims == () and Layout.preset("fsdp").seq_mesh_dims == ()
+
+
+def test_resolve_mesh():
+    assert Layout.preset("qwen3_8_2_4t").resolve_mesh(1024) == {"fsdp": 8, "cp": 2, "ep": 64}
+    assert list(Layout.preset("fsdp_ep_cp").resolve_mesh(16)) == ["fsdp", "cp", "ep"]
+    assert Layout.preset("single").resolve_mesh(1) == {}
+
+
+# ---- golden files ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_MESHES))
+def test_golden_placements(name, tiny_cfg):
+    """Compare exactly with tests/golden/<layout>.json; ``Q38_UPDATE_GOLDEN=1`` rewrites the files."""
+    layout, world = _tiny_layout(name)
+    got = {p: pp.to_json() for p, pp in layout.validate(tiny_cfg, world).items()}
+    path = GOLDEN_DIR / f"{name}.json"
+    if os.environ.get("Q38_UPDATE_GOLDEN") == "1":
+        GOLDEN_DIR.mkdir(exist_ok=True)
+        path.write_text(json.dumps(got, indent=1) + "\n")
+    assert path.is_file(), f"{path} missing: run Q38_UPDATE_GOLDEN=1 pytest tests/test_layout.py -k golden"
+    assert json.loads(path.read_text()) == got
+
+
+# ---- validation errors ----------------------------------------------------------------------------------------------
+
+
+def test_error_unmatched_param(tiny_cfg):
+    d = _base_dict()
+    del d["params"]["*.mixer.w_q"]
+    with pytest.raises(LayoutError, match=r"2 parameter\(s\) match no pattern in params: layers\.3\.mixer\.w_q "
+                                          r"\[128, 64\], mtp\.layers\.0\.mixer\.w_q"):
+        Layout.from_dict(d).validate(tiny_cfg, 4)
+
+
+def test_error_doubly_matched(tiny_cfg):
+    d = _base_dict()
+    d["params"]["*.w_q"] = ["heads_q", "embed"]
+    with pytest.raises(LayoutError, match=r"parameter 'layers\.3\.mixer\.w_q' matches 2 patterns "
+                                          r"\('\*\.mixer\.w_q', '\*\.w_q'\); each parameter must match exactly one"):
+        Layout.from_dict(d).validate(tiny_cfg, 4)
+
+
+def test_error_rank_mismatch(tiny_cfg):
+    d = _base_dict()
+    d["params"]["embed"] = ["vocab"]
+    with pytest.raises(LayoutError, match=r"parameter 'embed' has rank 2 \(shape \[384, 64\]\) but pattern 'embed' "
+                                          r"gives 1 logical axes \['vocab'\]"):
+        Layout.from_dict(d).validate(tiny_cfg, 4)
+
+
+def test_error_missing_rule(tiny_cfg):
+    d = _base_dict()
+    d["params"]["embed"] = ["vocab", "embed_table"]
+    with pytest.raises(LayoutError, match=r"parameter 'embed' dim 1 has logical axis 'embed_table', which has no rule"):
+        Layout.from_dict(d).validate(tiny_cfg, 4)
+
+
+def test_error_unknown_mesh_dim():
+    d = _base_dict()
+    d["mesh"] = {"fsdp": -1}
+    d["activations"] = {"batch": "fsdp"}
+    d["compute"] = {}
+    with pytest.raises(LayoutError, match=r"rules\['vocab'\] names mesh dim 'ep', which the mesh does not have "
+                                          r"\(the mesh is fsdp=-1\)"):
+        Layout.from_dict(d)
+
+
+def test_error_mesh_dim_twice_on_one_tensor(tiny_cfg):
+    d = _base_dict()
+    d["rules"]["expert_mlp"] = "ep"
+    with pytest.raises(LayoutError, match=r"parameter 'layers\.0\.moe\.we_gate_up' \(pattern '\*\.moe\.we_gate_up'\): "
+                                          r"mesh dim 'ep' shards both dim 0 \(expert\) and dim 1 \(expert_mlp\)"):
+        Layout.from_dict(d).validate(tiny_cfg, 4)
+
+
+def test_error_indivisible_and_uneven_opt_in(tiny_cfg):
+    layout = Layout.preset("fsdp_ep").with_mesh(ep=3)
+    with pytest.raises(LayoutError) as e:
+        layout.validate(tiny_cfg, 3)
+    msg = str(e.value)
+    assert "layout 'fsdp_ep' on mesh fsdp=1 × ep=3" in msg
+    assert ("parameter 'layers.0.moe.we_gate_up' dim 0 (expert, size 8) is sharded over mesh dims ep=3 = 3 ranks, "
+            "and 8 is not divisible by 3") in msg
+    assert "(and 4 more parameter(s) alike" in msg  # grouped by pattern: 4 layers + 1 MTP layer
+    assert "\n" not in msg
+    d = _base_dict()
+    d["mesh"]["ep"] = 3
+    d["uneven"] = ["*"]
+    pl = Layout.from_dict(d).validate(tiny_cfg, 3)
+    pp = pl["layers.0.moe.we_gate_up"]
+    assert pp.uneven and [pp.local_shape((0, c))[0] for c in range(3)] == [3, 3, 2]
+
+
+def test_error_world_size_mismatch():
+    with pytest.raises(LayoutError, match=r"mesh fsdp=-1 × ep=2 needs a world size divisible by 2 .* WORLD_SIZE=3"):
+        Layout.preset("fsdp_ep").resolve_mesh(3)
+    with pytest.raises(LayoutError, match=r"mesh fsdp=2 × ep=2 has 4 ranks, but WORLD_SIZE=8"):
+        Layout.preset("fsdp_ep").with_mesh(fsdp=2).resolve_mesh(8)
+
+
+def test_error_rule_out_of_mesh_order():
+    d = _base_dict()
+    d["rules"]["vocab"] = ["ep", "fsdp"]
+    with pytest.raises(LayoutError, match=r"rules\['vocab'\] = \['ep', 'fsdp'\] lists mesh dims out of mesh order"):
+        Layout.from_dict(d)
+
+
+def test_error_small_static_mistakes():
+    d = _base_dict()
+    d["rules"]["expet"] = "ep"
+    with pytest.raises(LayoutError, match=r"rules\['expet'\] is for a logical axis no parameter pattern uses "
+                                          r"\(did you mean 'expert'\?\)"):
+        Layout.from_dict(d)
+    d = _base_dict()
+    d["mesh"] = {"fsdp": -1, "tp": 2}
+    with pytest.raises(LayoutError, match=r"unknown mesh dim 'tp'; allowed mesh dims: dp_replicate, fsdp, ep, cp"):
+        Layout.from_dict(d)
+    d = _base_dict()
+    d["activations"] = {"batch": "fsdp"}
+    with pytest.raises(LayoutError, match=r"mesh dim\(s\) \['ep'\] carry no activations"):
+        Layout.from_dict(d)
+    d = _base_dict()
+    d["compute"] = {"expert_mlp": "fsdp", "vocab": "ep"}
+    with pytest.raises(LayoutError, match=r"compute\['vocab'\] = \['ep'\] must be a leading part of rules\['vocab'\]"):
+        Layout.from_dict(d)
+    with pytest.raises(LayoutError, match=r"unknown parallel layout 'fsdp_epp' \(did you mean 'fsdp_ep'\?\); "
+                                          r"known layouts: fsdp, fsdp_cp, fsdp_ep, fsdp_ep_cp, qwen3_8_2_4t, single"):
+        Layout.preset("fsdp_epp")
+
+
+def test_error_duplicate_yaml_key(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("include: fsdp.yaml\nrules:\n  expert: fsdp\n  expert: null\n")
+    with pytest.raises(LayoutError, match=r"duplicate key 'expert'"):
+        Layout.from_yaml(p)
+
+
+# ---- a new layout is data only ----------------------------------------------------------------------------------------
+
+
+def test_new_layout_yaml_without_code_change(tmp_path, tiny_cfg):
+    (tmp_path / "experts_on_fsdp.yaml").write_text(
+        "# experts split over fsdp (kept local in compute), their ffn dim over ep\n"
+        "include: fsdp_ep.yaml\n"
+        "name: experts_on_fsdp\n"
+        "rules: {expert: fsdp, expert_mlp: ep}\n"
+        "compute: {expert: fsdp}\n"
+    )
+    layout = Layout.load(tmp_path / "experts_on_fsdp.yaml")
+    pl = layout.validate(tiny_cfg, 4)
+    assert pl["layers.0.moe.we_gate_up"].placement_strs() == ["Shard(0)", "Shard(1)"]
+    assert pl["layers.0.moe.we_gate_up"].placement_strs(compute=True) == ["Shard(0)", "Replicate()"]
+    assert pl["embed"].placement_strs() == ["Shard(0)", "Shard(0)"]  # the rest is inherited from fsdp_ep
+    report = plan(tiny_cfg, layout, 4)
+    assert report.experts.mesh_dims == ("fsdp",) and list(report.experts.experts_of_rank(3)) == [4, 5, 6, 7]
+
+
+# ---- local shapes and the plan ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape,items,mesh", [
+    ((7, 5), (0, None), (2, 3)),
+    ((11, 3), (0, 0), (2, 3)),  # nested uneven split of one dim
+    ((5, 13, 2), (1, 0, 1), (2, 2, 4)),
+    ((3,), (0, 0), (4, 2)),  # more shards than elements: empty shards
+])
+def test_local_numel_matches_dtensor(shape, items, mesh):
+    """Pins our chunk arithmetic to DTensor's (private) helper, for the torch version in pyproject."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    placements = [Replicate() if d is None else Shard(d) for d in items]
+    grid = local_numel_grid(shape, items, mesh)
+    for idx in range(math.prod(mesh)):
+        coord = list(torch.unravel_index(torch.tensor(idx), mesh))
+        local, _ = _compute_local_shape_and_global_offset(shape, mesh, [int(c) for c in coord], placements)
+        assert int(grid[tuple(coord)]) == math.prod(local)
+
+
+def _expected_rank0_numel_2_4t(c: ModelConfig) -> tuple[int, int]:
+    """Hand-written per-rank parameter count of the production layout on 1024 ranks (fsdp 8 × cp 2 × ep 64):
+    dense weights split 1024 ways on their largest dim, routed experts 64 ways on e and 16 ways on the ffn dim,
+    norms and biases whole. Returns (rank 0 = the fullest rank, the last EP rank of the vocab split)."""
+    d, W = c.hidden_size, 1024
+    vocab_rows = -(-(c.vocab_size // 16) // 64)  # 248320 / (fsdp·cp) = 15520 rows, then ceil over ep → 243
+    vocab_rows_last = c.vocab_size // 16 - 63 * vocab_rows  # 211 on EP rank 63
+    hc, gc = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attn = (2 * hc * d + 2 * gc * d + d * hc) // W + 2 * c.head_dim
+    nv = c.linear_num_value_heads
+    gdn = (c.linear_conv_dim * d + c.linear_value_dim * d + 2 * nv * d + c.linear_conv_dim * c.linear_conv_kernel_dim
+           + d * c.linear_value_dim) // W + 2 * nv + c.linear_value_head_dim
+    moe = (c.num_experts * d + 3 * c.shared_expert_intermediate_size * d + d) // W
+    moe += (c.num_experts // 64) * 3 * (c.moe_intermediate_size // 16) * d
+    layer = 2 * d + moe
+    n_full, n_lin = c.num_full_layers, c.num_linear_layers
+    body = n_full * attn + n_lin * gdn + c.num_hidden_layers * layer + d
+    mtp = 3 * d + 2 * d * d // W + c.mtp_num_layers * (attn + layer)
+    full = 2 * vocab_rows * d + body + mtp
+    return full, full - 2 * (vocab_rows - vocab_rows_last) * d
+
+
+def test_plan_2_4t_on_1024_ranks(big_cfg):
+    t0 = time.perf_counter()
+    report = plan(big_cfg, Layout.preset("qwen3_8_2_4t"), 1024, model_name="qwen3_8_2_4t")
+    assert time.perf_counter() - t0 < 60
+    fullest, emptiest = _expected_rank0_numel_2_4t(big_cfg)
+    assert report.numel_rank0 == report.numel_max == fullest
+    assert report.numel_min == emptiest
+    assert report.param_bytes_max == report.grad_bytes_max == 4 * fullest
+    assert report.optimizer_bytes_max == 8 * fullest
+    assert report.total_params == count_params(big_cfg).total_with_mtp
+    assert report.experts.per_rank == 8 and list(report.experts.experts_of_rank(1023)) == list(range(504, 512))
+    assert list(report.experts.experts_of_rank(65)) == list(range(8, 16))  # ep is the innermost mesh dim
+    # one gathered layer: a GDN layer's dense weights whole + 8 local experts whole
+    c = big_cfg
+    d = c.hidden_size
+    gdn_layer = (c.linear_conv_dim * d + 2 * c.linear_value_dim * d + 2 * c.linear_num_value_heads * d
+                 + c.linear_conv_dim * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads
+                 + c.linear_value_head_dim + 2 * d + c.num_experts * d + 3 * c.shared_expert_intermediate_size * d + d
+                 + 8 * 3 * c.moe_intermediate_size * d)
+    assert report.largest_layer == "layers.0" and report.largest_layer_bytes == 4 * gdn_layer
+    text = format_plan(report)
+    assert "fsdp=8 × cp=2 × ep=64" in text and "*.moe.we_gate_up" in text
+
+
+def test_plan_single_has_no_traffic(tiny_cfg):
+    r = plan(tiny_cfg, Layout.preset("single"), 1, param_dtype=torch.bfloat16)
+    assert r.numel_max == r.total_params == count_params(tiny_cfg).total_with_mtp
+    assert r.param_bytes_max == 2 * r.total_params and r.comm_bytes == 0
+    assert r.experts.mesh_dims == () and r.experts.per_rank == tiny_cfg.num_experts
+
+
+def test_plan_traffic_fsdp(tiny_cfg):
+    """Plain FSDP on 4 ranks: every sharded weight is gathered (3/4 of it received), norms all-reduced."""
+    r = plan(tiny_cfg, Layout.preset("fsdp"), 4)
+    pl = Layout.preset("fsdp").validate(tiny_cfg, 4)
+    sharded = sum(math.prod(p.shape) for p in pl.values() if p.shard_factor > 1)
+    replicated = sum(math.prod(p.shape) for p in pl.values() if p.shard_factor == 1)
+    assert r.allgather_fwd_bytes == r.reduce_scatter_bytes == 4 * sharded * 3 // 4
+    assert r.all_reduce_bytes == 4 * math.ceil(2 * 3 / 4 * replicated)
+    assert r.numel_max == sharded // 4 + replicated
+
+
+def test_plan_cli(capsys, tmp_path):
+    assert plan_cli(["--model", "tiny", "--layout", "fsdp_ep", "--world", "4", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "layout fsdp_ep · world 4 = fsdp=2 × ep=2" in out and "params and grads bfloat16" in out
+    assert plan_cli(["--model", "tiny", "--layout", "fsdp_ep", "--world", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "WORLD_SIZE=3" in err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("include: fsdp_ep.yaml\nrules: {expert_mlp: ep}\n")
+    assert plan_cli(["--model", "tiny", "--layout", str(bad), "--world", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "mesh dim 'ep' shards both dim 0 (expert) and dim 1 (expert_mlp)" in err
+    assert plan_cli(["--model", "tiny", "--layout", "qwen3_8_2_4t", "--world", "8", "--mesh", "ep=2"]) == 0
+    capsys.readouterr()
