@@ -334,7 +334,8 @@ class ModelConfig:
         # save_hf records the q38 family (e.g. qwen3_8_moe saved as qwen3_5_moe_text); keep it if the layouts agree.
         model_type = top_type
         q38_type = raw.get("q38_model_type")
-        if q38_type in MODEL_FAMILIES and MODEL_FAMILIES[q38_type].checkpoint_layout == model_family(top_type).checkpoint_layout:
+        layout = model_family(top_type).checkpoint_layout
+        if q38_type in MODEL_FAMILIES and MODEL_FAMILIES[q38_type].checkpoint_layout == layout:
             model_type = q38_type
         kw = dict(
             model_type=model_type,

@@ -189,7 +189,8 @@ def _grouped_ba(q_b: str, q_a: str, h: str, cfg: ModelConfig) -> Rule:
 
 def _abstract_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """``{q38 path: shape}`` of every parameter (``lm_head`` / ``mtp`` are ``None`` leaves when absent)."""
-    return {path: info.shape for path, info in named_leaves(abstract_params(cfg), is_leaf=is_param_info) if info is not None}
+    leaves = named_leaves(abstract_params(cfg), is_leaf=is_param_info)
+    return {path: info.shape for path, info in leaves if info is not None}
 
 
 @attrs.frozen
@@ -220,8 +221,9 @@ def _plan(cfg: ModelConfig, layout: Layout) -> list[Rule]:
             ren(ATTN_RENAMES)
         else:
             if layout.gdn_grouped:
-                rules.append(_grouped_qkvz(qp + "mixer.w_qkv", qp + "mixer.w_z", hp + "linear_attn.in_proj_qkvz.weight", cfg))
-                rules.append(_grouped_ba(qp + "mixer.w_b", qp + "mixer.w_a", hp + "linear_attn.in_proj_ba.weight", cfg))
+                la = hp + "linear_attn."
+                rules.append(_grouped_qkvz(qp + "mixer.w_qkv", qp + "mixer.w_z", la + "in_proj_qkvz.weight", cfg))
+                rules.append(_grouped_ba(qp + "mixer.w_b", qp + "mixer.w_a", la + "in_proj_ba.weight", cfg))
             else:
                 ren(GDN_FLAT_RENAMES)
             rules.append(_conv(qp + GDN_CONV[0], hp + GDN_CONV[1], shapes[qp + GDN_CONV[0]]))
@@ -277,9 +279,9 @@ def _checkpoint_index(path: Path) -> dict[str, str]:
 def _load_layout(cfg: ModelConfig, keys: set[str]) -> Layout:
     """Detect the text prefix, GDN projection layout and per-layer expert layout from the keys present."""
     prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in keys) else "model."
-    grouped = any(k.endswith("linear_attn.in_proj_qkvz.weight") for k in keys) or (
-        cfg.family.checkpoint_layout == "qwen3_next" and not any(k.endswith("linear_attn.in_proj_qkv.weight") for k in keys)
-    )
+    has_flat = any(k.endswith("linear_attn.in_proj_qkv.weight") for k in keys)
+    has_grouped = any(k.endswith("linear_attn.in_proj_qkvz.weight") for k in keys)
+    grouped = has_grouped or (cfg.family.checkpoint_layout == "qwen3_next" and not has_flat)
 
     def fused(hp: str) -> bool:
         if hp + FUSED_EXPERT_RENAMES["moe.we_gate_up"] in keys or hp + FUSED_EXPERT_RENAMES["moe.we_down"] in keys:
@@ -421,7 +423,8 @@ def _write_safetensors(file: Path, entries: list[_Entry], tensor: Callable[[_Ent
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for en in entries:
-        header[en.key] = {"dtype": _ST_DTYPES[en.dtype], "shape": list(en.shape), "data_offsets": [offset, offset + en.nbytes]}
+        end = offset + en.nbytes
+        header[en.key] = {"dtype": _ST_DTYPES[en.dtype], "shape": list(en.shape), "data_offsets": [offset, end]}
         offset += en.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format pads the header to 8-byte alignment

@@ -2,8 +2,10 @@
 CE loss and aux loss; checkpoints written by transformers load into q38 with the same logits; round trips are exact;
 malformed checkpoints fail with one ``CheckpointError`` naming every problem.
 
-Everything is tiny fp32 on CPU. Weights use std 0.2 and random norm weights so a wrong row order, a missing
-``1 + w`` or a swapped gate/up would move the logits by far more than the 1e-4 tolerance.
+Everything is tiny fp32 on CPU. Weights use std 0.08-0.1 (not 0.02) and random norm weights, so a wrong row order, a
+missing ``1 + w`` or a swapped gate/up moves the logits by far more than the 1e-4 tolerance (checked: each q→HF test
+also shows that a mislaid tensor moves the logits by > 100x the tolerance). Larger stds make these deep random stacks
+amplify fp32 rounding (the chunked GDN differs from HF's at ~1e-6 relative) past 1e-4 without any layout error.
 """
 
 import json
@@ -27,7 +29,7 @@ CFG_A = ModelConfig(
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10_000.0, partial_rotary_factor=0.5,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=20,
-    mtp_num_layers=1, initializer_range=0.2, max_position_embeddings=4096,
+    mtp_num_layers=1, initializer_range=0.08, max_position_embeddings=4096,
 )
 # Custom layer types, value heads = 4 × key heads, top-1 of 4, tied embeddings, the qwen3_8_moe family name.
 CFG_B = ModelConfig(
@@ -36,7 +38,7 @@ CFG_B = ModelConfig(
     num_attention_heads=2, num_key_value_heads=1, head_dim=16, rope_theta=1_000_000.0, partial_rotary_factor=0.25,
     linear_num_key_heads=1, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
     num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-    mtp_num_layers=1, tie_word_embeddings=True, initializer_range=0.2, max_position_embeddings=4096,
+    mtp_num_layers=1, tie_word_embeddings=True, initializer_range=0.1, max_position_embeddings=4096,
 )
 # Qwen3-Next layout (grouped qkvz / ba, per-expert experts), no top-k renormalisation, top-3 of 6.
 CFG_NEXT = ModelConfig(
@@ -45,7 +47,7 @@ CFG_NEXT = ModelConfig(
     num_attention_heads=4, num_key_value_heads=1, head_dim=8, rope_theta=10_000.0, partial_rotary_factor=0.5,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
     num_experts=6, num_experts_per_tok=3, moe_intermediate_size=16, shared_expert_intermediate_size=16,
-    norm_topk_prob=False, mtp_num_layers=1, initializer_range=0.2, max_position_embeddings=4096,
+    norm_topk_prob=False, mtp_num_layers=1, initializer_range=0.1, max_position_embeddings=4096,
 )
 CONFIGS = {"qwen35_5layers": CFG_A, "qwen35_custom_tied_top1": CFG_B, "qwen3_next": CFG_NEXT}
 
@@ -110,7 +112,8 @@ def _assert_same_params(a, b) -> None:
 
 
 def _hf_random_model(cfg: ModelConfig, *, seed: int = 0, mtp_field: int | None = None):
-    """A transformers model for ``cfg`` with every parameter redrawn from N(0, 0.2) (gated GDN norm: 1 + N)."""
+    """A transformers model for ``cfg`` with every parameter redrawn from N(0, std) (gated GDN norm: 1 + N(0, std));
+    std is the config's ``initializer_range`` for matrices and 0.3 for vectors (zero-centred norms, dt_bias, A_log)."""
     config_cls, model_cls = _hf_classes(cfg)
     d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("model_type", "architectures", "q38_model_type")}
     if mtp_field is not None:
@@ -119,13 +122,13 @@ def _hf_random_model(cfg: ModelConfig, *, seed: int = 0, mtp_field: int | None =
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(0.2 * torch.randn(p.shape, generator=g))
+            p.copy_((0.3 if p.ndim == 1 else cfg.initializer_range) * torch.randn(p.shape, generator=g))
             if name.endswith("linear_attn.norm.weight"):
                 p.add_(1.0)
     return model
 
 
-# ---- (i) q38 → HF ----------------------------------------------------------------------------------------------------
+# ---- (i) q38 → HF ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_q38_to_hf_logits_and_losses(name, tmp_path):
     cfg = CONFIGS[name]
@@ -147,6 +150,22 @@ def test_q38_to_hf_logits_and_losses(name, tmp_path):
     diff = _assert_close_logits(ours_logits, out.logits)
     print(f"{name}: q38→HF max |Δ logits| = {diff:.2e}")
 
+    # the tolerance discriminates layout errors: value heads reversed in w_z, gate/up swapped in one layer
+    gdn_i = cfg.layer_types.index("linear_attention")
+    lp = params.layers[gdn_i]
+    f = cfg.moe_intermediate_size
+    z_rev = lp.mixer.w_z.reshape(cfg.linear_num_value_heads, -1, cfg.hidden_size).flip(0).reshape_as(lp.mixer.w_z)
+    gu_swap = torch.cat([lp.moe.we_gate_up[:, f:], lp.moe.we_gate_up[:, :f]], dim=1)
+    for bad_layer in (
+        attrs.evolve(lp, mixer=attrs.evolve(lp.mixer, w_z=z_rev)),
+        attrs.evolve(lp, moe=attrs.evolve(lp.moe, we_gate_up=gu_swap)),
+    ):
+        layers = list(params.layers)
+        layers[gdn_i] = bad_layer
+        with torch.no_grad():
+            wrong = q38.logits(attrs.evolve(params, layers=layers), ids, cfg)
+        assert (wrong - out.logits).abs().max() > 100 * LOGIT_TOL
+
     aux = _aux_reference(ours.router_logits[: cfg.num_hidden_layers], cfg.num_experts, cfg.num_experts_per_tok)
     assert abs(out.aux_loss.item() - aux.item()) <= LOSS_TOL
     ce = _ce_shifted(ours_logits, labels)
@@ -154,11 +173,12 @@ def test_q38_to_hf_logits_and_losses(name, tmp_path):
     # our local aux formula is HF's own function (guards the reference against drift)
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import load_balancing_loss_func
 
-    hf_fn = load_balancing_loss_func(tuple(ours.router_logits[: cfg.num_hidden_layers]), cfg.num_experts, cfg.num_experts_per_tok)
+    main_logits = tuple(ours.router_logits[: cfg.num_hidden_layers])
+    hf_fn = load_balancing_loss_func(main_logits, cfg.num_experts, cfg.num_experts_per_tok)
     assert abs(hf_fn.item() - aux.item()) <= LOSS_TOL
 
 
-# ---- (ii)/(iii) HF → q38 ---------------------------------------------------------------------------------------------
+# ---- (ii)/(iii) HF → q38 -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["qwen35_5layers", "qwen35_custom_tied_top1", "qwen3_next"])
 def test_hf_to_q38_logits(name, tmp_path):
     cfg = CONFIGS[name]
@@ -204,9 +224,9 @@ def test_round_trip_bit_identical(name, tmp_path):
     _assert_same_params(params, params2)
 
 
-def _qwen35_reference_state_dict(cfg: ModelConfig, params, prefix: str) -> dict:
-    """The Qwen3.5 hub layout written out by hand (independent of q38.hf's tables): fused main-layer experts,
-    per-expert MTP experts, ``mtp.*`` at the top level."""
+def _qwen35_reference_state_dict(cfg: ModelConfig, params, prefix: str, main_fused: bool, mtp_fused: bool) -> dict:
+    """The Qwen3.5 layout written out by hand (independent of q38.hf's tables), ``mtp.*`` at the top level; the hub
+    checkpoints have fused main-layer experts and per-expert MTP experts."""
     sd = {f"{prefix}embed_tokens.weight": params.embed, f"{prefix}norm.weight": params.final_norm}
     if params.lm_head is not None:
         sd["lm_head.weight"] = params.lm_head
@@ -217,7 +237,8 @@ def _qwen35_reference_state_dict(cfg: ModelConfig, params, prefix: str) -> dict:
         sd[hp + "post_attention_layernorm.weight"] = lp.mlp_norm
         m = lp.mixer
         if hasattr(m, "w_q"):
-            for n, t in dict(q_proj=m.w_q, k_proj=m.w_k, v_proj=m.w_v, o_proj=m.w_o, q_norm=m.q_norm, k_norm=m.k_norm).items():
+            attn = dict(q_proj=m.w_q, k_proj=m.w_k, v_proj=m.w_v, o_proj=m.w_o, q_norm=m.q_norm, k_norm=m.k_norm)
+            for n, t in attn.items():
                 sd[f"{hp}self_attn.{n}.weight"] = t
         else:
             la = hp + "linear_attn."
@@ -242,25 +263,26 @@ def _qwen35_reference_state_dict(cfg: ModelConfig, params, prefix: str) -> dict:
             sd[hp + "mlp.experts.down_proj"] = moe.we_down
 
     for i, lp in enumerate(params.layers):
-        layer(f"{prefix}layers.{i}.", lp, per_expert=False)
+        layer(f"{prefix}layers.{i}.", lp, per_expert=not main_fused)
     mtp = params.mtp
     sd["mtp.fc.weight"] = mtp.fc
     sd["mtp.pre_fc_norm_embedding.weight"] = mtp.norm_emb
     sd["mtp.pre_fc_norm_hidden.weight"] = mtp.norm_hidden
     sd["mtp.norm.weight"] = mtp.norm
     for j, lp in enumerate(mtp.layers):
-        layer(f"mtp.layers.{j}.", lp, per_expert=True)
+        layer(f"mtp.layers.{j}.", lp, per_expert=not mtp_fused)
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def test_multimodal_prefix_fused_checkpoint_loads(tmp_path):
-    """``model.language_model.`` prefix (model_type qwen3_5_moe, nested text_config), fused main experts,
-    per-expert MTP experts, a vision tower key to ignore, split over two shards with an index."""
+@pytest.mark.parametrize("main_fused,mtp_fused", [(True, False), (False, True)], ids=["hub", "swapped"])
+def test_multimodal_prefix_checkpoint_loads(main_fused, mtp_fused, tmp_path):
+    """``model.language_model.`` prefix (model_type qwen3_5_moe, nested text_config), fused or per-expert experts in
+    the main layers and in MTP, a vision tower key to ignore, split over two shards with an index."""
     from safetensors.torch import save_file
 
     cfg = CFG_A
     params = _random_params(cfg, seed=5)
-    sd = _qwen35_reference_state_dict(cfg, params, "model.language_model.")
+    sd = _qwen35_reference_state_dict(cfg, params, "model.language_model.", main_fused, mtp_fused)
     sd["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2, 2)
     keys = sorted(sd)
     half = len(keys) // 2
@@ -281,6 +303,21 @@ def test_multimodal_prefix_fused_checkpoint_loads(tmp_path):
     cfg2, params2 = load_hf(d)
     assert cfg2 == cfg
     _assert_same_params(params, params2)
+
+
+def test_bf16_round_trip_and_dtype_cast(tmp_path):
+    cfg = CFG_NEXT
+    params = _random_params(cfg, seed=9)
+    bf16 = tree_map_with_path(lambda p, t: None if t is None else t.to(torch.bfloat16), params)
+    save_hf(tmp_path / "bf16", cfg, bf16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    _assert_same_params(bf16, load_hf(tmp_path / "bf16")[1])
+    _, up = load_hf(tmp_path / "bf16", dtype=torch.float32)
+    assert all(t.dtype == torch.float32 for _, t in named_leaves(up) if t is not None)
+    _assert_same_params(bf16, tree_map_with_path(lambda p, t: None if t is None else t.to(torch.bfloat16), up))
+    save_hf(tmp_path / "fp32", cfg, params)
+    _, cast = load_hf(tmp_path / "fp32", dtype=torch.bfloat16)
+    _assert_same_params(bf16, cast)
 
 
 def test_sharded_save_and_load(tmp_path):
@@ -357,7 +394,7 @@ def test_checkpoint_errors(tmp_path):
     assert "mtp.layers.0.mlp.experts.2.down_proj.weight: checkpoint [48, 25], expected [48, 24]" in msg
 
     def many(sd):  # all three kinds at once, with more than the listed limit of missing keys
-        for k in [k for k in sd if k.startswith("model.layers.1.")]:
+        for k in [k for k in sd if k.startswith(("model.layers.1.", "model.layers.2."))]:
             del sd[k]
         sd["model.layers.9.input_layernorm.weight"] = torch.zeros(48)
         sd["model.norm.weight"] = torch.zeros(47)
@@ -366,7 +403,7 @@ def test_checkpoint_errors(tmp_path):
     with pytest.raises(CheckpointError) as ei:
         load_hf(tmp_path / "many")
     msg = str(ei.value)
-    assert "missing keys (" in msg and "... and" in msg and "more" in msg
+    assert "missing keys (36)" in msg and "    ... and 16 more" in msg
     assert "unexpected keys (1)" in msg and "shape mismatches (1)" in msg
 
     with pytest.raises(CheckpointError, match="neither model.safetensors nor"):

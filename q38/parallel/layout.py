@@ -123,7 +123,8 @@ def _mesh_dims_of(value: Any, where: str) -> tuple[str, ...]:
     raise LayoutError(f"{where}: expected null, a mesh dim name or a list of them, got {value!r}")
 
 
-def _fmt_mesh(mesh: Sequence[tuple[str, int]]) -> str:
+def format_mesh(mesh: Sequence[tuple[str, int]]) -> str:
+    """``fsdp=8 × cp=2 × ep=64``."""
     return " × ".join(f"{n}={s}" for n, s in mesh) if mesh else "(no mesh dims)"
 
 
@@ -136,6 +137,18 @@ def chunk_size(n: int, k: int, c: int) -> int:
     """Size of chunk ``c`` of ``n`` split into ``k`` with ``torch.chunk`` semantics (DTensor ``Shard``)."""
     full = -(-n // k)
     return max(0, min(n, full * (c + 1)) - full * c)
+
+
+# How to fix each kind of placement problem; said once per kind in an error message.
+_HINTS = {
+    "unmatched": "add a pattern for them under params",
+    "multi": "each parameter must match exactly one pattern: make the patterns disjoint",
+    "rank": "give one logical axis (or null) per tensor dim",
+    "norule": "add '<logical axis>: <mesh dim, list of mesh dims, or null>' under rules",
+    "twice": "a mesh dim can shard only one tensor dim: change one of the two rules",
+    "divide": "change the rule or the mesh sizes, or list the parameter under 'uneven' to accept torch.chunk shards",
+}
+_MAX_SHOWN = 4  # problems of one kind spelled out in an error message
 
 
 # ---- per-parameter result -----------------------------------------------------------------------------------------
@@ -163,8 +176,9 @@ class ParamPlacement:
     def _spec(self, compute: bool) -> tuple[tuple[str, ...], ...]:
         return self.compute_axes_per_dim if compute else self.mesh_axes_per_dim
 
-    def _placement_items(self, compute: bool) -> list[int | None]:
-        """Per mesh dim: the tensor dim it shards, or ``None`` (replicated; size-1 mesh dims always are)."""
+    def shard_dims(self, compute: bool = False) -> list[int | None]:
+        """Per mesh dim (mesh order): the tensor dim it shards, or ``None`` (replicated; size-1 mesh dims always
+        are). The mesh-dim-indexed transpose of ``mesh_axes_per_dim``; DTensor placements are built from it."""
         where = {m: i for i, dims in enumerate(self._spec(compute)) for m in dims}
         return [where.get(name) if size > 1 else None for name, size in self.mesh]
 
@@ -176,16 +190,16 @@ class ParamPlacement:
         """
         from torch.distributed.tensor import Replicate, Shard
 
-        return [Replicate() if d is None else Shard(d) for d in self._placement_items(compute)]
+        return [Replicate() if d is None else Shard(d) for d in self.shard_dims(compute)]
 
     def placement_strs(self, *, compute: bool = False) -> list[str]:
         """``dtensor_placements`` as strings (``"Shard(0)"``, ``"Replicate()"``), without importing DTensor."""
-        return ["Replicate()" if d is None else f"Shard({d})" for d in self._placement_items(compute)]
+        return ["Replicate()" if d is None else f"Shard({d})" for d in self.shard_dims(compute)]
 
     def local_shape(self, coord: Sequence[int], *, compute: bool = False) -> tuple[int, ...]:
         """The local shard shape at mesh coordinate ``coord`` (DTensor's nested ``torch.chunk`` split)."""
         shape = list(self.shape)
-        for (_, size), c, d in zip(self.mesh, coord, self._placement_items(compute)):
+        for (_, size), c, d in zip(self.mesh, coord, self.shard_dims(compute)):
             if d is not None:
                 shape[d] = chunk_size(shape[d], size, c)
         return tuple(shape)
@@ -310,7 +324,8 @@ class Layout:
         bad = [k for k in sizes if k not in names]
         if bad:
             raise LayoutError(
-                f"layout {self.name!r} has no mesh dim {', '.join(map(repr, bad))}; its mesh is {_fmt_mesh(self.mesh)}"
+                f"layout {self.name!r} has no mesh dim {', '.join(map(repr, bad))}; "
+                f"its mesh is {format_mesh(self.mesh)}"
             )
         return attrs.evolve(self, mesh=tuple((n, sizes.get(n, s)) for n, s in self.mesh))
 
@@ -345,7 +360,7 @@ class Layout:
     # ---- static checks (no model, no world size) ---------------------------------------------------------------
     def _check_static(self) -> None:
         name, mesh_names = self.name, self.mesh_dim_names
-        known = f"the mesh is {_fmt_mesh(self.mesh)}"
+        known = f"the mesh is {format_mesh(self.mesh)}"
         for dim, size in self.mesh:
             if dim not in MESH_DIM_NAMES:
                 raise LayoutError(
@@ -355,7 +370,9 @@ class Layout:
             if size != -1 and size < 1:
                 raise LayoutError(f"layout {name!r}: mesh size {dim}={size} must be >= 1, or -1 for the rest")
         if sum(s == -1 for _, s in self.mesh) > 1:
-            raise LayoutError(f"layout {name!r}: at most one mesh dim may be -1 (the rest), got {_fmt_mesh(self.mesh)}")
+            raise LayoutError(
+                f"layout {name!r}: at most one mesh dim may be -1 (the rest), got {format_mesh(self.mesh)}"
+            )
         for table, key in ((self.rules, "rules"), (self.compute, "compute"), (self.activations, "activations")):
             for axis, dims in table:
                 for m in dims:
@@ -417,13 +434,13 @@ class Layout:
         if rest:
             if world_size % fixed:
                 raise LayoutError(
-                    f"layout {self.name!r}: mesh {_fmt_mesh(self.mesh)} needs a world size divisible by {fixed} "
+                    f"layout {self.name!r}: mesh {format_mesh(self.mesh)} needs a world size divisible by {fixed} "
                     f"(the product of its fixed sizes; {rest[0]} takes the rest), but WORLD_SIZE={world_size}"
                 )
             return {n: (world_size // fixed if s == -1 else s) for n, s in self.mesh}
         if fixed != world_size:
             raise LayoutError(
-                f"layout {self.name!r}: mesh {_fmt_mesh(self.mesh)} has {fixed} ranks, but WORLD_SIZE={world_size}; "
+                f"layout {self.name!r}: mesh {format_mesh(self.mesh)} has {fixed} ranks, but WORLD_SIZE={world_size}; "
                 f"set one mesh size to -1 to absorb the world size, or launch {fixed} ranks"
             )
         return {n: s for n, s in self.mesh}
@@ -460,13 +477,14 @@ class Layout:
         """:meth:`placements` over ``[(dotted path, global shape)]``."""
         mesh_items = self._mesh_items(mesh)
         sizes = dict(mesh_items)
-        where = f"layout {self.name!r} on mesh {_fmt_mesh(mesh_items)}"
+        where = f"layout {self.name!r} on mesh {format_mesh(mesh_items)}"
         rule_map, compute_map = self.rule_map, self.compute_map
         patterns = [p for p, _ in self.params]
         axes_of = dict(self.params)
         regexes = [(p, re.compile(fnmatch.translate(p))) for p in patterns]
         uneven_res = [re.compile(fnmatch.translate(p)) for p in self.uneven]
-        errors: dict[tuple, list[str]] = {}  # (kind, key) → [message for the first path, more paths...]
+        # (kind, grouping key) → [message naming the first parameter, further parameter paths]
+        errors: dict[tuple, list[str]] = {}
         unmatched: list[str] = []
 
         def err(kind: tuple, path: str, msg: str) -> None:
@@ -483,22 +501,20 @@ class Layout:
                 continue
             if len(hits) > 1:
                 err(("multi", tuple(hits)), path,
-                    f"parameter {path!r} matches {len(hits)} patterns ({', '.join(repr(h) for h in hits)}); each "
-                    f"parameter must match exactly one: make the patterns disjoint")
+                    f"parameter {path!r} matches {len(hits)} patterns ({', '.join(repr(h) for h in hits)})")
                 continue
             pat = hits[0]
             axes = axes_of[pat]
             if len(axes) != len(shape):
                 err(("rank", pat), path,
                     f"parameter {path!r} has rank {len(shape)} (shape {list(shape)}) but pattern {pat!r} gives "
-                    f"{len(axes)} logical axes {list(axes)}; give one logical axis (or null) per tensor dim")
+                    f"{len(axes)} logical axes {list(axes)}")
                 continue
             spec, cspec, ok = [], [], True
             for i, axis in enumerate(axes):
                 if axis is not None and axis not in rule_map:
                     err(("norule", axis), path,
-                        f"parameter {path!r} dim {i} has logical axis {axis!r}, which has no rule; add "
-                        f"'{axis}: <mesh dim, list of mesh dims, or null>' under rules")
+                        f"parameter {path!r} dim {i} has logical axis {axis!r}, which has no rule")
                     ok = False
                     continue
                 spec.append(rule_map.get(axis, ()) if axis is not None else ())
@@ -512,7 +528,7 @@ class Layout:
                         j = seen[m]
                         err(("twice", pat, m), path,
                             f"parameter {path!r} (pattern {pat!r}): mesh dim {m!r} shards both dim {j} "
-                            f"({axes[j]}) and dim {i} ({axes[i]}); a mesh dim can shard only one tensor dim")
+                            f"({axes[j]}) and dim {i} ({axes[i]})")
                         ok = False
                     seen[m] = i
             if not ok:
@@ -521,11 +537,10 @@ class Layout:
             for i, dims in enumerate(spec):
                 k = math.prod(sizes[m] for m in dims)
                 if dims and shape[i] % k and not is_uneven:
-                    err(("divide", pat, i), path,
+                    err(("divide", axes[i], shape[i]), path,
                         f"parameter {path!r} dim {i} ({axes[i]}, size {shape[i]}) is sharded over mesh dims "
                         f"{' × '.join(f'{m}={sizes[m]}' for m in dims)} = {k} ranks, and {shape[i]} is not "
-                        f"divisible by {k}; change rules[{axes[i]!r}] or the mesh, or list the parameter under "
-                        f"'uneven' to accept torch.chunk-style shards")
+                        f"divisible by {k}")
                     ok = False
             if ok:
                 out[path] = ParamPlacement(
@@ -535,14 +550,22 @@ class Layout:
         msgs = []
         if unmatched:
             shown = ", ".join(unmatched[:8]) + (f" and {len(unmatched) - 8} more" if len(unmatched) > 8 else "")
-            msgs.append(f"{len(unmatched)} parameter(s) match no pattern in params: {shown}; add a pattern for them")
-        for first, *more in errors.values():
-            msgs.append(first + (f" (and {len(more)} more parameter(s) alike, e.g. {more[0]!r})" if more else ""))
+            msgs.append(f"{len(unmatched)} parameter(s) match no pattern in params: {shown} ({_HINTS['unmatched']})")
+        for kind in _HINTS:
+            group = [(first, more) for key, (first, *more) in errors.items() if key[0] == kind]
+            for first, more in group[:_MAX_SHOWN]:
+                msgs.append(first + (f" (and {len(more)} more alike, e.g. {more[0]!r})" if more else ""))
+            if len(group) > _MAX_SHOWN:
+                msgs.append(f"{len(group) - _MAX_SHOWN} more problem(s) of this kind")
+            if group:
+                msgs[-1] += f" ({_HINTS[kind]})"
         if msgs:
             raise LayoutError(f"{where}: " + "; ".join(msgs))
         return out
 
-    def validate(self, cfg: ModelConfig, world_size: int | Mapping[str, int] | None = None) -> dict[str, ParamPlacement]:
+    def validate(
+        self, cfg: ModelConfig, world_size: int | Mapping[str, int] | None = None
+    ) -> dict[str, ParamPlacement]:
         """Check this layout against ``cfg``'s abstract parameters; returns the placements.
 
         ``world_size`` defaults to the smallest world the mesh allows (the ``-1`` dim of size 1).
@@ -556,6 +579,6 @@ class Layout:
     def describe(self) -> str:
         """One line: name, mesh, activation split."""
         return (
-            f"{self.name}: mesh {_fmt_mesh(self.mesh)}; batch over {list(self.batch_mesh_dims)}, "
+            f"{self.name}: mesh {format_mesh(self.mesh)}; batch over {list(self.batch_mesh_dims)}, "
             f"sequence over {list(self.seq_mesh_dims)}"
         )

@@ -7,17 +7,16 @@ import torch
 from torch import Tensor
 
 from q38.layers.context import SeqInfo
-from q38.layers.rope import positions_from_docs
 
 
 class LocalParallel:
     is_local = True
     ep_size = 1
 
-    def seq_info(self, doc_ids: Tensor, seq_idx: Tensor) -> SeqInfo:
-        s = doc_ids.shape[1]
-        packed = bool((doc_ids[:, 1:] != doc_ids[:, :-1]).any()) if s > 1 else False
-        return SeqInfo(doc_ids, positions_from_docs(doc_ids), seq_idx, packed)
+    def seq_info(self, mb) -> SeqInfo:
+        s = mb.doc_ids.shape[1]
+        packed = bool((mb.doc_ids[:, 1:] != mb.doc_ids[:, :-1]).any()) if s > 1 else False
+        return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, packed)
 
     def gather(self, tree):
         """Parameters in compute form (FSDP all-gather on a mesh)."""

@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from q38.config import ConfigError, ModelConfig
-from q38.parallel.layout import Layout, LayoutError, ParamPlacement, _fmt_mesh
+from q38.parallel.layout import Layout, LayoutError, ParamPlacement, format_mesh
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -121,10 +121,6 @@ class PlanReport:
         return self.allgather_fwd_bytes + self.allgather_bwd_bytes + self.reduce_scatter_bytes + self.all_reduce_bytes
 
 
-def _items(pp: ParamPlacement, compute: bool) -> tuple[int | None, ...]:
-    return tuple(pp._placement_items(compute))
-
-
 def _expert_placement(pl: dict[str, ParamPlacement], num_experts: int, world: int) -> ExpertPlacement | None:
     pp = next((p for path, p in pl.items() if path.endswith("moe.we_gate_up")), None)
     if pp is None:
@@ -184,7 +180,7 @@ def plan(
     grid_cache: dict[tuple, torch.Tensor] = {}
 
     def grid(pp: ParamPlacement, compute: bool) -> torch.Tensor:
-        key = (pp.shape, _items(pp, compute))
+        key = (pp.shape, tuple(pp.shard_dims(compute)))
         if key not in grid_cache:
             grid_cache[key] = local_numel_grid(pp.shape, key[1], mesh_sizes)
         return grid_cache[key]
@@ -293,10 +289,13 @@ def format_plan(r: PlanReport) -> str:
         for row in r.rows
     ]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    fmt = lambda cells: "  ".join(c.rjust(w) if i in (1, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+
+    def fmt(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in (1, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
     lines = [
         f"q38 plan · model {r.model} ({_count(r.total_params)} params, {_count(r.expert_params)} in routed experts)"
-        f" · layout {r.layout} · world {r.world_size} = {_fmt_mesh(r.mesh)}",
+        f" · layout {r.layout} · world {r.world_size} = {format_mesh(r.mesh)}",
         f"params and grads {r.param_dtype}, optimizer {r.optimizer_state_factor} × fp32 per param",
         "",
         fmt(head),

@@ -10,6 +10,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from q38.layers.rope import positions_from_docs
 from q38.model import shift_tokens
 from q38.pytree import pytree_node
 
@@ -30,6 +31,7 @@ class StepBatch:
     targets: Tensor
     doc_ids: Tensor
     seq_idx: Tensor
+    positions: Tensor
     aux_mask: Tensor
     mtp_inputs: tuple
     mtp_targets: tuple
@@ -51,6 +53,7 @@ def prepare_batch(
         targets=shift_tokens(labels, packed_docs, 1, IGNORE),
         doc_ids=doc_ids,
         seq_idx=torch.arange(s, device=input_ids.device).expand(b, s).contiguous(),
+        positions=positions_from_docs(doc_ids),
         aux_mask=(labels != IGNORE),
         mtp_inputs=tuple(shift_tokens(input_ids, packed_docs, d, 0) for d in range(1, mtp_depths + 1)),
         mtp_targets=tuple(shift_tokens(labels, packed_docs, 1 + d, IGNORE) for d in range(1, mtp_depths + 1)),
@@ -68,7 +71,7 @@ def split_micro_batches(batch: StepBatch, n: int) -> list[StepBatch]:
         sl = slice(i * size, (i + 1) * size)
         return StepBatch(
             input_ids=batch.input_ids[sl], targets=batch.targets[sl], doc_ids=batch.doc_ids[sl],
-            seq_idx=batch.seq_idx[sl], aux_mask=batch.aux_mask[sl],
+            seq_idx=batch.seq_idx[sl], positions=batch.positions[sl], aux_mask=batch.aux_mask[sl],
             mtp_inputs=tuple(t[sl] for t in batch.mtp_inputs), mtp_targets=tuple(t[sl] for t in batch.mtp_targets),
         )
 

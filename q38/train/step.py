@@ -127,7 +127,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
     p = pytree.tree_unflatten(leaves, spec)
 
     def run(mb: StepBatch):
-        info = par.seq_info(mb.doc_ids, mb.seq_idx)
+        info = par.seq_info(mb)
         return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, runtime=runtime)
 
     global_counts = global_rows = None

@@ -1,0 +1,333 @@
+"""Meshes, sharded train states and the mesh runtime ``train_step`` uses: FSDP gathers, EP dispatch, CP exchanges.
+
+Every mesh dim splits the data (``fsdp``, ``ep``, ``dp_replicate`` split the batch rows, ``cp`` the sequence), so a
+parameter's gradient is the *sum* over every rank of its local contribution: gathered and replicated dims reduce
+(reduce-scatter / all-reduce) in backward, EP-local expert dims keep their shard. Collectives are explicit
+autograd functions on local tensors (shard_map style); parameters and optimizer moments live as DTensors.
+"""
+
+import attrs
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from q38.layers.context import SeqInfo
+from q38.layers.moe import swiglu_grouped
+from q38.parallel.layout import Layout
+from q38.pytree import named_leaves
+from q38.train.objective import StepBatch
+
+
+# ---- differentiable collectives on local tensors ------------------------------------------------------------------
+
+
+class _AllGather(torch.autograd.Function):
+    """Forward: concatenate every rank's equal-size shard along ``dim``. Backward: reduce-scatter (sum)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        n = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        n = dist.get_world_size(ctx.group)
+        chunks = [c.contiguous() for c in g.chunk(n, dim=ctx.dim)]
+        out = torch.empty_like(chunks[0])
+        dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None, None
+
+
+class _SumGrad(torch.autograd.Function):
+    """Forward: identity. Backward: all-reduce (sum) over ``group`` (a replicated parameter used on every rank)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _SeqAllGather(torch.autograd.Function):
+    """Activations: forward all-gather along ``dim``; backward returns this rank's slice of the summed gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        n = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(n)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        n = dist.get_world_size(ctx.group)
+        chunks = [c.contiguous() for c in g.chunk(n, dim=ctx.dim)]
+        out = torch.empty_like(chunks[0])
+        dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Uneven ``all_to_all_single`` whose backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        out = g.new_empty((sum(ctx.in_splits), *g.shape[1:]))
+        dist.all_to_all_single(out, g.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        return out, None, None, None
+
+
+# ---- the mesh ----------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Mesh:
+    """A q38 mesh: the DeviceMesh, its layout and the runtime ``train_step`` uses (``mesh.parallel``)."""
+
+    device_mesh: DeviceMesh
+    layout: Layout
+    sizes: dict
+
+    @property
+    def parallel(self) -> "MeshParallel":
+        return MeshParallel(self)
+
+    def group(self, name: str):
+        return self.device_mesh.get_group(name)
+
+    def size(self, name: str) -> int:
+        return self.sizes.get(name, 1)
+
+    def local_rank(self, name: str) -> int:
+        return self.device_mesh.get_local_rank(name) if self.size(name) > 1 else 0
+
+
+def make_mesh(layout: Layout, world_size: int | None = None, device_type: str = "cpu") -> Mesh:
+    """``init_device_mesh`` over the layout's mesh dims (sizes resolved against ``world_size``)."""
+    world_size = world_size if world_size is not None else dist.get_world_size()
+    sizes = layout.resolve_mesh(world_size)
+    names = tuple(sizes)
+    dm = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    return Mesh(dm, layout, dict(sizes))
+
+
+def _placements(mesh: Mesh, params) -> dict:
+    return mesh.layout.placements(params, mesh.sizes)
+
+
+def shard(state, mesh: Mesh, layout: Layout | None = None):
+    """Place the train state's parameters and moments as DTensors per the layout (values = the unsharded ones)."""
+    import torch.utils._pytree as pytree
+
+    pl = _placements(mesh, state.params)
+
+    def place(tree):
+        names = [n for n, _ in named_leaves(tree)]
+        flat, spec = pytree.tree_flatten(tree)
+        out = [distribute_tensor(t, mesh.device_mesh, pl[n].dtensor_placements()) for n, t in zip(names, flat)]
+        return pytree.tree_unflatten(out, spec)
+
+    return attrs.evolve(state, params=place(state.params), exp_avg=place(state.exp_avg), exp_avg_sq=place(state.exp_avg_sq))
+
+
+def unshard(state):
+    """Full tensors on every rank (for checks and Hugging Face export)."""
+    import torch.utils._pytree as pytree
+
+    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    return attrs.evolve(
+        state,
+        params=pytree.tree_map(full, state.params),
+        exp_avg=pytree.tree_map(full, state.exp_avg),
+        exp_avg_sq=pytree.tree_map(full, state.exp_avg_sq),
+    )
+
+
+def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int) -> StepBatch:
+    """This rank's part of a global batch (the same on every rank): rows split over the batch dims, the sequence
+    over ``cp`` (contiguous). Shifts and positions are computed on whole rows first, so they cross CP borders."""
+    from q38.train.objective import prepare_batch
+
+    full = prepare_batch(batch["input_ids"], batch["labels"], batch.get("doc_ids"), mtp_depths)
+    b, s = full.input_ids.shape
+    row_dims = [d for d in mesh.layout.batch_mesh_dims if mesh.size(d) > 1]
+    n_rows, r = 1, 0
+    for d in row_dims:
+        r = r * mesh.size(d) + mesh.local_rank(d)
+        n_rows *= mesh.size(d)
+    if b % n_rows:
+        raise ValueError(f"global batch of {b} rows does not split over {n_rows} data-parallel ranks ({row_dims})")
+    cp = mesh.size("cp")
+    if s % cp:
+        raise ValueError(f"sequence length {s} is not divisible by the cp size {cp}")
+    rows = slice(r * (b // n_rows), (r + 1) * (b // n_rows))
+    c = mesh.local_rank("cp")
+    cols = slice(c * (s // cp), (c + 1) * (s // cp))
+
+    def take(t):
+        return t[rows, cols].contiguous()
+
+    return StepBatch(
+        input_ids=take(full.input_ids), targets=take(full.targets), doc_ids=take(full.doc_ids),
+        seq_idx=take(full.seq_idx), positions=take(full.positions), aux_mask=take(full.aux_mask),
+        mtp_inputs=tuple(take(t) for t in full.mtp_inputs), mtp_targets=tuple(take(t) for t in full.mtp_targets),
+    )
+
+
+# ---- CP exchanges ----------------------------------------------------------------------------------------------
+
+
+class CPComm:
+    """Sequence exchanges over the ``cp`` group (contiguous split, rank order = sequence order)."""
+
+    is_local = False
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def all_gather_seq(self, x: Tensor, dim: int) -> Tensor:
+        if x.is_floating_point() and x.requires_grad:
+            return _SeqAllGather.apply(x, dim, self.group)
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def prev_tail(self, x: Tensor, n: int, dim: int) -> Tensor:
+        tail = x.narrow(dim, x.shape[dim] - n, n)
+        tails = self.all_gather_seq(tail, dim).chunk(self.size, dim=dim)
+        if self.rank == 0:
+            return torch.zeros_like(tails[0])
+        return tails[self.rank - 1]
+
+    def gdn_carry(self, state_zero: Tensor, transition: Tensor, doc_ids: Tensor) -> Tensor:
+        s_all = self.all_gather_seq(state_zero[None], 0)  # [cp, b, h, a, p]
+        t_all = self.all_gather_seq(transition[None], 0)  # [cp, b, h, a, a]
+        ends = torch.stack([doc_ids[:, 0], doc_ids[:, -1]], dim=0)[None]  # [1, 2, b]
+        ends_all = self.all_gather_seq(ends, 0)  # [cp, 2, b]
+        init = torch.zeros_like(state_zero)
+        for r in range(1, self.rank + 1):
+            cont = (ends_all[r - 1, 1] == ends_all[r, 0]).to(init.dtype)[:, None, None, None]
+            init = cont * (t_all[r - 1] @ init + s_all[r - 1])
+        return init
+
+
+# ---- EP dispatch -----------------------------------------------------------------------------------------------
+
+
+class EPDispatch:
+    """Send each routed slot to the rank owning its expert (uneven all-to-all), run local experts, send back."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+
+    def __call__(self, x_md, expert_m, p, cfg):
+        e_local = p.we_gate_up.shape[0]
+        dest = torch.div(expert_m, e_local, rounding_mode="floor")
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=self.size)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        send_l, recv_l = send.tolist(), recv.tolist()
+        x_recv = _AllToAll.apply(x_md[order], recv_l, send_l, self.group)
+        e_recv = torch.empty(sum(recv_l), dtype=expert_m.dtype)
+        dist.all_to_all_single(e_recv, expert_m[order].contiguous(), recv_l, send_l, group=self.group)
+        e_recv = e_recv - self.rank * e_local
+        o = torch.argsort(e_recv, stable=True)
+        counts = torch.bincount(e_recv, minlength=e_local)
+        y = swiglu_grouped(x_recv[o], counts, p.we_gate_up, p.we_down, cfg.use_grouped_expert_matmul)
+        y_recv = torch.empty_like(y).index_copy(0, o, y)
+        y_sorted = _AllToAll.apply(y_recv, send_l, recv_l, self.group)
+        return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+
+
+# ---- the runtime -----------------------------------------------------------------------------------------------
+
+
+class MeshParallel:
+    is_local = False
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        names = list(mesh.sizes)
+        self.dims = [(i, n, mesh.sizes[n]) for i, n in enumerate(names)]
+        self.ep_size = mesh.size("ep")
+        self.dispatch = EPDispatch(mesh.group("ep"), mesh.local_rank("ep"), self.ep_size) if self.ep_size > 1 else None
+        cp = mesh.size("cp")
+        self.comm = CPComm(mesh.group("cp"), mesh.local_rank("cp"), cp) if cp > 1 else None
+        # compute-form sharding (what stays local after the FSDP gather): dims ruled by the layout's `compute` map
+        self._compute_dims = set()
+        for logical, dims in mesh.layout.compute_map.items():
+            self._compute_dims.update(dims)
+
+    def seq_info(self, mb: StepBatch) -> SeqInfo:
+        from q38.layers.context import LocalSeqComm
+
+        s = mb.doc_ids.shape[1]
+        packed = bool((mb.doc_ids[:, 1:] != mb.doc_ids[:, :-1]).any()) if s > 1 else False
+        return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, packed, self.comm or LocalSeqComm())
+
+    def _gather_one(self, t):
+        if not isinstance(t, DTensor):
+            return t
+        x = t.to_local(grad_placements=t.placements)
+        # Gather sharded dims (inner mesh dims first), keep compute-local ones; sum grads over replicated dims.
+        for i, name, size in reversed(self.dims):
+            if size == 1:
+                continue
+            pl = t.placements[i]
+            if isinstance(pl, Shard) and name in self._compute_dims:
+                continue
+            if isinstance(pl, Shard):
+                if t.shape[pl.dim] % size:
+                    raise NotImplementedError(
+                        f"gathering an unevenly sharded parameter (shape {tuple(t.shape)} over {name}={size}) is "
+                        "not implemented; make the dimension divisible or change the layout"
+                    )
+                x = _AllGather.apply(x, pl.dim, self.mesh.group(name))
+            else:
+                x = _SumGrad.apply(x, self.mesh.group(name))
+        return x
+
+    def gather(self, tree):
+        import torch.utils._pytree as pytree
+
+        return pytree.tree_map(self._gather_one, tree)
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        t = torch.as_tensor(t).detach().clone()
+        dist.all_reduce(t)
+        return t
+
+    def grad_sq_norm(self, grads) -> Tensor:
+        total = torch.zeros(())
+        for g in grads:
+            if isinstance(g, DTensor):
+                local = g.to_local().float().pow(2).sum()
+                # each distinct shard is held by the ranks along replicated dims: count it once
+                reps = 1
+                for (i, name, size), pl in zip(self.dims, g.placements):
+                    if not isinstance(pl, Shard):
+                        reps *= size
+                total = total + local / reps
+            else:
+                total = total + g.float().pow(2).sum() / dist.get_world_size()
+        return self.all_reduce_sum(total)
