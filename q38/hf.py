@@ -286,7 +286,7 @@ def _load_layout(cfg: ModelConfig, keys: set[str]) -> Layout:
     def fused(hp: str) -> bool:
         if hp + FUSED_EXPERT_RENAMES["moe.we_gate_up"] in keys or hp + FUSED_EXPERT_RENAMES["moe.we_down"] in keys:
             return True
-        if any(k.startswith(hp + "mlp.experts.") for k in keys):
+        if hp + PER_EXPERT_KEY.format(i=0, proj="gate") in keys or any(k.startswith(hp + "mlp.experts.") for k in keys):
             return False
         # Nothing there: report the layout this family normally uses (Qwen3.5 main layers fused).
         return cfg.family.checkpoint_layout == "qwen3_5_moe" and not hp.startswith("mtp.")

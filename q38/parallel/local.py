@@ -18,6 +18,9 @@ class LocalParallel:
         packed = bool((mb.doc_ids[:, 1:] != mb.doc_ids[:, :-1]).any()) if s > 1 else False
         return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, packed)
 
+    def bind(self, params) -> None:
+        pass
+
     def gather(self, tree):
         """Parameters in compute form (FSDP all-gather on a mesh)."""
         return tree

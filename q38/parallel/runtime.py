@@ -214,8 +214,8 @@ class CPComm:
     def prev_tail(self, x: Tensor, n: int, dim: int) -> Tensor:
         tail = x.narrow(dim, x.shape[dim] - n, n)
         tails = self.all_gather_seq(tail, dim).chunk(self.size, dim=dim)
-        if self.rank == 0:
-            return torch.zeros_like(tails[0])
+        if self.rank == 0:  # `* 0` keeps the gather in this rank's graph: its backward is a collective every rank joins
+            return tails[0] * 0
         return tails[self.rank - 1]
 
     def gdn_carry(self, state_zero: Tensor, transition: Tensor, doc_ids: Tensor) -> Tensor:
@@ -223,7 +223,9 @@ class CPComm:
         t_all = self.all_gather_seq(transition[None], 0)  # [cp, b, h, a, a]
         ends = torch.stack([doc_ids[:, 0], doc_ids[:, -1]], dim=0)[None]  # [1, 2, b]
         ends_all = self.all_gather_seq(ends, 0)  # [cp, 2, b]
-        init = torch.zeros_like(state_zero)
+        # Every rank's graph must use the gathered tensors (their backward is a collective): start from an exact 0
+        # that depends on them.
+        init = (s_all.sum() + t_all.sum()) * 0 * state_zero.new_zeros(state_zero.shape)
         for r in range(1, self.rank + 1):
             cont = (ends_all[r - 1, 1] == ends_all[r, 0]).to(init.dtype)[:, None, None, None]
             init = cont * (t_all[r - 1] @ init + s_all[r - 1])
@@ -273,10 +275,16 @@ class MeshParallel:
         self.dispatch = EPDispatch(mesh.group("ep"), mesh.local_rank("ep"), self.ep_size) if self.ep_size > 1 else None
         cp = mesh.size("cp")
         self.comm = CPComm(mesh.group("cp"), mesh.local_rank("cp"), cp) if cp > 1 else None
-        # compute-form sharding (what stays local after the FSDP gather): dims ruled by the layout's `compute` map
-        self._compute_dims = set()
-        for logical, dims in mesh.layout.compute_map.items():
-            self._compute_dims.update(dims)
+        self._keep_local: dict[int, set] = {}
+
+    def bind(self, params) -> None:
+        """Record, per parameter leaf, the mesh dims that stay sharded in compute form (the layout's ``compute``
+        map, e.g. experts on ``ep``); every other sharded dim is all-gathered just in time."""
+        pl = self.mesh.layout.placements(params, self.mesh.sizes)
+        names = list(self.mesh.sizes)
+        for path, leaf in named_leaves(params):
+            dims = pl[path].shard_dims(compute=True)
+            self._keep_local[id(leaf)] = {n for n, d in zip(names, dims) if d is not None}
 
     def seq_info(self, mb: StepBatch) -> SeqInfo:
         from q38.layers.context import LocalSeqComm
@@ -288,13 +296,16 @@ class MeshParallel:
     def _gather_one(self, t):
         if not isinstance(t, DTensor):
             return t
+        keep = self._keep_local.get(id(t))
+        if keep is None:
+            raise RuntimeError("MeshParallel.gather: parameter not bound; call bind(params) first")
         x = t.to_local(grad_placements=t.placements)
         # Gather sharded dims (inner mesh dims first), keep compute-local ones; sum grads over replicated dims.
         for i, name, size in reversed(self.dims):
             if size == 1:
                 continue
             pl = t.placements[i]
-            if isinstance(pl, Shard) and name in self._compute_dims:
+            if isinstance(pl, Shard) and name in keep:
                 continue
             if isinstance(pl, Shard):
                 if t.shape[pl.dim] % size:

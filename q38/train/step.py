@@ -125,6 +125,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
     flat, spec = pytree.tree_flatten(state.params)
     leaves = [t.detach().requires_grad_(True) for t in flat]
     p = pytree.tree_unflatten(leaves, spec)
+    par.bind(p)
 
     def run(mb: StepBatch):
         info = par.seq_info(mb)

@@ -1,0 +1,327 @@
+"""Training checkpoints: sharded ``torch.distributed.checkpoint`` (DCP) shards of the ``TrainState`` plus ``meta.json``.
+
+Layout of a run directory::
+
+    OUT_DIR/metrics.jsonl
+    OUT_DIR/checkpoints/latest                  "step_000050" (written atomically; informative)
+    OUT_DIR/checkpoints/step_000050/.metadata   DCP index
+    OUT_DIR/checkpoints/step_000050/__*_*.distcp DCP shards: {"params.<path>", "exp_avg.<path>", "exp_avg_sq.<path>", "step"}
+    OUT_DIR/checkpoints/step_000050/meta.json   step, model + train config, data position, layout, versions
+    OUT_DIR/checkpoints/step_000050/rng/rank_00000.pt  each rank's torch RNG states
+
+A checkpoint is written into ``step_000050.tmp-<token>`` and renamed to ``step_000050`` only once every shard and
+``meta.json`` are on disk, so a crash during a save never touches the previous checkpoint, and every directory
+named ``step_<digits>`` is complete. ``keep_last`` deletes only directories whose names match that pattern inside
+the checkpoints directory. Parameters sharded as DTensors are saved sharded; DCP reshards on load (a checkpoint
+saved on N ranks loads on M ranks or on one process, e.g. for ``q38 convert --to-hf``).
+"""
+
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.utils._pytree as pytree
+
+from q38.config import ConfigError, ModelConfig
+from q38.pytree import named_leaves, tree_map
+
+FORMAT = "q38-checkpoint/1"
+CHECKPOINTS = "checkpoints"
+META_FILE = "meta.json"
+LATEST_FILE = "latest"
+STEP_RE = re.compile(r"^step_(\d{6,})$")
+TMP_RE = re.compile(r"^step_\d{6,}\.tmp-[0-9A-Za-z]+$")
+
+
+class CheckpointMismatch(ConfigError):
+    """A checkpoint was made for another model (or is not a q38 checkpoint); the message names the fields."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{int(step):06d}"
+
+
+# ---- finding checkpoints ------------------------------------------------------------------------------------------
+
+
+def is_checkpoint(path: Path) -> bool:
+    return (path / META_FILE).is_file() and (path / ".metadata").is_file()
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the complete checkpoints in a checkpoints directory, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir() and is_checkpoint(p):
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step in ``root`` (a checkpoints directory), or None."""
+    cks = list_checkpoints(root)
+    return cks[-1][1] if cks else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory, a run's ``checkpoints`` directory or a run directory → one checkpoint (the latest)."""
+    p = Path(path)
+    if is_checkpoint(p):
+        return p
+    for root in (p / CHECKPOINTS, p):
+        ck = latest_checkpoint(root)
+        if ck is not None:
+            return ck
+    what = "does not exist" if not p.exists() else "holds no complete q38 checkpoint"
+    raise FileNotFoundError(
+        f"{p} {what}; pass a run directory (with checkpoints/step_*), a checkpoints directory or a checkpoint "
+        f"directory (with {META_FILE})"
+    )
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    f = Path(path) / META_FILE
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointMismatch(f"{f}: cannot read checkpoint metadata ({e}); is this a q38 checkpoint?") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointMismatch(f"{f}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    return meta
+
+
+# ---- model-config checks --------------------------------------------------------------------------------------------
+
+
+def config_diff(expected: Mapping[str, Any], got: Mapping[str, Any]) -> list[str]:
+    """``["hidden_size: checkpoint 64, config 128", ...]`` over the union of keys."""
+    out = []
+    for k in sorted(set(expected) | set(got)):
+        a, b = expected.get(k, "<absent>"), got.get(k, "<absent>")
+        if a != b:
+            out.append(f"{k}: checkpoint {a!r}, config {b!r}")
+    return out
+
+
+def check_model_config(meta: Mapping[str, Any], model: ModelConfig, where: str) -> None:
+    """Refuse a checkpoint whose recorded model config differs from ``model`` (naming the differing fields)."""
+    stored = ModelConfig.from_dict(meta["model_config"], source=f"{where}/{META_FILE}").to_dict()
+    diff = config_diff(stored, model.to_dict())
+    if diff:
+        shown = "; ".join(diff[:6]) + (f"; and {len(diff) - 6} more" if len(diff) > 6 else "")
+        raise CheckpointMismatch(
+            f"checkpoint {where} was made for another model config ({shown}); train the checkpoint's model, "
+            "or start a new run (another run.out_dir, or run.resume: false with an empty out_dir)"
+        )
+
+
+# ---- distributed helpers (no-ops on one process) -----------------------------------------------------------------
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank() -> int:
+    d = _dist()
+    return d.get_rank() if d else 0
+
+
+def _barrier() -> None:
+    d = _dist()
+    if d:
+        d.barrier()
+
+
+def _broadcast(obj):
+    d = _dist()
+    if not d:
+        return obj
+    box = [obj]
+    d.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _dcp_save(state_dict: dict, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # one process: DCP warns that it runs without a process group
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state_dict, checkpoint_id=str(path), no_dist=_dist() is None)
+
+
+def _dcp_load(state_dict: dict, path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state_dict, checkpoint_id=str(path), no_dist=_dist() is None)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def set_rng_state(st: Mapping[str, Any]) -> None:
+    torch.set_rng_state(st["cpu"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+# ---- writing --------------------------------------------------------------------------------------------------------
+
+
+def state_dict_of(tree) -> dict:
+    """``{dotted path: tensor}`` of a pytree (a ``TrainState`` gives params.*, exp_avg.*, exp_avg_sq.*, step)."""
+    return dict(named_leaves(tree))
+
+
+def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any]) -> Path:
+    """Write ``state`` (DCP shards, every rank) and ``meta`` (rank 0) into a temporary sibling of ``final``, then
+    rename it to ``final``. Collective when a process group is initialised."""
+    final = Path(final)
+    parent = final.parent
+    if not final.name:
+        raise ValueError(f"checkpoint path {str(final)!r} has no directory name")
+    rank = _rank()
+    token = _broadcast(f"{os.getpid()}x{int(time.time() * 1000) % 10**8}")
+    tmp = parent / f"{final.name}.tmp-{token}"
+    if rank == 0:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    _barrier()
+    ok = False
+    try:
+        _dcp_save(state_dict_of(state), tmp)
+        (tmp / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
+        _barrier()
+        if rank == 0:
+            _write_json(tmp / META_FILE, dict(meta, format=FORMAT))
+            _fsync_dir(tmp)
+            old = None
+            if final.exists():  # re-saving the same step: move the old one aside, then drop it
+                old = parent / f"{final.name}.tmp-old{token}"
+                os.rename(final, old)
+            os.rename(tmp, final)
+            _fsync_dir(parent)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        ok = True
+    finally:
+        if not ok and rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def save_checkpoint(root: str | os.PathLike, state, meta: Mapping[str, Any], *, keep_last: int = 0) -> Path:
+    """Save ``state`` as ``root/step_<step>`` (atomic), point ``root/latest`` at it and keep the last ``keep_last``
+    checkpoints (0: all). Collective when a process group is initialised."""
+    root = Path(root)
+    step = int(meta["step"])
+    path = write_checkpoint(root / step_dir_name(step), state, meta)
+    if _rank() == 0:
+        tmp = root / f"{LATEST_FILE}.tmp-{os.getpid()}"
+        tmp.write_text(step_dir_name(step) + "\n")
+        os.replace(tmp, root / LATEST_FILE)
+        prune(root, keep_last)
+    _barrier()
+    return path
+
+
+def prune(root: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints (0: keep all) and leftovers of interrupted saves.
+
+    Only entries of ``root`` whose names match ``step_<digits>`` or ``step_<digits>.tmp-<token>`` are touched."""
+    if not str(root) or not root.is_dir():
+        return []
+    removed = []
+    doomed = [p for _, p in list_checkpoints(root)[:-keep_last]] if keep_last > 0 else []
+    doomed += [p for p in root.iterdir() if TMP_RE.match(p.name) and p.is_dir()]
+    for p in doomed:
+        if p.parent == root and (STEP_RE.match(p.name) or TMP_RE.match(p.name)):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+# ---- reading --------------------------------------------------------------------------------------------------------
+
+
+def load_checkpoint(path: str | os.PathLike, template) -> tuple[Any, dict]:
+    """Load the checkpoint at ``path`` into the shapes, dtypes and placements of ``template`` (a ``TrainState``;
+    plain tensors or DTensors). Returns ``(state, meta)``; refuses another model config and restores this rank's
+    RNG state."""
+    path = Path(path)
+    meta = read_meta(path)
+    check_model_config(meta, template.model_config, str(path))
+    flat, spec = pytree.tree_flatten(template)
+    names = [n for n, _ in named_leaves(template)]
+    sd = dict(zip(names, flat))
+    _dcp_load(sd, path)
+    state = pytree.tree_unflatten([sd[n] for n in names], spec)
+    rng_dir = path / "rng"
+    own = rng_dir / f"rank_{_rank():05d}.pt"
+    rng_file = own if own.is_file() else rng_dir / "rank_00000.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=True))
+    return state, meta
+
+
+def empty_params(model: ModelConfig, *, device=None, dtype=None):
+    """Uninitialised parameter tensors of ``model`` (the targets a checkpoint loads into)."""
+    from q38.model import init_params
+
+    meta_params = init_params(model, device="meta", dtype=dtype)
+    return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), meta_params)
+
+
+def load_params(path: str | os.PathLike, *, device=None, dtype=None) -> tuple[ModelConfig, Any, dict]:
+    """``(model config, params, meta)`` of a q38 checkpoint (a checkpoint, checkpoints or run directory); the
+    optimizer moments are not read. ``dtype``: cast (default: the dtype the parameters were saved in)."""
+    path = resolve_checkpoint(path)
+    meta = read_meta(path)
+    cfg = ModelConfig.from_dict(meta["model_config"], source=f"{path}/{META_FILE}")
+    saved = getattr(torch, meta.get("param_dtype", "float32"))
+    params = empty_params(cfg, device=device, dtype=saved)
+    sd = {f"params.{n}": t for n, t in named_leaves(params)}
+    _dcp_load(sd, path)
+    if dtype is not None and dtype != saved:
+        params = tree_map(lambda t: t.to(dtype), params)
+    return cfg, params, meta
