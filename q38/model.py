@@ -89,7 +89,7 @@ def is_param_info(x: Any) -> bool:
 def init_params(config: ModelConfig, *, seed: int = 0, device=None, dtype=None) -> ModelParams:
     """Initialise every parameter; each value depends only on ``seed`` and the parameter's path."""
     return tree_map_with_path(
-        lambda path, info: None if info is None else materialize(info, path, seed=seed, device=device, dtype=dtype),
+        lambda path, info: materialize(info, path, seed=seed, device=device, dtype=dtype),
         abstract_params(config),
         is_leaf=is_param_info,
     )

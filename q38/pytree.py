@@ -14,14 +14,23 @@ def pytree_node(cls: type[T]) -> type[T]:
     """Register a frozen attrs class as a torch pytree node whose children are all its fields (in order)."""
     names = [a.name for a in attrs.fields(cls)]
 
-    def flatten(obj):
-        return [getattr(obj, n) for n in names], None
+    # ``None`` fields (an absent MTP block, a tied head) go into the context, not the leaves: the treespec then
+    # records which optional sub-trees are absent (STYLE.md P6).
+    def present(obj):
+        return [n for n in names if getattr(obj, n) is not None]
 
-    def unflatten(children, _ctx):
-        return cls(**dict(zip(names, children)))
+    def flatten(obj):
+        keep = present(obj)
+        return [getattr(obj, n) for n in keep], tuple(keep)
+
+    def unflatten(children, ctx):
+        values = dict.fromkeys(names)
+        values.update(zip(ctx, children))
+        return cls(**values)
 
     def flatten_with_keys(obj):
-        return [(pytree.GetAttrKey(n), getattr(obj, n)) for n in names], None
+        keep = present(obj)
+        return [(pytree.GetAttrKey(n), getattr(obj, n)) for n in keep], tuple(keep)
 
     pytree.register_pytree_node(
         cls,

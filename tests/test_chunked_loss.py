@@ -223,7 +223,7 @@ def test_no_op_output_is_n_by_v(fn, expect_nv):
 
 def test_signatures_typecheck():
     """The jaxtyping annotations hold under beartype (the pytest hook of the project runs the same check)."""
-    from beartype import beartype
+    beartype = pytest.importorskip("beartype").beartype
     from jaxtyping import TypeCheckError, jaxtyped
 
     checked = jaxtyped(typechecker=beartype)(chunked_lm_loss)

@@ -215,8 +215,11 @@ def gated_delta_rule_chunked(
         same = causal
     decay_uu = (gam[..., :, None] - gam[..., None, :]).masked_fill(~same, float("-inf")).exp()
     ut = (k_beta @ k.transpose(-1, -2)) * decay_uu
-    u_val = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    w_kc = torch.linalg.solve_triangular(ut, k_beta * gam.exp()[..., None], upper=False, unitriangular=True)
+    # One triangular solve for both right-hand sides: U = T·Vβ and W = T·(Kβ ⊙ exp γ).
+    uw = torch.linalg.solve_triangular(
+        ut, torch.cat([v_beta, k_beta * gam.exp()[..., None]], dim=-1), upper=False, unitriangular=True
+    )
+    u_val, w_kc = uw[..., :p], uw[..., p:]
     intra = (q @ k.transpose(-1, -2)) * decay_uu
     q_dec = q * gam.exp()[..., None]
     k_dec = k * (gam[..., -1:] - gam).exp()[..., None]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
@@ -37,6 +37,7 @@ class DataError(ValueError):
 # Tokenizers
 
 
+@runtime_checkable  # the test-time beartype hook checks `tokenizer: Tokenizer` arguments with isinstance
 class Tokenizer(Protocol):
     """What the pipeline needs from a tokenizer (``ByteTokenizer`` and ``HFTokenizer`` both provide it)."""
 

@@ -613,8 +613,9 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                       world.world_size)
     depths = cfg.model.mtp_num_layers
     records: list[dict] = []
-    bar = tqdm(total=cfg.run.steps, initial=start, disable=not (cfg.run.progress and lead), dynamic_ncols=True,
-               desc="q38 train", file=sys.stdout)
+    # The bar only on a terminal (tqdm's disable=None); the log lines and metrics.jsonl always.
+    bar = tqdm(total=cfg.run.steps, initial=start, disable=None if (cfg.run.progress and lead) else True,
+               dynamic_ncols=True, desc="q38 train", file=sys.stdout)
     log = bar.write if lead else (lambda s: None)
     if start and lead:
         log(f"resumed from {latest} (step {start})")

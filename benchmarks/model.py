@@ -1,0 +1,88 @@
+"""Forward+backward time of q38 vs the transformers reference on the same config and weights, side by side.
+
+    python benchmarks/model.py [--device cpu|cuda] [--dtype float32|bfloat16] [--seq 512] [--batch 2] [--repeats 3]
+
+Prints a table of both timings and the ratio q38 / transformers (goal: ≤ 0.5). Never asserted in tests.
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+import q38
+
+
+def bench_config(args) -> q38.ModelConfig:
+    return q38.ModelConfig(
+        model_type="qwen3_5_moe", vocab_size=4096, hidden_size=args.hidden, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=args.experts,
+        num_experts_per_tok=args.top_k, moe_intermediate_size=args.hidden // 2,
+        shared_expert_intermediate_size=args.hidden // 2, mtp_num_layers=0,
+        use_grouped_expert_matmul=args.grouped, gdn_implementation=args.gdn,
+    )
+
+
+def timeit(fn, repeats, device):
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--grouped", action="store_true", help="use_grouped_expert_matmul")
+    ap.add_argument("--gdn", default="torch", help="gdn_implementation (torch | fla)")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    from transformers import Qwen3_5MoeForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    cfg = bench_config(args)
+    params = q38.init_params(cfg, seed=0, device=args.device, dtype=dtype)
+    with tempfile.TemporaryDirectory() as d:
+        q38.save_hf(d, cfg, q38.init_params(cfg, seed=0))
+        hf = Qwen3_5MoeForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="sdpa").to(args.device)
+    hf.train()
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=args.device)
+    leaves = [t.requires_grad_() for t in torch.utils._pytree.tree_leaves(params)]
+
+    def run_q38():
+        out = q38.forward(params, ids, cfg)
+        loss = (out.hidden.float() ** 2).mean()
+        torch.autograd.grad(loss, leaves, allow_unused=True)
+
+    def run_hf():
+        out = hf.model(input_ids=ids)
+        loss = (out.last_hidden_state.float() ** 2).mean()
+        torch.autograd.grad(loss, [p for p in hf.model.parameters()], allow_unused=True)
+
+    t_q, t_h = timeit(run_q38, args.repeats, args.device), timeit(run_hf, args.repeats, args.device)
+    print(f"config: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} (3 GDN + 1 attn), experts "
+          f"{cfg.num_experts} top-{cfg.num_experts_per_tok}, batch {args.batch} × seq {args.seq}, {args.device}/{args.dtype}")
+    print(f"{'implementation':<28}{'fwd+bwd (s)':>14}")
+    print(f"{'q38':<28}{t_q:>14.4f}")
+    print(f"{'transformers (reference)':<28}{t_h:>14.4f}")
+    print(f"{'ratio q38 / transformers':<28}{t_q / t_h:>14.3f}")
+
+
+if __name__ == "__main__":
+    main()
