@@ -13,7 +13,7 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 nnodes="${NNODES:?set NNODES, the number of nodes}"
-node_rank="${NODE_RANK:?set NODE_RANK, this node's index (0 .. NNODES-1)}"
+node_rank="${NODE_RANK:?set NODE_RANK, the index of this node, 0 .. NNODES-1}"
 master_addr="${MASTER_ADDR:?set MASTER_ADDR, the host name of node 0}"
 master_port="${MASTER_PORT:-29500}"
 nproc="${NPROC_PER_NODE:-8}"

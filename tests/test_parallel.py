@@ -100,3 +100,31 @@ def test_layout_matches_single_process(layout, mesh_sizes, world, scope):
     if steps:
         for name, p in ref["params"].items():
             assert (outs[0]["params"][name] - p).abs().max() <= TOL, name
+
+
+def _balance_fn(rank, world, balance, skew):
+    from q38.parallel.runtime import make_mesh, shard, shard_batch
+
+    cfg = _cfg().replace(mtp_num_layers=0, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+    tc = TrainConfig(enable_ep_balance=balance, max_dup_experts_num=2, aux_loss_coef=0.01, loss_chunk_size=16)
+    state = init_state(cfg, tc, seed=0)
+    batch = _batch()
+    if skew:  # one repeated token: near-identical hidden states pick the same experts (skewed routing)
+        batch = dict(batch, input_ids=torch.full_like(batch["input_ids"], 7), labels=torch.full_like(batch["labels"], 7))
+    mesh = make_mesh(Layout.preset("fsdp_ep").with_mesh(fsdp=1, ep=2), world)
+    st = shard(state, mesh)
+    r = loss_and_grads(st, shard_batch(batch, mesh, 0), mesh)
+    names = [n for n, _ in named_leaves(st.params)]
+    grads = {n: g.full_tensor() for n, g in zip(names, r.grads)}
+    return {"loss": float(r.loss), "aux": float(r.aux_loss), "grads": grads, "loads": r.ep_max_load}
+
+
+def test_ep_balance_same_math_lower_peak_load():
+    ons = run_distributed(_balance_fn, 2, True, True)
+    offs = run_distributed(_balance_fn, 2, False, True)
+    on, off = ons[0], offs[0]
+    assert abs(on["loss"] - off["loss"]) <= TOL and abs(on["aux"] - off["aux"]) <= TOL
+    for n, g in off["grads"].items():
+        assert (on["grads"][n] - g).abs().max() <= TOL * max(1.0, float(g.abs().max())), n
+    print(f"\nEP=2 skewed routing, max per-rank routed slots per layer: off {off['loads']}, on {on['loads']}")
+    assert max(on["loads"]) < max(off["loads"])

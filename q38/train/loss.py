@@ -1,6 +1,7 @@
 """Language-model loss over the output head without materialising the ``[n, v]`` logits.
 
-Dims (``q38/dims.py``): ``n`` flattened tokens, ``d`` model width, ``v`` vocab; ``c`` below is the token chunk.
+Dims (``q38/dims.py``): ``n`` flattened tokens, ``d`` model width, ``v`` vocab; ``b`` (suffix only) is a block of
+vocab columns.
 
 Both functions return ``sum_{valid t} CE(hidden_t @ w_headᵀ, target_t) / normalizer``. The normalizer is the number
 of valid targets of the *whole step* (all micro-batches, DP and CP ranks; see
@@ -53,44 +54,70 @@ def dynamic_chunk_size(num_tokens: int, vocab: int, budget_bytes: int) -> int:
     return max(1, min(num_tokens, budget_bytes // (vocab * _BYTES_PER_LOGIT)))
 
 
-def _chunk_logits_(
-    out_cv: Tensor, x_cd: Tensor, w_vd: Tensor, compute_dtype: torch.dtype
-) -> Tensor:
-    """Write ``x @ wᵀ`` upcast to ``compute_dtype`` into the preallocated ``out_cv`` and return it."""
-    if x_cd.dtype == compute_dtype:
-        return torch.mm(x_cd, w_vd.T, out=out_cv)
-    return out_cv.copy_(torch.mm(x_cd, w_vd.T))  # low-precision matmul, then upcast (same as the reference)
+def _block_cols(chunk: int, num_tokens: int, vocab: int) -> int:
+    """Vocab columns per block so that ``[n, block]`` holds as many logits as ``[chunk, v]`` (at least 1)."""
+    return max(1, min(vocab, chunk * vocab // max(num_tokens, 1)))
+
+
+def _block_logits(x_nd: Tensor, w_bd: Tensor, out_nb: Tensor, low_nb: Tensor | None) -> Tensor:
+    """``x @ w_blockᵀ`` in the matmul dtype, written to ``out_nb`` (matmul dtype = compute dtype) or ``low_nb``."""
+    return torch.mm(x_nd, w_bd.T, out=out_nb if low_nb is None else low_nb)
+
+
+def _buffers(n: int, cols: int, mm_dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device):
+    """Flat scratch for ``[n, cols]`` logits in the compute dtype (and the matmul dtype when that is lower)."""
+    buf = torch.empty(n * cols, dtype=compute_dtype, device=device)
+    low = None if mm_dtype == compute_dtype else torch.empty(n * cols, dtype=mm_dtype, device=device)
+    return buf, low
+
+
+def _view(flat: Tensor | None, n: int, b: int) -> Tensor | None:
+    """A contiguous ``[n, b]`` view of the first ``n * b`` elements (also for the narrower last block)."""
+    return None if flat is None else flat[: n * b].view(n, b)
 
 
 class _ChunkedLMLossSum(torch.autograd.Function):
-    """Sum of the per-token CE over chunks of tokens; logits are recomputed chunk by chunk in backward.
+    """Sum over valid tokens of ``logsumexp(logits_t) - logits_t[target_t]``, one vocab block at a time.
 
-    Saved for backward: ``hidden``, ``w_head`` (references, no copies), ``targets`` and the per-token logsumexp
-    ``[n]``. Live memory in either pass is one ``[c, v]`` buffer in the compute dtype (plus, when the matmul is in
-    bf16, a ``[c, v]`` bf16 copy of the chunk gradient), the ``[n, d]`` input gradient and a ``[v, d]`` weight
-    gradient accumulated in the compute dtype.
+    Both passes walk the vocab in blocks of ``b`` columns and compute ``[n, b]`` logits per block (``b`` chosen so
+    that ``[n, b]`` holds as many logits as a ``[chunk, v]`` token chunk). Forward keeps an online logsumexp per
+    token; backward recomputes the same blocks with the same matmul shapes (so the logits match the forward ones
+    bit for bit on a deterministic BLAS), writes each ``dw_head`` block once, directly in its final dtype, and
+    accumulates ``dhidden`` ``[n, d]`` in the compute dtype. Splitting the vocab rather than the tokens keeps the
+    accumulator at ``[n, d]`` instead of ``[v, d]`` (no fp32 copy of the head gradient for bf16 heads, no
+    read-modify-write of ``[v, d]`` per chunk).
+
+    Saved for backward: ``hidden``, ``w_head`` (the caller's tensors, no copies), ``targets`` and the logsumexp
+    ``[n]``. Live memory in either pass: one ``[n, b]`` buffer in the compute dtype, plus one ``[n, b]`` in the
+    matmul dtype when that is lower (bf16), plus ``[n, d]`` gradient accumulators.
     """
 
     @staticmethod
     def forward(ctx, hidden, w_head, targets, chunk, ignore_index):
-        n = hidden.shape[0]
-        v = w_head.shape[0]
+        n, v = hidden.shape[0], w_head.shape[0]
         mm_dtype, compute_dtype = _dtypes(hidden, w_head)
-        w_vd = w_head.to(mm_dtype)
+        x_nd, w_vd = hidden.to(mm_dtype), w_head.to(mm_dtype)
         valid_n = targets != ignore_index
-        safe_targets_n = torch.where(valid_n, targets, 0)
-        lse_n = torch.empty(n, dtype=compute_dtype, device=hidden.device)
-        loss = torch.zeros((), dtype=compute_dtype, device=hidden.device)
-        buf = torch.empty(min(chunk, n), v, dtype=compute_dtype, device=hidden.device)
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            logits_cv = _chunk_logits_(buf[: end - start], hidden[start:end].to(mm_dtype), w_vd, compute_dtype)
-            target_logit_c = logits_cv.gather(1, safe_targets_n[start:end, None]).squeeze(1)
-            # logsumexp in place: the buffer is scratch from here on
-            max_c = logits_cv.amax(dim=1)
-            lse_c = logits_cv.sub_(max_c[:, None]).exp_().sum(dim=1).log_().add_(max_c)
-            lse_n[start:end] = lse_c
-            loss += torch.where(valid_n[start:end], lse_c - target_logit_c, 0.0).sum()
+        cols = _block_cols(chunk, n, v)
+        buf, low = _buffers(n, cols, mm_dtype, compute_dtype, hidden.device)
+        max_n = torch.full((n,), -torch.inf, dtype=compute_dtype, device=hidden.device)
+        sumexp_n = torch.zeros(n, dtype=compute_dtype, device=hidden.device)
+        target_logit_n = torch.zeros(n, dtype=compute_dtype, device=hidden.device)
+        for v0 in range(0, v, cols):
+            v1 = min(v0 + cols, v)
+            buf_nb, low_nb = _view(buf, n, v1 - v0), _view(low, n, v1 - v0)
+            logits_nb = _block_logits(x_nd, w_vd[v0:v1], buf_nb, low_nb)
+            in_block_n = valid_n & (targets >= v0) & (targets < v1)
+            col_n = torch.where(in_block_n, targets - v0, 0)
+            picked_n = logits_nb.gather(1, col_n[:, None]).squeeze(1).to(compute_dtype)
+            target_logit_n += torch.where(in_block_n, picked_n, 0.0)
+            # online logsumexp; the (upcast) shifted logits go to the compute-dtype buffer, in place when fp32
+            new_max_n = torch.maximum(max_n, logits_nb.amax(dim=1).to(compute_dtype))
+            shifted_nb = torch.sub(logits_nb, new_max_n[:, None], out=buf_nb)
+            sumexp_n = sumexp_n * torch.exp(max_n - new_max_n) + shifted_nb.exp_().sum(dim=1)
+            max_n = new_max_n
+        lse_n = max_n + torch.log(sumexp_n)
+        loss = torch.where(valid_n, lse_n - target_logit_n, 0.0).sum()
         ctx.save_for_backward(hidden, w_head, targets, lse_n)
         ctx.chunk = chunk
         ctx.ignore_index = ignore_index
@@ -100,41 +127,45 @@ class _ChunkedLMLossSum(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, w_head, targets, lse_n = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        chunk = ctx.chunk
-        n, d = hidden.shape
-        v = w_head.shape[0]
+        n, v = hidden.shape[0], w_head.shape[0]
         mm_dtype, compute_dtype = _dtypes(hidden, w_head)
-        w_vd = w_head.to(mm_dtype)
+        x_nd, w_vd = hidden.to(mm_dtype), w_head.to(mm_dtype)
         valid_n = targets != ctx.ignore_index
-        safe_targets_n = torch.where(valid_n, targets, 0)
-        # d loss / d logit_t = grad_loss * (softmax_t - onehot(target_t)) for valid t, 0 for ignored t
-        scale_n = torch.where(valid_n, grad_loss.to(compute_dtype), 0.0)
+        cols = _block_cols(ctx.chunk, n, v)
+        # dloss/dlogits = g * (softmax - onehot) on valid rows, 0 on ignored rows. |g| is folded into the exponent,
+        # exp(logit - (lse - log|g|)), so the softmax takes no extra pass; sign(g) is applied to the [n, d] side.
+        grad_loss = grad_loss.to(compute_dtype)
+        abs_grad, sign = grad_loss.abs(), torch.sign(grad_loss)
+        shift_n = torch.where(valid_n, lse_n - torch.log(abs_grad), torch.inf)
+        onehot_scale_n = torch.where(valid_n, -abs_grad, 0.0)
 
-        grad_hidden = torch.empty_like(hidden) if need_dx else None
-        grad_w_acc = torch.zeros(v, d, dtype=compute_dtype, device=hidden.device) if need_dw else None
-        dw_tmp = None
-        if need_dw and mm_dtype != compute_dtype:
-            dw_tmp = torch.empty(v, d, dtype=mm_dtype, device=hidden.device)
-        buf = torch.empty(min(chunk, n), v, dtype=compute_dtype, device=hidden.device)
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            x_cd = hidden[start:end].to(mm_dtype)
-            g_cv = _chunk_logits_(buf[: end - start], x_cd, w_vd, compute_dtype)
-            scale_c = scale_n[start:end, None]
-            g_cv.sub_(lse_n[start:end, None]).exp_().mul_(scale_c)
-            g_cv.scatter_add_(1, safe_targets_n[start:end, None], -scale_c)
-            g_mm = g_cv if mm_dtype == compute_dtype else g_cv.to(mm_dtype)
-            if need_dx:
-                if grad_hidden.dtype == mm_dtype:
-                    torch.mm(g_mm, w_vd, out=grad_hidden[start:end])
-                else:
-                    grad_hidden[start:end] = torch.mm(g_mm, w_vd)
+        buf, low = _buffers(n, cols, mm_dtype, compute_dtype, hidden.device)
+        dx_acc = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if need_dx else None
+        dx_tmp = torch.empty(hidden.shape, dtype=mm_dtype, device=hidden.device) if need_dx and low is not None else None
+        grad_w = torch.empty_like(w_head) if need_dw else None
+        x_signed_nd = x_nd * sign.to(mm_dtype) if need_dw else None
+        for v0 in range(0, v, cols):
+            v1 = min(v0 + cols, v)
+            w_bd = w_vd[v0:v1]
+            buf_nb, low_nb = _view(buf, n, v1 - v0), _view(low, n, v1 - v0)
+            logits_nb = _block_logits(x_nd, w_bd, buf_nb, low_nb)
+            g_nb = torch.sub(logits_nb, shift_n[:, None], out=buf_nb).exp_()  # |g| * softmax
+            in_block_n = (targets >= v0) & (targets < v1)
+            col_n = torch.where(in_block_n, targets - v0, 0)
+            g_nb.scatter_add_(1, col_n[:, None], torch.where(in_block_n, onehot_scale_n, 0.0)[:, None])
+            if low_nb is not None:  # the gradient matmuls run in the matmul dtype, like the reference's backward
+                g_nb = low_nb.copy_(g_nb)
             if need_dw:
-                if dw_tmp is None:
-                    grad_w_acc.addmm_(g_mm.T, x_cd)
-                else:  # low-precision matmul per chunk, summed over chunks in the compute dtype
-                    grad_w_acc.add_(torch.mm(g_mm.T, x_cd, out=dw_tmp))
-        grad_w = grad_w_acc.to(w_head.dtype) if need_dw else None
+                if grad_w.dtype == mm_dtype:
+                    torch.mm(g_nb.T, x_signed_nd, out=grad_w[v0:v1])
+                else:
+                    grad_w[v0:v1] = torch.mm(g_nb.T, x_signed_nd)
+            if need_dx:
+                if dx_tmp is None:
+                    dx_acc.addmm_(g_nb, w_bd)
+                else:
+                    dx_acc += torch.mm(g_nb, w_bd, out=dx_tmp)
+        grad_hidden = dx_acc.mul_(sign).to(hidden.dtype) if need_dx else None
         return grad_hidden, grad_w, None, None, None
 
 
@@ -148,19 +179,23 @@ def chunked_lm_loss(
     chunk_budget_bytes: int | None = None,
     ignore_index: int = -100,
 ) -> Float[Tensor, ""]:
-    """Same value and gradients as :func:`unchunked_lm_loss`, never holding more than ``[chunk, v]`` logits.
+    """Same value and gradients as :func:`unchunked_lm_loss`, never holding more than ``chunk_size * v`` logits.
 
-    Design: **recompute in backward** (CCE-style, not Liger's gradients-in-forward). Forward runs the tokens in
-    chunks and keeps only the per-token logsumexp ``[n]``; backward recomputes each chunk's logits, turns them into
-    ``grad * (softmax - onehot)`` in place and accumulates ``dhidden`` and ``dw_head``. Nothing of size ``[n, v]``
-    or ``[v, d]`` lives from forward to backward (the saved ``hidden`` / ``w_head`` are the caller's tensors), so it
-    composes with activation checkpointing and with any later scaling of the loss. The price is one extra head
-    matmul (4 instead of 3).
+    Design: **(b) recompute in backward** (as CCE), not (a) Liger's gradients-in-forward. Forward keeps only the
+    per-token logsumexp ``[n]``; backward recomputes the logits block by block, turns them into
+    ``grad * (softmax - onehot)`` in place and accumulates ``dhidden`` / writes ``dw_head``. Nothing of size
+    ``[n, v]`` or ``[v, d]`` lives from forward to backward (the saved ``hidden`` / ``w_head`` are the caller's
+    tensors), so it composes with activation checkpointing and with any later scaling of the loss (it is applied
+    through ``grad_output``). The price is one extra head matmul: 4 instead of 3.
 
-    Chunking: pass exactly one of ``chunk_size`` (tokens per chunk) or ``chunk_budget_bytes`` (chunk chosen by
-    :func:`dynamic_chunk_size` for this call's ``n`` and ``v``). Ignored targets (``ignore_index``) contribute 0
-    loss and 0 gradient, also when a whole chunk is ignored. Gradients come back in the dtypes of ``hidden`` and
-    ``w_head``; the weight gradient is accumulated over chunks in at least fp32.
+    Chunking: pass exactly one of ``chunk_size`` (tokens) or ``chunk_budget_bytes`` (tokens chosen by
+    :func:`dynamic_chunk_size` for this call's ``n`` and ``v``). Either sets the size of the live logits block,
+    ``chunk_size * v`` elements; the loop itself walks the vocab in ``[n, chunk_size * v // n]`` blocks (see
+    ``_ChunkedLMLossSum`` for why: a ``[n, d]`` gradient accumulator instead of a ``[v, d]`` one, and forward and
+    backward logits computed by identical matmuls). Ignored targets (``ignore_index``) contribute 0 loss and 0
+    gradient, also when every target is ignored. Gradients come back in the dtypes of ``hidden`` and ``w_head``;
+    ``dhidden`` is accumulated over vocab blocks in at least fp32, and each ``dw_head`` row is one matmul over all
+    tokens, as in the reference.
     """
     if (chunk_size is None) == (chunk_budget_bytes is None):
         raise ValueError(

@@ -51,19 +51,19 @@ class Metrics:
         return d
 
 
-def parallel_for(mesh):
+def parallel_for(mesh, train_config=None):
     """The runtime for ``mesh``: the one-device identity for ``None``, else the mesh's own runtime object."""
     if mesh is None:
         from q38.parallel.local import LocalParallel
 
         return LocalParallel()
-    par = getattr(mesh, "parallel", None)
-    if par is None:
+    runtime = getattr(mesh, "runtime", None)
+    if runtime is None:
         raise TypeError(
             "train_step's mesh must be None (one device) or a q38.parallel mesh (q38.parallel.make_mesh(...)); "
             f"got {type(mesh).__name__}"
         )
-    return par
+    return runtime(train_config)
 
 
 def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor, tc) -> Tensor:
@@ -105,13 +105,14 @@ class Gradients:
     objective: Tensor
     grad_norm: Tensor
     tokens: Tensor
+    ep_max_load: tuple = ()  # EP: the largest per-rank count of routed slots, per MoE layer call
 
 
 @typing.no_type_check
 def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
     """Forward and backward of the whole objective over all micro-batches; no update."""
     mc, tc = state.model_config, state.train_config
-    par = parallel_for(mesh)
+    par = parallel_for(mesh, tc)
     depths = mc.mtp_num_layers
     mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
     n_mb = len(mbs)
@@ -176,7 +177,8 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
     objective = loss + (tc.mtp_loss_scaling_factor * torch.stack(mtp_losses).mean() if depths else 0.0)
     objective = objective + coef * aux_loss
     grad_norm = par.grad_sq_norm(grads).sqrt()
-    return Gradients(grads, loss, mtp_losses, aux_loss, objective, grad_norm, n_main)
+    loads = tuple(getattr(par.dispatch, "loads", ()) or ())
+    return Gradients(grads, loss, mtp_losses, aux_loss, objective, grad_norm, n_main, loads)
 
 
 @typing.no_type_check
