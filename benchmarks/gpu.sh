@@ -7,7 +7,7 @@ mkdir -p "$out"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
-python3 benchmarks/gdn_kernel.py 2>&1 | tee "$out/gdn_kernel.txt"
-python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320 2>&1 | tee "$out/loss.txt"
-python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 2>&1 | tee "$out/model_torch_gdn.txt"
-python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --gdn fla 2>&1 | tee "$out/model_fla_gdn.txt"
+python3 benchmarks/gdn_kernel.py 2>&1 | tee "$out/gdn_kernel.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
+python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320 2>&1 | tee "$out/loss.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
+PYTHONPATH="$PWD" python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 2>&1 | tee "$out/model_torch_gdn.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
+python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --gdn fla 2>&1 | tee "$out/model_fla_gdn.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
