@@ -31,6 +31,7 @@ def inputs(b, s, h, a, p, dtype, seed=0):
 def main():
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    backward_error = None
     print(f"{'case':<34}{'dtype':>10}{'rel RMSE o':>14}{'rel RMSE dq':>14}{'rel RMSE dv':>14}")
     for dtype in (torch.float32, torch.bfloat16):
         for packed in (False, True):
@@ -54,10 +55,17 @@ def main():
                 o, _ = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True)
             w = torch.randn_like(o_ref)
             (o_ref * w).sum().backward()
-            (o.float() * w).sum().backward()
+            try:
+                (o.float() * w).sum().backward()
+                dq, dv = f"{rel_rmse(q.grad, ref_in[0].grad):>14.2e}", f"{rel_rmse(v.grad, ref_in[2].grad):>14.2e}"
+            except RuntimeError as e:  # FLA refuses its backward on some Triton versions (Hopper, FLA #640)
+                dq = dv = f"{'refused':>14}"
+                backward_error = str(e).splitlines()[0]
             print(f"{'packed 3 docs' if packed else 'plain':<34}{str(dtype).split('.')[-1]:>10}"
-                  f"{rel_rmse(o, o_ref):>14.2e}{rel_rmse(q.grad, ref_in[0].grad):>14.2e}"
-                  f"{rel_rmse(v.grad, ref_in[2].grad):>14.2e}")
+                  f"{rel_rmse(o, o_ref):>14.2e}{dq}{dv}")
+
+    if backward_error:
+        print(f"FLA backward not run: {backward_error}")
 
     def bench(fn, n=10):
         fn()
@@ -72,16 +80,22 @@ def main():
     for t in (q, k, v, beta):
         t.requires_grad_(True)
 
+    backward = backward_error is None
+
     def run_fla():
         o, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
-        o.sum().backward()
+        if backward:
+            o.sum().backward()
 
     def run_ref():
         o, _ = gated_delta_rule_chunked(q, k, v, g, beta)
-        o.float().sum().backward()
+        if backward:
+            o.float().sum().backward()
 
-    t_fla, t_ref = bench(run_fla), bench(run_ref, n=3)
-    print(f"\nfwd+bwd, b=4 s=4096 h=32 dk=dv=128 bf16 inputs: fla {t_fla*1e3:.2f} ms, torch reference "
+    with torch.set_grad_enabled(backward):
+        t_fla, t_ref = bench(run_fla), bench(run_ref, n=3)
+    what = "fwd+bwd" if backward else "fwd only"
+    print(f"\n{what}, b=4 s=4096 h=32 dk=dv=128 bf16 inputs: fla {t_fla*1e3:.2f} ms, torch reference "
           f"{t_ref*1e3:.2f} ms, ratio fla/reference {t_fla/t_ref:.3f}")
 
 

@@ -510,11 +510,16 @@ def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo) -> di
     }
 
 
-def _data_changes(meta: Mapping[str, Any], cfg: RunConfig, plan: RunPlan) -> list[str]:
+def _changes(meta: Mapping[str, Any], cfg: RunConfig, plan: RunPlan) -> list[str]:
+    """Data and train settings that differ from the checkpoint's (allowed, e.g. more steps; reported)."""
     d = meta.get("data") or {}
     now = {"path": str(cfg.data.path), "seq_len": cfg.data.seq_len, "dp_size": plan.dp_size,
            "batch_size": cfg.data.batch_size, "seed": cfg.run.seed, "shuffle": cfg.data.shuffle}
-    return [f"{k}: {d.get(k)!r} -> {v!r}" for k, v in now.items() if k in d and d[k] != v]
+    out = [f"data.{k}: {d.get(k)!r} -> {v!r}" for k, v in now.items() if k in d and d[k] != v]
+    old_train = meta.get("train_config") or {}
+    out += [f"train.{k}: {old_train[k]!r} -> {v!r}" for k, v in cfg.train.to_dict().items()
+            if k in old_train and old_train[k] != v]
+    return out
 
 
 def train(cfg: RunConfig, *, on_step: Callable[[dict], None] | None = None) -> list[dict]:
@@ -590,9 +595,9 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     if latest is not None:
         state, meta = load_checkpoint(latest, state)
         start = int(meta["step"])
-        changes = _data_changes(meta, cfg, plan)
+        changes = _changes(meta, cfg, plan)
         if changes and lead:
-            print(f"q38 train: note: data settings changed since {latest}: {'; '.join(changes)}", file=sys.stderr)
+            print(f"q38 train: note: settings changed since {latest}: {'; '.join(changes)}", file=sys.stderr)
         batches.load_state_dict(meta["data"]["iterator"])
     if start >= cfg.run.steps:
         if lead:
