@@ -13,6 +13,12 @@ from q38.model import init_params
 TOL = 1e-5  # fp32 tolerance for reference comparisons
 
 
+def close(a, b):
+    """1e-5 relative to the scale (whole-model hiddens reach |h| ~ 3, and the conv kernel sums its taps in a
+    length-dependent order)."""
+    return (a - b).abs().max() <= TOL * max(1.0, float(b.abs().max()))
+
+
 def _gdn_inputs(gen, b=2, s=150, h=3, a=8, p=6):
     q = torch.randn(b, s, h, a, generator=gen)
     k = torch.randn(b, s, h, a, generator=gen)
@@ -125,9 +131,9 @@ def test_model_appending_tokens_never_changes_earlier_outputs(tiny_cfg, gen):
     ids = torch.randint(0, cfg.vocab_size, (2, 90), generator=gen)
     full = q38.forward(p, ids, cfg)
     prefix = q38.forward(p, ids[:, :61], cfg)
-    assert (full.hidden[:, :61] - prefix.hidden).abs().max() <= TOL
+    assert close(full.hidden[:, :61], prefix.hidden)
     # MTP depth d at position t sees token t+d: the prefix run stays equal where t + d < 61.
-    assert (full.mtp_hidden[0][:, :60] - prefix.mtp_hidden[0][:, :60]).abs().max() <= TOL
+    assert close(full.mtp_hidden[0][:, :60], prefix.mtp_hidden[0][:, :60])
 
 
 def test_packed_row_equals_documents_run_one_by_one(tiny_cfg, gen):
@@ -141,9 +147,9 @@ def test_packed_row_equals_documents_run_one_by_one(tiny_cfg, gen):
     start = 0
     for n in lens:
         sep = q38.forward(p, ids[:, start : start + n], cfg)
-        assert (packed.hidden[:, start : start + n] - sep.hidden).abs().max() <= TOL
+        assert close(packed.hidden[:, start : start + n], sep.hidden)
         for d in range(2):
-            assert (packed.mtp_hidden[d][:, start : start + n] - sep.mtp_hidden[d]).abs().max() <= TOL
+            assert close(packed.mtp_hidden[d][:, start : start + n], sep.mtp_hidden[d])
         sep_logits = q38.logits(p, ids[:, start : start + n], cfg)
         assert (packed_logits[:, start : start + n] - sep_logits).abs().max() <= 1e-4
         start += n

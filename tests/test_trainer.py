@@ -232,9 +232,14 @@ def test_real_sigterm_to_the_cli_process_then_resume(tmp_path, reference):
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     proc = subprocess.Popen([sys.executable, str(driver), "train", str(cfg)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-    _wait_for_step(out, 2, proc)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
+    try:
+        _wait_for_step(out, 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr
     k = len(metrics(out))
@@ -256,20 +261,25 @@ def test_torchrun_two_processes_sigterm_and_resume(tmp_path):
         driver.write_text(DRIVER)
         env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
         env["OMP_NUM_THREADS"] = "1"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "0",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(driver), "train", str(cfg)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
                                 start_new_session=True)
-        if stop_at:
-            _wait_for_step(out, stop_at, proc, timeout=300)
-            os.killpg(proc.pid, signal.SIGTERM)
-        so, se = proc.communicate(timeout=600)
+        try:
+            if stop_at:
+                _wait_for_step(out, stop_at, proc, timeout=240)
+                os.killpg(proc.pid, signal.SIGTERM)  # agent and workers, as a scheduler's pre-emption does
+            so, se = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
         return proc.returncode, so, se
 
     rc, so, se = torchrun(tmp_path / "full")
     assert rc == 0, se
     full = [m["loss"] for m in metrics(tmp_path / "full")]
-    _, so, se = torchrun(tmp_path / "cut", stop_at=2)
+    _, so, se = torchrun(tmp_path / "cut", stop_at=2)  # torchrun's agent itself exits 1 on SIGTERM; the workers 0
     assert "stopped by SIGTERM at step" in so, se
     k = len(metrics(tmp_path / "cut"))
     assert ck.latest_checkpoint(tmp_path / "cut" / "checkpoints").name == f"step_{k:06d}"

@@ -74,6 +74,8 @@ def causal_conv1d(
     if halo is None:
         halo = x.new_zeros(b, kw - 1, ch)
     xp = torch.cat([halo, x], dim=1)  # [b, s+K-1, ch]
+    if doc_ids is None:  # one document: a plain depthwise conv over the left-padded input
+        return F.conv1d(xp.transpose(1, 2), w[:, None, :], groups=ch).transpose(1, 2)
     if doc_ids is not None:
         if halo_doc is None:
             halo_doc = torch.full((b, kw - 1), -2, dtype=doc_ids.dtype, device=doc_ids.device)
