@@ -46,6 +46,18 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
 MTP_DEPTH_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp_num_layers")
 
 
+def check_keys(keys, valid, what: str) -> None:
+    """Refuse unknown config keys, naming the closest valid key for each (one ``ConfigError``)."""
+    valid = list(valid)
+    unknown = [k for k in keys if k not in valid]
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, valid, n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"{what}: {', '.join(hints)}; valid keys: {', '.join(valid)}")
+
+
 def model_family(model_type: str) -> ModelFamily:
     try:
         return MODEL_FAMILIES[model_type]
@@ -239,14 +251,7 @@ class ModelConfig:
             interval = int(d.pop("full_attention_interval"))
             if d.get("layer_types") is None:
                 d["layer_types"] = _default_layer_types(int(d.get("num_hidden_layers", 40)), interval)
-        names = cls.field_names()
-        unknown = [k for k in d if k not in names]
-        if unknown:
-            hints = []
-            for k in unknown:
-                close = difflib.get_close_matches(k, names, n=1)
-                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(f"{source}: unknown model config key(s): {', '.join(hints)}")
+        check_keys(d, cls.field_names(), f"{source}: unknown model config key(s)")
         return cls(**d)
 
     @classmethod

@@ -25,7 +25,10 @@ from q38.train.objective import StepBatch
 
 
 class _AllGather(torch.autograd.Function):
-    """Forward: concatenate every rank's equal-size shard along ``dim``. Backward: reduce-scatter (sum)."""
+    """Forward: concatenate every rank's equal-size shard along ``dim``. Backward: reduce-scatter (sum).
+
+    Used for FSDP parameter gathers (the reduce-scatter sums the data-parallel gradient) and for CP activation
+    gathers (each rank gets back the summed gradient of its own slice)."""
 
     @staticmethod
     def forward(ctx, x, dim, group):
@@ -57,26 +60,6 @@ class _SumGrad(torch.autograd.Function):
         g = g.contiguous().clone()
         dist.all_reduce(g, group=ctx.group)
         return g, None
-
-
-class _SeqAllGather(torch.autograd.Function):
-    """Activations: forward all-gather along ``dim``; backward returns this rank's slice of the summed gradient."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        n = dist.get_world_size(group)
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        n = dist.get_world_size(ctx.group)
-        chunks = [c.contiguous() for c in g.chunk(n, dim=ctx.dim)]
-        out = torch.empty_like(chunks[0])
-        dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -212,7 +195,7 @@ class CPComm:
 
     def all_gather_seq(self, x: Tensor, dim: int) -> Tensor:
         if x.is_floating_point() and x.requires_grad:
-            return _SeqAllGather.apply(x, dim, self.group)
+            return _AllGather.apply(x, dim, self.group)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

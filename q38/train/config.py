@@ -3,12 +3,11 @@
 Every rule here has a test that triggers its message (tests/test_train_config.py) and a line in the README.
 """
 
-import difflib
 from typing import Any, Mapping
 
 import attrs
 
-from q38.config import ConfigError, ModelConfig
+from q38.config import ConfigError, ModelConfig, check_keys
 
 SCHEDULES = ("cosine", "linear", "constant")
 AUX_SCOPES = ("micro_batch", "global_batch")
@@ -66,14 +65,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = "train") -> "TrainConfig":
-        names = [a.name for a in attrs.fields(cls)]
-        unknown = [k for k in d if k not in names]
-        if unknown:
-            hints = []
-            for k in unknown:
-                close = difflib.get_close_matches(k, names, n=1)
-                hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(f"{source}: unknown train config key(s): {', '.join(hints)}")
+        check_keys(d, [a.name for a in attrs.fields(cls)], f"{source}: unknown train config key(s)")
         return cls(**dict(d))
 
     def to_dict(self) -> dict[str, Any]:

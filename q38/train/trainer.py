@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 import attrs
 import torch
 
-from q38.config import SPECS_DIR, ConfigError, ModelConfig
+from q38.config import SPECS_DIR, ConfigError, ModelConfig, check_keys
 from q38.train.config import TrainConfig, validate_run
 
 DEFAULT_CONFIG = SPECS_DIR / "train" / "tiny.yaml"
@@ -28,14 +28,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _check_keys(section: str, d: Mapping[str, Any], cls) -> None:
-    import difflib
-
-    names = [a.name for a in attrs.fields(cls)]
-    for k in d:
-        if k not in names:
-            close = difflib.get_close_matches(k, names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"unknown key {k!r} in section {section!r}{hint}")
+    check_keys(d, [a.name for a in attrs.fields(cls)], f"unknown key(s) in section {section!r}")
 
 
 def _need(cond: bool, msg: str) -> None:
