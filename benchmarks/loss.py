@@ -9,8 +9,9 @@ CUDA peak memory is ``torch.cuda.max_memory_allocated`` (the delta subtracts the
 "grad" is the size of the returned gradients (``dhidden`` + ``dw_head``), which any implementation must hold;
 "workspace" = delta - grad is what the loss itself needs on top.
 
-At the defaults (fp32) the unchunked reference peaks near 16 GiB on CPU: 2 GiB head, up to three live
-``[4096, 248320]`` fp32 tensors (logits / log-softmax / their gradients, 4 GiB each) and the 2 GiB head gradient.
+At the defaults (fp32) the unchunked reference peaks at about 13.6 GiB RSS on CPU (2 GiB head, two or three live
+``[4096, 248320]`` fp32 tensors of 3.8 GiB: logits, log-softmax and their gradients, plus the 2 GiB head gradient);
+the chunked one at about 5.1 GiB. Timings on a shared 2-core VM swing by 2x between repeats: use ``--rounds``.
 """
 
 import argparse
@@ -131,8 +132,8 @@ def main():
         f"repeats={args.repeats} rounds={args.rounds} device={args.device} dtype={args.dtype}; memory = {mem}"
     )
     rows = [
-        ("fwd+bwd time, best [s]", lambda r: min(r["times"]), "{:.2f}"),
-        ("fwd+bwd time, mean [s]", lambda r: sum(r["times"]) / len(r["times"]), "{:.2f}"),
+        ("fwd+bwd time, best [s]", lambda r: min(r["times"]), "{:.3f}"),
+        ("fwd+bwd time, mean [s]", lambda r: sum(r["times"]) / len(r["times"]), "{:.3f}"),
         ("peak memory [GiB]", lambda r: r["peak"] / GiB, "{:.2f}"),
         ("peak - after inputs [GiB]", lambda r: (r["peak"] - r["base"]) / GiB, "{:.2f}"),
         ("  of which grads [GiB]", lambda r: r["grad_bytes"] / GiB, "{:.2f}"),
@@ -148,7 +149,7 @@ def main():
         u, c = get(results["unchunked"]), get(results["chunked"])
         ratio = f"{c / u:.3f}" if u else "-"
         print(f"| {name:<34} | {fmt.format(u):>10} | {fmt.format(c):>10} | {ratio:>17} |")
-    print("per-repeat times [s]: " + ", ".join(f"{v}: {[round(t, 2) for t in results[v]['times']]}" for v in results))
+    print("per-repeat times [s]: " + ", ".join(f"{v}: {[round(t, 3) for t in results[v]['times']]}" for v in results))
 
 
 if __name__ == "__main__":

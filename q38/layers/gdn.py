@@ -235,10 +235,12 @@ def gated_delta_rule_chunked(
     if initial_state is not None:
         S = initial_state.float()
     outs = []
-    for j in range(n):
-        v_new = u_val[:, :, j] - w_kc[:, :, j] @ S
-        outs.append(q_dec[:, :, j] @ S + intra[:, :, j] @ v_new)
-        S = S * chunk_decay[:, :, j, None, None] + k_dec[:, :, j].transpose(-1, -2) @ v_new
+    # unbind (not indexing) so backward stacks the per-chunk gradients once instead of zero-filling per chunk
+    chunks = zip(*(t.unbind(2) for t in (u_val, w_kc, q_dec, intra, k_dec, chunk_decay)))
+    for u_j, w_j, q_j, intra_j, k_j, decay_j in chunks:
+        v_new = u_j - w_j @ S
+        outs.append(q_j @ S + intra_j @ v_new)
+        S = S * decay_j[..., None, None] + k_j.transpose(-1, -2) @ v_new
     o = torch.stack(outs, dim=2)
     o = rearrange(o, "b h j u p -> b (j u) h p")[:, :s]
     return o.to(dtype), S

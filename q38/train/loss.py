@@ -141,7 +141,9 @@ class _ChunkedLMLossSum(torch.autograd.Function):
 
         buf, low = _buffers(n, cols, mm_dtype, compute_dtype, hidden.device)
         dx_acc = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if need_dx else None
-        dx_tmp = torch.empty(hidden.shape, dtype=mm_dtype, device=hidden.device) if need_dx and low is not None else None
+        dx_tmp = None
+        if need_dx and low is not None:
+            dx_tmp = torch.empty(hidden.shape, dtype=mm_dtype, device=hidden.device)
         grad_w = torch.empty_like(w_head) if need_dw else None
         x_signed_nd = x_nd * sign.to(mm_dtype) if need_dw else None
         for v0 in range(0, v, cols):
