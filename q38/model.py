@@ -60,6 +60,7 @@ class Runtime:
     gather: Callable[[Any], Any] = lambda p: p
     wrap_layer: Callable[..., Any] | None = None
     dispatch: ExpertDispatch | None = None
+    prefetch: Callable[[Any], None] | None = None  # start gathering the next layer's params (FSDP overlap)
 
 
 def abstract_params(cfg: ModelConfig) -> ModelParams:
@@ -146,7 +147,10 @@ def forward(
     embed = runtime.gather(params.embed)
     x = F.embedding(input_ids, embed)
     router_logits = []
-    for lp in params.layers:
+    upcoming = list(params.layers[1:]) + ([params.mtp] if params.mtp is not None else [])
+    for i, lp in enumerate(params.layers):
+        if runtime.prefetch is not None and torch.is_grad_enabled() and i < len(upcoming):
+            runtime.prefetch(upcoming[i])
         x, rl = _run_layer(runtime, lp, x, config, info)
         router_logits.append(rl)
     hidden = rms_norm(x, runtime.gather(params.final_norm), config.rms_norm_eps)

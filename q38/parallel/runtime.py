@@ -47,6 +47,21 @@ class _AllGather(torch.autograd.Function):
         return out, None, None
 
 
+class _PrefetchedAllGather(torch.autograd.Function):
+    """``_AllGather`` whose collective was started earlier (``MeshParallel.prefetch``): forward waits for it."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, work, parts):
+        ctx.dim, ctx.group = dim, group
+        work.wait()
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        grad, _, _ = _AllGather.backward(ctx, g)
+        return grad, None, None, None, None
+
+
 class _SumGrad(torch.autograd.Function):
     """Forward: identity. Backward: all-reduce (sum) over ``group`` (a replicated parameter used on every rank)."""
 
@@ -98,7 +113,8 @@ class Mesh:
         """The runtime for one step; EP balance options come from the train config."""
         if train_config is None:
             return MeshParallel(self)
-        return MeshParallel(self, train_config.enable_ep_balance, train_config.max_dup_experts_num)
+        return MeshParallel(self, train_config.enable_ep_balance, train_config.max_dup_experts_num,
+                            getattr(train_config, "fsdp_prefetch", None))
 
     def group(self, name: str):
         return self.device_mesh.get_group(name)
@@ -352,8 +368,10 @@ class EPDispatch:
 class MeshParallel:
     is_local = False
 
-    def __init__(self, mesh: Mesh, ep_balance: bool = False, max_dup_experts: int = 2):
+    def __init__(self, mesh: Mesh, ep_balance: bool = False, max_dup_experts: int = 2, prefetch: bool | None = None):
         self.mesh = mesh
+        # Prefetch the next layer's FSDP gathers on accelerators (overlap); on CPU only when asked (tests).
+        self.prefetch_enabled = mesh.device_mesh.device_type != "cpu" if prefetch is None else prefetch
         names = list(mesh.sizes)
         self.dims = [(i, n, mesh.sizes[n]) for i, n in enumerate(names)]
         self.ep_size = mesh.size("ep")
@@ -364,10 +382,12 @@ class MeshParallel:
         cp = mesh.size("cp")
         self.comm = CPComm(mesh.group("cp"), mesh.local_rank("cp"), cp) if cp > 1 else None
         self._keep_local: dict[int, set] = {}
+        self._pending: dict[int, tuple] = {}  # id(leaf) -> (mesh dim name, work, parts) of a prefetched gather
 
     def bind(self, params) -> None:
         """Record, per parameter leaf, the mesh dims that stay sharded in compute form (the layout's ``compute``
         map, e.g. experts on ``ep``); every other sharded dim is all-gathered just in time."""
+        self._pending.clear()
         pl = self.mesh.layout.placements(params, self.mesh.sizes)
         names = list(self.mesh.sizes)
         for path, leaf in named_leaves(params):
@@ -380,6 +400,32 @@ class MeshParallel:
         s = mb.doc_ids.shape[1]
         packed = bool((mb.doc_ids[:, 1:] != mb.doc_ids[:, :-1]).any()) if s > 1 else False
         return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, packed, self.comm or LocalSeqComm())
+
+    def _gather_dims(self, t) -> list[tuple[str, int]]:
+        """(mesh dim, tensor dim) pairs this leaf all-gathers, innermost mesh dim first."""
+        keep = self._keep_local[id(t)]
+        return [
+            (name, pl.dim) for (i, name, size), pl in reversed(list(zip(self.dims, t.placements)))
+            if size > 1 and isinstance(pl, Shard) and name not in keep
+        ]
+
+    def prefetch(self, tree) -> None:
+        """Start the all-gathers of ``tree`` (the next layer) now, so they overlap the current layer's compute
+        (on accelerators the collective runs on its own stream). Leaves gathered over one mesh dim are prefetched;
+        the gather that consumes them waits, and its backward is the usual reduce-scatter."""
+        import torch.utils._pytree as pytree
+
+        for t in pytree.tree_leaves(tree):
+            if not isinstance(t, DTensor) or id(t) in self._pending or id(t) not in self._keep_local:
+                continue
+            dims = self._gather_dims(t)
+            if len(dims) != 1 or t.shape[dims[0][1]] % self.mesh.sizes[dims[0][0]]:
+                continue
+            name, dim = dims[0]
+            x = t.to_local().detach().contiguous()
+            parts = [torch.empty_like(x) for _ in range(self.mesh.sizes[name])]
+            work = dist.all_gather(parts, x, group=self.mesh.group(name), async_op=True)
+            self._pending[id(t)] = (name, work, parts)
 
     def _gather_one(self, t):
         if not isinstance(t, DTensor):
@@ -395,7 +441,11 @@ class MeshParallel:
             pl = t.placements[i]
             if isinstance(pl, Shard) and name in keep:
                 continue
-            if isinstance(pl, Shard):
+            pending = self._pending.get(id(t))
+            if isinstance(pl, Shard) and pending is not None and pending[0] == name:
+                del self._pending[id(t)]
+                x = _PrefetchedAllGather.apply(x, pl.dim, self.mesh.group(name), pending[1], pending[2])
+            elif isinstance(pl, Shard):
                 if t.shape[pl.dim] % size:
                     raise NotImplementedError(
                         f"gathering an unevenly sharded parameter (shape {tuple(t.shape)} over {name}={size}) is "

@@ -51,6 +51,7 @@ class TrainConfig:
     skip_flash_attn_recompute: bool = False
     skip_gdn_recompute: bool = False
     offload_activations: bool = False
+    fsdp_prefetch: bool | None = None  # None: on accelerators only; true/false force it
     # expert-parallel balance (needs an `ep` mesh dim > 1)
     enable_ep_balance: bool = False
     max_dup_experts_num: int = 2

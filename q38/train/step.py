@@ -117,7 +117,10 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
     mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
     n_mb = len(mbs)
     coef = mc.router_aux_loss_coef if tc.aux_loss_coef is None else tc.aux_loss_coef
-    runtime = Runtime(gather=par.gather, wrap_layer=layer_wrapper(tc), dispatch=par.dispatch)
+    runtime = Runtime(
+        gather=par.gather, wrap_layer=layer_wrapper(tc), dispatch=par.dispatch,
+        prefetch=par.prefetch if getattr(par, "prefetch_enabled", False) else None,
+    )
 
     # Global normalisers, known before any forward (DESIGN.md decision 5).
     n_main = par.all_reduce_sum(sum(count_targets(mb.targets) for mb in mbs))
