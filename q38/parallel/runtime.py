@@ -9,6 +9,7 @@ autograd functions on local tensors (shard_map style); parameters and optimizer 
 import attrs
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -45,6 +46,33 @@ class _AllGather(torch.autograd.Function):
         out = torch.empty_like(chunks[0])
         dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=ctx.group)
         return out, None, None
+
+
+class _UnevenAllGather(torch.autograd.Function):
+    """``_AllGather`` for DTensor's uneven ``torch.chunk`` shards (``sizes[r]`` rows on rank r, possibly 0):
+    shards are zero-padded to the largest for the collective and trimmed after; backward likewise."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, sizes):
+        ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
+        full = max(sizes)
+        pad = [0, 0] * (x.dim() - 1 - dim) + [0, full - x.shape[dim]]
+        xp = F.pad(x, pad).contiguous()
+        parts = [torch.empty_like(xp) for _ in sizes]
+        dist.all_gather(parts, xp, group=group)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        full = max(ctx.sizes)
+        chunks = []
+        for c in g.split(list(ctx.sizes), dim=ctx.dim):
+            pad = [0, 0] * (g.dim() - 1 - ctx.dim) + [0, full - c.shape[ctx.dim]]
+            chunks.append(F.pad(c, pad).contiguous())
+        out = torch.empty_like(chunks[0])
+        dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=ctx.group)
+        me = dist.get_rank(ctx.group)
+        return out.narrow(ctx.dim, 0, ctx.sizes[me]), None, None, None
 
 
 class _PrefetchedAllGather(torch.autograd.Function):
@@ -92,6 +120,12 @@ class _AllToAll(torch.autograd.Function):
         out = g.new_empty((sum(ctx.in_splits), *g.shape[1:]))
         dist.all_to_all_single(out, g.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
         return out, None, None, None
+
+
+def _chunk_sizes(n: int, k: int) -> list[int]:
+    """``torch.chunk`` sizes of ``n`` rows over ``k`` parts (DTensor ``Shard``): ceil-sized, trailing may be 0."""
+    full = -(-n // k)
+    return [max(0, min(n, full * (c + 1)) - full * c) for c in range(k)]
 
 
 # ---- the mesh ----------------------------------------------------------------------------------------------------
@@ -446,15 +480,26 @@ class MeshParallel:
                 del self._pending[id(t)]
                 x = _PrefetchedAllGather.apply(x, pl.dim, self.mesh.group(name), pending[1], pending[2])
             elif isinstance(pl, Shard):
-                if t.shape[pl.dim] % size:
-                    raise NotImplementedError(
-                        f"gathering an unevenly sharded parameter (shape {tuple(t.shape)} over {name}={size}) is "
-                        "not implemented; make the dimension divisible or change the layout"
-                    )
-                x = _AllGather.apply(x, pl.dim, self.mesh.group(name))
+                total = self._level_size(t, i, pl.dim)
+                if total % size == 0:
+                    x = _AllGather.apply(x, pl.dim, self.mesh.group(name))
+                else:  # uneven (the layout's `uneven` list): torch.chunk sizes of this dim at this level
+                    x = _UnevenAllGather.apply(x, pl.dim, self.mesh.group(name), _chunk_sizes(total, size))
             else:
                 x = _SumGrad.apply(x, self.mesh.group(name))
         return x
+
+    def _level_size(self, t, mesh_i: int, dim: int) -> int:
+        """Size of tensor dim ``dim`` before splitting over mesh dim ``mesh_i`` (DTensor splits mesh dims in order,
+        each by ``torch.chunk`` of what the previous ones left on this rank)."""
+        n = t.shape[dim]
+        for j, (_, name, size) in enumerate(self.dims):
+            if j == mesh_i:
+                return n
+            pl = t.placements[j]
+            if size > 1 and isinstance(pl, Shard) and pl.dim == dim:
+                n = _chunk_sizes(n, size)[self.mesh.local_rank(name)]
+        return n
 
     def gather(self, tree):
         import torch.utils._pytree as pytree
