@@ -197,3 +197,23 @@ def test_uneven_shards_over_three_ranks(tmp_path):
     outs = run_distributed(_user_layout_fn, 3, str(path), tc, 6)
     for name, p in ref["params"].items():
         assert (outs[0]["params"][name] - p).abs().max() <= TOL, name
+
+
+HSDP_LAYOUT = """
+# HSDP: parameters sharded over fsdp inside each replica group, replicated across dp_replicate.
+include: fsdp.yaml
+name: hsdp
+mesh: {dp_replicate: 2, fsdp: 2}
+activations:
+  batch: [dp_replicate, fsdp]
+"""
+
+
+def test_hsdp_dp_replicate_times_fsdp(tmp_path):
+    path = tmp_path / "hsdp.yaml"
+    path.write_text(HSDP_LAYOUT)
+    tc = TrainConfig(loss_chunk_size=16, lr=1e-3, eps=1e-3)
+    ref = _reference(tc, 2)
+    outs = run_distributed(_user_layout_fn, 4, str(path), tc)
+    for name, p in ref["params"].items():
+        assert (outs[0]["params"][name] - p).abs().max() <= TOL, name
