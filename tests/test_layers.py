@@ -196,3 +196,15 @@ def test_init_depends_only_on_seed_and_path(tiny_cfg):
     assert torch.equal(a.embed, b.embed)
     c = init_params(tiny_cfg, seed=8)
     assert not torch.equal(a.embed, c.embed)
+
+
+def test_materialize_a_shard_equals_slicing_the_full_tensor():
+    from q38.layers.common import ParamInfo, _rows_per_block, materialize
+
+    info = ParamInfo((300, 5000), std=0.5)
+    assert _rows_per_block(info.shape) < 300  # several row blocks: the shard crosses a block boundary
+    full = materialize(info, "layers.0.moe.we_down", seed=1)
+    part = materialize(info, "layers.0.moe.we_down", seed=1, index=(slice(150, 290), slice(7, 4000)))
+    assert torch.equal(part, full[150:290, 7:4000])
+    empty = materialize(info, "layers.0.moe.we_down", seed=1, index=(slice(300, 300), slice(0, 5000)))
+    assert empty.shape == (0, 5000)

@@ -217,3 +217,25 @@ def test_hsdp_dp_replicate_times_fsdp(tmp_path):
     outs = run_distributed(_user_layout_fn, 4, str(path), tc)
     for name, p in ref["params"].items():
         assert (outs[0]["params"][name] - p).abs().max() <= TOL, name
+
+
+def _init_fn(rank, world, layout_name, mesh_sizes):
+    from q38.parallel.runtime import init_sharded, make_mesh, shard
+
+    cfg = _cfg()
+    mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)
+    a = init_sharded(cfg, TrainConfig(), mesh, seed=3)
+    b = shard(init_state(cfg, TrainConfig(), seed=3), mesh)
+    local = lambda t: (tuple(t.placements), t.to_local()) if hasattr(t, "placements") else ((), t)  # noqa: E731
+    bad = []
+    for (n, x), (_, y) in zip(named_leaves(a), named_leaves(b)):
+        (px, lx), (py, ly) = local(x), local(y)
+        if px != py or not torch.equal(lx, ly):
+            bad.append(n)
+    return bad
+
+
+@pytest.mark.parametrize("layout,mesh_sizes,world", [("fsdp_ep", {"fsdp": 1, "ep": 2}, 2), ("fsdp", {"fsdp": 2}, 2)])
+def test_sharded_init_equals_sharding_the_full_init(layout, mesh_sizes, world):
+    """Each rank draws only its own shards, and gets exactly the values of the single-device init."""
+    assert run_distributed(_init_fn, world, layout, mesh_sizes) == [[]] * world

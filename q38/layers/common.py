@@ -24,31 +24,51 @@ class ParamInfo:
         return math.prod(self.shape)
 
 
-def leaf_generator(seed: int, path: str) -> torch.Generator:
-    """A CPU generator whose seed depends only on (seed, parameter path): init is mesh-independent."""
-    h = hashlib.sha256(f"{seed}:{path}".encode()).digest()
+def leaf_generator(seed: int, path: str, block: int = 0) -> torch.Generator:
+    """A CPU generator whose seed depends only on (seed, parameter path, row block): init is mesh-independent."""
+    h = hashlib.sha256(f"{seed}:{path}:{block}".encode()).digest()
     g = torch.Generator(device="cpu")
     g.manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
     return g
 
 
-def materialize(info: ParamInfo, path: str, *, seed: int, device=None, dtype=None) -> Tensor:
-    """Create one parameter tensor from its ``ParamInfo``; values depend only on ``seed`` and ``path``."""
+def _rows_per_block(shape: tuple[int, ...]) -> int:
+    """Random values are drawn in blocks of dim-0 rows (about 1M values each, a function of the shape only), so
+    a rank can draw just the rows of its shard and still get the values every other mesh would give."""
+    return max(1, (1 << 20) // max(1, math.prod(shape[1:])))
+
+
+def materialize(
+    info: ParamInfo, path: str, *, seed: int, device=None, dtype=None, index: tuple[slice, ...] | None = None
+) -> Tensor:
+    """Create one parameter tensor (or the sub-block ``index`` of it, e.g. a shard) from its ``ParamInfo``; values
+    depend only on ``seed`` and ``path``."""
     dtype = dtype or torch.float32
+    full = tuple(slice(0, n) for n in info.shape)
+    index = tuple(index) if index is not None else full
+    shape = tuple(sl.stop - sl.start for sl in index)
     if torch.device(device or "cpu").type == "meta":
-        return torch.empty(info.shape, device="meta", dtype=dtype)
+        return torch.empty(shape, device="meta", dtype=dtype)
     if info.init == "zeros":
-        t = torch.zeros(info.shape, dtype=torch.float32)
+        t = torch.zeros(shape, dtype=torch.float32)
     elif info.init == "ones":
-        t = torch.ones(info.shape, dtype=torch.float32)
+        t = torch.ones(shape, dtype=torch.float32)
+    elif info.init in ("normal", "a_log"):
+        r = _rows_per_block(info.shape)
+        lo, hi = index[0].start, index[0].stop
+        blocks = []
+        for b in range(lo // r, (hi - 1) // r + 1 if hi > lo else lo // r):
+            rows = min(r, info.shape[0] - b * r)
+            g = leaf_generator(seed, path, b)
+            if info.init == "normal":
+                blk = torch.randn((rows, *info.shape[1:]), generator=g, dtype=torch.float32) * info.std
+            else:
+                blk = torch.empty((rows, *info.shape[1:]), dtype=torch.float32).uniform_(0.01, 16.0, generator=g).log_()
+            blocks.append(blk[max(lo - b * r, 0) : hi - b * r])
+        t = torch.cat(blocks) if blocks else torch.empty((0, *info.shape[1:]))
+        t = t[(slice(None), *index[1:])].contiguous()
     else:
-        g = leaf_generator(seed, path)
-        if info.init == "normal":
-            t = torch.randn(info.shape, generator=g, dtype=torch.float32) * info.std
-        elif info.init == "a_log":
-            t = torch.empty(info.shape, dtype=torch.float32).uniform_(0.01, 16.0, generator=g).log_()
-        else:
-            raise ValueError(f"unknown init rule {info.init!r} for parameter {path}")
+        raise ValueError(f"unknown init rule {info.init!r} for parameter {path}")
     return t.to(device=device, dtype=dtype)
 
 

@@ -188,6 +188,33 @@ def shard(state, mesh: Mesh, layout: Layout | None = None):
     return attrs.evolve(state, params=place(state.params), exp_avg=place(state.exp_avg), exp_avg_sq=place(state.exp_avg_sq))
 
 
+def init_sharded(model_config, train_config, mesh: Mesh, *, seed: int = 0, device=None, dtype=None):
+    """A fresh ``TrainState`` whose every rank materialises only its own shards (never the full model): values
+    equal ``shard(init_state(...))`` because initial values are drawn per parameter path and row block."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from q38.layers.common import materialize
+    from q38.model import abstract_params, is_param_info
+    from q38.pytree import tree_map_with_path
+    from q38.train.state import state_from_params
+
+    abstract = abstract_params(model_config)
+    pl = mesh.layout.placements(abstract, mesh.sizes)
+
+    def make(path, info):
+        placements = pl[path].dtensor_placements()
+        shape, offset = compute_local_shape_and_global_offset(info.shape, mesh.device_mesh, placements)
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        local = materialize(info, path, seed=seed, device=device, dtype=dtype, index=index)
+        return DTensor.from_local(
+            local, mesh.device_mesh, placements, run_check=False, shape=torch.Size(info.shape),
+            stride=torch.empty(info.shape, device="meta").stride(),
+        )
+
+    params = tree_map_with_path(make, abstract, is_leaf=is_param_info)
+    return state_from_params(params, model_config, train_config)
+
+
 def unshard(state):
     """Full tensors on every rank (for checks and Hugging Face export)."""
     import torch.utils._pytree as pytree

@@ -576,14 +576,20 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         params = empty_params(cfg.model, device=device, dtype=dtype)
     else:
         meta = None
-        params = _initial_params(cfg, device, dtype)
-    state = state_from_params(params, cfg.model, cfg.train)
     mesh = None
     if world.world_size > 1:
-        from q38.parallel.runtime import make_mesh, shard, shard_batch
+        from q38.parallel.runtime import init_sharded, make_mesh, shard, shard_batch
 
         mesh = make_mesh(plan.layout, world.world_size, device.split(":")[0])
-        state = shard(state, mesh)
+    if mesh is not None and latest is None and not cfg.init_from:
+        # each rank draws only its own shards: the full model never exists on one rank
+        state = init_sharded(cfg.model, cfg.train, mesh, seed=cfg.run.seed, device=device, dtype=dtype)
+    else:
+        if latest is None:
+            params = _initial_params(cfg, device, dtype)
+        state = state_from_params(params, cfg.model, cfg.train)
+        if mesh is not None:
+            state = shard(state, mesh)
     start = 0
     if latest is not None:
         state, meta = load_checkpoint(latest, state)
