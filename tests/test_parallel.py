@@ -119,15 +119,51 @@ def _balance_fn(rank, world, balance, skew):
     return {"loss": float(r.loss), "aux": float(r.aux_loss), "grads": grads, "loads": r.ep_max_load}
 
 
-def test_ep_balance_same_math_lower_peak_load():
+def test_ep_balance_same_math_in_the_whole_model():
     ons = run_distributed(_balance_fn, 2, True, True)
     offs = run_distributed(_balance_fn, 2, False, True)
     on, off = ons[0], offs[0]
     assert abs(on["loss"] - off["loss"]) <= TOL and abs(on["aux"] - off["aux"]) <= TOL
     for n, g in off["grads"].items():
         assert (on["grads"][n] - g).abs().max() <= TOL * max(1.0, float(g.abs().max())), n
-    print(f"\nEP=2 skewed routing, max per-rank routed slots per layer: off {off['loads']}, on {on['loads']}")
-    assert max(on["loads"]) < max(off["loads"])
+
+
+def _dispatch_fn(rank, world, balance):
+    from q38.layers.moe import MoEParams, local_experts
+    from q38.parallel.runtime import EPDispatch
+
+    cfg = _cfg().replace(num_experts=8, num_experts_per_tok=2)
+    g = torch.Generator().manual_seed(0)
+    gu = torch.randn(8, 2 * cfg.moe_intermediate_size, cfg.hidden_size, generator=g)
+    dn = torch.randn(8, cfg.hidden_size, cfg.moe_intermediate_size, generator=g)
+    e_local = 8 // world
+    gu_l = gu[rank * e_local : (rank + 1) * e_local].clone().requires_grad_()
+    dn_l = dn[rank * e_local : (rank + 1) * e_local].clone().requires_grad_()
+    gx = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(200, cfg.hidden_size, generator=gx, requires_grad=True)
+    hot = torch.rand(200, generator=gx) < 0.85  # 85% of slots go to experts 0 and 1, both on EP rank 0
+    expert = torch.where(hot, torch.randint(0, 2, (200,), generator=gx), torch.randint(0, 8, (200,), generator=gx))
+    p = MoEParams(None, gu_l, dn_l, None, None, None, None)
+    disp = EPDispatch(torch.distributed.group.WORLD, rank, world, balance=balance, max_dup=2)
+    y = disp(x, expert, p, cfg)
+    w = torch.randn(y.shape, generator=gx)
+    gxs = torch.autograd.grad((y * w).sum(), [x, gu_l, dn_l])
+    # the dense reference on this rank's slots (all experts local)
+    ref = local_experts(x, expert, MoEParams(None, gu, dn, None, None, None, None), cfg)
+    return {"y": y.detach(), "ref": ref.detach(), "grads": [t.detach() for t in gxs], "loads": disp.loads}
+
+
+def test_ep_balance_moves_load_and_keeps_the_math():
+    on = run_distributed(_dispatch_fn, 2, True)
+    off = run_distributed(_dispatch_fn, 2, False)
+    for a, b in zip(on, off):
+        assert (a["y"] - a["ref"]).abs().max() <= 1e-4 * max(1.0, float(a["ref"].abs().max()))
+        assert (a["y"] - b["y"]).abs().max() <= 1e-4 * max(1.0, float(b["y"].abs().max()))
+        for ga, gb in zip(a["grads"], b["grads"]):
+            assert (ga - gb).abs().max() <= 1e-4 * max(1.0, float(gb.abs().max()))
+    print(f"\nEP=2, 85% of slots on rank 0's experts: max per-rank routed slots off {off[0]['loads']}, "
+          f"on {on[0]['loads']}")
+    assert on[0]["loads"][0] < off[0]["loads"][0]
 
 
 USER_LAYOUT = """
