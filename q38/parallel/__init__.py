@@ -10,7 +10,19 @@ from q38.parallel.layout import (
 )
 from q38.parallel.plan import PlanReport, format_plan, plan, plan_cli
 
-__all__ = [
+_RUNTIME = ("Mesh", "make_mesh", "shard", "unshard", "shard_batch", "init_sharded", "MeshParallel")
+
+
+def __getattr__(name):
+    """The mesh runtime (torch.distributed.tensor) is imported on first use, so `q38 plan` stays light."""
+    if name in _RUNTIME:
+        from q38.parallel import runtime
+
+        return getattr(runtime, name)
+    raise AttributeError(f"module 'q38.parallel' has no attribute {name!r}")
+
+
+__all__ = [*_RUNTIME, 
     "ACTIVATION_AXES", "MESH_DIM_NAMES", "Layout", "LayoutError", "ParamPlacement", "PlanReport", "format_plan",
     "plan", "plan_cli",
 ]

@@ -177,6 +177,13 @@ def shard(state, mesh: Mesh, layout: Layout | None = None):
     """Place the train state's parameters and moments as DTensors per the layout (values = the unsharded ones)."""
     import torch.utils._pytree as pytree
 
+    if layout is not None and layout != mesh.layout:
+        mesh = Mesh(mesh.device_mesh, layout, dict(layout.resolve_mesh(mesh.device_mesh.size())))
+        if tuple(mesh.sizes) != tuple(mesh.device_mesh.mesh_dim_names or ()):
+            raise ValueError(
+                f"layout {layout.name!r} has mesh dims {tuple(mesh.sizes)} but the mesh was built with "
+                f"{mesh.device_mesh.mesh_dim_names}; build the mesh from this layout (make_mesh(layout, world))"
+            )
     pl = _placements(mesh, state.params)
 
     def place(tree):

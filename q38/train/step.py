@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from q38.model import Runtime, forward, head_weight
-from q38.pytree import tree_leaves
+from q38.pytree import pytree_node, tree_leaves
 from q38.train.loss import chunked_lm_loss, unchunked_lm_loss
 from q38.train.objective import (
     IGNORE,
@@ -29,6 +29,7 @@ from q38.train.state import TrainState, decay_mask, learning_rate
 import torch.utils._pytree as pytree
 
 
+@pytree_node
 @attrs.frozen
 class Metrics:
     """What one step reports (0-dim tensors, already reduced over ranks)."""
