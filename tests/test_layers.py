@@ -14,15 +14,11 @@ TOL = 1e-5  # fp32 tolerance for reference comparisons
 
 
 def close(a, b, tol=TOL):
-    """``tol`` relative to the scale (whole-model hiddens reach |h| ~ 4, and the conv kernel sums its taps in a
-    length-dependent order)."""
-    return (a - b).abs().max() <= tol * max(1.0, float(b.abs().max()))
+    """max |a − b| ≤ ``tol`` (whole-model comparisons; measured ≤ 7.7e-6 with |h| up to ~4)."""
+    return (a - b).abs().max() <= tol
 
 
-# Whole-model packed vs separate: the GDN chunk boundaries fall elsewhere, and the in-chunk cumulative log-decay
-# (|γ| reaches ~10³ with A_log up to log 16) carries fp32 error ~1e-7·|γ| into exp(γ_r − γ_s), as in HF's and
-# FLA's chunked form; over 4 layers that gives up to 1.3e-5 relative. The layer-level test above holds 1e-5.
-WHOLE_MODEL_TOL = 3e-5
+WHOLE_MODEL_TOL = TOL
 
 
 def _gdn_inputs(gen, b=2, s=150, h=3, a=8, p=6):

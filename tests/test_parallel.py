@@ -13,7 +13,7 @@ from q38.train.step import loss_and_grads, train_step
 from tests.dist_utils import run_distributed
 
 TOL = 1e-5
-GTOL = 3e-5
+GTOL = 1e-5
 
 pytestmark = pytest.mark.dist
 
@@ -93,10 +93,9 @@ def test_layout_matches_single_process(layout, mesh_sizes, world, scope):
         assert abs(o["aux"] - ref["aux"]) <= TOL
         assert len(o["mtp"]) == 1 and abs(o["mtp"][0] - ref["mtp"][0]) <= TOL
         assert abs(o["grad_norm"] - ref["grad_norm"]) <= 1e-4
-    # Gradients: GTOL relative to the tensor's scale. Measured: FSDP/EP agree to ~1e-6; the CP split reorders fp32
-    # sums in the GDN state carry and attention, giving up to 1.2e-5 relative (embed: 2.2e-5 on |g| = 1.8).
+    # Gradients: max |Δ| ≤ 1e-5 (measured ≤ 4.8e-6, on |g| up to 5.6, for the CP cases).
     for name, g in ref["grads"].items():
-        assert (outs[0]["grads"][name] - g).abs().max() <= GTOL * max(1.0, float(g.abs().max())), name
+        assert (outs[0]["grads"][name] - g).abs().max() <= GTOL, name
     if steps:
         for name, p in ref["params"].items():
             assert (outs[0]["params"][name] - p).abs().max() <= TOL, name
@@ -210,7 +209,7 @@ def test_fsdp_prefetch_gives_the_same_step(mesh_sizes, world):
     outs = run_distributed(_rank_fn, world, layout, mesh_sizes, tc, 1)
     assert abs(outs[0]["loss"] - ref["loss"]) <= TOL
     for name, g in ref["grads"].items():
-        assert (outs[0]["grads"][name] - g).abs().max() <= GTOL * max(1.0, float(g.abs().max())), name
+        assert (outs[0]["grads"][name] - g).abs().max() <= GTOL, name
     for name, p in ref["params"].items():
         assert (outs[0]["params"][name] - p).abs().max() <= TOL, name
 

@@ -204,7 +204,11 @@ def gated_delta_rule_chunked(
     g, beta = (rearrange(t, "b h (j u) -> b h j u", u=C) for t in (g, beta))
 
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
-    gam = g.cumsum(-1)  # in-chunk cumulative log decay γ
+    # In-chunk cumulative log decay γ. |γ| reaches ~10³ (A_log up to log 16), so the cumsum and the pairwise
+    # differences γ_r − γ_s run in fp64 (a [.., C] and a [.., C, C] tensor: cheap) and only then return to fp32;
+    # in fp32 they carry ~1e-7·|γ| absolute error into every decay factor.
+    gam64 = g.double().cumsum(-1)
+    gam = gam64.float()
     causal = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
     if masked:
         doc_c = rearrange(doc, "b (j u) -> b j u", u=C)
@@ -215,7 +219,7 @@ def gated_delta_rule_chunked(
         last_same = (doc_c == doc_c[..., -1:]).float()[:, None]  # [b 1 j u]: same doc as the chunk's last token
     else:
         same = causal
-    decay_uu = (gam[..., :, None] - gam[..., None, :]).masked_fill(~same, float("-inf")).exp()
+    decay_uu = (gam64[..., :, None] - gam64[..., None, :]).float().masked_fill(~same, float("-inf")).exp()
     ut = (k_beta @ k.transpose(-1, -2)) * decay_uu
     # One triangular solve for both right-hand sides: U = T·Vβ and W = T·(Kβ ⊙ exp γ).
     uw = torch.linalg.solve_triangular(
@@ -224,7 +228,7 @@ def gated_delta_rule_chunked(
     u_val, w_kc = uw[..., :p], uw[..., p:]
     intra = (q @ k.transpose(-1, -2)) * decay_uu
     q_dec = q * gam.exp()[..., None]
-    k_dec = k * (gam[..., -1:] - gam).exp()[..., None]
+    k_dec = k * (gam64[..., -1:] - gam64).float().exp()[..., None]
     chunk_decay = gam[..., -1].exp()  # [b h j]
     if masked:
         w_kc, q_dec = w_kc * cont[..., None], q_dec * cont[..., None]
