@@ -136,15 +136,13 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
         info = par.seq_info(mb)
         return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, runtime=runtime)
 
-    global_counts = global_rows = None
-    if tc.aux_loss_scope == "global_batch":
-        if n_mb == 1:
-            global_counts = "after-forward"
-        else:  # exact global counts need every micro-batch's routing first: one no-grad forward pass
-            with torch.no_grad():
-                sts = [aux_stats(run(mb).router_logits, mb.aux_mask, mc.num_experts_per_tok) for mb in mbs]
-            global_counts = par.all_reduce_sum(sum(s.counts for s in sts))
-            global_rows = par.all_reduce_sum(sum(s.rows for s in sts))
+    # Aux-loss expert counts: per (global) micro-batch, or for the whole step. With several micro-batches the
+    # step's counts need every micro-batch's routing first: one extra no-grad forward pass.
+    step_counts = None
+    if tc.aux_loss_scope == "global_batch" and n_mb > 1:
+        with torch.no_grad():
+            sts = [aux_stats(run(mb).router_logits, mb.aux_mask, mc.num_experts_per_tok) for mb in mbs]
+        step_counts = (par.all_reduce_sum(sum(s.counts for s in sts)), par.all_reduce_sum(sum(s.rows for s in sts)))
 
     grads = [None] * len(leaves)
     main_sum = torch.zeros(())
@@ -159,12 +157,12 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
             mtp = [lm_loss(h, w_head, mb.mtp_targets[d], n_mtp[d], tc) for d, h in enumerate(out.mtp_hidden)]
             objective = objective + tc.mtp_loss_scaling_factor * torch.stack(mtp).mean()
         st = aux_stats(out.router_logits, mb.aux_mask, mc.num_experts_per_tok)
-        if global_counts is None:  # micro_batch scope: counts of this (global) micro-batch
-            aux = aux_loss_partial(st, par.all_reduce_sum(st.counts.detach()), par.all_reduce_sum(st.rows)) / n_mb
-        elif isinstance(global_counts, str):
+        if step_counts is not None:
+            aux = aux_loss_partial(st, *step_counts)
+        else:  # this (global) micro-batch's counts; the micro_batch scope averages over micro-batches
             aux = aux_loss_partial(st, par.all_reduce_sum(st.counts.detach()), par.all_reduce_sum(st.rows))
-        else:
-            aux = aux_loss_partial(st, global_counts, global_rows)
+            if tc.aux_loss_scope == "micro_batch":
+                aux = aux / n_mb
         if coef:
             objective = objective + coef * aux
         g = torch.autograd.grad(objective, leaves, allow_unused=True)
