@@ -195,3 +195,40 @@ def test_shift_never_crosses_documents():
     doc = torch.tensor([[0] * 4 + [1] * 6])
     assert shift_tokens(x, doc, 1, -100).tolist() == [[1, 2, 3, -100, 5, 6, 7, 8, 9, -100]]
     assert shift_tokens(x, doc, 2, 0).tolist() == [[2, 3, 0, 0, 6, 7, 8, 9, 0, 0]]
+
+
+def test_recompute_reruns_layers_and_skip_options_keep_kernel_outputs(tiny_cfg, gen):
+    """Counting kernel calls: recompute re-runs the GDN solve and attention in backward; skip_gdn_recompute and
+    skip_flash_attn_recompute keep those outputs instead (the gradients are checked equal above)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {"gdn": 0, "attn": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if "linalg_solve_triangular" in name:
+                self.n["gdn"] += 1
+            if "scaled_dot_product" in name and "backward" not in name:
+                self.n["attn"] += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = _cfg(tiny_cfg, mtp_num_layers=0)
+    batch = _batch(cfg, gen, packed=False)
+    params = init_params(cfg, seed=2)
+    counts = {}
+    for name, tc in {
+        "plain": TrainConfig(),
+        "recompute": TrainConfig(recompute=True),
+        "skip_gdn": TrainConfig(recompute=True, skip_gdn_recompute=True),
+        "skip_attn": TrainConfig(recompute=True, skip_flash_attn_recompute=True),
+    }.items():
+        with Count() as c:
+            loss_and_grads(state_from_params(params, cfg, tc), batch)
+        counts[name] = c.n
+    assert counts["recompute"]["gdn"] > counts["plain"]["gdn"]
+    assert counts["recompute"]["attn"] > counts["plain"]["attn"]
+    assert counts["skip_gdn"]["gdn"] == counts["plain"]["gdn"] and counts["skip_gdn"]["attn"] == counts["recompute"]["attn"]
+    assert counts["skip_attn"]["attn"] == counts["plain"]["attn"] and counts["skip_attn"]["gdn"] == counts["recompute"]["gdn"]

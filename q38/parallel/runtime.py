@@ -451,6 +451,7 @@ class MeshParallel:
         self.comm = CPComm(mesh.group("cp"), mesh.local_rank("cp"), cp) if cp > 1 else None
         self._keep_local: dict[int, set] = {}
         self._pending: dict[int, tuple] = {}  # id(leaf) -> (mesh dim name, work, parts) of a prefetched gather
+        self.prefetched = 0  # prefetched gathers consumed (reported in Gradients, checked by the tests)
 
     def bind(self, params) -> None:
         """Record, per parameter leaf, the mesh dims that stay sharded in compute form (the layout's ``compute``
@@ -512,6 +513,7 @@ class MeshParallel:
             pending = self._pending.get(id(t))
             if isinstance(pl, Shard) and pending is not None and pending[0] == name:
                 del self._pending[id(t)]
+                self.prefetched += 1
                 x = _PrefetchedAllGather.apply(x, pl.dim, self.mesh.group(name), pending[1], pending[2])
             elif isinstance(pl, Shard):
                 total = self._level_size(t, i, pl.dim)

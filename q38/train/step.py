@@ -107,6 +107,7 @@ class Gradients:
     grad_norm: Tensor
     tokens: Tensor
     ep_max_load: tuple = ()  # EP: the largest per-rank count of routed slots, per MoE layer call
+    prefetched: int = 0  # FSDP gathers that were started a layer early and consumed
 
 
 @typing.no_type_check
@@ -180,7 +181,8 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
     objective = objective + coef * aux_loss
     grad_norm = par.grad_sq_norm(grads).sqrt()
     loads = tuple(getattr(par.dispatch, "loads", ()) or ())
-    return Gradients(grads, loss, mtp_losses, aux_loss, objective, grad_norm, n_main, loads)
+    return Gradients(grads, loss, mtp_losses, aux_loss, objective, grad_norm, n_main, loads,
+                     getattr(par, "prefetched", 0))
 
 
 @typing.no_type_check
