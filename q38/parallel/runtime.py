@@ -6,6 +6,8 @@ parameter's gradient is the *sum* over every rank of its local contribution: gat
 autograd functions on local tensors (shard_map style); parameters and optimizer moments live as DTensors.
 """
 
+import functools
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -120,6 +122,17 @@ class _AllToAll(torch.autograd.Function):
         out = g.new_empty((sum(ctx.in_splits), *g.shape[1:]))
         dist.all_to_all_single(out, g.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
         return out, None, None, None
+
+
+@functools.lru_cache(maxsize=16)
+def _keep_local_dims(layout: Layout, sizes: tuple, shapes: tuple) -> tuple[frozenset, ...]:
+    """Per leaf, the mesh dims that stay sharded in compute form. Resolved once per (layout, mesh, shapes), not on
+    every step."""
+    pl = layout.placements_of_shapes(list(shapes), dict(sizes))
+    names = [n for n, _ in sizes]
+    return tuple(
+        frozenset(n for n, d in zip(names, pl[path].shard_dims(compute=True)) if d is not None) for path, _ in shapes
+    )
 
 
 def _chunk_sizes(n: int, k: int) -> list[int]:
@@ -457,11 +470,11 @@ class MeshParallel:
         """Record, per parameter leaf, the mesh dims that stay sharded in compute form (the layout's ``compute``
         map, e.g. experts on ``ep``); every other sharded dim is all-gathered just in time."""
         self._pending.clear()
-        pl = self.mesh.layout.placements(params, self.mesh.sizes)
-        names = list(self.mesh.sizes)
-        for path, leaf in named_leaves(params):
-            dims = pl[path].shard_dims(compute=True)
-            self._keep_local[id(leaf)] = {n for n, d in zip(names, dims) if d is not None}
+        leaves = named_leaves(params)
+        shapes = tuple((path, tuple(leaf.shape)) for path, leaf in leaves)
+        keep = _keep_local_dims(self.mesh.layout, tuple(self.mesh.sizes.items()), shapes)
+        for (path, leaf), dims in zip(leaves, keep):
+            self._keep_local[id(leaf)] = dims
 
     def seq_info(self, mb: StepBatch) -> SeqInfo:
         from q38.layers.context import LocalSeqComm
