@@ -52,6 +52,7 @@ def main():
     ap.add_argument("--grouped", action="store_true", help="use_grouped_expert_matmul")
     ap.add_argument("--gdn", default="torch", help="gdn_implementation (torch | fla)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--layers", action="store_true", help="also time each layer family on the same input")
     args = ap.parse_args()
     from transformers import Qwen3_5MoeForCausalLM
 
@@ -82,6 +83,38 @@ def main():
     print(f"{'q38':<28}{t_q:>14.4f}")
     print(f"{'transformers (reference)':<28}{t_h:>14.4f}")
     print(f"{'ratio q38 / transformers':<28}{t_q / t_h:>14.3f}")
+    if args.layers:
+        per_layer(args, cfg, params, hf, dtype)
+
+
+def per_layer(args, cfg, params, hf, dtype):
+    """fwd+bwd of one GDN, attention and MoE layer of each implementation on the same random input."""
+    from q38.layers.attention import attention_apply
+    from q38.layers.context import seq_info
+    from q38.layers.gdn import gdn_apply
+    from q38.layers.moe import moe_apply
+
+    b, s, d = args.batch, args.seq, cfg.hidden_size
+    x = torch.randn(b, s, d, device=args.device, dtype=dtype, requires_grad=True)
+    info = seq_info(None, b, s, args.device)
+    gdn_i = cfg.layer_types.index("linear_attention")
+    att_i = cfg.layer_types.index("full_attention")
+    pos = hf.model.rotary_emb(x, torch.arange(s, device=args.device)[None].expand(b, s))
+
+    def fb(fn):
+        return lambda: fn().float().sum().backward()
+
+    rows = [
+        ("GDN layer", fb(lambda: gdn_apply(params.layers[gdn_i].mixer, x, cfg, info)),
+         fb(lambda: hf.model.layers[gdn_i].linear_attn(x))),
+        ("attention layer", fb(lambda: attention_apply(params.layers[att_i].mixer, x, cfg, info)),
+         fb(lambda: hf.model.layers[att_i].self_attn(x, pos, None)[0])),
+        ("MoE layer", fb(lambda: moe_apply(params.layers[0].moe, x, cfg)[0]), fb(lambda: hf.model.layers[0].mlp(x))),
+    ]
+    print(f"\n{'layer (fwd+bwd)':<28}{'q38 (s)':>12}{'transformers (s)':>18}{'ratio':>8}")
+    for name, fq, fh in rows:
+        tq, th = timeit(fq, args.repeats, args.device), timeit(fh, args.repeats, args.device)
+        print(f"{name:<28}{tq:>12.4f}{th:>18.4f}{tq / th:>8.3f}")
 
 
 if __name__ == "__main__":
