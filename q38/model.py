@@ -1,5 +1,7 @@
 """The composed model: parameter tree, init, forward (hidden states, router logits, MTP hiddens), logits, counts."""
 
+import functools
+import re
 from typing import Any, Callable
 
 import attrs
@@ -14,7 +16,7 @@ from q38.layers.common import ParamInfo, materialize
 from q38.layers.context import SeqInfo, seq_info
 from q38.layers.moe import ExpertDispatch
 from q38.layers.norm import rms_norm
-from q38.pytree import pytree_node, tree_map_with_path
+from q38.pytree import named_leaves, pytree_node, tree_map_with_path
 
 
 @pytree_node
@@ -68,23 +70,49 @@ def abstract_params(cfg: ModelConfig) -> ModelParams:
     mtp = None
     if cfg.mtp_num_layers > 0:
         mtp = MTPParams(
-            norm_emb=ParamInfo((d,), "zeros"),
-            norm_hidden=ParamInfo((d,), "zeros"),
-            fc=ParamInfo((d, 2 * d), std=std),
+            norm_emb=ParamInfo((d,), "zeros", axes=("norm",)),
+            norm_hidden=ParamInfo((d,), "zeros", axes=("norm",)),
+            fc=ParamInfo((d, 2 * d), std=std, axes=("mtp_out", "mtp_in")),
             layers=[abstract_layer(cfg, "full_attention") for _ in range(cfg.mtp_num_layers)],
-            norm=ParamInfo((d,), "zeros"),
+            norm=ParamInfo((d,), "zeros", axes=("norm",)),
         )
     return ModelParams(
-        embed=ParamInfo((v, d), std=std),
+        embed=ParamInfo((v, d), std=std, axes=("vocab", "embed")),
         layers=[abstract_layer(cfg, t) for t in cfg.layer_types],
-        final_norm=ParamInfo((d,), "zeros"),
-        lm_head=None if cfg.tie_word_embeddings else ParamInfo((v, d), std=std),
+        final_norm=ParamInfo((d,), "zeros", axes=("norm",)),
+        lm_head=None if cfg.tie_word_embeddings else ParamInfo((v, d), std=std, axes=("vocab", "embed")),
         mtp=mtp,
     )
 
 
 def is_param_info(x: Any) -> bool:
     return isinstance(x, ParamInfo)
+
+
+def generic_path(path: str) -> str:
+    """``layers.3.mixer.w_q`` → ``layers.*.mixer.w_q``: a parameter's kind, whatever its layer index."""
+    return re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", path)
+
+
+@functools.lru_cache(maxsize=1)
+def declared_params() -> dict[str, ParamInfo]:
+    """Every kind of parameter the layers declare, keyed by :func:`generic_path`: its logical axes and FSDP dim
+    (shapes are those of a small model with every layer kind, MTP and an untied head; only the axes are used).
+    This is how a layout places tensors that carry no ``ParamInfo`` (e.g. a live parameter tree)."""
+    cfg = attrs.evolve(ModelConfig.preset("tiny"), tie_word_embeddings=False, mtp_num_layers=1)
+    leaves = named_leaves(abstract_params(cfg), is_leaf=is_param_info)
+    return {generic_path(p): info for p, info in leaves}
+
+
+def declared_info(path: str) -> ParamInfo:
+    """The declaration of the parameter at dotted ``path`` (any layer index)."""
+    info = declared_params().get(generic_path(path))
+    if info is None:
+        raise KeyError(
+            f"no layer declares a parameter {path!r} (known kinds: {', '.join(declared_params())}); "
+            "declare it with a ParamInfo in its layer's abstract_* function"
+        )
+    return info
 
 
 def init_params(config: ModelConfig, *, seed: int = 0, device=None, dtype=None) -> ModelParams:

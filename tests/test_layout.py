@@ -48,12 +48,12 @@ def _tiny_layout(name: str) -> tuple[Layout, int]:
 
 
 def _base_dict() -> dict:
-    """The fsdp_ep layout as a plain dict (params, rules, ... resolved), for building broken variants."""
+    """The fsdp_ep layout as a plain dict (fsdp, rules, ... resolved), for building broken variants."""
     lay = Layout.preset("fsdp_ep")
     return {
         "name": "broken",
         "mesh": dict(lay.mesh),
-        "params": {p: list(a) for p, a in lay.params},
+        "fsdp": list(lay.fsdp),
         "rules": {k: list(v) or None for k, v in lay.rules},
         "compute": {k: list(v) for k, v in lay.compute},
         "activations": {k: list(v) or None for k, v in lay.activations},
@@ -142,36 +142,70 @@ def test_golden_placements(name, tiny_cfg):
 # ---- validation errors ----------------------------------------------------------------------------------------------
 
 
-def test_error_unmatched_param(tiny_cfg):
+def test_new_weight_is_fsdp_sharded_by_default(tiny_cfg):
+    """A weight declared with no logical axes and no rule anywhere takes the FSDP role on dim 0 in every FSDP
+    layout (and the placement report shows it); a vector stays replicated."""
+    from q38.layers.common import ParamInfo
+
+    tree = {"new_proj": ParamInfo((16, 64)), "new_scale": ParamInfo((64,), "ones")}
+    pl = Layout.preset("fsdp_ep").placements(tree, 4)
+    assert pl["new_proj"].mesh_axes_per_dim == (("fsdp", "ep"), ())
+    assert pl["new_proj"].placement_strs() == ["Shard(0)", "Shard(0)"]
+    assert pl["new_scale"].placement_strs() == ["Replicate()", "Replicate()"]
+    assert Layout.preset("single").placements(tree, 1)["new_proj"].mesh_axes_per_dim == ((), ())
+
+
+def test_error_undeclared_tensor(tiny_cfg):
+    """A live tensor whose path no layer declares cannot be placed: one error names it and the fix."""
+    with pytest.raises(LayoutError, match=r"parameter 'layers\.0\.mixer\.w_new' \[4, 4\] has no layer declaration "
+                                          r"\(declare it with a ParamInfo"):
+        Layout.preset("fsdp").placements({"layers": [{"mixer": {"w_new": torch.zeros(4, 4)}}]}, 2)
+
+
+def test_error_params_table_is_gone():
     d = _base_dict()
-    del d["params"]["*.mixer.w_q"], d["rules"]["heads_q"]
-    with pytest.raises(LayoutError, match=r"2 parameter\(s\) match no pattern in params: layers\.3\.mixer\.w_q "
-                                          r"\[128, 64\], mtp\.layers\.0\.mixer\.w_q"):
-        Layout.from_dict(d).validate(tiny_cfg, 4)
+    d["params"] = {"embed": ["vocab", "embed"]}
+    with pytest.raises(LayoutError, match=r"a layout no longer lists parameters \('params'\): each parameter declares"):
+        Layout.from_dict(d)
 
 
-def test_error_doubly_matched(tiny_cfg):
-    d = _base_dict()
-    d["params"]["*.w_q"] = ["heads_q", "embed"]
-    with pytest.raises(LayoutError, match=r"parameter 'layers\.3\.mixer\.w_q' matches 2 patterns "
-                                          r"\('\*\.mixer\.w_q', '\*\.w_q'\) \(and 1 more alike, e\.g\. "
-                                          r"'mtp\.layers\.0\.mixer\.w_q'\) \(each parameter must match exactly one"):
-        Layout.from_dict(d).validate(tiny_cfg, 4)
+def test_error_axes_rank_mismatch():
+    from q38.layers.common import ParamInfo
+
+    with pytest.raises(ValueError, match=r"ParamInfo of shape \[384, 64\] declares 1 logical axes \['vocab'\]"):
+        ParamInfo((384, 64), axes=("vocab",))
 
 
-def test_error_rank_mismatch(tiny_cfg):
-    d = _base_dict()
-    d["params"]["embed"] = ["vocab"]
-    with pytest.raises(LayoutError, match=r"parameter 'embed' has rank 2 \(shape \[384, 64\]\) but pattern 'embed' "
-                                          r"gives 1 logical axes \['vocab'\]"):
-        Layout.from_dict(d).validate(tiny_cfg, 4)
+@pytest.mark.parametrize("axes,rules,fsdp,fsdp_dim,expected", [
+    (("vocab", "embed"), {}, (), 0, ((), ())),  # no rule, no FSDP role: replicated
+    (("vocab", "embed"), {}, ("fsdp", "ep"), 0, (("fsdp", "ep"), ())),  # the FSDP role on the FSDP dim
+    (("vocab", "embed"), {}, ("fsdp",), None, ((), ())),  # no FSDP dim (a vector, say): never FSDP-sharded
+    (("expert", "expert_mlp", "d"), {"expert": ("ep",)}, ("fsdp", "cp", "ep"), 1, (("ep",), ("fsdp", "cp"), ())),
+    (("expert", "expert_mlp", "d"), {"expert": ("fsdp",)}, ("fsdp",), 1, (("fsdp",), (), ())),  # role used up
+    (("heads", "d"), {"heads": ("tp",)}, ("fsdp",), 0, (("fsdp", "tp"), ())),  # rule + role, in mesh order
+])
+def test_logical_to_spec(axes, rules, fsdp, fsdp_dim, expected):
+    from q38.parallel.layout import logical_to_spec
+
+    assert logical_to_spec(axes, rules, fsdp, fsdp_dim, ("fsdp", "cp", "tp", "ep")) == expected
 
 
-def test_error_missing_rule(tiny_cfg):
-    d = _base_dict()
-    d["params"]["embed"] = ["vocab", "embed_table"]
-    with pytest.raises(LayoutError, match=r"parameter 'embed' dim 1 has logical axis 'embed_table', which has no rule"):
-        Layout.from_dict(d).validate(tiny_cfg, 4)
+def test_logical_to_spec_refuses_colliding_mesh_dims():
+    from q38.parallel.layout import AxisCollision, logical_to_spec
+
+    with pytest.raises(AxisCollision, match=r"mesh dim 'ep' shards both dim 0 and dim 1"):
+        logical_to_spec(("expert", "expert_mlp"), {"expert": ("ep",), "expert_mlp": ("ep",)})
+
+
+def test_new_mesh_dim_is_data(tiny_cfg):
+    """A mesh dim the code has never heard of (tp) is placed by the rules alone."""
+    d = {"name": "tp", "mesh": {"fsdp": -1, "tp": 2}, "fsdp": "fsdp",
+         "rules": {"heads_q": "tp", "kv": "tp", "attn_in": "tp", "expert": "fsdp"},
+         "activations": {"batch": ["fsdp", "tp"]}}
+    pl = Layout.from_dict(d).validate(tiny_cfg, 4)
+    assert pl["layers.3.mixer.w_q"].mesh_axes_per_dim == (("fsdp", "tp"), ())
+    assert pl["layers.3.mixer.w_o"].mesh_axes_per_dim == (("fsdp",), ("tp",))
+    assert pl["layers.0.mixer.w_qkv"].mesh_axes_per_dim == (("fsdp",), ())
 
 
 def test_error_unknown_mesh_dim():
@@ -179,7 +213,11 @@ def test_error_unknown_mesh_dim():
     d["mesh"] = {"fsdp": -1}
     d["activations"] = {"batch": "fsdp"}
     d["compute"] = {}
-    with pytest.raises(LayoutError, match=r"rules\['vocab'\] names mesh dim 'ep', which the mesh does not have "
+    with pytest.raises(LayoutError, match=r"fsdp names mesh dim 'ep', which the mesh does not have "
+                                          r"\(the mesh is fsdp=-1\)"):
+        Layout.from_dict(d)
+    d["fsdp"] = "fsdp"
+    with pytest.raises(LayoutError, match=r"rules\['expert'\] names mesh dim 'ep', which the mesh does not have "
                                           r"\(the mesh is fsdp=-1\)"):
         Layout.from_dict(d)
 
@@ -187,7 +225,7 @@ def test_error_unknown_mesh_dim():
 def test_error_mesh_dim_twice_on_one_tensor(tiny_cfg):
     d = _base_dict()
     d["rules"]["expert_mlp"] = "ep"
-    with pytest.raises(LayoutError, match=r"parameter 'layers\.0\.moe\.we_gate_up' \(pattern '\*\.moe\.we_gate_up'\): "
+    with pytest.raises(LayoutError, match=r"parameter 'layers\.0\.moe\.we_gate_up' \(layers\.\*\.moe\.we_gate_up\): "
                                           r"mesh dim 'ep' shards both dim 0 \(expert\) and dim 1 \(expert_mlp\)"):
         Layout.from_dict(d).validate(tiny_cfg, 4)
 
@@ -195,7 +233,7 @@ def test_error_mesh_dim_twice_on_one_tensor(tiny_cfg):
 def test_error_indivisible_and_uneven_opt_in(tiny_cfg):
     d = _base_dict()
     d["mesh"] = {"fsdp": -1, "ep": 3}
-    d["rules"] = {k: ("fsdp" if v == ["fsdp", "ep"] else v) for k, v in d["rules"].items()}  # dense over fsdp only
+    d["fsdp"] = "fsdp"  # dense over fsdp only
     with pytest.raises(LayoutError) as e:
         Layout.from_dict(d).validate(tiny_cfg, 6)
     msg = str(e.value)
@@ -221,25 +259,29 @@ def test_error_rule_out_of_mesh_order():
     d["rules"]["vocab"] = ["ep", "fsdp"]
     with pytest.raises(LayoutError, match=r"rules\['vocab'\] = \['ep', 'fsdp'\] lists mesh dims out of mesh order"):
         Layout.from_dict(d)
+    d = _base_dict()
+    d["fsdp"] = ["ep", "fsdp"]
+    with pytest.raises(LayoutError, match=r"fsdp = \['ep', 'fsdp'\] lists mesh dims out of mesh order"):
+        Layout.from_dict(d)
 
 
 def test_error_small_static_mistakes():
     d = _base_dict()
     d["rules"]["expet"] = "ep"
-    with pytest.raises(LayoutError, match=r"rules\['expet'\] is for a logical axis no parameter pattern uses "
+    with pytest.raises(LayoutError, match=r"rules\['expet'\] is for a logical axis no parameter declares "
                                           r"\(did you mean 'expert'\?\)"):
         Layout.from_dict(d)
     d = _base_dict()
-    d["mesh"] = {"fsdp": -1, "tp": 2}
-    with pytest.raises(LayoutError, match=r"unknown mesh dim 'tp'; allowed mesh dims: dp_replicate, fsdp, ep, cp"):
+    d["mesh"] = {"fsdp": -1, "Ep!": 2}
+    with pytest.raises(LayoutError, match=r"mesh dim name 'Ep!' must be a lowercase identifier"):
         Layout.from_dict(d)
     d = _base_dict()
     d["activations"] = {"batch": "fsdp"}
     with pytest.raises(LayoutError, match=r"mesh dim\(s\) \['ep'\] carry no activations"):
         Layout.from_dict(d)
     d = _base_dict()
-    d["compute"] = {"expert_mlp": "fsdp", "vocab": "ep"}
-    with pytest.raises(LayoutError, match=r"compute\['vocab'\] = \['ep'\] must be a leading part of rules\['vocab'\]"):
+    d["compute"] = {"expert": "fsdp"}
+    with pytest.raises(LayoutError, match=r"compute\['expert'\] = \['fsdp'\] must be a leading part of rules\['expert'\]"):
         Layout.from_dict(d)
     with pytest.raises(LayoutError, match=r"unknown parallel layout 'fsdp_epp' \(did you mean 'fsdp_ep'\?\); "
                                           r"known layouts: fsdp, fsdp_cp, fsdp_ep, fsdp_ep_cp, qwen3_8_2_4t, single"):

@@ -32,12 +32,12 @@ class AttnParams:
 def abstract_attention(cfg: ModelConfig) -> AttnParams:
     d, h, g, c, std = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.initializer_range
     return AttnParams(
-        w_q=ParamInfo((2 * h * c, d), std=std),
-        w_k=ParamInfo((g * c, d), std=std),
-        w_v=ParamInfo((g * c, d), std=std),
-        w_o=ParamInfo((d, h * c), std=std),
-        q_norm=ParamInfo((c,), "zeros"),
-        k_norm=ParamInfo((c,), "zeros"),
+        w_q=ParamInfo((2 * h * c, d), std=std, axes=("heads_q", "embed")),
+        w_k=ParamInfo((g * c, d), std=std, axes=("kv", "embed")),
+        w_v=ParamInfo((g * c, d), std=std, axes=("kv", "embed")),
+        w_o=ParamInfo((d, h * c), std=std, axes=("attn_out", "attn_in")),
+        q_norm=ParamInfo((c,), "zeros", axes=("norm",)),
+        k_norm=ParamInfo((c,), "zeros", axes=("norm",)),
     )
 
 

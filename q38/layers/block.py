@@ -27,7 +27,10 @@ def abstract_layer(cfg: ModelConfig, layer_type: str) -> LayerParams:
     mixer = abstract_attention(cfg) if layer_type == "full_attention" else abstract_gdn(cfg)
     d = cfg.hidden_size
     return LayerParams(
-        attn_norm=ParamInfo((d,), "zeros"), mixer=mixer, mlp_norm=ParamInfo((d,), "zeros"), moe=abstract_moe(cfg)
+        attn_norm=ParamInfo((d,), "zeros", axes=("norm",)),
+        mixer=mixer,
+        mlp_norm=ParamInfo((d,), "zeros", axes=("norm",)),
+        moe=abstract_moe(cfg),
     )
 
 

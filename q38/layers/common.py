@@ -8,16 +8,39 @@ import torch
 from torch import Tensor
 
 
+def _default_fsdp_dim(self) -> int | None:
+    return 0 if len(self.shape) >= 2 else None
+
+
 @attrs.frozen
 class ParamInfo:
-    """What a parameter is before it exists: its global shape and how to initialise it.
+    """What a parameter is before it exists: its global shape, how to initialise it, and how it may be sharded.
 
     ``init`` is one of ``normal`` (std = ``std``), ``zeros``, ``ones``, ``a_log`` (log U(0.01, 16), the GDN decay).
+
+    ``axes`` names one *logical axis* per tensor dim (``None`` = unnamed); a layout's ``rules`` map logical axes to
+    mesh dims (STYLE.md C5/C9). ``fsdp_dim`` is the dim that carries the FSDP role: every layout's ``fsdp`` mesh dims
+    shard it (the largest dim: the output rows of a projection, the ``d`` dim of skinny gates). It defaults to dim 0
+    for matrices and to ``None`` (never FSDP-sharded) for vectors, so a new weight is FSDP-sharded unless it says
+    otherwise.
     """
 
     shape: tuple[int, ...]
     init: str = "normal"
     std: float = 0.02
+    axes: tuple[str | None, ...] | None = attrs.field(default=None, kw_only=True)
+    fsdp_dim: int | None = attrs.field(default=attrs.Factory(_default_fsdp_dim, takes_self=True), kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if self.axes is None:
+            object.__setattr__(self, "axes", (None,) * len(self.shape))
+        if len(self.axes) != len(self.shape):
+            raise ValueError(
+                f"ParamInfo of shape {list(self.shape)} declares {len(self.axes)} logical axes {list(self.axes)}; "
+                "give one logical axis (or None) per tensor dim"
+            )
+        if self.fsdp_dim is not None and not 0 <= self.fsdp_dim < len(self.shape):
+            raise ValueError(f"ParamInfo of shape {list(self.shape)}: fsdp_dim {self.fsdp_dim} is not a dim of it")
 
     @property
     def numel(self) -> int:

@@ -39,15 +39,15 @@ def abstract_gdn(cfg: ModelConfig) -> GDNParams:
     d, std = cfg.hidden_size, cfg.initializer_range
     nv = cfg.linear_num_value_heads
     return GDNParams(
-        w_qkv=ParamInfo((cfg.linear_conv_dim, d), std=std),
-        w_z=ParamInfo((cfg.linear_value_dim, d), std=std),
-        w_b=ParamInfo((nv, d), std=std),
-        w_a=ParamInfo((nv, d), std=std),
-        conv_w=ParamInfo((cfg.linear_conv_dim, cfg.linear_conv_kernel_dim), std=std),
-        dt_bias=ParamInfo((nv,), "ones"),
-        A_log=ParamInfo((nv,), "a_log"),
-        norm_w=ParamInfo((cfg.linear_value_head_dim,), "ones"),
-        w_out=ParamInfo((d, cfg.linear_value_dim), std=std),
+        w_qkv=ParamInfo((cfg.linear_conv_dim, d), std=std, axes=("gdn_qkv", "embed")),
+        w_z=ParamInfo((cfg.linear_value_dim, d), std=std, axes=("gdn_v", "embed")),
+        w_b=ParamInfo((nv, d), std=std, axes=("gdn_heads", "gdn_gate_in"), fsdp_dim=1),  # skinny
+        w_a=ParamInfo((nv, d), std=std, axes=("gdn_heads", "gdn_gate_in"), fsdp_dim=1),  # skinny
+        conv_w=ParamInfo((cfg.linear_conv_dim, cfg.linear_conv_kernel_dim), std=std, axes=("gdn_qkv", "conv_window")),
+        dt_bias=ParamInfo((nv,), "ones", axes=("bias",)),
+        A_log=ParamInfo((nv,), "a_log", axes=("bias",)),
+        norm_w=ParamInfo((cfg.linear_value_head_dim,), "ones", axes=("norm",)),
+        w_out=ParamInfo((d, cfg.linear_value_dim), std=std, axes=("gdn_out", "gdn_in")),
     )
 
 

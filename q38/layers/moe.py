@@ -35,13 +35,13 @@ def abstract_moe(cfg: ModelConfig) -> MoEParams:
         cfg.initializer_range,
     )
     return MoEParams(
-        w_router=ParamInfo((e, d), std=std),
-        we_gate_up=ParamInfo((e, 2 * f, d), std=std),
-        we_down=ParamInfo((e, d, f), std=std),
-        ws_gate=ParamInfo((fs, d), std=std),
-        ws_up=ParamInfo((fs, d), std=std),
-        ws_down=ParamInfo((d, fs), std=std),
-        w_shared_gate=ParamInfo((1, d), std=std),
+        w_router=ParamInfo((e, d), std=std, axes=("router_expert", "router_in"), fsdp_dim=1),  # skinny
+        we_gate_up=ParamInfo((e, 2 * f, d), std=std, axes=("expert", "expert_mlp", "expert_embed"), fsdp_dim=1),
+        we_down=ParamInfo((e, d, f), std=std, axes=("expert", "expert_embed", "expert_mlp"), fsdp_dim=2),
+        ws_gate=ParamInfo((fs, d), std=std, axes=("mlp", "embed")),
+        ws_up=ParamInfo((fs, d), std=std, axes=("mlp", "embed")),
+        ws_down=ParamInfo((d, fs), std=std, axes=("mlp_out", "mlp_in")),
+        w_shared_gate=ParamInfo((1, d), std=std, axes=("shared_gate", "shared_gate_in"), fsdp_dim=1),  # skinny
     )
 
 

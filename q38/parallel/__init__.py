@@ -4,9 +4,11 @@ and performs collectives."""
 from q38.parallel.layout import (
     ACTIVATION_AXES,
     MESH_DIM_NAMES,
+    MESH_DIM_ROLES,
     Layout,
     LayoutError,
     ParamPlacement,
+    logical_to_spec,
 )
 from q38.parallel.plan import PlanReport, format_plan, plan, plan_cli
 
@@ -22,7 +24,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'q38.parallel' has no attribute {name!r}")
 
 
-__all__ = [*_RUNTIME, 
-    "ACTIVATION_AXES", "MESH_DIM_NAMES", "Layout", "LayoutError", "ParamPlacement", "PlanReport", "format_plan",
-    "plan", "plan_cli",
+__all__ = [*_RUNTIME,
+    "ACTIVATION_AXES", "MESH_DIM_NAMES", "MESH_DIM_ROLES", "Layout", "LayoutError", "ParamPlacement", "PlanReport",
+    "format_plan", "logical_to_spec", "plan", "plan_cli",
 ]

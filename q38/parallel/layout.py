@@ -1,20 +1,26 @@
 """Parallel layouts: the spec tables of ``specs/parallel/*.yaml`` read, validated and turned into placements.
 
-A layout maps every parameter to DTensor placements in two steps (STYLE.md C9/C10):
+A parameter declares its *logical axes* and its FSDP dim where its layer declares it (``ParamInfo(shape, init,
+axes=(...), fsdp_dim=...)`` in ``q38/layers``; STYLE.md C5). A layout holds only data about the mesh:
 
-1. ``params``: parameter path pattern (``fnmatch`` glob on the dotted path) → one *logical axis* per tensor dim;
-2. ``rules``: logical axis → mesh dims (major → minor) or ``null`` (replicated).
+1. ``fsdp``: the mesh dims that shard every parameter's FSDP dim (one role for all weights, so a new weight is
+   FSDP-sharded by default);
+2. ``rules``: logical axis → mesh dims (major → minor), for the axes that need more than the FSDP role
+   (routed experts over ``ep``); an axis without a rule is replicated;
+3. ``compute``: the mesh dims that stay sharded after the just-in-time FSDP all-gather (EP-local experts);
+4. ``activations``: ``batch`` / ``sequence`` → mesh dims; ``uneven``: parameters allowed ``torch.chunk`` shards.
 
-The result per parameter is a JAX-style, tensor-dim-indexed spec (``mesh_axes_per_dim``: one tuple of mesh dim
-names per tensor dim), converted to DTensor's mesh-dim-indexed placements in one place
-(:meth:`ParamPlacement.dtensor_placements`). ``compute`` names the mesh dims that stay sharded after the
-just-in-time FSDP all-gather (EP-local experts); ``activations`` maps ``batch`` / ``sequence`` to mesh dims.
+The pure function :func:`logical_to_spec` turns one parameter's axes into a JAX-style, tensor-dim-indexed spec
+(``mesh_axes_per_dim``: one tuple of mesh dim names per tensor dim), converted to DTensor's mesh-dim-indexed
+placements in one place (:meth:`ParamPlacement.dtensor_placements`).
 
 Everything that can be wrong is refused with a message naming the layout, the parameter, the tensor dim, the
-mesh dim and the sizes: a parameter matched by no pattern or by several, a logical-axis count that is not the
-tensor rank, a logical axis without a rule, a rule naming a mesh dim the mesh does not have (never silently
-replicated), one mesh dim sharding two dims of one tensor, a sharded dim the mesh does not divide (unless the
-parameter is listed under ``uneven``), and a world size the mesh cannot fill.
+mesh dim and the sizes: a rule for a logical axis no parameter declares, a rule naming a mesh dim the mesh does
+not have (never silently replicated), one mesh dim sharding two dims of one tensor, a sharded dim the mesh does
+not divide (unless the parameter is listed under ``uneven``), and a world size the mesh cannot fill.
+
+Mesh dims are data: any name shards parameters as the rules say and splits the batch. The names with behaviour
+in the runtime are declared once, in :data:`MESH_DIM_ROLES`.
 
 Several mesh dims on one tensor dim are applied in mesh order, as DTensor does with repeated ``Shard(d)``
 placements: the first (outermost) mesh dim splits the tensor dim, the next splits each piece, and so on. A rule
@@ -34,9 +40,16 @@ import yaml
 
 from q38.config import SPECS_DIR, ModelConfig
 
-MESH_DIM_NAMES = ("dp_replicate", "fsdp", "ep", "cp")
+# Mesh dims with behaviour in the runtime (q38/parallel/runtime.py); every other name is plain data (shards the
+# parameters its rules name and splits the batch), e.g. ``dp_replicate``, ``fsdp`` or a new ``tp``.
+MESH_DIM_ROLES = {
+    "ep": "expert parallel: routed tokens travel to the experts' ranks by all-to-all; experts stay local",
+    "cp": "context parallel: the sequence is split; attention gathers K/V, the conv takes a halo, GDN carries state",
+}
+MESH_DIM_NAMES = ("dp_replicate", "fsdp", "ep", "cp")  # the conventional names the shipped layouts use
+_MESH_DIM_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 ACTIVATION_AXES = ("batch", "sequence")
-LAYOUT_KEYS = ("name", "include", "mesh", "params", "rules", "compute", "activations", "uneven")
+LAYOUT_KEYS = ("name", "include", "mesh", "fsdp", "rules", "compute", "activations", "uneven")
 LAYOUTS_DIR = SPECS_DIR / "parallel"
 
 MeshItems = tuple[tuple[str, int], ...]
@@ -87,7 +100,7 @@ def _find_include(name: str, base_dir: Path | None) -> Path:
     raise LayoutError(f"include {name!r} not found (looked in: {', '.join(str(c) for c in candidates)})")
 
 
-_MERGED_KEYS = ("params", "rules", "compute", "activations")  # merged key by key; the rest is replaced whole
+_MERGED_KEYS = ("rules", "compute", "activations")  # merged key by key; the rest is replaced whole
 
 
 def _resolve_includes(d: Mapping[str, Any], base_dir: Path | None, stack: tuple[str, ...] = ()) -> dict:
@@ -141,14 +154,52 @@ def chunk_size(n: int, k: int, c: int) -> int:
 
 # How to fix each kind of placement problem; said once per kind in an error message.
 _HINTS = {
-    "unmatched": "add a pattern for them under params",
-    "multi": "each parameter must match exactly one pattern: make the patterns disjoint",
-    "rank": "give one logical axis (or null) per tensor dim",
-    "norule": "add '<logical axis>: <mesh dim, list of mesh dims, or null>' under rules",
+    "undeclared": "declare it with a ParamInfo (axes=..., fsdp_dim=...) in its layer's abstract_* function",
     "twice": "a mesh dim can shard only one tensor dim: change one of the two rules",
     "divide": "change the rule or the mesh sizes, or list the parameter under 'uneven' to accept torch.chunk shards",
 }
 _MAX_SHOWN = 4  # problems of one kind spelled out in an error message
+
+
+# ---- logical axes → mesh spec ---------------------------------------------------------------------------------
+
+
+class AxisCollision(ValueError):
+    """One mesh dim would shard two dims of one tensor (``A[I_X, J_X]`` is not a sharding)."""
+
+    def __init__(self, mesh_dim: str, dims: tuple[int, int]):
+        super().__init__(f"mesh dim {mesh_dim!r} shards both dim {dims[0]} and dim {dims[1]}")
+        self.mesh_dim, self.dims = mesh_dim, dims
+
+
+def logical_to_spec(
+    axes: Sequence[str | None],
+    rules: Mapping[str, Sequence[str]],
+    fsdp: Sequence[str] = (),
+    fsdp_dim: int | None = None,
+    mesh_order: Sequence[str] | None = None,
+) -> tuple[tuple[str, ...], ...]:
+    """One parameter's tensor-dim-indexed mesh spec (a JAX ``PartitionSpec``).
+
+    Dim ``i`` gets ``rules[axes[i]]`` (no rule: replicated). The FSDP dim ``fsdp_dim`` also gets every ``fsdp``
+    mesh dim that no dim of this tensor already uses (so routed experts on ``ep`` take the FSDP role over the rest).
+    Mesh dims on one tensor dim are kept in ``mesh_order``. Raises :class:`AxisCollision` if a mesh dim would
+    shard two tensor dims.
+    """
+    spec = [tuple(rules.get(a, ())) if a is not None else () for a in axes]
+    seen: dict[str, int] = {}
+    for i, dims in enumerate(spec):
+        for m in dims:
+            if m in seen:
+                raise AxisCollision(m, (seen[m], i))
+            seen[m] = i
+    if fsdp_dim is not None and fsdp:
+        extra = tuple(m for m in fsdp if m not in seen)
+        merged = spec[fsdp_dim] + extra
+        if mesh_order is not None:
+            merged = tuple(sorted(merged, key=list(mesh_order).index))
+        spec[fsdp_dim] = merged
+    return tuple(spec)
 
 
 # ---- per-parameter result -----------------------------------------------------------------------------------------
@@ -166,7 +217,7 @@ class ParamPlacement:
 
     path: str
     shape: tuple[int, ...]
-    pattern: str
+    pattern: str  # the parameter's kind (its generic path, ``layers.*.mixer.w_q``): rows of the plan
     logical_axes: tuple[str | None, ...]
     mesh_axes_per_dim: tuple[tuple[str, ...], ...]
     compute_axes_per_dim: tuple[tuple[str, ...], ...]
@@ -231,8 +282,8 @@ class Layout:
 
     name: str
     mesh: tuple[tuple[str, int], ...]
-    params: tuple[tuple[str, tuple[str | None, ...]], ...]
     rules: AxisMap
+    fsdp: tuple[str, ...] = ()
     compute: AxisMap = ()
     activations: AxisMap = ()
     uneven: tuple[str, ...] = ()
@@ -248,7 +299,7 @@ class Layout:
         """Build from a parsed table; ``include:`` resolves relative to ``base_dir``, then ``specs/parallel``."""
         where = source or "layout"
         d = _resolve_includes(d, Path(base_dir) if base_dir is not None else None)
-        unknown = [k for k in d if k not in LAYOUT_KEYS]
+        unknown = [k for k in d if k not in LAYOUT_KEYS and k != "params"]
         if unknown:
             raise LayoutError(
                 f"{where}: unknown key(s) {', '.join(repr(k) + _suggest(k, LAYOUT_KEYS) for k in unknown)}; "
@@ -267,14 +318,13 @@ class Layout:
             if isinstance(v, bool) or not isinstance(v, int):
                 raise LayoutError(f"layout {name!r}: mesh size of {k!r} must be an integer (or -1), got {v!r}")
             mesh.append((str(k), v))
-        params = []
-        for pat, axes in mapping("params").items():
-            if not isinstance(axes, (list, tuple)) or not all(a is None or isinstance(a, str) for a in axes):
-                raise LayoutError(
-                    f"layout {name!r}: params[{pat!r}] must be a list with one logical axis (or null) per tensor "
-                    f"dim, got {axes!r}"
-                )
-            params.append((str(pat), tuple(axes)))
+        if "params" in d:
+            raise LayoutError(
+                f"{where}: a layout no longer lists parameters ('params'): each parameter declares its logical axes "
+                "and FSDP dim in its layer (ParamInfo axes=..., fsdp_dim=...); keep only mesh, fsdp, rules, "
+                "compute, activations and uneven"
+            )
+        fsdp = _mesh_dims_of(d.get("fsdp"), f"layout {name!r}: fsdp")
         rules = tuple((str(k), _mesh_dims_of(v, f"layout {name!r}: rules[{k!r}]")) for k, v in mapping("rules").items())
         compute = tuple(
             (str(k), _mesh_dims_of(v, f"layout {name!r}: compute[{k!r}]")) for k, v in mapping("compute").items()
@@ -287,7 +337,7 @@ class Layout:
         if isinstance(uneven, str) or not all(isinstance(u, str) for u in uneven):
             raise LayoutError(f"layout {name!r}: 'uneven' must be a list of parameter patterns, got {uneven!r}")
         return cls(
-            name=str(name), mesh=tuple(mesh), params=tuple(params), rules=rules, compute=compute,
+            name=str(name), mesh=tuple(mesh), fsdp=fsdp, rules=rules, compute=compute,
             activations=activations, uneven=tuple(uneven), source=source,
         )
 
@@ -344,8 +394,10 @@ class Layout:
 
     @property
     def logical_axes(self) -> list[str]:
-        """Every logical axis the params table uses, in first-use order."""
-        return list(dict.fromkeys(a for _, axes in self.params for a in axes if a is not None))
+        """Every logical axis the layers declare, in first-use order (rules may name only these)."""
+        from q38.model import declared_params
+
+        return list(dict.fromkeys(a for info in declared_params().values() for a in info.axes if a is not None))
 
     @property
     def batch_mesh_dims(self) -> tuple[str, ...]:
@@ -362,10 +414,9 @@ class Layout:
         name, mesh_names = self.name, self.mesh_dim_names
         known = f"the mesh is {format_mesh(self.mesh)}"
         for dim, size in self.mesh:
-            if dim not in MESH_DIM_NAMES:
+            if not isinstance(dim, str) or not _MESH_DIM_RE.match(dim):
                 raise LayoutError(
-                    f"layout {name!r}: unknown mesh dim {dim!r}{_suggest(dim, MESH_DIM_NAMES)}; "
-                    f"allowed mesh dims: {', '.join(MESH_DIM_NAMES)}"
+                    f"layout {name!r}: mesh dim name {dim!r} must be a lowercase identifier (e.g. fsdp, ep, cp, tp)"
                 )
             if size != -1 and size < 1:
                 raise LayoutError(f"layout {name!r}: mesh size {dim}={size} must be >= 1, or -1 for the rest")
@@ -373,20 +424,24 @@ class Layout:
             raise LayoutError(
                 f"layout {name!r}: at most one mesh dim may be -1 (the rest), got {format_mesh(self.mesh)}"
             )
-        for table, key in ((self.rules, "rules"), (self.compute, "compute"), (self.activations, "activations")):
+        tables = (("fsdp", self.fsdp),) if self.fsdp else ()
+        for table, key in ((tables, "fsdp"), (self.rules, "rules"), (self.compute, "compute"),
+                           (self.activations, "activations")):
             for axis, dims in table:
                 for m in dims:
                     if m not in mesh_names:
+                        where = key if key == "fsdp" else f"{key}[{axis!r}]"
                         raise LayoutError(
-                            f"layout {name!r}: {key}[{axis!r}] names mesh dim {m!r}, which the mesh does not "
+                            f"layout {name!r}: {where} names mesh dim {m!r}, which the mesh does not "
                             f"have ({known}); add {m!r} to mesh or change the rule"
                         )
                 if len(set(dims)) != len(dims):
                     raise LayoutError(f"layout {name!r}: {key}[{axis!r}] = {list(dims)} repeats a mesh dim")
                 order = sorted(dims, key=mesh_names.index)
                 if list(dims) != order:
+                    what = key if key == "fsdp" else f"{key}[{axis!r}]"
                     raise LayoutError(
-                        f"layout {name!r}: {key}[{axis!r}] = {list(dims)} lists mesh dims out of mesh order "
+                        f"layout {name!r}: {what} = {list(dims)} lists mesh dims out of mesh order "
                         f"({', '.join(mesh_names)}); DTensor applies repeated Shard placements in mesh order, so "
                         f"write {order} or reorder the mesh"
                     )
@@ -394,7 +449,7 @@ class Layout:
         for axis, _ in self.rules:
             if axis not in used:
                 raise LayoutError(
-                    f"layout {name!r}: rules[{axis!r}] is for a logical axis no parameter pattern uses"
+                    f"layout {name!r}: rules[{axis!r}] is for a logical axis no parameter declares"
                     f"{_suggest(axis, used)}; logical axes: {', '.join(used)}"
                 )
         rule_map = self.rule_map
@@ -417,6 +472,12 @@ class Layout:
         twice = sorted({m for m in act if act.count(m) > 1})
         if twice:
             raise LayoutError(f"layout {name!r}: mesh dim(s) {twice} split both the batch and the sequence")
+        seq_roles = [m for m in self.seq_mesh_dims if m != "cp"]
+        if seq_roles:
+            raise LayoutError(
+                f"layout {name!r}: activations.sequence names {seq_roles}; the runtime splits the sequence only over "
+                f"the mesh dim named 'cp' ({MESH_DIM_ROLES['cp']}); rename the mesh dim to cp"
+            )
         idle = [m for m in mesh_names if m not in act]
         if idle:
             raise LayoutError(
@@ -462,30 +523,31 @@ class Layout:
     def placements(self, params: Any, mesh: Mapping[str, int] | int) -> dict[str, ParamPlacement]:
         """Placement of every parameter of ``params`` (a tree of ``ParamInfo`` or tensors) on ``mesh``.
 
-        ``mesh`` is a world size or a resolved ``{mesh dim: size}``. Raises :class:`LayoutError` listing every
-        problem found (one line, grouped by pattern).
+        ``mesh`` is a world size or a resolved ``{mesh dim: size}``. A ``ParamInfo`` brings its own logical axes;
+        a tensor leaf takes them from its layer's declaration (:func:`q38.model.declared_info`). Raises
+        :class:`LayoutError` listing every problem found (one line, grouped by kind).
         """
         from q38.model import is_param_info
         from q38.pytree import named_leaves
 
-        leaves = [(p, tuple(int(s) for s in x.shape)) for p, x in named_leaves(params, is_leaf=is_param_info)]
+        leaves = [(p, x if is_param_info(x) else tuple(int(s) for s in x.shape))
+                  for p, x in named_leaves(params, is_leaf=is_param_info)]
         return self.placements_of_shapes(leaves, mesh)
 
     def placements_of_shapes(
-        self, leaves: Sequence[tuple[str, tuple[int, ...]]], mesh: Mapping[str, int] | int
+        self, leaves: Sequence[tuple[str, Any]], mesh: Mapping[str, int] | int
     ) -> dict[str, ParamPlacement]:
-        """:meth:`placements` over ``[(dotted path, global shape)]``."""
+        """:meth:`placements` over ``[(dotted path, global shape or ParamInfo)]``."""
+        from q38.model import declared_info, generic_path
+
         mesh_items = self._mesh_items(mesh)
         sizes = dict(mesh_items)
+        order = [n for n, _ in mesh_items]
         where = f"layout {self.name!r} on mesh {format_mesh(mesh_items)}"
         rule_map, compute_map = self.rule_map, self.compute_map
-        patterns = [p for p, _ in self.params]
-        axes_of = dict(self.params)
-        regexes = [(p, re.compile(fnmatch.translate(p))) for p in patterns]
         uneven_res = [re.compile(fnmatch.translate(p)) for p in self.uneven]
         # (kind, grouping key) → [message naming the first parameter, further parameter paths]
         errors: dict[tuple, list[str]] = {}
-        unmatched: list[str] = []
 
         def err(kind: tuple, path: str, msg: str) -> None:
             if kind in errors:
@@ -494,46 +556,32 @@ class Layout:
                 errors[kind] = [msg]
 
         out = {}
-        for path, shape in leaves:
-            hits = [p for p, rx in regexes if rx.match(path)]
-            if not hits:
-                unmatched.append(f"{path} {list(shape)}")
-                continue
-            if len(hits) > 1:
-                err(("multi", tuple(hits)), path,
-                    f"parameter {path!r} matches {len(hits)} patterns ({', '.join(repr(h) for h in hits)})")
-                continue
-            pat = hits[0]
-            axes = axes_of[pat]
-            if len(axes) != len(shape):
-                err(("rank", pat), path,
-                    f"parameter {path!r} has rank {len(shape)} (shape {list(shape)}) but pattern {pat!r} gives "
-                    f"{len(axes)} logical axes {list(axes)}")
-                continue
-            spec, cspec, ok = [], [], True
-            for i, axis in enumerate(axes):
-                if axis is not None and axis not in rule_map:
-                    err(("norule", axis), path,
-                        f"parameter {path!r} dim {i} has logical axis {axis!r}, which has no rule")
-                    ok = False
+        for path, leaf in leaves:
+            kind = generic_path(path)
+            if isinstance(leaf, tuple):
+                shape = leaf
+                try:
+                    info = declared_info(path)
+                except KeyError:
+                    err(("undeclared", kind), path, f"parameter {path!r} {list(shape)} has no layer declaration")
                     continue
-                spec.append(rule_map.get(axis, ()) if axis is not None else ())
-                cspec.append(compute_map.get(axis, ()) if axis is not None else ())
-            if not ok:
+            else:
+                info, shape = leaf, tuple(int(n) for n in leaf.shape)
+            axes = info.axes
+            if len(axes) != len(shape):
+                err(("undeclared", kind), path,
+                    f"parameter {path!r} has rank {len(shape)} but its declaration has axes {list(axes)}")
                 continue
-            seen: dict[str, int] = {}
-            for i, dims in enumerate(spec):
-                for m in dims:
-                    if m in seen:
-                        j = seen[m]
-                        err(("twice", pat, m), path,
-                            f"parameter {path!r} (pattern {pat!r}): mesh dim {m!r} shards both dim {j} "
-                            f"({axes[j]}) and dim {i} ({axes[i]})")
-                        ok = False
-                    seen[m] = i
-            if not ok:
+            try:
+                spec = logical_to_spec(axes, rule_map, self.fsdp, info.fsdp_dim, order)
+            except AxisCollision as e:
+                err(("twice", kind, e.mesh_dim), path,
+                    f"parameter {path!r} ({kind}): mesh dim {e.mesh_dim!r} shards both dim {e.dims[0]} "
+                    f"({axes[e.dims[0]]}) and dim {e.dims[1]} ({axes[e.dims[1]]})")
                 continue
+            cspec = logical_to_spec(axes, compute_map, (), None, order)
             is_uneven = any(rx.match(path) for rx in uneven_res)
+            ok = True
             for i, dims in enumerate(spec):
                 k = math.prod(sizes[m] for m in dims)
                 if dims and shape[i] % k and not is_uneven:
@@ -544,13 +592,10 @@ class Layout:
                     ok = False
             if ok:
                 out[path] = ParamPlacement(
-                    path=path, shape=shape, pattern=pat, logical_axes=axes, mesh_axes_per_dim=tuple(spec),
-                    compute_axes_per_dim=tuple(cspec), mesh=mesh_items, uneven=is_uneven,
+                    path=path, shape=shape, pattern=kind, logical_axes=tuple(axes), mesh_axes_per_dim=spec,
+                    compute_axes_per_dim=cspec, mesh=mesh_items, uneven=is_uneven,
                 )
         msgs = []
-        if unmatched:
-            shown = ", ".join(unmatched[:8]) + (f" and {len(unmatched) - 8} more" if len(unmatched) > 8 else "")
-            msgs.append(f"{len(unmatched)} parameter(s) match no pattern in params: {shown} ({_HINTS['unmatched']})")
         for kind in _HINTS:
             group = [(first, more) for key, (first, *more) in errors.items() if key[0] == kind]
             for first, more in group[:_MAX_SHOWN]:
