@@ -418,3 +418,44 @@ def test_train_on_config(tmp_path):
     assert DataConfig(train_on="last_assistant").train_on == "last_assistant"
     with pytest.raises(ConfigError, match="data.train_on must be one of assistant, all, last_assistant"):
         DataConfig(train_on="assistants")
+
+
+# No whitespace control in the tags: the output depends on the environment's trim_blocks/lstrip_blocks, which must be
+# transformers' (both on).
+LOOSE_TEMPLATE = """{% for message in messages %}
+    {% if message.role == 'system' %}
+[SYS] {{ message.content }}
+    {% else %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+
+def test_whitespace_sensitive_template(tmp_path):
+    from transformers import AutoTokenizer
+
+    d = _make_tokenizer_dir(tmp_path / "loose", LOOSE_TEMPLATE)
+    tok, hf_tok = load_tokenizer(str(d)), AutoTokenizer.from_pretrained(str(d))
+    for name in ("system", "multi_turn", "non_ascii"):
+        rec = dict(CONVERSATIONS)[name]
+        assert encode_record(rec, tok)[0] == list(hf_tok.apply_chat_template(rec["messages"], tokenize=True,
+                                                                             return_dict=True)["input_ids"])
+    ids, labels = encode_record(dict(CONVERSATIONS)["multi_turn"], tok)
+    assert tok.decode(ids).startswith("[SYS] You are a calculator.\n<|im_start|>user\nWhat is 2 plus 2?<|im_end|>\n")
+    assert _target_texts(tok, ids, labels) == ["4.<|im_end|>", "6.<|im_end|>"]
+
+
+def test_readme_chat_record_is_valid(ours):
+    """The chat record the README shows (system prompt, tools, reasoning, a tool call) validates and renders."""
+    from q38.train.data import validate_record
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    record = json.loads(re.search(r"### Chat data.*?```json\n(.*?)```", text, re.S).group(1))
+    validate_record(record, "README.md")
+    assert {m["role"] for m in record["messages"]} == {"system", "user", "assistant", "tool"}
+    ids, labels = encode_record(record, ours["plain"])
+    assert _target_texts(ours["plain"], ids, labels)[-1] == "\n</think>\n\n18 °C and clear.<|im_end|>"
