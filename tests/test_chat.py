@@ -362,6 +362,8 @@ def test_no_template_falls_back_to_chatml(ours, tmp_path):
      r"messages\[0\]\.tool_calls must be a list"),
     ({"messages": [{"role": "user", "content": "a", "weight": 1}]}, r"messages\[0\] has unknown key\(s\) 'weight'"),
     ({"messages": [{"role": "user", "content": "a"}], "tools": {"name": "f"}}, r"\"tools\" must be a list"),
+    ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": ["enable_thinking"]},
+     r"\"chat_template_kwargs\" must be an object"),
 ])
 def test_bad_records_one_line_with_file_and_line(record, pattern, tmp_path, ours):
     f = tmp_path / "bad.jsonl"
@@ -459,3 +461,37 @@ def test_readme_chat_record_is_valid(ours):
     assert {m["role"] for m in record["messages"]} == {"system", "user", "assistant", "tool"}
     ids, labels = encode_record(record, ours["plain"])
     assert _target_texts(ours["plain"], ids, labels)[-1] == "\n</think>\n\n18 °C and clear.<|im_end|>"
+
+
+def test_chat_template_kwargs(hf, ours):
+    """A record's chat_template_kwargs reach the template (as apply_chat_template(**kwargs)): with thinking off the
+    generation prompt already holds the empty think block, so the prefix method does not train it."""
+    rec = {"messages": dict(CONVERSATIONS)["multi_turn"]["messages"], "chat_template_kwargs": {"enable_thinking": False}}
+    ids, labels = encode_record(rec, ours["plain"])
+    assert ids == list(hf["plain"].apply_chat_template(rec["messages"], enable_thinking=False, tokenize=True,
+                                                       return_dict=True)["input_ids"])
+    assert _target_texts(ours["plain"], ids, labels) == ["4.<|im_end|>", "6.<|im_end|>"]
+    _, default = encode_record({"messages": rec["messages"]}, ours["plain"])
+    assert _target_texts(ours["plain"], ids, default) == ["4.<|im_end|>", "\n</think>\n\n6.<|im_end|>"]
+
+
+HELPERS_TEMPLATE = """{% set ns = namespace(n=0) %}{% for m in messages %}{% if m.role == 'system' %}{% continue %}{% endif %}
+{% set ns.n = ns.n + 1 %}<|im_start|>{{ m.role }}
+{{ m.content }}{{ eos_token }}
+{% endfor %}{{ strftime_now('%Y') }} {{ {'note': 'é <b>', 'n': ns.n} | tojson }} {{ dict(a=1).a }} {{ pad_token }}
+{{ 'bos' if bos_token is defined else 'no bos' }} {{ (tools or []) | length }} {{ documents is none }}"""
+
+
+def test_template_helpers_and_variables(tmp_path):
+    """The helpers and variables transformers passes: namespace, loopcontrols, eos/pad tokens from
+    tokenizer_config.json (bos unset), strftime_now, non-escaping tojson, dict, tools and documents."""
+    from transformers import AutoTokenizer
+
+    d = _make_tokenizer_dir(tmp_path / "helpers", HELPERS_TEMPLATE)
+    tok, hf_tok = load_tokenizer(str(d)), AutoTokenizer.from_pretrained(str(d))
+    rec = {"messages": dict(CONVERSATIONS)["system"]["messages"], "tools": [ADD_TOOL]}
+    ids, _ = encode_record(rec, tok, train_on="all")
+    assert ids == list(hf_tok.apply_chat_template(rec["messages"], tools=rec["tools"], tokenize=True,
+                                                  return_dict=True)["input_ids"])
+    text = tok.decode(ids)
+    assert '{"note": "é <b>", "n": 2} 1 <|endoftext|>\nno bos 1 True' in text and "Be brief." not in text

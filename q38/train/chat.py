@@ -76,7 +76,8 @@ def _check_tool_call(call: Any, where: str, j: int, k: int) -> None:
 def validate_chat_record(record: Mapping[str, Any], where: str) -> None:
     """Raise ``DataError`` (prefixed with ``where``, e.g. ``file:line``) unless ``record`` is a chat record as
     transformers/TRL users write it: ``messages`` (system/user/assistant/tool; assistant turns may carry
-    ``tool_calls`` and ``reasoning_content``) and optional ``tools`` (JSON-schema objects)."""
+    ``tool_calls`` and ``reasoning_content``), optional ``tools`` (JSON-schema objects) and optional
+    ``chat_template_kwargs`` (extra template variables, as TRL's column of that name, e.g. ``enable_thinking``)."""
     msgs = record["messages"]
     if not isinstance(msgs, list) or not msgs:
         _fail(where, f"\"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects; {_RECORD_HINT}")
@@ -85,6 +86,10 @@ def validate_chat_record(record: Mapping[str, Any], where: str) -> None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
             _fail(where, "\"tools\" must be a list of JSON-schema objects like {\"type\": \"function\", "
                          "\"function\": {\"name\": str, \"description\": str, \"parameters\": {...}}}")
+    kwargs = record.get("chat_template_kwargs")
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        _fail(where, "\"chat_template_kwargs\" must be an object of template variables, e.g. "
+                     "{\"enable_thinking\": false}")
     for j, m in enumerate(msgs):
         if not isinstance(m, dict) or "role" not in m:
             _fail(where, f"messages[{j}] must be an object with a \"role\" key; {_RECORD_HINT}")
@@ -469,11 +474,13 @@ def encode_chat_record(record: Mapping[str, Any], tokenizer: Tokenizer, *, train
     """A validated chat record -> ``(input_ids, labels)``: rendered by the tokenizer's chat template (ids equal to
     transformers' ``apply_chat_template``), or ChatML without one; labels per ``train_on``."""
     _check_train_on(train_on)
-    messages, tools = record["messages"], record.get("tools")
+    messages, tools, kwargs = record["messages"], record.get("tools"), record.get("chat_template_kwargs")
     fmt = chat_format(tokenizer)
     if fmt is None:
+        if kwargs:
+            raise DataError(f"the record sets chat_template_kwargs, but tokenizer {tokenizer!r} has no chat template")
         return _encode_chatml(messages, tools, tokenizer, train_on)
-    full, gen_spans = fmt.render(messages, tools, add_generation_prompt=False)
+    full, gen_spans = fmt.render(messages, tools, add_generation_prompt=False, template_kwargs=kwargs)
     encoding = fmt.tokenizer.encoding(full)
     ids = list(encoding.ids)
     if train_on == "all":
@@ -481,7 +488,7 @@ def encode_chat_record(record: Mapping[str, Any], tokenizer: Tokenizer, *, train
     if fmt.has_generation_blocks(tools):
         spans = gen_spans
     else:
-        spans = prefix_spans(fmt, messages, tools, full)
+        spans = prefix_spans(fmt, messages, tools, full, kwargs)
     if train_on == "last_assistant":
         spans = spans[-1:]
     mask = spans_to_token_mask(encoding, spans)
