@@ -495,3 +495,20 @@ def test_template_helpers_and_variables(tmp_path):
                                                   return_dict=True)["input_ids"])
     text = tok.decode(ids)
     assert '{"note": "é <b>", "n": 2} 1 <|endoftext|>\nno bos 1 True' in text and "Be brief." not in text
+
+
+def test_prefix_method_errors_name_the_render(tmp_path, ours):
+    f = tmp_path / "a.jsonl"
+    f.write_text(json.dumps({"messages": [{"role": "assistant", "content": "Hi."},
+                                          {"role": "user", "content": "Hello."}]}) + "\n")
+    with pytest.raises(DataError, match=rf"^{re.escape(str(f))}:1: messages\[0\] is an assistant message"):
+        build_dataset(f, ours["plain"], 64)
+    assert build_dataset(f, ours["plain"], 64, train_on="all").num_targets > 0
+    # the template raises on a prefix only (no user message before the first assistant turn after the system)
+    f.write_text(json.dumps({"messages": [{"role": "system", "content": "S."}, {"role": "assistant", "content": "A."},
+                                          {"role": "user", "content": "U."}]}) + "\n")
+    with pytest.raises(DataError) as e:
+        build_dataset(f, ours["plain"], 64)
+    msg = str(e.value)
+    assert msg.startswith(f"{f}:1: the chat template of ") and "raised: The conversation needs at least one user" in msg
+    assert "rendering messages[:1] with add_generation_prompt" in msg and "\n" not in msg

@@ -420,18 +420,21 @@ def prefix_spans(fmt: ChatFormat, messages: Sequence[Mapping[str, Any]], tools: 
     prev_end, prev_marker = 0, None
 
     def render(k: int, gen: bool) -> str:
-        return fmt.render(messages[:k], tools, add_generation_prompt=gen, template_kwargs=template_kwargs)[0]
+        try:
+            return fmt.render(messages[:k], tools, add_generation_prompt=gen, template_kwargs=template_kwargs)[0]
+        except DataError as e:
+            raise DataError(f"{e} (rendering messages[:{k}]{' with add_generation_prompt' if gen else ''} to locate "
+                            f"the assistant turns for the loss mask; a template with {{% generation %}} blocks, or "
+                            f"data.train_on: all, needs no such renders)") from None
 
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        try:
-            prompt = render(i, True)
-        except DataError as e:
-            if i == 0:
-                raise DataError(f"messages[0] is an assistant message and the chat template cannot render an empty "
-                                f"prompt before it ({e}); start the conversation with a system or user message") from None
-            raise
+        if i == 0:
+            raise DataError("messages[0] is an assistant message: there is no prompt before it to tell its turn "
+                            "from the template's framing; start the conversation with a system or user message, or "
+                            "use data.train_on: all")
+        prompt = render(i, True)
         turn = render(i + 1, False)
         tail = turn[_common_prefix_len(turn, prompt):]  # what the model generates for this turn, as the last turn
         marker = _end_marker(tail, added)
