@@ -466,7 +466,8 @@ def test_readme_chat_record_is_valid(ours):
 def test_chat_template_kwargs(hf, ours):
     """A record's chat_template_kwargs reach the template (as apply_chat_template(**kwargs)): with thinking off the
     generation prompt already holds the empty think block, so the prefix method does not train it."""
-    rec = {"messages": dict(CONVERSATIONS)["multi_turn"]["messages"], "chat_template_kwargs": {"enable_thinking": False}}
+    rec = {"messages": dict(CONVERSATIONS)["multi_turn"]["messages"],
+           "chat_template_kwargs": {"enable_thinking": False}}
     ids, labels = encode_record(rec, ours["plain"])
     assert ids == list(hf["plain"].apply_chat_template(rec["messages"], enable_thinking=False, tokenize=True,
                                                        return_dict=True)["input_ids"])
@@ -505,7 +506,8 @@ def test_prefix_method_errors_name_the_render(tmp_path, ours):
         build_dataset(f, ours["plain"], 64)
     assert build_dataset(f, ours["plain"], 64, train_on="all").num_targets > 0
     # the template raises on a prefix only (no user message before the first assistant turn after the system)
-    f.write_text(json.dumps({"messages": [{"role": "system", "content": "S."}, {"role": "assistant", "content": "A."},
+    f.write_text(json.dumps({"messages": [{"role": "system", "content": "S."},
+                                          {"role": "assistant", "content": "A."},
                                           {"role": "user", "content": "U."}]}) + "\n")
     with pytest.raises(DataError) as e:
         build_dataset(f, ours["plain"], 64)

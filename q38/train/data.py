@@ -1,5 +1,5 @@
-"""Data pipeline: tokenizers, JSONL records, chat formatting (the tokenizer's chat template via ``q38.train.chat``, ChatML
-without one), sequence packing and a deterministic DP loader.
+"""Data pipeline: tokenizers, JSONL records, chat formatting (the tokenizer's chat template via
+``q38.train.chat``, ChatML without one), sequence packing and a deterministic DP loader.
 
 Label convention (Hugging Face style, not pre-shifted): ``labels[b, t]`` is ``input_ids[b, t]`` when the token at
 position ``t`` is a training target and ``-100`` otherwise; the loss shifts later (position ``t`` predicts
