@@ -264,8 +264,13 @@ def test_ids_and_generation_masks_equal_transformers(name, record, hf, ours):
         out = _hf_ids(hf[kind], record, return_assistant_tokens_mask=(kind == "gen"))
         assert ids == list(out["input_ids"]), kind
         if kind == "gen":
-            assert [int(x != IGNORE_INDEX) for x in labels] == list(out["assistant_masks"])
-            assert sum(out["assistant_masks"]) > 0
+            hf_mask = list(out["assistant_masks"])
+            assert [int(x != IGNORE_INDEX) for x in labels] == hf_mask
+            assert sum(hf_mask) > 0
+            # last_assistant: transformers' mask with all but its last run of ones cleared
+            last_start = max(t for t in range(len(hf_mask)) if hf_mask[t] and (t == 0 or not hf_mask[t - 1]))
+            _, last = encode_record(record, ours[kind], train_on="last_assistant")
+            assert [int(x != IGNORE_INDEX) for x in last] == [m if t >= last_start else 0 for t, m in enumerate(hf_mask)]
 
 
 @pytest.mark.parametrize("name,record", CONVERSATIONS, ids=IDS)
