@@ -1,4 +1,5 @@
-"""Data pipeline: tokenizers, JSONL records, ChatML formatting, sequence packing and a deterministic DP loader.
+"""Data pipeline: tokenizers, JSONL records, chat formatting (the tokenizer's chat template via
+``q38.train.chat``, ChatML without one), sequence packing and a deterministic DP loader.
 
 Label convention (Hugging Face style, not pre-shifted): ``labels[b, t]`` is ``input_ids[b, t]`` when the token at
 position ``t`` is a training target and ``-100`` otherwise; the loss shifts later (position ``t`` predicts
@@ -24,7 +25,7 @@ PAD_DOC_ID = -1
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 BUILTIN_PREFIX = "builtin:"
 OVERLONG_MODES = ("truncate", "error", "split")
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
@@ -190,6 +191,14 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 
+    def encoding(self, text: str) -> Any:
+        """The ``tokenizers.Encoding`` of ``encode`` (ids plus character offsets, for chat-template masks)."""
+        return self._tok.encode(text, add_special_tokens=False)
+
+    def added_tokens(self) -> list[Any]:
+        """The ``tokenizers.AddedToken`` s of ``tokenizer.json`` (special or not)."""
+        return list(self._tok.get_added_tokens_decoder().values())
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
@@ -250,19 +259,35 @@ def encode_chat(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) -> 
     return ids, labels
 
 
-def render_chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer, *,
-                       add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a ChatML conversation, ending with ``<|im_start|>assistant\\n`` for sampling."""
+def render_chat_prompt(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, *,
+                       add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
+                       **template_kwargs: Any) -> list[int]:
+    """Prompt ids for sampling: the tokenizer's chat template when it has one (as transformers'
+    ``apply_chat_template(messages, tools=tools, add_generation_prompt=..., **template_kwargs)``), else ChatML
+    ending with ``<|im_start|>assistant\\n``."""
+    from q38.train.chat import render_chat_prompt as render_with_template
+
+    ids = render_with_template(messages, tokenizer, add_generation_prompt=add_generation_prompt, tools=tools,
+                               **template_kwargs)
+    if ids is not None:
+        return ids
+    if tools is not None or template_kwargs:
+        raise DataError(f"tokenizer {tokenizer!r} has no chat template; tools and template arguments need one")
     ids, _ = encode_chat(messages, tokenizer)
     if add_generation_prompt:
         ids += [_special_id(tokenizer, IM_START)] + tokenizer.encode("assistant\n")
     return ids
 
 
-def encode_record(record: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
-    """A validated record (``{"text": ...}`` or ``{"messages": [...]}``) -> ``(input_ids, labels)``."""
+def encode_record(record: Mapping[str, Any], tokenizer: Tokenizer, *, train_on: str = "assistant"
+                  ) -> tuple[list[int], list[int]]:
+    """A validated record (``{"text": ...}`` or ``{"messages": [...]}``) -> ``(input_ids, labels)``. Chat records
+    are rendered by the tokenizer's chat template (ChatML without one); ``train_on`` (assistant | all |
+    last_assistant) picks their targets, see ``q38.train.chat``."""
     if "messages" in record:
-        return encode_chat(record["messages"], tokenizer)
+        from q38.train.chat import encode_chat_record
+
+        return encode_chat_record(record, tokenizer, train_on=train_on)
     return encode_text(record["text"], tokenizer)
 
 
@@ -284,16 +309,9 @@ def validate_record(record: Any, where: str) -> None:
         if not isinstance(record["text"], str):
             raise DataError(f"{where}: \"text\" must be a string, got {type(record['text']).__name__}")
         return
-    msgs = record["messages"]
-    if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
-    for j, m in enumerate(msgs):
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise DataError(f"{where}: messages[{j}] must be an object with \"role\" and \"content\" keys")
-        if m["role"] not in CHAT_ROLES:
-            raise DataError(f"{where}: messages[{j}].role is {m['role']!r}; expected one of {', '.join(CHAT_ROLES)}")
-        if not isinstance(m["content"], str):
-            raise DataError(f"{where}: messages[{j}].content must be a string, got {type(m['content']).__name__}")
+    from q38.train.chat import validate_chat_record
+
+    validate_chat_record(record, where)
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
@@ -549,7 +567,7 @@ def resolve_data_path(path_or_builtin: str | os.PathLike) -> Path:
     return Path(spec)
 
 
-def load_documents(path_or_builtin: str | os.PathLike, tokenizer: Tokenizer
+def load_documents(path_or_builtin: str | os.PathLike, tokenizer: Tokenizer, *, train_on: str = "assistant"
                    ) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
     """Tokenized ``(input_ids, labels)`` per record, and the ``file:line`` of each."""
     path = resolve_data_path(path_or_builtin)
@@ -558,7 +576,7 @@ def load_documents(path_or_builtin: str | os.PathLike, tokenizer: Tokenizer
     sources: list[str] = []
     for lineno, record in _iter_jsonl(path):
         try:
-            docs.append(encode_record(record, tokenizer))
+            docs.append(encode_record(record, tokenizer, train_on=train_on))
         except DataError as e:
             raise DataError(f"{path}:{lineno}: {e}") from None
         sources.append(f"{path}:{lineno}")
@@ -566,11 +584,11 @@ def load_documents(path_or_builtin: str | os.PathLike, tokenizer: Tokenizer
 
 
 def build_dataset(path_or_builtin: str | os.PathLike, tokenizer: Tokenizer, seq_len: int, *,
-                  overlong: str = "truncate") -> PackedDataset:
+                  overlong: str = "truncate", train_on: str = "assistant") -> PackedDataset:
     """A JSONL file (or ``"builtin:tiny"``) -> tokenized, packed ``PackedDataset`` of rows of ``seq_len``."""
     if overlong not in OVERLONG_MODES:
         raise DataError(f"overlong is {overlong!r}; expected one of {', '.join(OVERLONG_MODES)}")
-    docs, sources = load_documents(path_or_builtin, tokenizer)
+    docs, sources = load_documents(path_or_builtin, tokenizer, train_on=train_on)
     rows = pack_documents(docs, seq_len, pad_id=tokenizer.pad_id, overlong=overlong, sources=sources)
     return PackedDataset(rows)
 

@@ -48,8 +48,10 @@ class DataConfig:
     batch_size: int = 8  # rows per data-parallel rank per step
     overlong: str = "truncate"  # samples longer than seq_len: truncate | error | split
     shuffle: bool = True
+    train_on: str = "assistant"  # chat records' targets: assistant | all | last_assistant (q38.train.chat)
 
     def __attrs_post_init__(self) -> None:
+        from q38.train.chat import TRAIN_ON
         from q38.train.data import OVERLONG_MODES
 
         _need(_is_int(self.seq_len) and self.seq_len > 0, f"data.seq_len must be a positive integer, got {self.seq_len!r}")
@@ -57,6 +59,7 @@ class DataConfig:
               f"data.batch_size must be a positive integer, got {self.batch_size!r}")
         _need(self.overlong in OVERLONG_MODES,
               f"data.overlong must be one of {', '.join(OVERLONG_MODES)}, got {self.overlong!r}")
+        _need(self.train_on in TRAIN_ON, f"data.train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -559,7 +562,8 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
             f"the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.model.vocab_size}; "
             "use a model whose vocab covers the tokenizer"
         )
-    dataset = build_dataset(cfg.data.path, tok, cfg.data.seq_len, overlong=cfg.data.overlong)
+    dataset = build_dataset(cfg.data.path, tok, cfg.data.seq_len, overlong=cfg.data.overlong,
+                            train_on=cfg.data.train_on)
     # Every rank reads the same global batch (batch_size rows per data-parallel rank); shard_batch keeps its rows.
     batches = BatchIterator(dataset, cfg.data.batch_size, dp_size=plan.dp_size, seed=cfg.run.seed,
                             shuffle=cfg.data.shuffle)
