@@ -252,7 +252,9 @@ class ModelConfig:
             if d.get("layer_types") is None:
                 d["layer_types"] = _default_layer_types(int(d.get("num_hidden_layers", 40)), interval)
         check_keys(d, cls.field_names(), f"{source}: unknown model config key(s)")
-        return cls(**d)
+        from q38.typed_config import structure
+
+        return structure(cls, d, "model")  # typed: every field by its annotation
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "ModelConfig":

@@ -20,6 +20,7 @@ import torch
 
 from q38.config import SPECS_DIR, ConfigError, ModelConfig, check_keys
 from q38.train.config import TrainConfig, validate_run
+from q38.typed_config import structure
 
 DEFAULT_CONFIG = SPECS_DIR / "train" / "tiny.yaml"
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -75,6 +76,7 @@ class RunOptions:
     progress: bool = True
     tensorboard: bool = False
     resume: bool = True  # continue from the latest checkpoint in out_dir
+    resume_from: str | None = None  # continue from this checkpoint (must verify); None: the newest in out_dir
 
     def __attrs_post_init__(self) -> None:
         for k in ("steps", "log_every"):
@@ -161,6 +163,8 @@ class RunConfig:
             model = _load_model_config(_resolve(str(model_src), base_dir))
         data = dict(raw.get("data") or {})
         _check_keys("data", data, DataConfig)
+        if "path" in data and not isinstance(data["path"], str):
+            raise ConfigError(f"data.path must be a string (a JSONL file or builtin:NAME), got {data['path']!r}")
         if "path" in data and not str(data["path"]).startswith("builtin:"):
             data["path"] = _resolve(str(data["path"]), base_dir)
         run = dict(raw.get("run") or {})
@@ -168,7 +172,8 @@ class RunConfig:
         train = TrainConfig.from_dict(raw.get("train") or {}, source=f"{source}: train")
         return cls(
             model=model, model_source=str(model_src), init_from=init_from, layout=str(raw.get("layout", "single")),
-            data=DataConfig(**data), train=train, run=RunOptions(**run), source=source,
+            data=structure(DataConfig, data, "data"), train=train, run=structure(RunOptions, run, "run"),
+            source=source,
         )
 
     def to_dict(self) -> dict[str, Any]:
