@@ -301,8 +301,13 @@ class ModelConfig:
                 p = p / "config.json"
             if not p.is_file():
                 raise ConfigError(f"Hugging Face config not found: {p}")
-            with open(p) as f:
-                raw = json.load(f)
+            try:
+                with open(p) as f:
+                    raw = json.load(f)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{p}: not valid JSON ({' '.join(str(e).split())})") from None
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{p}: expected a JSON object of config keys, got {type(raw).__name__}")
         top_type = raw.get("model_type")
         if top_type is None:
             raise ConfigError(
