@@ -99,9 +99,9 @@ def check_safetensors_dir(path: str | os.PathLike, what: str) -> None:
 
     for f in files:
         try:
+            _check_safetensors_extent(f, f.stat().st_size)  # the header can be intact while the data is cut short
             with safe_open(str(f), framework="pt") as fh:
                 fh.keys()
-            _check_safetensors_extent(f, f.stat().st_size)  # the header can be intact while the data is cut short
         except ConfigError:
             raise
         except Exception as e:  # SafetensorError, OSError: a truncated or corrupt file
@@ -114,7 +114,12 @@ def _check_safetensors_extent(f: Path, size: int) -> None:
     import struct
 
     with open(f, "rb") as fh:
-        n = struct.unpack("<Q", fh.read(8))[0]
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes, shorter than a safetensors header")
+        n = struct.unpack("<Q", head)[0]
+        if 8 + n > size:
+            raise ConfigError(f"{f} is truncated: {size} bytes, its header alone needs {8 + n}")
         header = json.loads(fh.read(n))
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:

@@ -473,7 +473,9 @@ def _initial_params(cfg: RunConfig, device: str, dtype: torch.dtype):
                                 "(config.json + *.safetensors) or a q38 checkpoint directory")
     if (src / "config.json").is_file() and not is_checkpoint(src):
         from q38.hf import load_hf
+        from q38.train.safety import check_safetensors_dir
 
+        check_safetensors_dir(src, "init_from")  # config.json parses, every safetensors file is whole
         got, params = load_hf(src, dtype=dtype, device=device)
     else:
         got, params, _ = load_params(src, device=device, dtype=dtype)
