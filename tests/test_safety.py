@@ -203,3 +203,33 @@ def test_none_verifying_changes_nothing(tmp_path, capsys):
     assert main(["train", cfg, "--set", "run.steps=3"]) == 2
     assert "none verifies" in capsys.readouterr().err
     assert _snapshot(out) == before  # metrics.jsonl and the checkpoints untouched
+
+
+def test_ctrl_c_during_a_save_is_one_line_and_the_previous_checkpoint_resumes(tmp_path, capsys, monkeypatch):
+    """A second Ctrl-C while the checkpoint is being written (KeyboardInterrupt inside DCP's writer)."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    cfg = _cfg(tmp_path)
+    real_write, real_save = fs._write_item, ck.save_checkpoint
+    calls = {"saves": 0}
+
+    def counting_save(*a, **k):
+        calls["saves"] += 1
+        return real_save(*a, **k)
+
+    def interrupted(*a, **k):
+        if calls["saves"] >= 2:
+            raise KeyboardInterrupt
+        return real_write(*a, **k)
+
+    monkeypatch.setattr(fs, "_write_item", interrupted)
+    monkeypatch.setattr(ck, "save_checkpoint", counting_save)
+    capsys.readouterr()
+    assert main(["train", cfg]) == 130
+    err = _err_lines(capsys)
+    assert err == ["q38 train: interrupted (an unfinished checkpoint save is discarded; the previous one is intact)"]
+    root = tmp_path / "out" / "checkpoints"
+    assert [p.name for p in root.iterdir() if p.name.startswith("step_")] == ["step_000001"]
+    monkeypatch.undo()
+    assert main(["train", cfg]) == 0
+    assert _steps(tmp_path / "out") == [1, 2]
