@@ -100,6 +100,8 @@ def describe(t) -> str:
         return " or ".join(describe(a) for a in rest) + " or null"
     if typing.get_origin(t) is tuple:
         return "a list of strings"
+    if typing.get_origin(t) is typing.Literal:
+        return "one of " + ", ".join(map(str, args))
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(t, str(t))
 
 
@@ -127,7 +129,7 @@ def structure(cls, d: Mapping[str, Any], section: str, *, where: str | None = No
                 raise ConfigError(_prefix(str(exc), section, fields)) from None
         for exc, note in typed:
             name = getattr(note, "name", None)
-            if name in fields and isinstance(exc, (_Bad, ValueError, TypeError)):
+            if name in fields:
                 if isinstance(exc, ConfigError):
                     raise ConfigError(_prefix(str(exc), section, fields)) from None
                 raise ConfigError(
