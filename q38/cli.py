@@ -210,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()
-        print(f"{who}: interrupted (an unfinished checkpoint save is discarded; the previous one is intact)",
-              file=sys.stderr)
+        why = " (an unfinished checkpoint save is discarded; the previous one is intact)" if cmd == "train" else ""
+        print(f"{who}: interrupted{why}", file=sys.stderr)
         return 130
     except BaseException as e:  # every other failure: one line (the traceback only with --debug / Q38_DEBUG=1)
         if debug:

@@ -583,7 +583,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     notes: list[str] = []  # verified before use; nothing is deleted or truncated until the run starts
     latest = choose_checkpoint(out, cfg.run.resume, cfg.run.resume_from, notes)
     metrics_path = out / "metrics.jsonl"
-    old_metrics, torn = load_metrics(metrics_path) if lead else ([], None)
+    old_metrics, torn = load_metrics(metrics_path)  # every rank: a malformed log stops all of them
     for line in notes if lead else []:
         note(line)
     if latest is not None:
