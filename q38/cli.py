@@ -6,6 +6,7 @@ Bad input ends with a one-line error naming the problem and the fix (exit code 2
 import argparse
 import os
 import sys
+import traceback
 
 USAGE = """usage: q38 {train,plan,convert,init-hf} ...
   train [CONFIG] [--set SECTION.KEY=VALUE ...]
@@ -13,7 +14,8 @@ USAGE = """usage: q38 {train,plan,convert,init-hf} ...
   plan --model M --layout L --world N     per-rank memory and communication plan
   convert --to-hf RUN_DIR_OR_CHECKPOINT OUT_DIR     export a trained run's parameters as a Hugging Face checkpoint
   convert --from-hf HF_DIR OUT_CHECKPOINT           import a Hugging Face checkpoint as a q38 checkpoint
-  init-hf --model PRESET OUT_DIR                    write a freshly initialised model as a Hugging Face checkpoint"""
+  init-hf --model PRESET OUT_DIR                    write a freshly initialised model as a Hugging Face checkpoint
+  --debug (any command; or Q38_DEBUG=1)             print the traceback of an error (for bug reports)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -21,6 +23,9 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise ValueError(f"{message} (see `{self.prog} --help`)")
+
+
+OneLineParser = _Parser  # shared by every subcommand's parser (q38 plan included)
 
 
 def _train(argv: list[str]) -> int:
@@ -76,6 +81,8 @@ def _convert(argv: list[str]) -> int:
     p.add_argument("--dtype", default=None, help="cast parameters (float32, bfloat16, float16); default: as stored")
     p.add_argument("--mtp-num-layers", type=int, default=None,
                    help="--from-hf: override the MTP depth (0 for a checkpoint saved without mtp.* weights)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--to-hf: replace an existing non-empty OUT_DIR (never one equal to or inside the source)")
     a = p.parse_args(argv)
     from pathlib import Path
 
@@ -86,7 +93,8 @@ def _convert(argv: list[str]) -> int:
     if a.to_hf:
         from q38.hf import save_hf
 
-        ck = resolve_checkpoint(a.src)
+        ck = resolve_checkpoint(a.src, on_skip=lambda line: print(f"q38 convert: note: {line}", file=sys.stderr))
+        _check_export_target(Path(a.src), ck, out, a.overwrite)
         cfg, params, meta = load_params(ck, dtype=dtype)
         save_hf(out, cfg, params)
         print(f"q38 convert: wrote {out} (Hugging Face safetensors, {cfg.model_type}, step {meta.get('step')} "
@@ -103,6 +111,9 @@ def _convert(argv: list[str]) -> int:
         raise FileNotFoundError(f"{src} is not a Hugging Face checkpoint directory (no config.json)")
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new output directory (nothing is overwritten)")
+    from q38.train.safety import check_safetensors_dir
+
+    check_safetensors_dir(src, "convert --from-hf")
     cfg, params = load_hf(src, dtype=dtype, mtp_num_layers=a.mtp_num_layers)
     state = state_from_params(params, cfg, TrainConfig())
     import q38
@@ -117,6 +128,25 @@ def _convert(argv: list[str]) -> int:
     print(f"q38 convert: wrote {out} (q38 checkpoint, {cfg.model_type}, from {src}); "
           f"start a run from it with `init_from: {out}`")
     return 0
+
+
+def _check_export_target(src, ck, out, overwrite: bool) -> None:
+    """``convert --to-hf`` never writes into its source, nor over an existing non-empty OUT_DIR without
+    ``--overwrite`` (the export itself is built in a temporary directory and renamed, see ``save_hf``)."""
+    o = out.resolve()
+    for s in (src.resolve(), ck.resolve()):
+        if o == s or s in o.parents:
+            raise FileExistsError(f"OUT_DIR {out} is the source {src} or inside it; exporting there would replace "
+                                  "the run; choose an OUT_DIR outside it (--overwrite does not change this)")
+        if o in s.parents:  # replacing OUT_DIR would delete the source inside it
+            raise FileExistsError(f"OUT_DIR {out} contains the source {src}; exporting there would replace it; "
+                                  "choose an OUT_DIR outside it (--overwrite does not change this)")
+    if out.exists() and not out.is_dir():
+        if not overwrite:
+            raise FileExistsError(f"OUT_DIR {out} exists and is a file; choose a new OUT_DIR or pass --overwrite")
+    elif out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"OUT_DIR {out} exists and is not empty; choose a new OUT_DIR or pass --overwrite "
+                              "to replace it")
 
 
 def _init_hf(argv: list[str]) -> int:
@@ -147,6 +177,10 @@ COMMANDS = {"train": _train, "plan": _plan, "convert": _convert, "init-hf": _ini
 
 def _one_line(e: BaseException) -> str:
     msg = str(e) or type(e).__name__
+    if type(e).__name__ == "CheckpointException":  # torch DCP: name the underlying error of the first rank
+        from q38.train.safety import _cause
+
+        msg = f"checkpoint read/write failed: {_cause(e)}"
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
         msg = f"{e.filename}: {e.strerror}"
     return " ".join(line.strip() for line in msg.splitlines() if line.strip())
@@ -154,6 +188,10 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = os.environ.get("Q38_DEBUG", "") not in ("", "0")
+    if "--debug" in argv:
+        argv.remove("--debug")
+        debug = True
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
@@ -168,13 +206,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[cmd](rest)
     except SystemExit as e:  # --help
-        return int(e.code or 0)
-    except (ConfigError, ValueError, OSError, FloatingPointError, NotImplementedError) as e:
-        print(f"{who}: error: {_one_line(e)}", file=sys.stderr)
-        return 2
+        return int(e.code or 0) if isinstance(e.code, (int, type(None))) else 2
     except KeyboardInterrupt:
-        print(f"{who}: interrupted", file=sys.stderr)
+        if debug:
+            traceback.print_exc()
+        why = " (an unfinished checkpoint save is discarded; the previous one is intact)" if cmd == "train" else ""
+        print(f"{who}: interrupted{why}", file=sys.stderr)
         return 130
+    except BaseException as e:  # every other failure: one line (the traceback only with --debug / Q38_DEBUG=1)
+        if debug:
+            traceback.print_exc()
+        if isinstance(e, (ConfigError, ValueError, OSError, FloatingPointError, NotImplementedError)) or \
+                type(e).__name__ in ("CheckpointException", "SafetensorError"):
+            print(f"{who}: error: {_one_line(e)}", file=sys.stderr)
+            return 2
+        print(f"{who}: internal error: {type(e).__name__}: {_one_line(e)} (a q38 bug; rerun with --debug or "
+              "Q38_DEBUG=1 for the traceback and report it)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

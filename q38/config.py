@@ -252,7 +252,9 @@ class ModelConfig:
             if d.get("layer_types") is None:
                 d["layer_types"] = _default_layer_types(int(d.get("num_hidden_layers", 40)), interval)
         check_keys(d, cls.field_names(), f"{source}: unknown model config key(s)")
-        return cls(**d)
+        from q38.typed_config import structure
+
+        return structure(cls, d, "model")  # typed: every field by its annotation
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -299,8 +301,13 @@ class ModelConfig:
                 p = p / "config.json"
             if not p.is_file():
                 raise ConfigError(f"Hugging Face config not found: {p}")
-            with open(p) as f:
-                raw = json.load(f)
+            try:
+                with open(p) as f:
+                    raw = json.load(f)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{p}: not valid JSON ({' '.join(str(e).split())})") from None
+            if not isinstance(raw, dict):
+                raise ConfigError(f"{p}: expected a JSON object of config keys, got {type(raw).__name__}")
         top_type = raw.get("model_type")
         if top_type is None:
             raise ConfigError(

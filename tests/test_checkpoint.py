@@ -46,7 +46,7 @@ def test_round_trip_meta_rng_and_latest(tmp_path):
     path = ck.save_checkpoint(root, s, _meta(s, layout="single"))
     expected_draw = torch.rand(3)
     assert path == root / "step_000007" and (root / "latest").read_text().strip() == "step_000007"
-    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "meta.json", "rng"]
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "manifest.json", "meta.json", "rng"]
     torch.manual_seed(999)
     loaded, meta = ck.load_checkpoint(ck.latest_checkpoint(root), _state(seed=2))
     _assert_same(loaded, s)

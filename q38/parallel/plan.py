@@ -13,7 +13,6 @@ reduce-scatter moves ``compute − local`` elements, a ring all-reduce over ``R`
 EP all-to-all and CP exchanges scale with tokens and are not counted here.
 """
 
-import argparse
 import math
 import sys
 import time
@@ -346,7 +345,9 @@ def plan_cli(args: list[str]) -> int:
 
     Prints the report; an invalid model, layout or world size prints one line on stderr and returns 2.
     """
-    ap = argparse.ArgumentParser(prog="q38 plan", description="Per-rank memory and FSDP traffic of a layout.")
+    from q38.cli import OneLineParser  # argparse errors: one line through q38.cli.main (exit 2)
+
+    ap = OneLineParser(prog="q38 plan", description="Per-rank memory and FSDP traffic of a layout.")
     ap.add_argument("--model", required=True, help="model preset name, q38 YAML, HF config.json or checkpoint dir")
     ap.add_argument("--layout", required=True, help="parallel layout preset name or YAML path")
     ap.add_argument("--world", type=int, required=True, help="number of ranks (WORLD_SIZE)")

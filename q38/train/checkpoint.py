@@ -34,6 +34,8 @@ from q38.pytree import named_leaves, tree_map
 FORMAT = "q38-checkpoint/1"
 CHECKPOINTS = "checkpoints"
 META_FILE = "meta.json"
+MANIFEST_FILE = "manifest.json"  # written last: every file's size, and the sha256 of the small ones
+SMALL_FILE_BYTES = 1 << 20  # files up to this size are checksummed (metadata, meta.json, RNG states)
 LATEST_FILE = "latest"
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 TMP_RE = re.compile(r"^step_\d{6,}\.tmp-[0-9A-Za-z]+$")
@@ -51,7 +53,78 @@ def step_dir_name(step: int) -> str:
 
 
 def is_checkpoint(path: Path) -> bool:
-    return (path / META_FILE).is_file() and (path / ".metadata").is_file()
+    """Looks like a complete checkpoint (cheap; ``verify_checkpoint`` checks sizes and checksums)."""
+    return (path / META_FILE).is_file() and (path / ".metadata").is_file() and (path / MANIFEST_FILE).is_file()
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(ck_dir: Path) -> None:
+    """``manifest.json``: every file under ``ck_dir`` with its size, and the sha256 of files up to
+    ``SMALL_FILE_BYTES``. Written last (fsynced), so a checkpoint with a manifest that verifies is complete."""
+    files = {}
+    for f in sorted(p for p in ck_dir.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+        size = f.stat().st_size
+        files[f.relative_to(ck_dir).as_posix()] = {"size": size,
+                                                   "sha256": _sha256(f) if size <= SMALL_FILE_BYTES else None}
+    _write_json(ck_dir / MANIFEST_FILE, {"format": FORMAT, "files": files})
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """None if the checkpoint at ``path`` is complete and intact, else why not (one phrase)."""
+    path = Path(path)
+    if not path.is_dir():
+        return "does not exist" if not path.exists() else "is not a directory"
+    mf = path / MANIFEST_FILE
+    if not mf.is_file():
+        return f"no {MANIFEST_FILE} (an interrupted save, or not a q38 checkpoint)"
+    try:
+        manifest = json.loads(mf.read_text())
+        files = manifest["files"]
+        assert isinstance(files, dict) and files
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return f"{MANIFEST_FILE} is unreadable or malformed"
+    for req in (META_FILE, ".metadata"):
+        if req not in files:
+            return f"{MANIFEST_FILE} does not list {req}"
+    for rel, info in files.items():
+        f = path / rel
+        try:
+            size = f.stat().st_size
+        except OSError:
+            return f"{rel} is missing"
+        if size != info.get("size"):
+            return f"{rel} is {size} bytes, the manifest says {info.get('size')} (truncated or altered)"
+        if info.get("sha256") and _sha256(f) != info["sha256"]:
+            return f"{rel} does not match its checksum in {MANIFEST_FILE} (altered or corrupt)"
+    return None
+
+
+def step_dirs(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step_<digits>`` directory in ``root``, complete or not, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_RE.match(p.name)) and p.is_dir())
+
+
+def newest_verified(root: str | os.PathLike) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint in ``root`` that verifies, and one line per newer one skipped (naming it and why)."""
+    skipped = []
+    for _, p in reversed(step_dirs(root)):
+        why = verify_checkpoint(p)
+        if why is None:
+            return p, skipped
+        skipped.append(f"skipped checkpoint {p}: {why}")
+    return None, skipped
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -69,20 +142,31 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     """The complete checkpoint with the highest step in ``root`` (a checkpoints directory), or None."""
-    cks = list_checkpoints(root)
-    return cks[-1][1] if cks else None
+    ck, _ = newest_verified(root)
+    return ck
 
 
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, a run's ``checkpoints`` directory or a run directory → one checkpoint (the latest)."""
+def resolve_checkpoint(path: str | os.PathLike, on_skip=None) -> Path:
+    """A checkpoint directory, a run's ``checkpoints`` directory or a run directory → one checkpoint (the newest
+    that verifies; ``on_skip(line)`` is called for each newer one skipped)."""
     p = Path(path)
-    if is_checkpoint(p):
+    if is_checkpoint(p) or (p / META_FILE).is_file():
+        why = verify_checkpoint(p)
+        if why is not None:
+            raise CheckpointMismatch(f"checkpoint {p} does not verify: {why}")
         return p
+    skipped: list[str] = []
     for root in (p / CHECKPOINTS, p):
-        ck = latest_checkpoint(root)
+        ck, sk = newest_verified(root)
+        skipped += sk
         if ck is not None:
+            for line in sk:
+                if on_skip is not None:
+                    on_skip(line)
             return ck
     what = "does not exist" if not p.exists() else "holds no complete q38 checkpoint"
+    if skipped:
+        what = f"holds no checkpoint that verifies ({skipped[0].removeprefix('skipped checkpoint ')})"
     raise FileNotFoundError(
         f"{p} {what}; pass a run directory (with checkpoints/step_*), a checkpoints directory or a checkpoint "
         f"directory (with {META_FILE})"
@@ -233,6 +317,7 @@ def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any]) -
         _barrier()
         if rank == 0:
             _write_json(tmp / META_FILE, dict(meta, format=FORMAT))
+            write_manifest(tmp)  # last: its presence (and a match) marks the checkpoint complete
             _fsync_dir(tmp)
             old = None
             if final.exists():  # re-saving the same step: move the old one aside, then drop it

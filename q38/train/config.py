@@ -8,6 +8,7 @@ from typing import Any, Mapping
 import attrs
 
 from q38.config import ConfigError, ModelConfig, check_keys
+from q38.typed_config import finite, ge, gt, in_range, one_of, structure
 
 SCHEDULES = ("cosine", "linear", "constant")
 AUX_SCOPES = ("micro_batch", "global_batch")
@@ -26,26 +27,27 @@ class TrainConfig:
     """Optimizer, schedule, loss options, recompute and micro-batching for ``train_step``."""
 
     # optimizer (AdamW) and schedule
-    lr: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    schedule: str = "cosine"
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    lr: float = attrs.field(default=3e-4, validator=[gt(0), finite])
+    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(0, 1))
+    warmup_steps: int = attrs.field(default=0, validator=ge(0))
+    total_steps: int = attrs.field(default=1000, validator=gt(0))
+    schedule: str = attrs.field(default="cosine", validator=one_of(*SCHEDULES))
+    beta1: float = attrs.field(default=0.9, validator=in_range(0, 1, hi_open=True))
+    beta2: float = attrs.field(default=0.95, validator=in_range(0, 1, hi_open=True))
+    eps: float = attrs.field(default=1e-8, validator=[gt(0), finite])
+    weight_decay: float = attrs.field(default=0.1, validator=[ge(0), finite])
     no_decay: tuple[str, ...] = attrs.field(default=DEFAULT_NO_DECAY, converter=_tuple)
-    grad_clip: float | None = 1.0
+    grad_clip: float | None = attrs.field(default=1.0, validator=gt(0))
     # gradient accumulation: the step's batch is split into this many micro-batches (MindSpeed's chunk_mbs)
-    micro_batches: int = 1
+    micro_batches: int = attrs.field(default=1, validator=ge(1))
     # losses
-    loss_chunk_size: int | None = 1024
+    loss_chunk_size: int | None = attrs.field(default=1024, validator=gt(0))
     dynamic_chunk_loss: bool = False
-    loss_chunk_budget_bytes: int | None = None
-    mtp_loss_scaling_factor: float = 0.1
-    aux_loss_coef: float | None = None  # None: the model's router_aux_loss_coef
-    aux_loss_scope: str = "micro_batch"
+    loss_chunk_budget_bytes: int | None = attrs.field(default=None, validator=gt(0))
+    mtp_loss_scaling_factor: float = attrs.field(default=0.1, validator=[ge(0), finite])
+    # None: the model's router_aux_loss_coef
+    aux_loss_coef: float | None = attrs.field(default=None, validator=[ge(0), finite])
+    aux_loss_scope: str = attrs.field(default="micro_batch", validator=one_of(*AUX_SCOPES))
     # memory
     recompute: bool = False
     skip_flash_attn_recompute: bool = False
@@ -54,9 +56,9 @@ class TrainConfig:
     fsdp_prefetch: bool | None = None  # None: on accelerators only; true/false force it
     # expert-parallel balance (needs an `ep` mesh dim > 1)
     enable_ep_balance: bool = False
-    max_dup_experts_num: int = 2
+    max_dup_experts_num: int = attrs.field(default=2, validator=ge(0))
     # failure handling
-    nan_policy: str = "stop"
+    nan_policy: str = attrs.field(default="stop", validator=one_of(*NAN_POLICIES))
 
     def __attrs_post_init__(self) -> None:
         validate_train_config(self)
@@ -67,7 +69,7 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], *, source: str = "train") -> "TrainConfig":
         check_keys(d, [a.name for a in attrs.fields(cls)], f"{source}: unknown train config key(s)")
-        return cls(**dict(d))
+        return structure(cls, d, "train")  # typed: every field by its annotation and range validator
 
     def to_dict(self) -> dict[str, Any]:
         d = attrs.asdict(self)

@@ -20,6 +20,7 @@ import torch
 
 from q38.config import SPECS_DIR, ConfigError, ModelConfig, check_keys
 from q38.train.config import TrainConfig, validate_run
+from q38.typed_config import structure
 
 DEFAULT_CONFIG = SPECS_DIR / "train" / "tiny.yaml"
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -78,6 +79,7 @@ class RunOptions:
     progress: bool = True
     tensorboard: bool = False
     resume: bool = True  # continue from the latest checkpoint in out_dir
+    resume_from: str | None = None  # continue from this checkpoint (must verify); None: the newest in out_dir
 
     def __attrs_post_init__(self) -> None:
         for k in ("steps", "log_every"):
@@ -164,6 +166,8 @@ class RunConfig:
             model = _load_model_config(_resolve(str(model_src), base_dir))
         data = dict(raw.get("data") or {})
         _check_keys("data", data, DataConfig)
+        if "path" in data and not isinstance(data["path"], str):
+            raise ConfigError(f"data.path must be a string (a JSONL file or builtin:NAME), got {data['path']!r}")
         if "path" in data and not str(data["path"]).startswith("builtin:"):
             data["path"] = _resolve(str(data["path"]), base_dir)
         run = dict(raw.get("run") or {})
@@ -171,7 +175,8 @@ class RunConfig:
         train = TrainConfig.from_dict(raw.get("train") or {}, source=f"{source}: train")
         return cls(
             model=model, model_source=str(model_src), init_from=init_from, layout=str(raw.get("layout", "single")),
-            data=DataConfig(**data), train=train, run=RunOptions(**run), source=source,
+            data=structure(DataConfig, data, "data"), train=train, run=structure(RunOptions, run, "run"),
+            source=source,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -388,10 +393,9 @@ def write_jsonl(path: Path, record: dict) -> None:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    p = Path(path)
-    if not p.is_file():
-        return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    from q38.train.safety import load_metrics
+
+    return load_metrics(path)[0]  # a torn last line is left out; any other malformed line is an error
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:
@@ -472,7 +476,9 @@ def _initial_params(cfg: RunConfig, device: str, dtype: torch.dtype):
                                 "(config.json + *.safetensors) or a q38 checkpoint directory")
     if (src / "config.json").is_file() and not is_checkpoint(src):
         from q38.hf import load_hf
+        from q38.train.safety import check_safetensors_dir
 
+        check_safetensors_dir(src, "init_from")  # config.json parses, every safetensors file is whole
         got, params = load_hf(src, dtype=dtype, device=device)
     else:
         got, params, _ = load_params(src, device=device, dtype=dtype)
@@ -526,11 +532,16 @@ def train(cfg: RunConfig, *, on_step: Callable[[dict], None] | None = None) -> l
     world = WorldInfo.from_env()
     device = pick_device(cfg.run.device, world.local_rank)
     plan = check_run(cfg, world.world_size, device)  # before any allocation or process group
+    from q38.train.safety import check_device, check_out_dir, run_lock
+
+    check_device(device)
+    check_out_dir(cfg.run.out_dir)
     created_pg = False
     if world.world_size > 1:
         created_pg = _init_process_group(device, pick_backend(device, cfg.run.backend), world)
     try:
-        return _train(cfg, world, device, plan, on_step)
+        with run_lock(cfg.run.out_dir, lead=world.rank == 0):  # one run per out_dir
+            return _train(cfg, world, device, plan, on_step)
     finally:
         if created_pg:
             import torch.distributed as dist
@@ -545,12 +556,12 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         CHECKPOINTS,
         check_model_config,
         empty_params,
-        latest_checkpoint,
         load_checkpoint,
         read_meta,
         save_checkpoint,
     )
     from q38.train.data import BatchIterator, build_dataset, load_tokenizer
+    from q38.train.safety import choose_checkpoint, interrupted, load_metrics, note, save_error
     from q38.train.state import state_from_params
     from q38.train.step import train_step
 
@@ -564,16 +575,21 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         )
     dataset = build_dataset(cfg.data.path, tok, cfg.data.seq_len, overlong=cfg.data.overlong,
                             train_on=cfg.data.train_on)
+    if dataset.num_targets == 0:
+        raise ConfigError(f"data: {cfg.data.path} has no trainable tokens (every label is masked or the samples "
+                          "are too short to predict a next token); check the data and its loss masks")
     # Every rank reads the same global batch (batch_size rows per data-parallel rank); shard_batch keeps its rows.
     batches = BatchIterator(dataset, cfg.data.batch_size, dp_size=plan.dp_size, seed=cfg.run.seed,
                             shuffle=cfg.data.shuffle)
     dtype = getattr(torch, cfg.run.dtype)
     out = Path(cfg.run.out_dir)
     ck_root = out / CHECKPOINTS
-    latest = latest_checkpoint(ck_root)
-    if latest is not None and not cfg.run.resume:
-        raise ConfigError(f"{out} already holds checkpoints (latest: {latest.name}) and run.resume is false; "
-                          "choose a new run.out_dir, or set run.resume: true to continue that run")
+    notes: list[str] = []  # verified before use; nothing is deleted or truncated until the run starts
+    latest = choose_checkpoint(out, cfg.run.resume, cfg.run.resume_from, notes)
+    metrics_path = out / "metrics.jsonl"
+    old_metrics, torn = load_metrics(metrics_path)  # every rank: a malformed log stops all of them
+    for line in notes if lead else []:
+        note(line)
     if latest is not None:
         meta = read_meta(latest)
         check_model_config(meta, cfg.model, str(latest))  # before allocating anything
@@ -608,12 +624,16 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                   "(raise run.steps to continue, or use a new run.out_dir)")
         return []
 
-    metrics_path = out / "metrics.jsonl"
     if lead:
         out.mkdir(parents=True, exist_ok=True)
+        if torn:
+            note(f"{metrics_path}:{torn}: cut off a torn last line (a partial write, e.g. on a full disk)")
         if start:
             _truncate_metrics(metrics_path, start)
         else:
+            if old_metrics:
+                note(f"starting fresh: {metrics_path} ({len(old_metrics)} records, no checkpoint to resume) "
+                     "is replaced")
             metrics_path.write_text("")
     tb = _tensorboard(cfg, out) if lead else None
     peak = cfg.run.peak_flops or known_peak_flops(device, cfg.run.dtype)
@@ -630,7 +650,15 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     saved_at = None
 
     def save() -> Path:
-        return save_checkpoint(ck_root, state, _meta(cfg, state, batches, plan, world), keep_last=cfg.run.keep_last)
+        try:
+            return save_checkpoint(ck_root, state, _meta(cfg, state, batches, plan, world),
+                                   keep_last=cfg.run.keep_last)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if interrupted(e):
+                raise KeyboardInterrupt from e
+            raise save_error(e, int(state.step), ck_root) from e
 
     try:
         with StopSignal() as stop:
