@@ -506,8 +506,52 @@ def open_source(path: str, tok: Tokenizer, seq_len: int, vocab_size: int, overlo
     return PackedRows(ds, path)
 
 
+def _subset(ds: PackedDataset, start: int, stop: int) -> PackedDataset:
+    out = object.__new__(PackedDataset)
+    out.input_ids, out.labels, out.doc_ids = (t[start:stop] for t in (ds.input_ids, ds.labels, ds.doc_ids))
+    return out
+
+
+class TrainData:
+    """The run's opened data (every file checked, nothing read beyond manifests for shards): train sources with
+    weights, and the eval sources. ``iterators`` makes this rank's train and eval iterators."""
+
+    def __init__(self, path: Any, tok: Tokenizer, *, seq_len: int, vocab_size: int, overlong: str = "truncate",
+                 eval_split: float = 0.0, eval_path: str | None = None) -> None:
+        mix = parse_mixture(path)
+        self.legacy = len(mix) == 1 and not is_prepared(mix[0][0])  # one JSONL file: data.BatchIterator as before
+        opened = [open_source(p, tok, seq_len, vocab_size, overlong) for p, _ in mix]
+        self.weights = [w for _, w in mix]
+        self.eval: list[RowSource] = []
+        if eval_path is not None:
+            self.eval = [open_source(os.fspath(eval_path), tok, seq_len, vocab_size, overlong)]
+            self.train = opened
+        elif eval_split > 0:
+            parts = [s.split(eval_split) for s in opened]
+            self.train, self.eval = [t for t, _ in parts], [e for _, e in parts]
+        else:
+            self.train = opened
+
+    def iterators(self, batch_size: int, *, dp_rank: int, dp_size: int, seed: int, shuffle: bool,
+                  eval_batches: int = 0):
+        from q38.train.data import BatchIterator
+
+        if self.legacy:
+            src = self.train[0]
+            ds = src.base.dataset if isinstance(src, _Slice) else src.dataset
+            if isinstance(src, _Slice):
+                ds = _subset(ds, src.start, src.stop)
+            train = BatchIterator(ds, batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=shuffle)
+        else:
+            train = MixtureIterator(self.train, self.weights, batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                    seed=seed, shuffle=shuffle)
+        ev = EvalRows(self.eval, batch_size, dp_rank=dp_rank, dp_size=dp_size, max_batches=eval_batches) \
+            if self.eval else None
+        return train, ev
+
+
 __all__ = [
     "FORMAT", "VERSION", "MANIFEST", "MIX_BLOCK", "tokenizer_identity", "token_dtype", "feistel_permute",
     "RowSource", "PackedRows", "ShardRows", "read_manifest", "block_counts", "MixtureIterator", "EvalRows",
-    "parse_mixture", "open_source", "PAD_DOC_ID",
+    "parse_mixture", "open_source", "TrainData", "PAD_DOC_ID",
 ]
