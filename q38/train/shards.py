@@ -91,36 +91,42 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def hash_key(*parts: int) -> int:
-    """A 64-bit key from integers (seed, source, epoch, ...)."""
+def hash_keys(*parts: int | np.ndarray) -> np.ndarray:
+    """64-bit keys from integers or integer arrays (seed, source, epoch, ...), elementwise."""
     h = np.array([0x9E3779B97F4A7C15], dtype=np.uint64)
     with np.errstate(over="ignore"):
         for p in parts:
-            h = _mix64(h ^ np.array([int(p) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
-    return int(h[0])
+            h = _mix64(h ^ (np.asarray(p, dtype=np.int64) & 0x7FFFFFFFFFFFFFFF).astype(np.uint64))
+    return h
 
 
-def feistel_permute(idx: np.ndarray, n: int, key: int, rounds: int = 4) -> np.ndarray:
-    """A seeded bijection of ``range(n)`` applied to ``idx`` (int64 array), in O(len(idx)) time and memory."""
+def hash_key(*parts: int) -> int:
+    return int(hash_keys(*parts).reshape(-1)[0])
+
+
+def feistel_permute(idx: np.ndarray, n: int, key: int | np.ndarray, rounds: int = 4) -> np.ndarray:
+    """A seeded bijection of ``range(n)`` applied to ``idx`` (int64 array), in O(len(idx)) time and memory.
+    ``key``: one key, or one per element of ``idx`` (a different bijection for each key)."""
     idx = np.asarray(idx, dtype=np.int64)
     if n <= 1:
         return idx.copy()
     half = max(1, (int(n - 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half) - 1)
     sh = np.uint64(half)
-    keys = [np.uint64(hash_key(key, r)) for r in range(rounds)]
+    key = np.broadcast_to(hash_keys(key), idx.shape)
+    keys = np.stack([hash_keys(key, r) for r in range(rounds)]) if idx.size else np.zeros((rounds, 0), np.uint64)
 
-    def enc(x: np.ndarray) -> np.ndarray:
+    def enc(x: np.ndarray, ks: np.ndarray) -> np.ndarray:
         left, right = x >> sh, x & mask
         with np.errstate(over="ignore"):
-            for k in keys:
+            for k in ks:
                 left, right = right, left ^ (_mix64(right ^ k) & mask)
         return (left << sh) | right
 
-    x = enc(idx.astype(np.uint64))
+    x = enc(idx.astype(np.uint64), keys)
     out = x >= np.uint64(n)
     while out.any():  # cycle walking: the domain 2**(2*half) < 4n, so a few rounds at most on average
-        x[out] = enc(x[out])
+        x[out] = enc(x[out], keys[:, out])
         out = x >= np.uint64(n)
     return x.astype(np.int64)
 
@@ -299,7 +305,7 @@ class ShardRows(RowSource):
 # ---- mixtures and the batch iterator ------------------------------------------------------------------------------
 
 
-def block_counts(weights: Sequence[float], block: int = MIX_BLOCK) -> np.ndarray:
+def block_counts(weights: Sequence[float | int], block: int = MIX_BLOCK) -> np.ndarray:
     """Integer shares of ``block`` samples per source (largest remainder). Raises for a positive weight too small to
     get a sample."""
     w = np.asarray(weights, dtype=np.float64)
@@ -318,7 +324,7 @@ class MixtureIterator:
     ``state_dict`` / ``load_state_dict``); the state is ``{"consumed_samples"}``.
     """
 
-    def __init__(self, sources: Sequence[RowSource], weights: Sequence[float], batch_size: int, *, dp_rank: int = 0,
+    def __init__(self, sources: Sequence[RowSource], weights: Sequence[float | int], batch_size: int, *, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
         if not sources or len(sources) != len(weights):
             raise DataError("data: a mixture needs one weight per source")
@@ -368,11 +374,7 @@ class MixtureIterator:
             if not self.shuffle:
                 row[sel_i] = j
                 continue
-            r = np.empty_like(j)
-            for e in np.unique(epochs):
-                at = epochs == e
-                r[at] = feistel_permute(j[at], n, hash_key(self.seed, int(i), int(e)))
-            row[sel_i] = r
+            row[sel_i] = feistel_permute(j, n, hash_keys(self.seed, int(i), epochs))
         return src, row
 
     def _read(self, g: np.ndarray) -> dict[str, torch.Tensor]:
