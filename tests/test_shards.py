@@ -430,6 +430,7 @@ def _two_rank_shard_run(rank, world, out, shards, steps, stop_at):
 
 
 @pytest.mark.dist
+@pytest.mark.slow
 def test_two_ranks_from_shards_resume_and_dp2_to_dp1(tmp_path, tiny_shards):
     from tests.dist_utils import run_distributed
 

@@ -139,9 +139,9 @@ def tokenize_chunk(chunk: dict[str, Any], out_dir: str, dtype: str) -> dict[str,
     """Tokenize one chunk into shard files (tmp + rename); returns the shard's manifest entry."""
     tok = _TOK
     ids_parts: list[np.ndarray] = []
-    mask_parts: list[np.ndarray] = []
+    masked: list[tuple[int, np.ndarray]] = []  # (token offset, mask) of the documents with non-target tokens
     lengths: list[int] = []
-    any_masked = False
+    n = 0
     for where, rec in _records(chunk):
         try:
             validate_record(rec, "\0")
@@ -153,18 +153,22 @@ def tokenize_chunk(chunk: dict[str, Any], out_dir: str, dtype: str) -> dict[str,
             raise DataError(f"{_where(where)}: {e}") from None
         if not ids:
             continue
-        a = np.asarray(ids, dtype=np.int64)
-        lab = np.asarray(labels, dtype=np.int64)
-        m = lab != IGNORE_INDEX
-        if not np.array_equal(lab[m], a[m]):
-            raise DataError(f"{_where(where)}: the tokenizer produced labels that are not the input ids; shards store "
-                            f"a loss mask only")
-        any_masked = any_masked or not m.all()
+        a = np.array(ids, dtype=np.int64)
+        if labels != ids:  # list comparison in C: the common all-target case never builds a mask
+            lab = np.array(labels, dtype=np.int64)
+            m = lab != IGNORE_INDEX
+            if not np.array_equal(lab[m], a[m]):
+                raise DataError(f"{_where(where)}: the tokenizer produced labels that are not the input ids; shards "
+                                f"store a loss mask only")
+            masked.append((n, m))
         ids_parts.append(a)
-        mask_parts.append(m)
         lengths.append(len(a))
+        n += len(a)
     ids_all = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
-    mask_all = np.concatenate(mask_parts) if mask_parts else np.zeros(0, dtype=bool)
+    any_masked = bool(masked)
+    mask_all = np.ones(n, dtype=bool)
+    for off, m in masked:
+        mask_all[off:off + len(m)] = m
     dt = np.dtype(dtype)
     max_id = int(ids_all.max()) if len(ids_all) else -1
     if max_id > np.iinfo(dt).max or (len(ids_all) and ids_all.min() < 0):
