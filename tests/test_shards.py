@@ -164,6 +164,7 @@ class FakeRows(RowSource):
         return self.n
 
     def rows(self, idx):
+        self.reads = getattr(self, "reads", 0) + len(idx)
         v = torch.as_tensor(np.asarray(idx) + self.i * 10000).view(-1, 1).expand(-1, self.seq_len)
         return {"input_ids": v.clone(), "labels": v.clone(), "doc_ids": torch.zeros_like(v)}
 
@@ -202,7 +203,10 @@ def test_sample_order_is_a_function_of_seed_and_step_and_keeps_the_global_order_
     ref = [_ids(next(one)) for _ in range(10)]  # 10 steps of the global batch of 8
     two = [MixtureIterator(srcs, [1, 3], 4, dp_rank=r, dp_size=2, seed=7) for r in range(2)]
     for s in range(10):
-        assert _ids(next(two[0])) + _ids(next(two[1])) == ref[s]
+        before = sum(getattr(x, "reads", 0) for x in srcs)
+        mine = _ids(next(two[0]))
+        assert sum(x.reads for x in srcs) - before == 4  # a rank reads only its own rows
+        assert mine + _ids(next(two[1])) == ref[s]
     assert _ids(two[0].global_batch(5)) == ref[5]
     # resume from a dp 2 checkpoint at step 4 with dp 1: the same global order
     state = two[0].state_dict()

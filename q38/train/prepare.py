@@ -242,10 +242,10 @@ def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer
             and old.get("tokenizer", {}).get("kind") == ident["kind"] \
             and old.get("tokenizer", {}).get("vocab_size") == ident["vocab_size"] \
             and _same_content(old.get("sources", []), sources):
-        from q38.train.shards import ShardRows
+        from q38.train.shards import verify_shard_files
 
         try:
-            ShardRows(out, 1)  # every shard file there with its size
+            verify_shard_files(out, old)  # every shard file there with its size
         except DataError:
             pass
         else:
@@ -302,13 +302,13 @@ def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer
     if manifest["num_docs"] == 0:
         raise DataError(f"prepare-data: the inputs ({', '.join(str(f) for f, _ in files)}) hold no records; expected "
                         f"{{\"text\": ...}} or {{\"messages\": [...]}} records")
+    manifest["prepare_seconds"], manifest["workers"] = time.perf_counter() - t0, n_workers
     _write_json(out / MANIFEST, manifest)
     keep = {n for r in results for n in shard_files(r["name"]).values()} | {MANIFEST}
     for f in out.iterdir():  # shards of an earlier preparation that this one did not rewrite, stale tmp files
         if f.is_file() and f.name not in keep and (f.name.startswith("shard_") or f.name.startswith(".shard_")):
             f.unlink()
-    dt = time.perf_counter() - t0
-    manifest["seconds"] = dt
+    dt = manifest["prepare_seconds"]
     log(f"q38 prepare-data: wrote {out}: {len(results)} shards, {manifest['num_tokens']:,} tokens "
         f"({dtype.name}), {manifest['num_docs']:,} documents, {manifest['num_targets']:,} targets in {dt:.1f}s "
         f"({manifest['num_tokens'] / max(dt, 1e-9):,.0f} tokens/s, {n_workers} workers)")

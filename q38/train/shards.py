@@ -96,7 +96,12 @@ def hash_keys(*parts: int | np.ndarray) -> np.ndarray:
     h = np.array([0x9E3779B97F4A7C15], dtype=np.uint64)
     with np.errstate(over="ignore"):
         for p in parts:
-            h = _mix64(h ^ (np.asarray(p, dtype=np.int64) & 0x7FFFFFFFFFFFFFFF).astype(np.uint64))
+            if isinstance(p, (int, np.integer)):
+                u = np.uint64(int(p) & 0xFFFFFFFFFFFFFFFF)
+            else:
+                p = np.asarray(p)
+                u = p if p.dtype == np.uint64 else p.astype(np.int64).view(np.uint64)
+            h = _mix64(h ^ u)
     return h
 
 
@@ -198,6 +203,26 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def verify_shard_files(path: Path, man: Mapping[str, Any]) -> None:
+    """Every shard file the manifest lists exists with the size its counts imply (no token is read)."""
+    fix = f"re-run `q38 prepare-data INPUT... --out {path}`"
+    itemsize = np.dtype(man["token_dtype"]).itemsize
+    for s in man["shards"]:
+        files = shard_files(s["name"])
+        want = {"tokens": s["tokens"] * itemsize, "docs": (s["docs"] + 1) * 8}
+        if s["mask"]:
+            want["mask"] = s["tokens"]
+        for kind, size in want.items():
+            f = path / files[kind]
+            if not f.is_file():
+                raise DataError(f"data: shard file {f} listed in {path / MANIFEST} is missing; {fix}")
+            got = f.stat().st_size
+            if got != size:
+                raise DataError(f"data: shard file {f} has {got} bytes but {path / MANIFEST} says {size} "
+                                f"({s['tokens']} tokens, {s['docs']} documents); the shard is truncated or "
+                                f"corrupt; {fix}")
+
+
 class ShardRows(RowSource):
     """The rows of a prepared directory, read from memory-mapped shards. Opening checks every shard file's size
     against the manifest (no token is read); ``rows`` checks the ids it reads against ``vocab_size``."""
@@ -228,23 +253,10 @@ class ShardRows(RowSource):
                 f"vocab_size {vocab_size}; use a model whose vocabulary covers the tokenizer, or {fix} with the "
                 f"model's tokenizer"
             )
-        self.shards: list[dict[str, Any]] = []
-        for s in man["shards"]:
-            files = shard_files(s["name"])
-            want = {"tokens": s["tokens"] * self.dtype.itemsize, "docs": (s["docs"] + 1) * 8}
-            if s["mask"]:
-                want["mask"] = s["tokens"]
-            for kind, size in want.items():
-                f = self.path / files[kind]
-                if not f.is_file():
-                    raise DataError(f"data: shard file {f} listed in {self.path / MANIFEST} is missing; {fix}")
-                got = f.stat().st_size
-                if got != size:
-                    raise DataError(f"data: shard file {f} has {got} bytes but {self.path / MANIFEST} says {size} "
-                                    f"({s['tokens']} tokens, {s['docs']} documents); the shard is truncated or "
-                                    f"corrupt; {fix}")
-            self.shards.append({"name": s["name"], "tokens": s["tokens"], "mask": s["mask"], "files": files,
-                                "rows": s["tokens"] // self.seq_len, "mm": None})
+        verify_shard_files(self.path, man)
+        self.shards: list[dict[str, Any]] = [
+            {"name": s["name"], "tokens": s["tokens"], "mask": s["mask"], "files": shard_files(s["name"]),
+             "rows": s["tokens"] // self.seq_len, "mm": None} for s in man["shards"]]
         self.num_targets = int(man["num_targets"])
         if self.num_targets == 0:
             raise DataError(f"data: {self.path} has no trainable tokens (every token is masked: chat records "
@@ -346,8 +358,7 @@ class MixtureIterator:
         if self._block is None or self._block[0] != b:
             slots = np.repeat(np.arange(len(self.sources)), self.counts)
             if len(self.sources) > 1:
-                slots = slots[np.random.default_rng(hash_key(self.seed, 0xB10C, b) & 0x7FFFFFFFFFFFFFFF)
-                              .permutation(MIX_BLOCK)]
+                slots = slots[feistel_permute(np.arange(MIX_BLOCK), MIX_BLOCK, hash_key(self.seed, 0xB10C, b))]
             occ = np.empty(MIX_BLOCK, dtype=np.int64)
             for i in range(len(self.sources)):
                 where = np.flatnonzero(slots == i)
