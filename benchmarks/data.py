@@ -84,6 +84,7 @@ def startup(data_path: str, out: Path, nproc: int, seq_len: int, batch: int) -> 
         "train": {"lr": 1e-3, "total_steps": 10, "loss_chunk_size": 256},
         "run": {"steps": 1, "out_dir": str(out), "progress": False, "log_every": 1},
     }
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run (not a resume)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
@@ -131,7 +132,7 @@ def main() -> None:
             t0 = time.time()
             man = prepare_data([str(corpus)], work / f"{label}_shards", workers=a.workers, progress=False,
                                log=lambda s: None)
-            prep_s = man["prepare_seconds"] if man.get("skipped") else time.time() - t0  # --reuse: the first run's
+            prep_s = man.get("prepare_seconds", float("nan")) if man.get("skipped") else time.time() - t0  # --reuse: the first run's
             t0 = time.time()
             again = prepare_data([str(corpus)], work / f"{label}_shards", progress=False, log=lambda s: None)
             rerun_s = time.time() - t0

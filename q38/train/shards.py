@@ -333,7 +333,9 @@ class MixtureIterator:
     """Deterministic batches from weighted row sources: this rank's rows of each global batch.
 
     Same interface as ``data.BatchIterator`` (``batch(step)``, ``global_batch(step)``, ``step``, ``next``,
-    ``state_dict`` / ``load_state_dict``); the state is ``{"consumed_samples"}``.
+    ``state_dict`` / ``load_state_dict``); the state is ``{"consumed_samples"}``: ``next`` reads global samples
+    ``[consumed, consumed + global_batch_size)``, so a resumed run with another global batch size continues the
+    same sample stream.
     """
 
     def __init__(self, sources: Sequence[RowSource], weights: Sequence[float | int], batch_size: int, *, dp_rank: int = 0,
@@ -415,7 +417,8 @@ class MixtureIterator:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        out = self.batch(self.step)
+        g0 = self.consumed_samples + self.dp_rank * self.batch_size  # (a resumed run may have another global batch)
+        out = self._read(np.arange(g0, g0 + self.batch_size))
         self.consumed_samples += self.global_batch_size
         return out
 
@@ -427,9 +430,8 @@ class MixtureIterator:
             raise DataError(f"data iterator state {dict(state)} is not from prepared shards (no consumed_samples); "
                             f"the checkpoint was trained on another kind of data.path; use a new run.out_dir")
         n = int(state["consumed_samples"])
-        if n % self.global_batch_size:
-            raise DataError(f"the checkpoint consumed {n} samples, not a multiple of the global batch size "
-                            f"{self.global_batch_size}; keep batch_size x dp_size as it was")
+        if n < 0:
+            raise DataError(f"data iterator state consumed_samples={n} is negative; the checkpoint is corrupt")
         self.consumed_samples = n
 
 
