@@ -132,7 +132,9 @@ def main() -> None:
             t0 = time.time()
             man = prepare_data([str(corpus)], work / f"{label}_shards", workers=a.workers, progress=False,
                                log=lambda s: None)
-            prep_s = man.get("prepare_seconds", float("nan")) if man.get("skipped") else time.time() - t0  # --reuse: the first run's
+            prep_s = time.time() - t0
+            if man.get("skipped"):  # --reuse: the time the preparation took when it ran
+                prep_s = man.get("prepare_seconds", float("nan"))
             t0 = time.time()
             again = prepare_data([str(corpus)], work / f"{label}_shards", progress=False, log=lambda s: None)
             rerun_s = time.time() - t0
@@ -150,7 +152,8 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
     print(f"\nmachine: {os.cpu_count()} CPUs (shared: timings are noisy; read the ratios), prepare-data workers "
-          f"{a.workers or os.cpu_count()}, trainer ranks {a.nproc}, tiny model, seq_len {a.seq_len}, batch {a.batch_size}")
+          f"{a.workers or os.cpu_count()}, trainer ranks {a.nproc}, tiny model, seq_len {a.seq_len}, "
+          f"batch {a.batch_size}")
     heads = [f"{r['corpus']} ({r['MB']:,.0f} MB)" for r in rows]
     print(f"{'':28s}" + "".join(f"{h:>22s}" for h in heads) + f"{'large/small':>14s}")
 

@@ -10,6 +10,7 @@ nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -138,6 +139,9 @@ def _init_worker(tokenizer_spec: str) -> None:
 def tokenize_chunk(chunk: dict[str, Any], out_dir: str, dtype: str) -> dict[str, Any]:
     """Tokenize one chunk into shard files (tmp + rename); returns the shard's manifest entry."""
     tok = _TOK
+    dt = np.dtype(dtype)
+    top = np.iinfo(dt).max
+    max_id = -1
     ids_parts: list[np.ndarray] = []
     masked: list[tuple[int, np.ndarray]] = []  # (token offset, mask) of the documents with non-target tokens
     lengths: list[int] = []
@@ -161,23 +165,26 @@ def tokenize_chunk(chunk: dict[str, Any], out_dir: str, dtype: str) -> dict[str,
                 raise DataError(f"{_where(where)}: the tokenizer produced labels that are not the input ids; shards "
                                 f"store a loss mask only")
             masked.append((n, m))
-        ids_parts.append(a)
+        lo, hi = int(a.min()), int(a.max())
+        if lo < 0 or hi > top:
+            bad = hi if hi > top else lo
+            raise DataError(f"{_where(where)}: token id {bad} does not fit {dt.name} (the tokenizer's vocab_size is "
+                            f"{tok.vocab_size}); the tokenizer is inconsistent")
+        max_id = max(max_id, hi)
+        ids_parts.append(a.astype(dt))  # stored narrow at once: a chunk never holds its tokens as int64
         lengths.append(len(a))
         n += len(a)
-    ids_all = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=np.int64)
+    ids_all = np.concatenate(ids_parts) if ids_parts else np.zeros(0, dtype=dt)
     any_masked = bool(masked)
-    mask_all = np.ones(n, dtype=bool)
-    for off, m in masked:
-        mask_all[off:off + len(m)] = m
-    dt = np.dtype(dtype)
-    max_id = int(ids_all.max()) if len(ids_all) else -1
-    if max_id > np.iinfo(dt).max or (len(ids_all) and ids_all.min() < 0):
-        raise DataError(f"{chunk['file']}: token id {max_id} does not fit {dt}; the tokenizer's vocab_size is wrong")
+    targets = n - sum(int((~m).sum()) for _, m in masked)
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    arrays = {"tokens": ids_all.astype(dt), "docs": offsets}
+    arrays = {"tokens": ids_all, "docs": offsets}
     if any_masked:
-        arrays["mask"] = mask_all.astype(np.uint8)
+        mask_all = np.ones(n, dtype=np.uint8)
+        for off, m in masked:
+            mask_all[off:off + len(m)] = m
+        arrays["mask"] = mask_all
     names = shard_files(chunk["name"])
     files = {}
     out = Path(out_dir)
@@ -190,11 +197,9 @@ def tokenize_chunk(chunk: dict[str, Any], out_dir: str, dtype: str) -> dict[str,
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
-        import hashlib
-
         files[kind] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     return {"name": chunk["name"], "source": chunk["source"], "tokens": int(len(ids_all)), "docs": len(lengths),
-            "targets": int(mask_all.sum()), "max_token_id": max_id, "mask": any_masked, "files": files,
+            "targets": targets, "max_token_id": max_id, "mask": any_masked, "files": files,
             "input_bytes": chunk["bytes"]}
 
 

@@ -338,8 +338,8 @@ class MixtureIterator:
     same sample stream.
     """
 
-    def __init__(self, sources: Sequence[RowSource], weights: Sequence[float | int], batch_size: int, *, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(self, sources: Sequence[RowSource], weights: Sequence[float | int], batch_size: int, *,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
         if not sources or len(sources) != len(weights):
             raise DataError("data: a mixture needs one weight per source")
         self.sources = list(sources)
