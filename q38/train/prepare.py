@@ -45,15 +45,15 @@ def expand_inputs(inputs: Sequence[str]) -> list[tuple[Path, str]]:
         if p.is_dir():
             files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in SUFFIXES)
             if not files:
-                raise DataError(f"prepare-data: {p} holds no .jsonl or .parquet files")
+                raise DataError(f"{p} holds no .jsonl or .parquet files")
             out += [(f.resolve(), SUFFIXES[f.suffix]) for f in files]
         elif p.is_file():
             out.append((p.resolve(), SUFFIXES.get(p.suffix, "jsonl")))
         else:
-            raise DataError(f"prepare-data: input {spec} not found; expected a JSONL / Parquet file or a directory "
+            raise DataError(f"input {spec} not found; expected a JSONL / Parquet file or a directory "
                             f"of them")
     if not out:
-        raise DataError("prepare-data: no inputs; pass one or more JSONL / Parquet files or directories")
+        raise DataError("no inputs; pass one or more JSONL / Parquet files or directories")
     return out
 
 
@@ -261,7 +261,7 @@ def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer
                 f"documents); nothing to do")
             return dict(old, skipped=True)
     if out.exists() and not out.is_dir():
-        raise DataError(f"prepare-data: --out {out} exists and is not a directory; choose a directory")
+        raise DataError(f"--out {out} exists and is not a directory; choose a directory")
     out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST).exists():
         (out / MANIFEST).unlink()  # from here on the directory does not look prepared until the new manifest lands
@@ -305,7 +305,7 @@ def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     if manifest["num_docs"] == 0:
-        raise DataError(f"prepare-data: the inputs ({', '.join(str(f) for f, _ in files)}) hold no records; expected "
+        raise DataError(f"the inputs ({', '.join(str(f) for f, _ in files)}) hold no records; expected "
                         f"{{\"text\": ...}} or {{\"messages\": [...]}} records")
     manifest["prepare_seconds"], manifest["workers"] = time.perf_counter() - t0, n_workers
     _write_json(out / MANIFEST, manifest)
