@@ -8,9 +8,10 @@ import os
 import sys
 import traceback
 
-USAGE = """usage: q38 {train,plan,convert,init-hf} ...
+USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data} ...
   train [CONFIG] [--set SECTION.KEY=VALUE ...]
                    train or resume (no CONFIG: the embedded tiny run); torchrun --nproc_per_node N for N ranks
+  prepare-data INPUT... --out DIR [--tokenizer T] [--workers N]   tokenize JSONL/Parquet into token shards
   plan --model M --layout L --world N     per-rank memory and communication plan
   convert --to-hf RUN_DIR_OR_CHECKPOINT OUT_DIR     export a trained run's parameters as a Hugging Face checkpoint
   convert --from-hf HF_DIR OUT_CHECKPOINT           import a Hugging Face checkpoint as a q38 checkpoint
@@ -172,7 +173,13 @@ def _init_hf(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "plan": _plan, "convert": _convert, "init-hf": _init_hf}
+def _prepare_data(argv: list[str]) -> int:
+    from q38.train.prepare import prepare_cli
+
+    return prepare_cli(argv)
+
+
+COMMANDS = {"train": _train, "plan": _plan, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data}
 
 
 def _one_line(e: BaseException) -> str:

@@ -248,9 +248,10 @@ def unshard(state):
     )
 
 
-def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int) -> StepBatch:
+def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int, *, local_rows: bool = False) -> StepBatch:
     """This rank's part of a global batch (the same on every rank): rows split over the batch dims, the sequence
-    over ``cp`` (contiguous). Shifts and positions are computed on whole rows first, so they cross CP borders."""
+    over ``cp`` (contiguous). Shifts and positions are computed on whole rows first, so they cross CP borders.
+    ``local_rows``: ``batch`` already holds only this rank's rows (``batch_row_rank``); only the sequence is split."""
     from q38.train.objective import prepare_batch
 
     full = prepare_batch(batch["input_ids"], batch["labels"], batch.get("doc_ids"), mtp_depths)
@@ -260,12 +261,12 @@ def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int) -> StepBatch:
     for d in row_dims:
         r = r * mesh.size(d) + mesh.local_rank(d)
         n_rows *= mesh.size(d)
-    if b % n_rows:
+    if b % n_rows and not local_rows:
         raise ValueError(f"global batch of {b} rows does not split over {n_rows} data-parallel ranks ({row_dims})")
     cp = mesh.size("cp")
     if s % cp:
         raise ValueError(f"sequence length {s} is not divisible by the cp size {cp}")
-    rows = slice(r * (b // n_rows), (r + 1) * (b // n_rows))
+    rows = slice(None) if local_rows else slice(r * (b // n_rows), (r + 1) * (b // n_rows))
     c = mesh.local_rank("cp")
     cols = slice(c * (s // cp), (c + 1) * (s // cp))
 
@@ -277,6 +278,16 @@ def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int) -> StepBatch:
         seq_idx=take(full.seq_idx), positions=take(full.positions), aux_mask=take(full.aux_mask),
         mtp_inputs=tuple(take(t) for t in full.mtp_inputs), mtp_targets=tuple(take(t) for t in full.mtp_targets),
     )
+
+
+def batch_row_rank(mesh: Mesh) -> tuple[int, int]:
+    """(this rank's index, count) over the batch mesh dims: the data-parallel row group ``shard_batch`` keeps."""
+    n_rows, r = 1, 0
+    for d in mesh.layout.batch_mesh_dims:
+        if mesh.size(d) > 1:
+            r = r * mesh.size(d) + mesh.local_rank(d)
+            n_rows *= mesh.size(d)
+    return r, n_rows
 
 
 # ---- CP exchanges ----------------------------------------------------------------------------------------------

@@ -43,17 +43,24 @@ def _is_int(x: Any) -> bool:
 
 @attrs.frozen(kw_only=True)
 class DataConfig:
-    path: str = "builtin:tiny"
+    path: Any = "builtin:tiny"  # JSONL, builtin:NAME, a prepared directory, or a list of {path, weight}
     tokenizer: str = "byte"
     seq_len: int = 256
     batch_size: int = 8  # rows per data-parallel rank per step
     overlong: str = "truncate"  # samples longer than seq_len: truncate | error | split
     shuffle: bool = True
     train_on: str = "assistant"  # chat records' targets: assistant | all | last_assistant (q38.train.chat)
+    eval_split: float = 0.0  # fraction of each source's rows held out for evaluation (its last rows)
+    eval_path: str | None = None  # or a separate eval set (JSONL or a prepared directory)
 
     def __attrs_post_init__(self) -> None:
         from q38.train.chat import TRAIN_ON
         from q38.train.data import OVERLONG_MODES
+
+        _need(isinstance(self.eval_split, (int, float)) and not isinstance(self.eval_split, bool)
+              and 0 <= self.eval_split < 1, f"data.eval_split must be a fraction in [0, 1), got {self.eval_split!r}")
+        _need(not (self.eval_split and self.eval_path is not None),
+              "data.eval_split and data.eval_path are both set; hold out a fraction or name an eval set, not both")
 
         _need(_is_int(self.seq_len) and self.seq_len > 0, f"data.seq_len must be a positive integer, got {self.seq_len!r}")
         _need(_is_int(self.batch_size) and self.batch_size > 0,
@@ -80,8 +87,13 @@ class RunOptions:
     tensorboard: bool = False
     resume: bool = True  # continue from the latest checkpoint in out_dir
     resume_from: str | None = None  # continue from this checkpoint (must verify); None: the newest in out_dir
+    eval_every: int = 0  # steps between held-out evaluations (0: only after the last step, when there is eval data)
+    eval_batches: int = 0  # global batches per evaluation (0: the whole eval split)
 
     def __attrs_post_init__(self) -> None:
+        for k in ("eval_every", "eval_batches"):
+            v = getattr(self, k)
+            _need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
         for k in ("steps", "log_every"):
             v = getattr(self, k)
             _need(_is_int(v) and v > 0, f"run.{k} must be a positive integer, got {v!r}")
@@ -166,10 +178,16 @@ class RunConfig:
             model = _load_model_config(_resolve(str(model_src), base_dir))
         data = dict(raw.get("data") or {})
         _check_keys("data", data, DataConfig)
-        if "path" in data and not isinstance(data["path"], str):
-            raise ConfigError(f"data.path must be a string (a JSONL file or builtin:NAME), got {data['path']!r}")
-        if "path" in data and not str(data["path"]).startswith("builtin:"):
+        if "path" in data and isinstance(data["path"], list):
+            data["path"] = [dict(e, path=_resolve(str(e["path"]), base_dir)) if isinstance(e, dict) and "path" in e
+                            else e for e in data["path"]]
+        elif "path" in data and not isinstance(data["path"], str):
+            raise ConfigError(f"data.path must be a string (a JSONL file, a prepared directory or builtin:NAME) or a "
+                              f"list of {{path, weight}}, got {data['path']!r}")
+        elif "path" in data and not str(data["path"]).startswith("builtin:"):
             data["path"] = _resolve(str(data["path"]), base_dir)
+        if data.get("eval_path") is not None and not str(data["eval_path"]).startswith("builtin:"):
+            data["eval_path"] = _resolve(str(data["eval_path"]), base_dir)
         run = dict(raw.get("run") or {})
         _check_keys("run", run, RunOptions)
         train = TrainConfig.from_dict(raw.get("train") or {}, source=f"{source}: train")
@@ -382,6 +400,9 @@ def format_metrics(step: int, m: dict, tput: Throughput, step_time: float | None
     parts.append(f"tok/s {tps:,.0f}" if tps is not None else "tok/s n/a")
     if tput.mfu is not None:
         parts.append(f"mfu {100 * tput.mfu:.1f}%")
+    if m.get("eval_loss") is not None:
+        parts.append(f"eval loss {m['eval_loss']:.4f}")
+        parts += [f"eval {k[5:]} {m[k]:.4f}" for k in sorted(m) if k.startswith("eval_mtp_")]
     if m.get("skipped"):
         parts.append("SKIPPED (non-finite)")
     return " | ".join(parts)
@@ -560,8 +581,10 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         read_meta,
         save_checkpoint,
     )
-    from q38.train.data import BatchIterator, build_dataset, load_tokenizer
+    from q38.train.data import load_tokenizer
+    from q38.train.evaluate import eval_losses
     from q38.train.safety import choose_checkpoint, interrupted, load_metrics, note, save_error
+    from q38.train.shards import TrainData
     from q38.train.state import state_from_params
     from q38.train.step import train_step
 
@@ -573,14 +596,12 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
             f"the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {cfg.model.vocab_size}; "
             "use a model whose vocab covers the tokenizer"
         )
-    dataset = build_dataset(cfg.data.path, tok, cfg.data.seq_len, overlong=cfg.data.overlong,
-                            train_on=cfg.data.train_on)
-    if dataset.num_targets == 0:
-        raise ConfigError(f"data: {cfg.data.path} has no trainable tokens (every label is masked or the samples "
-                          "are too short to predict a next token); check the data and its loss masks")
-    # Every rank reads the same global batch (batch_size rows per data-parallel rank); shard_batch keeps its rows.
-    batches = BatchIterator(dataset, cfg.data.batch_size, dp_size=plan.dp_size, seed=cfg.run.seed,
-                            shuffle=cfg.data.shuffle)
+    data = TrainData(cfg.data.path, tok, seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size,
+                     overlong=cfg.data.overlong, eval_split=cfg.data.eval_split, eval_path=cfg.data.eval_path,
+                     train_on=cfg.data.train_on)
+    if cfg.run.eval_every and not data.eval:
+        raise ConfigError(f"run.eval_every is {cfg.run.eval_every} but there is no eval data; set data.eval_split "
+                          "(e.g. 0.05) or data.eval_path, or run.eval_every: 0")
     dtype = getattr(torch, cfg.run.dtype)
     out = Path(cfg.run.out_dir)
     ck_root = out / CHECKPOINTS
@@ -601,6 +622,14 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         from q38.parallel.runtime import init_sharded, make_mesh, shard, shard_batch
 
         mesh = make_mesh(plan.layout, world.world_size, device.split(":")[0])
+    # Each rank reads only its own rows of every global batch (batch_size rows per data-parallel rank).
+    dp_rank = 0
+    if mesh is not None:
+        from q38.parallel.runtime import batch_row_rank
+
+        dp_rank = batch_row_rank(mesh)[0]
+    batches, evals = data.iterators(cfg.data.batch_size, dp_rank=dp_rank, dp_size=plan.dp_size, seed=cfg.run.seed,
+                                    shuffle=cfg.data.shuffle, eval_batches=cfg.run.eval_batches)
     if mesh is not None and latest is None and not cfg.init_from:
         # each rank draws only its own shards: the full model never exists on one rank
         state = init_sharded(cfg.model, cfg.train, mesh, seed=cfg.run.seed, device=device, dtype=dtype)
@@ -663,13 +692,15 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     try:
         with StopSignal() as stop:
             for step in range(start + 1, cfg.run.steps + 1):
-                gb = {k: v.to(device) for k, v in batches.global_batch(batches.step).items()}
-                next(batches)
-                batch = shard_batch(gb, mesh, depths) if mesh is not None else gb
+                lb = {k: v.to(device) for k, v in next(batches).items()}
+                batch = shard_batch(lb, mesh, depths, local_rows=True) if mesh is not None else lb
                 t0 = time.perf_counter()
                 state, metrics = train_step(state, batch, mesh)
                 dt = time.perf_counter() - t0
                 m = metrics.as_dict()
+                if evals is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0)
+                                          or step == cfg.run.steps):
+                    m.update(eval_losses(state, (evals.batch(k) for k in range(evals.num_batches)), mesh, device))
                 tput.update(step, m["tokens"], dt)
                 rec = dict(m, step=step, step_time=dt, tokens_per_s=tput.tokens_per_s, mfu=tput.mfu)
                 records.append(rec)
@@ -680,12 +711,15 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                                                                                                range(1, depths + 1)]):
                             if rec.get(k) is not None:
                                 tb.add_scalar(f"train/{k}", rec[k], step)
+                        for k in [k for k in rec if k.startswith("eval_") and k != "eval_tokens"]:
+                            tb.add_scalar(f"eval/{k[5:]}", rec[k], step)
                     bar.update(1)
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", aux=f"{m['aux']:.3f}")
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", aux=f"{m['aux']:.3f}",
+                                    **({"eval": f"{m['eval_loss']:.3f}"} if "eval_loss" in m else {}))
                     if m["skipped"]:
                         log(f"step {step}: non-finite loss or gradient (loss={m['loss']}, grad_norm="
                             f"{m['grad_norm']}); update skipped (train.nan_policy: skip)")
-                    if step % cfg.run.log_every == 0 or step == start + 1 or step == cfg.run.steps:
+                    if step % cfg.run.log_every == 0 or step == start + 1 or step == cfg.run.steps or "eval_loss" in m:
                         log(format_metrics(step, m, tput, dt))
                 if on_step is not None:
                     on_step(rec)

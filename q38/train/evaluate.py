@@ -1,0 +1,56 @@
+"""Held-out evaluation: mean main and MTP losses over the eval batches, no gradient, the training step's sharding.
+
+Each loss is the token-weighted mean over the whole eval set: ``Σ CE over all valid targets / number of targets``
+(summed over batches and data-parallel / CP ranks before the division), the same definition as the training loss
+of one step whose batch is the whole eval set.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import torch
+
+from q38.model import Runtime, forward, head_weight
+from q38.train.objective import count_targets
+
+
+@typing.no_type_check
+@torch.no_grad()
+def eval_losses(state, batches, mesh=None, device: str = "cpu") -> dict[str, float]:
+    """``batches``: this rank's eval batches (dicts of ``input_ids``, ``labels``, ``doc_ids``; on a mesh, this rank's
+    rows as from ``EvalRows.batch``). Returns ``{"eval_loss", "eval_mtp_1", ..., "eval_tokens"}``."""
+    from q38.train.step import _as_step_batch, lm_loss, parallel_for
+
+    mc, tc = state.model_config, state.train_config
+    par = parallel_for(mesh, tc)
+    depths = mc.mtp_num_layers
+    runtime = Runtime(gather=par.gather, dispatch=par.dispatch)
+    p = state.params
+    par.bind(p)
+    one = torch.ones(())
+    main_sum, n_main = torch.zeros(()), torch.zeros(())
+    mtp_sum, n_mtp = [torch.zeros(()) for _ in range(depths)], [torch.zeros(()) for _ in range(depths)]
+    for b in batches:
+        b = {k: v.to(device) for k, v in b.items()}
+        if mesh is not None:
+            from q38.parallel.runtime import shard_batch
+
+            sb = shard_batch(b, mesh, depths, local_rows=True)
+        else:
+            sb = _as_step_batch(b, depths)
+        out = forward(p, sb.input_ids, mc, mtp_input_ids=sb.mtp_inputs, info=par.seq_info(sb), runtime=runtime)
+        w_head = par.gather(head_weight(p))
+        main_sum = main_sum + lm_loss(out.hidden, w_head, sb.targets, one, tc).float().cpu()
+        n_main = n_main + count_targets(sb.targets).float().cpu()
+        for d, h in enumerate(out.mtp_hidden):
+            mtp_sum[d] = mtp_sum[d] + lm_loss(h, w_head, sb.mtp_targets[d], one, tc).float().cpu()
+            n_mtp[d] = n_mtp[d] + count_targets(sb.mtp_targets[d]).float().cpu()
+    if mesh is not None:  # sums over ranks (the step's runtime reduces on the device)
+        main_sum, n_main = par.all_reduce_sum(main_sum.to(device)), par.all_reduce_sum(n_main.to(device))
+        mtp_sum = [par.all_reduce_sum(m.to(device)) for m in mtp_sum]
+        n_mtp = [par.all_reduce_sum(n.to(device)) for n in n_mtp]
+    out = {"eval_loss": float(main_sum) / max(float(n_main), 1.0), "eval_tokens": int(n_main)}
+    for d in range(depths):
+        out[f"eval_mtp_{d + 1}"] = float(mtp_sum[d]) / max(float(n_mtp[d]), 1.0)
+    return out

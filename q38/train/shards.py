@@ -1,0 +1,573 @@
+"""Pre-tokenized, memory-mapped token shards (written by ``q38 prepare-data``), weighted mixtures of them, and the
+held-out evaluation split.
+
+On-disk format of a prepared directory (all little-endian, every array readable with ``numpy.memmap``):
+
+* ``manifest.json`` — written last (tmp + rename): format version, tokenizer identity and vocabulary size, the
+  source files (path, size, mtime, sha256), one entry per shard (token / document / target counts, the largest
+  token id, file sizes and sha256), and the totals. A directory without it is not (completely) prepared.
+* ``NAME.tokens`` — the shard's documents back to back: ``uint16`` when the vocabulary fits, else ``uint32``.
+* ``NAME.docs`` — ``int64[docs + 1]`` document start offsets into ``NAME.tokens`` (the last entry = token count).
+* ``NAME.mask`` — ``uint8[tokens]``, 1 where the token is a training target; present only when some token of the
+  shard is not a target (chat records: only assistant turns are targets). Absent: every token is a target.
+
+A document's ``(input_ids, labels)`` is ``tokens[docs[i]:docs[i+1]]`` and ``where(mask, tokens, -100)`` —
+exactly what ``q38.train.data.encode_record`` produced for its record.
+
+Rows for training are cut on the fly: row ``k`` of a shard is ``tokens[k*seq_len:(k+1)*seq_len]`` (the shard's
+last partial row is dropped), so ``seq_len`` is chosen at train time, opening a directory reads only its manifest
+and file sizes, and a row read touches only its own pages. Documents run across row borders (Megatron-style);
+each row's pieces are numbered ``0, 1, ...`` in ``doc_ids`` so attention and the loss never cross a document.
+
+Sample order: global sample ``g`` (``g = consumed_samples``: ``step * global_batch_size + j``) is mapped to a
+source by a fixed-size block schedule (``MIX_BLOCK`` samples per block, the sources' exact integer shares of each
+block in a seeded order) and to a row of that source by a seeded bijection of its rows per epoch (a Feistel
+network with cycle walking: no permutation array, constant memory). Everything is a pure function of
+``(seed, g)``, so resume is exact and a different data-parallel size with the same global batch keeps the order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from q38.train.data import IGNORE_INDEX, PAD_DOC_ID, DataError, PackedDataset, Tokenizer
+
+FORMAT = "q38-token-shards"
+VERSION = 1
+MANIFEST = "manifest.json"
+MIX_BLOCK = 16384  # samples per mixture block: weights are realised exactly in every block, to 1 / MIX_BLOCK
+EVAL_KEY = 0x5EED_E7A1  # fixed key of the eval-row order (independent of run.seed: the same split every run)
+
+
+# ---- identities and helpers -----------------------------------------------------------------------------------------
+
+
+def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tokenizer_identity(tok: Tokenizer) -> dict[str, Any]:
+    """What must match between a prepared directory and the run: the kind, the vocabulary file's hash, the size."""
+    from q38.train.data import ByteTokenizer, HFTokenizer
+
+    if isinstance(tok, ByteTokenizer):
+        return {"kind": "byte", "sha256": None, "vocab_size": tok.vocab_size, "name": "byte"}
+    if isinstance(tok, HFTokenizer):
+        file = tok.path / "tokenizer.json" if tok.path.is_dir() else tok.path
+        return {"kind": "hf", "sha256": sha256_file(file), "vocab_size": tok.vocab_size, "name": str(tok.path)}
+    return {"kind": type(tok).__name__, "sha256": None, "vocab_size": tok.vocab_size, "name": repr(tok)}
+
+
+def same_tokenizer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("kind", "sha256", "vocab_size"))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def shard_files(name: str) -> dict[str, str]:
+    return {"tokens": f"{name}.tokens", "docs": f"{name}.docs", "mask": f"{name}.mask"}
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def hash_keys(*parts: int | np.ndarray) -> np.ndarray:
+    """64-bit keys from integers or integer arrays (seed, source, epoch, ...), elementwise."""
+    h = np.array([0x9E3779B97F4A7C15], dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for p in parts:
+            if isinstance(p, (int, np.integer)):
+                u = np.uint64(int(p) & 0xFFFFFFFFFFFFFFFF)
+            else:
+                p = np.asarray(p)
+                u = p if p.dtype == np.uint64 else p.astype(np.int64).view(np.uint64)
+            h = _mix64(h ^ u)
+    return h
+
+
+def hash_key(*parts: int) -> int:
+    return int(hash_keys(*parts).reshape(-1)[0])
+
+
+def feistel_permute(idx: np.ndarray, n: int, key: int | np.ndarray, rounds: int = 4) -> np.ndarray:
+    """A seeded bijection of ``range(n)`` applied to ``idx`` (int64 array), in O(len(idx)) time and memory.
+    ``key``: one key, or one per element of ``idx`` (a different bijection for each key)."""
+    idx = np.asarray(idx, dtype=np.int64)
+    if n <= 1:
+        return idx.copy()
+    half = max(1, (int(n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    sh = np.uint64(half)
+    key = np.broadcast_to(hash_keys(key), idx.shape)
+    keys = np.stack([hash_keys(key, r) for r in range(rounds)]) if idx.size else np.zeros((rounds, 0), np.uint64)
+
+    def enc(x: np.ndarray, ks: np.ndarray) -> np.ndarray:
+        left, right = x >> sh, x & mask
+        with np.errstate(over="ignore"):
+            for k in ks:
+                left, right = right, left ^ (_mix64(right ^ k) & mask)
+        return (left << sh) | right
+
+    x = enc(idx.astype(np.uint64), keys)
+    out = x >= np.uint64(n)
+    while out.any():  # cycle walking: the domain 2**(2*half) < 4n, so a few rounds at most on average
+        x[out] = enc(x[out], keys[:, out])
+        out = x >= np.uint64(n)
+    return x.astype(np.int64)
+
+
+# ---- row sources ----------------------------------------------------------------------------------------------------
+
+
+class RowSource:
+    """Rows ``[start, stop)`` of something that yields packed rows: ``rows(indices)`` -> int64 ``{input_ids,
+    labels, doc_ids}: [len(indices), seq_len]`` (indices relative to ``start``)."""
+
+    name: str
+    seq_len: int
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def split(self, eval_fraction: float) -> tuple["RowSource", "RowSource"]:
+        """(train, eval): the eval part is the last ``ceil(fraction * rows)`` rows."""
+        n = len(self)
+        n_eval = math.ceil(eval_fraction * n)
+        if n_eval >= n:
+            raise DataError(f"data: {self.name} has {n} rows of seq_len {self.seq_len}; eval_split {eval_fraction} "
+                            f"leaves none for training; lower data.eval_split or add data")
+        return _Slice(self, 0, n - n_eval), _Slice(self, n - n_eval, n)
+
+
+class _Slice(RowSource):
+    def __init__(self, base: RowSource, start: int, stop: int) -> None:
+        self.base, self.start, self.stop = base, start, stop
+        self.name, self.seq_len = base.name, base.seq_len
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        return self.base.rows(np.asarray(idx, dtype=np.int64) + self.start)
+
+
+class PackedRows(RowSource):
+    """The rows of an in-memory ``PackedDataset`` (JSONL tokenized on the fly)."""
+
+    def __init__(self, dataset: PackedDataset, name: str) -> None:
+        self.dataset, self.name, self.seq_len = dataset, name, dataset.seq_len
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        return self.dataset[torch.as_tensor(np.asarray(idx, dtype=np.int64))]
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    d = Path(path)
+    m = d / MANIFEST
+    if not m.is_file():
+        raise DataError(f"data: {d} has no {MANIFEST} (not prepared, or its preparation was interrupted); run "
+                        f"`q38 prepare-data INPUT... --out {d}`")
+    try:
+        manifest = json.loads(m.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"data: cannot read {m} ({e}); re-run `q38 prepare-data INPUT... --out {d}`") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise DataError(f"data: {m} is not a {FORMAT} v{VERSION} manifest; re-run `q38 prepare-data INPUT... "
+                        f"--out {d}`")
+    return manifest
+
+
+def verify_shard_files(path: Path, man: Mapping[str, Any]) -> None:
+    """Every shard file the manifest lists exists with the size its counts imply (no token is read)."""
+    fix = f"re-run `q38 prepare-data INPUT... --out {path}`"
+    itemsize = np.dtype(man["token_dtype"]).itemsize
+    for s in man["shards"]:
+        files = shard_files(s["name"])
+        want = {"tokens": s["tokens"] * itemsize, "docs": (s["docs"] + 1) * 8}
+        if s["mask"]:
+            want["mask"] = s["tokens"]
+        for kind, size in want.items():
+            f = path / files[kind]
+            if not f.is_file():
+                raise DataError(f"data: shard file {f} listed in {path / MANIFEST} is missing; {fix}")
+            got = f.stat().st_size
+            if got != size:
+                raise DataError(f"data: shard file {f} has {got} bytes but {path / MANIFEST} says {size} "
+                                f"({s['tokens']} tokens, {s['docs']} documents); the shard is truncated or "
+                                f"corrupt; {fix}")
+
+
+class ShardRows(RowSource):
+    """The rows of a prepared directory, read from memory-mapped shards. Opening checks every shard file's size
+    against the manifest (no token is read); ``rows`` checks the ids it reads against ``vocab_size``."""
+
+    def __init__(self, path: str | os.PathLike, seq_len: int, *, tokenizer: Tokenizer | None = None,
+                 vocab_size: int | None = None) -> None:
+        self.path = Path(path)
+        self.name = str(self.path)
+        self.seq_len = int(seq_len)
+        self.vocab_size = vocab_size
+        man = self.manifest = read_manifest(self.path)
+        fix = f"re-run `q38 prepare-data INPUT... --out {self.path}`"
+        if tokenizer is not None:
+            mine = tokenizer_identity(tokenizer)
+            theirs = man.get("tokenizer") or {}
+            if not same_tokenizer(mine, theirs):
+                raise DataError(
+                    f"data: {self.path / MANIFEST} was prepared with tokenizer {theirs.get('name')!r} (vocab "
+                    f"{theirs.get('vocab_size')}) but the run uses {mine['name']!r} (vocab {mine['vocab_size']}); set "
+                    f"data.tokenizer to the one it was prepared with, or {fix} --tokenizer {mine['name']}"
+                )
+        self.dtype = np.dtype(man["token_dtype"])
+        max_id = max((s["max_token_id"] for s in man["shards"]), default=-1)
+        if vocab_size is not None and max_id >= vocab_size:
+            bad = next(s for s in man["shards"] if s["max_token_id"] >= vocab_size)
+            raise DataError(
+                f"data: {self.path / (bad['name'] + '.tokens')} holds token id {bad['max_token_id']} >= the model's "
+                f"vocab_size {vocab_size}; use a model whose vocabulary covers the tokenizer, or {fix} with the "
+                f"model's tokenizer"
+            )
+        verify_shard_files(self.path, man)
+        self.shards: list[dict[str, Any]] = [
+            {"name": s["name"], "tokens": s["tokens"], "mask": s["mask"], "files": shard_files(s["name"]),
+             "rows": s["tokens"] // self.seq_len, "mm": None} for s in man["shards"]]
+        self.num_targets = int(man["num_targets"])
+        if self.num_targets == 0:
+            raise DataError(f"data: {self.path} has no trainable tokens (every token is masked: chat records "
+                            f"without assistant turns?); add text records or assistant replies and {fix}")
+        self.cum_rows = np.cumsum([0] + [s["rows"] for s in self.shards])
+        if self.cum_rows[-1] == 0:
+            raise DataError(f"data: {self.path} has {man['num_tokens']} tokens, fewer than one row of seq_len "
+                            f"{self.seq_len} per shard; lower data.seq_len or add data")
+
+    def __len__(self) -> int:
+        return int(self.cum_rows[-1])
+
+    def _maps(self, s: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        if s["mm"] is None:
+            tok = np.memmap(self.path / s["files"]["tokens"], dtype=self.dtype, mode="r")
+            docs = np.memmap(self.path / s["files"]["docs"], dtype=np.int64, mode="r")
+            mask = np.memmap(self.path / s["files"]["mask"], dtype=np.uint8, mode="r") if s["mask"] else None
+            s["mm"] = (tok, docs, mask)
+        return s["mm"]
+
+    def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        idx = np.asarray(idx, dtype=np.int64)
+        L = self.seq_len
+        ids = np.empty((len(idx), L), dtype=np.int64)
+        labels = np.empty((len(idx), L), dtype=np.int64)
+        doc_ids = np.empty((len(idx), L), dtype=np.int64)
+        shard_of = np.searchsorted(self.cum_rows, idx, side="right") - 1
+        for r, (g, si) in enumerate(zip(idx, shard_of)):
+            if not 0 <= g < len(self):
+                raise IndexError(f"row {g} out of range for {self.path} ({len(self)} rows)")
+            s = self.shards[si]
+            tok, docs, mask = self._maps(s)
+            a = int(g - self.cum_rows[si]) * L
+            ids[r] = tok[a:a + L]
+            labels[r] = ids[r] if mask is None else np.where(mask[a:a + L] != 0, ids[r], IGNORE_INDEX)
+            d = np.searchsorted(docs, np.arange(a, a + L), side="right") - 1
+            doc_ids[r] = d - d[0]
+            if self.vocab_size is not None and ids[r].max() >= self.vocab_size:
+                raise DataError(f"data: {self.path / s['files']['tokens']} holds token id {int(ids[r].max())} >= "
+                                f"the model's vocab_size {self.vocab_size} (the shard does not match its manifest); "
+                                f"re-run `q38 prepare-data INPUT... --out {self.path}`")
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                "doc_ids": torch.from_numpy(doc_ids)}
+
+    def documents(self) -> list[tuple[list[int], list[int]]]:
+        """Every document's ``(input_ids, labels)`` (tests and tools; reads the whole directory)."""
+        out = []
+        for s in self.shards:
+            tok, docs, mask = self._maps(s)
+            for i in range(len(docs) - 1):
+                a, b = int(docs[i]), int(docs[i + 1])
+                ids = tok[a:b].astype(np.int64)
+                lab = ids if mask is None else np.where(mask[a:b] != 0, ids, IGNORE_INDEX)
+                out.append((ids.tolist(), lab.tolist()))
+        return out
+
+
+# ---- mixtures and the batch iterator ------------------------------------------------------------------------------
+
+
+def block_counts(weights: Sequence[float | int], block: int = MIX_BLOCK) -> np.ndarray:
+    """Integer shares of ``block`` samples per source (largest remainder). Raises for a positive weight too small to
+    get a sample."""
+    w = np.asarray(weights, dtype=np.float64)
+    q = w / w.sum() * block
+    c = np.floor(q).astype(np.int64)
+    rest = block - int(c.sum())
+    order = np.argsort(-(q - c), kind="stable")
+    c[order[:rest]] += 1
+    return c
+
+
+class MixtureIterator:
+    """Deterministic batches from weighted row sources: this rank's rows of each global batch.
+
+    Same interface as ``data.BatchIterator`` (``batch(step)``, ``global_batch(step)``, ``step``, ``next``,
+    ``state_dict`` / ``load_state_dict``); the state is ``{"consumed_samples"}``: ``next`` reads global samples
+    ``[consumed, consumed + global_batch_size)``, so a resumed run with another global batch size continues the
+    same sample stream.
+    """
+
+    def __init__(self, sources: Sequence[RowSource], weights: Sequence[float | int], batch_size: int, *,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True) -> None:
+        if not sources or len(sources) != len(weights):
+            raise DataError("data: a mixture needs one weight per source")
+        self.sources = list(sources)
+        self.weights = [float(w) for w in weights]
+        self.counts = block_counts(self.weights)
+        for s, w, c in zip(self.sources, self.weights, self.counts):
+            if w > 0 and c == 0:
+                raise DataError(f"data: weight {w} of {s.name} is below 1/{MIX_BLOCK} of the total, too small to be "
+                                f"sampled; raise it or drop the source")
+        self.batch_size, self.dp_rank, self.dp_size = batch_size, dp_rank, dp_size
+        self.global_batch_size = batch_size * dp_size
+        self.seed, self.shuffle = int(seed), shuffle
+        self.consumed_samples = 0
+        self._block: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    def _block_plan(self, b: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, occurrence-within-block) of each sample slot of block ``b``."""
+        if self._block is None or self._block[0] != b:
+            slots = np.repeat(np.arange(len(self.sources)), self.counts)
+            if len(self.sources) > 1:
+                slots = slots[feistel_permute(np.arange(MIX_BLOCK), MIX_BLOCK, hash_key(self.seed, 0xB10C, b))]
+            occ = np.empty(MIX_BLOCK, dtype=np.int64)
+            for i in range(len(self.sources)):
+                where = np.flatnonzero(slots == i)
+                occ[where] = np.arange(len(where))
+            self._block = (b, slots, occ)
+        return self._block[1], self._block[2]
+
+    def sample_sources(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, row within that source) of global samples ``g``."""
+        g = np.asarray(g, dtype=np.int64)
+        blocks, pos = np.divmod(g, MIX_BLOCK)
+        src = np.empty_like(g)
+        m = np.empty_like(g)  # how many samples each one's source gave before it
+        for b in np.unique(blocks):
+            sel = blocks == b
+            slots, occ = self._block_plan(int(b))
+            src[sel] = slots[pos[sel]]
+            m[sel] = int(b) * self.counts[src[sel]] + occ[pos[sel]]
+        row = np.empty_like(g)
+        for i in np.unique(src):
+            n = len(self.sources[int(i)])
+            sel_i = src == i
+            epochs, j = np.divmod(m[sel_i], n)
+            if not self.shuffle:
+                row[sel_i] = j
+                continue
+            row[sel_i] = feistel_permute(j, n, hash_keys(self.seed, int(i), epochs))
+        return src, row
+
+    def _read(self, g: np.ndarray) -> dict[str, torch.Tensor]:
+        src, row = self.sample_sources(g)
+        out = {k: torch.empty((len(g), self.sources[0].seq_len), dtype=torch.int64)
+               for k in ("input_ids", "labels", "doc_ids")}
+        for i in np.unique(src):
+            sel = np.flatnonzero(src == i)
+            part = self.sources[int(i)].rows(row[sel])
+            for k in out:
+                out[k][torch.from_numpy(sel)] = part[k]
+        return out
+
+    def global_batch(self, step: int) -> dict[str, torch.Tensor]:
+        g0 = int(step) * self.global_batch_size
+        return self._read(np.arange(g0, g0 + self.global_batch_size))
+
+    def batch(self, step: int) -> dict[str, torch.Tensor]:
+        g0 = int(step) * self.global_batch_size + self.dp_rank * self.batch_size
+        return self._read(np.arange(g0, g0 + self.batch_size))
+
+    @property
+    def step(self) -> int:
+        return self.consumed_samples // self.global_batch_size
+
+    def __iter__(self) -> "MixtureIterator":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        g0 = self.consumed_samples + self.dp_rank * self.batch_size  # (a resumed run may have another global batch)
+        out = self._read(np.arange(g0, g0 + self.batch_size))
+        self.consumed_samples += self.global_batch_size
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "consumed_samples" not in state:
+            raise DataError(f"data iterator state {dict(state)} is not from prepared shards (no consumed_samples); "
+                            f"the checkpoint was trained on another kind of data.path; use a new run.out_dir")
+        n = int(state["consumed_samples"])
+        if n < 0:
+            raise DataError(f"data iterator state consumed_samples={n} is negative; the checkpoint is corrupt")
+        self.consumed_samples = n
+
+
+class EvalRows:
+    """The held-out rows in a fixed order (all sources' eval rows, shuffled once with a fixed key), cut into
+    ``num_batches`` global batches; ``batch(k)`` is this rank's share of eval batch ``k``."""
+
+    def __init__(self, sources: Sequence[RowSource], batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
+                 max_batches: int = 0) -> None:
+        self.sources = list(sources)
+        self.batch_size, self.dp_rank, self.dp_size = batch_size, dp_rank, dp_size
+        self.global_batch_size = batch_size * dp_size
+        self.cum = np.cumsum([0] + [len(s) for s in self.sources])
+        total = int(self.cum[-1])
+        full = total // self.global_batch_size
+        if full == 0:
+            names = ", ".join(s.name for s in self.sources)
+            raise DataError(f"data: the eval split ({names}) has {total} rows of seq_len "
+                            f"{self.sources[0].seq_len}, fewer than one global batch of {self.global_batch_size}; "
+                            f"raise data.eval_split, or give data.eval_path more data")
+        self.num_batches = full if max_batches <= 0 else min(full, max_batches)
+        self.total = total
+
+    def _read(self, pos: np.ndarray) -> dict[str, torch.Tensor]:
+        flat = feistel_permute(pos, self.total, EVAL_KEY)
+        src = np.searchsorted(self.cum, flat, side="right") - 1
+        out = {k: torch.empty((len(pos), self.sources[0].seq_len), dtype=torch.int64)
+               for k in ("input_ids", "labels", "doc_ids")}
+        for i in np.unique(src):
+            sel = np.flatnonzero(src == i)
+            part = self.sources[int(i)].rows(flat[sel] - self.cum[i])
+            for k in out:
+                out[k][torch.from_numpy(sel)] = part[k]
+        return out
+
+    def global_batch(self, k: int) -> dict[str, torch.Tensor]:
+        g0 = k * self.global_batch_size
+        return self._read(np.arange(g0, g0 + self.global_batch_size))
+
+    def batch(self, k: int) -> dict[str, torch.Tensor]:
+        g0 = k * self.global_batch_size + self.dp_rank * self.batch_size
+        return self._read(np.arange(g0, g0 + self.batch_size))
+
+
+# ---- data.path -> loaders -------------------------------------------------------------------------------------------
+
+
+def parse_mixture(path: Any) -> list[tuple[str, float]]:
+    """``data.path``: a string (one source, weight 1) or a list of ``{path, weight}`` mappings."""
+    if isinstance(path, (str, os.PathLike)):
+        return [(os.fspath(path), 1.0)]
+    form = "data.path must be a path or a list of {path: DIR, weight: NUMBER} entries"
+    if not isinstance(path, (list, tuple)) or not path:
+        raise DataError(f"{form}, got {path!r}")
+    out = []
+    for i, e in enumerate(path):
+        if not isinstance(e, Mapping) or set(e) != {"path", "weight"}:
+            raise DataError(f"data.path[{i}] is {e!r}; {form}")
+        w = e["weight"]
+        if isinstance(w, str):
+            try:
+                w = float(w)
+            except ValueError:
+                raise DataError(f"data.path[{i}].weight {e['weight']!r} is not a number; {form}") from None
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise DataError(f"data.path[{i}].weight {e['weight']!r} must be a finite number >= 0; {form}")
+        out.append((os.fspath(e["path"]), float(w)))
+    if sum(w for _, w in out) <= 0:
+        raise DataError(f"data.path weights sum to 0; give at least one source a positive weight ({form})")
+    return out
+
+
+def is_prepared(path: str) -> bool:
+    return Path(path).is_dir()
+
+
+def open_source(path: str, tok: Tokenizer, seq_len: int, vocab_size: int, overlong: str,
+                train_on: str = "assistant") -> RowSource:
+    """A prepared directory -> ``ShardRows``; a JSONL file or ``builtin:NAME`` -> ``PackedRows`` (tokenized now)."""
+    from q38.train.data import build_dataset
+
+    if is_prepared(path):
+        return ShardRows(path, seq_len, tokenizer=tok, vocab_size=vocab_size)
+    ds = build_dataset(path, tok, seq_len, overlong=overlong, train_on=train_on)
+    if ds.num_targets == 0:
+        raise DataError(f"data: {path} has no trainable tokens (every token is masked: chat records without "
+                        f"assistant turns?); add text records or assistant replies")
+    return PackedRows(ds, path)
+
+
+def _subset(ds: PackedDataset, start: int, stop: int) -> PackedDataset:
+    out = object.__new__(PackedDataset)
+    out.input_ids, out.labels, out.doc_ids = (t[start:stop] for t in (ds.input_ids, ds.labels, ds.doc_ids))
+    return out
+
+
+class TrainData:
+    """The run's opened data (every file checked, nothing read beyond manifests for shards): train sources with
+    weights, and the eval sources. ``iterators`` makes this rank's train and eval iterators."""
+
+    def __init__(self, path: Any, tok: Tokenizer, *, seq_len: int, vocab_size: int, overlong: str = "truncate",
+                 eval_split: float = 0.0, eval_path: str | None = None, train_on: str = "assistant") -> None:
+        mix = parse_mixture(path)
+        self.legacy = len(mix) == 1 and not is_prepared(mix[0][0])  # one JSONL file: data.BatchIterator as before
+        opened = [open_source(p, tok, seq_len, vocab_size, overlong, train_on) for p, _ in mix]
+        self.weights = [w for _, w in mix]
+        self.eval: list[RowSource] = []
+        if eval_path is not None:
+            self.eval = [open_source(os.fspath(eval_path), tok, seq_len, vocab_size, overlong, train_on)]
+            self.train = opened
+        elif eval_split > 0:
+            parts = [s.split(eval_split) for s in opened]
+            self.train, self.eval = [t for t, _ in parts], [e for _, e in parts]
+        else:
+            self.train = opened
+
+    def iterators(self, batch_size: int, *, dp_rank: int, dp_size: int, seed: int, shuffle: bool,
+                  eval_batches: int = 0):
+        from q38.train.data import BatchIterator
+
+        if self.legacy:
+            src = self.train[0]
+            ds = src.base.dataset if isinstance(src, _Slice) else src.dataset
+            if isinstance(src, _Slice):
+                ds = _subset(ds, src.start, src.stop)
+            train = BatchIterator(ds, batch_size, dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=shuffle)
+        else:
+            train = MixtureIterator(self.train, self.weights, batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                    seed=seed, shuffle=shuffle)
+        ev = EvalRows(self.eval, batch_size, dp_rank=dp_rank, dp_size=dp_size, max_batches=eval_batches) \
+            if self.eval else None
+        return train, ev
+
+
+__all__ = [
+    "FORMAT", "VERSION", "MANIFEST", "MIX_BLOCK", "tokenizer_identity", "token_dtype", "feistel_permute",
+    "RowSource", "PackedRows", "ShardRows", "read_manifest", "block_counts", "MixtureIterator", "EvalRows",
+    "parse_mixture", "open_source", "TrainData", "PAD_DOC_ID",
+]
