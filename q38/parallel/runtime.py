@@ -251,9 +251,12 @@ def unshard(state):
 def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int) -> StepBatch:
     """This rank's part of a global batch (the same on every rank): rows split over the batch dims, the sequence
     over ``cp`` (contiguous). Shifts and positions are computed on whole rows first, so they cross CP borders."""
+    import torch.utils._pytree as pytree
+
     from q38.train.objective import prepare_batch
 
-    full = prepare_batch(batch["input_ids"], batch["labels"], batch.get("doc_ids"), mtp_depths)
+    full = prepare_batch(batch["input_ids"], batch["labels"], batch.get("doc_ids"), mtp_depths,
+                         batch.get("attention_mask"))
     b, s = full.input_ids.shape
     row_dims = [d for d in mesh.layout.batch_mesh_dims if mesh.size(d) > 1]
     n_rows, r = 1, 0
@@ -269,14 +272,7 @@ def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int) -> StepBatch:
     c = mesh.local_rank("cp")
     cols = slice(c * (s // cp), (c + 1) * (s // cp))
 
-    def take(t):
-        return t[rows, cols].contiguous()
-
-    return StepBatch(
-        input_ids=take(full.input_ids), targets=take(full.targets), doc_ids=take(full.doc_ids),
-        seq_idx=take(full.seq_idx), positions=take(full.positions), aux_mask=take(full.aux_mask),
-        mtp_inputs=tuple(take(t) for t in full.mtp_inputs), mtp_targets=tuple(take(t) for t in full.mtp_targets),
-    )
+    return pytree.tree_map(lambda t: t[rows, cols].contiguous(), full)
 
 
 # ---- CP exchanges ----------------------------------------------------------------------------------------------
@@ -558,6 +554,13 @@ class MeshParallel:
     def all_reduce_sum(self, t: Tensor) -> Tensor:
         t = torch.as_tensor(t).detach().clone()
         dist.all_reduce(t)
+        return t
+
+    def seq_all_reduce_sum(self, t: Tensor) -> Tensor:
+        """Sum over the CP group (the ranks holding other parts of the same rows); identity without CP."""
+        t = torch.as_tensor(t).detach().clone()
+        if self.comm is not None:
+            dist.all_reduce(t, group=self.comm.group)
         return t
 
     def grad_sq_norm(self, grads) -> Tensor:

@@ -11,6 +11,8 @@ from q38.config import ConfigError, ModelConfig, check_keys
 
 SCHEDULES = ("cosine", "linear", "constant")
 AUX_SCOPES = ("micro_batch", "global_batch")
+AUX_TYPES = ("pooled", "per_layer", "sequence")
+AUX_TOKENS = ("real", "labelled")
 NAN_POLICIES = ("stop", "skip")
 DEFAULT_NO_DECAY = (
     "*norm*", "*.dt_bias", "*.A_log", "*.w_shared_gate", "*.w_router",  # norms, gates, biases
@@ -46,6 +48,11 @@ class TrainConfig:
     mtp_loss_scaling_factor: float = 0.1
     aux_loss_coef: float | None = None  # None: the model's router_aux_loss_coef
     aux_loss_scope: str = "micro_batch"
+    aux_loss_type: str = "pooled"  # pooled (transformers) | per_layer (Megatron) | sequence (DeepSeek-V3)
+    aux_loss_tokens: str = "real"  # real: every non-padding token (transformers, Megatron) | labelled
+    # aux-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert router bias for top-k selection, moved by ±rate
+    aux_loss_free: bool = False
+    router_bias_rate: float = 1e-3
     # memory
     recompute: bool = False
     skip_flash_attn_recompute: bool = False
@@ -93,6 +100,13 @@ def validate_train_config(t: TrainConfig) -> None:
     need(t.micro_batches >= 1, f"micro_batches must be >= 1, got {t.micro_batches}")
     need(t.grad_clip is None or t.grad_clip > 0, "grad_clip must be > 0, or null to disable clipping")
     need(t.aux_loss_scope in AUX_SCOPES, f"aux_loss_scope must be one of {AUX_SCOPES}, got {t.aux_loss_scope!r}")
+    need(t.aux_loss_type in AUX_TYPES, f"aux_loss_type must be one of {AUX_TYPES}, got {t.aux_loss_type!r}")
+    need(t.aux_loss_tokens in AUX_TOKENS, f"aux_loss_tokens must be one of {AUX_TOKENS}, got {t.aux_loss_tokens!r}")
+    need(isinstance(t.aux_loss_free, bool), f"aux_loss_free must be true or false, got {t.aux_loss_free!r}")
+    need(
+        t.router_bias_rate > 0,
+        f"router_bias_rate must be > 0 (the per-step router-bias update, DeepSeek-V3 uses 1e-3), got {t.router_bias_rate}",
+    )
     need(t.nan_policy in NAN_POLICIES, f"nan_policy must be one of {NAN_POLICIES}, got {t.nan_policy!r}")
     need(t.mtp_loss_scaling_factor >= 0, "mtp_loss_scaling_factor must be >= 0")
     need(
