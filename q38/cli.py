@@ -11,7 +11,7 @@ USAGE = """usage: q38 {train,plan,convert,init-hf} ...
   train [CONFIG] [--set SECTION.KEY=VALUE ...]
                    train or resume (no CONFIG: the embedded tiny run); torchrun --nproc_per_node N for N ranks
   plan --model M --layout L --world N     per-rank memory and communication plan
-  convert --to-hf RUN_DIR_OR_CHECKPOINT OUT_DIR     export a trained run's parameters as a Hugging Face checkpoint
+  convert --to-hf RUN_DIR_OR_CHECKPOINT OUT_DIR [--drop-router-bias]  export a trained run's parameters as a Hugging Face checkpoint
   convert --from-hf HF_DIR OUT_CHECKPOINT           import a Hugging Face checkpoint as a q38 checkpoint
   init-hf --model PRESET OUT_DIR                    write a freshly initialised model as a Hugging Face checkpoint"""
 
@@ -74,6 +74,9 @@ def _convert(argv: list[str]) -> int:
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--dtype", default=None, help="cast parameters (float32, bfloat16, float16); default: as stored")
+    p.add_argument("--drop-router-bias", action="store_true",
+                   help="--to-hf: export a run trained with aux_loss_free without its router bias (the HF format has "
+                   "none, so the exported model routes by the plain top-k)")
     p.add_argument("--mtp-num-layers", type=int, default=None,
                    help="--from-hf: override the MTP depth (0 for a checkpoint saved without mtp.* weights)")
     a = p.parse_args(argv)
@@ -86,7 +89,15 @@ def _convert(argv: list[str]) -> int:
     if a.to_hf:
         from q38.hf import save_hf
 
+        from q38.train.checkpoint import read_meta
+
         ck = resolve_checkpoint(a.src)
+        if (read_meta(ck).get("train_config") or {}).get("aux_loss_free") and not a.drop_router_bias:
+            raise ValueError(
+                f"{ck} was trained with aux_loss_free: its routing uses a per-expert router bias (train state), and "
+                "the Qwen3.5 / Qwen3-Next Hugging Face format has no router bias, so the exported "
+                "model would route by the plain top-k; pass --drop-router-bias to export without it"
+            )
         cfg, params, meta = load_params(ck, dtype=dtype)
         save_hf(out, cfg, params)
         print(f"q38 convert: wrote {out} (Hugging Face safetensors, {cfg.model_type}, step {meta.get('step')} "

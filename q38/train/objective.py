@@ -179,11 +179,20 @@ def aux_from_stats(kind: str, counts: Tensor, probs: Tensor, n_tokens: Tensor) -
 
 
 def load_balancing_loss(router_logits: tuple[Tensor, ...], num_experts: int, top_k: int, mask: Tensor | None = None,
-                        kind: str = "pooled") -> Float[Tensor, ""]:
-    """Single-device ``pooled`` / ``per_layer`` aux loss (the reference formula), for evaluation and parity checks."""
+                        kind: str = "pooled", segments: Tensor | None = None) -> Float[Tensor, ""]:
+    """Single-device aux loss (the reference formulas), for evaluation and parity checks. ``mask``: counted tokens
+    ``[n]``; ``segments``: sequence id ``[n]`` (0, 1, ...) for ``kind="sequence"``."""
     n = router_logits[0].shape[0]
-    mask = torch.ones(n, device=router_logits[0].device) if mask is None else mask
+    mask = torch.ones(n, device=router_logits[0].device) if mask is None else mask.reshape(-1)
     routes = routing(router_logits, top_k)
+    if kind == "sequence":
+        if segments is None:
+            raise ValueError("load_balancing_loss(kind='sequence') needs segments= (a sequence id per token)")
+        seg = segments.reshape(-1)
+        num_seg = int(seg.max()) + 1
+        seg_tokens = torch.zeros(num_seg, device=mask.device).index_add(0, seg, mask.float())
+        n_seq = (seg_tokens > 0).sum()
+        return sequence_aux(routes, mask, seg, num_seg, seg_tokens, n_seq, lambda t: t)
     return aux_from_stats(kind, expert_counts(routes, mask), prob_sums(routes, mask), mask.float().sum())
 
 
