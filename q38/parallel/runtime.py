@@ -364,6 +364,7 @@ class EPDispatch:
         self.group, self.rank, self.size = group, rank, size
         self.balance, self.max_dup = balance, max_dup
         self.loads: list[int] = []  # max per-rank received slots, one entry per call (for reports and tests)
+        self.copies: list[int] = []  # with balance: expert copies the plan made, one entry per call
 
     def __call__(self, x_md, expert_m, p, cfg):
         e_local = p.we_gate_up.shape[0]
@@ -395,6 +396,7 @@ class EPDispatch:
         load = torch.bincount(expert_m, minlength=num_experts).float()
         dist.all_reduce(load, group=self.group)
         plan = plan_ep_balance(load.tolist(), self.size, e_local, self.max_dup)
+        self.copies.append(sum(len(reps) - 1 for reps in plan.values()))
         if not plan:
             return dest, local_idx, w_gu, w_dn
         # Copies: which experts each owner sends, and where each copy lands in its host's weight table.

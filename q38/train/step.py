@@ -116,6 +116,7 @@ class Gradients:
     router_load: Tensor
     ep_max_load: tuple = ()  # EP: the largest per-rank count of routed slots, per MoE layer call
     prefetched: int = 0  # FSDP gathers that were started a layer early and consumed
+    ep_copies: tuple = ()  # EP balance: expert copies the plan made, per MoE layer call
 
     @property
     def loss(self) -> Tensor:
@@ -183,8 +184,9 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     router_load = packed[len(names) :].view_as(load)
     grad_norm = par.grad_sq_norm(grads).sqrt()
     loads = tuple(getattr(par.dispatch, "loads", ()) or ())
+    copies = tuple(getattr(par.dispatch, "copies", ()) or ())
     return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
-                     getattr(par, "prefetched", 0))
+                     getattr(par, "prefetched", 0), copies)
 
 
 def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
