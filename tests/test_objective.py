@@ -257,3 +257,38 @@ def test_a_toy_extra_term_is_one_function_and_one_weight(tiny_cfg):
     assert d["z"] == pytest.approx(float(z_ref), abs=TOL) and {"loss", "mtp_1", "aux"} <= d.keys()
     line = format_metrics(1, d, Throughput(0, 1.0, None), terms=list(m.terms))
     assert "| z " in line and "| aux " in line and "| load " in line
+
+
+def test_objective_and_router_bias_create_tensors_on_their_inputs_device(tiny_cfg):
+    """DESIGN.md decision 10 for the objective's own code: no factory call in q38/train/objective.py,
+    q38/train/step.py or q38/train/state.py without ``device=`` during a step with every aux form and the router
+    bias (nccl refuses CPU tensors; gloo would not notice)."""
+    import inspect
+
+    from torch.overrides import TorchFunctionMode
+
+    factories = {torch.tensor, torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.eye}
+    ours = ("q38/train/objective.py", "q38/train/step.py", "q38/train/state.py")
+
+    class Record(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.bad = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in factories and "device" not in kwargs:
+                caller = inspect.stack(context=0)[1]
+                if caller.filename.replace("\\", "/").endswith(ours):
+                    self.bad.add(f"{func.__name__} at {caller.filename}:{caller.lineno}")
+            return func(*args, **kwargs)
+
+    cfg = _cfg(tiny_cfg)
+    batch = _batch(cfg)
+    for kind in ("pooled", "per_layer", "sequence"):
+        tc = TrainConfig(loss_chunk_size=16, aux_loss_type=kind, aux_loss_scope="global_batch", micro_batches=2,
+                         aux_loss_free=True)
+        state = init_state(cfg, tc, seed=0)
+        with Record() as rec:
+            train_step(state, batch)
+        assert not rec.bad, sorted(rec.bad)

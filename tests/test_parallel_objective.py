@@ -25,9 +25,14 @@ RTOL, ATOL = 1e-4, 1e-9
 KINDS = ("pooled", "per_layer", "sequence")
 
 
-def _tc(kind):
-    return TrainConfig(loss_chunk_size=16, aux_loss_type=kind, aux_loss_scope="global_batch", aux_loss_coef=0.01,
+def _tc(kind, scope="global_batch"):
+    return TrainConfig(loss_chunk_size=16, aux_loss_type=kind, aux_loss_scope=scope, aux_loss_coef=0.01,
                        micro_batches=2)
+
+
+# With fsdp = 2, rank r holds rows 2r, 2r+1 and its micro-batch i is row 2r+i: global micro-batch i = rows {i, 2+i}.
+# One process splitting rows [0, 2, 1, 3] in two makes the same global micro-batches (micro_batch scope).
+PERM = [0, 2, 1, 3]
 
 
 def _aux_only(tc):
@@ -56,13 +61,26 @@ def _rank_fn(rank, world, layout_name, mesh_sizes):
             grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in zip(names, r.grads)}
             out[kind, what] = {"aux": float(r.aux_loss), "objective": float(r.objective),
                                "grads": grads if rank == 0 else None}
+        if mesh.size("fsdp") == 2:  # micro_batch scope: per global micro-batch counts, averaged
+            tc = _tc(kind, "micro_batch")
+            state = shard(init_state(cfg, tc, seed=0), mesh)
+            r = loss_and_grads(state, sb, mesh)
+            grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in zip(names, r.grads)}
+            out[kind, "micro_batch"] = {"aux": float(r.aux_loss), "objective": float(r.objective),
+                                        "grads": grads if rank == 0 else None}
     return out
 
 
-def _reference():
+def _reference(micro_batch_scope: bool):
     cfg = _cfg()
     out = {}
     for kind in KINDS:
+        if micro_batch_scope:
+            state = init_state(cfg, _tc(kind, "micro_batch"), seed=0)
+            names = [n for n, _ in named_leaves(state.params)]
+            r = loss_and_grads(state, {k: v[PERM] for k, v in _batch().items()})
+            out[kind, "micro_batch"] = {"aux": float(r.aux_loss), "objective": float(r.objective),
+                                        "grads": dict(zip(names, r.grads))}
         tc = _tc(kind).replace(micro_batches=1)
         state = init_state(cfg, tc, seed=0)
         names = [n for n, _ in named_leaves(state.params)]
@@ -78,8 +96,9 @@ def _reference():
     [("fsdp_cp", {"fsdp": 2, "cp": 2}), pytest.param("fsdp_ep_cp", {"fsdp": 1, "ep": 2, "cp": 2}, marks=pytest.mark.slow)],
     ids=["fsdp2xcp2", "ep2xcp2"],
 )
-def test_global_batch_aux_with_two_micro_batches_matches_one_process(layout, mesh_sizes):
-    ref = _reference()
+def test_aux_with_two_micro_batches_matches_one_process(layout, mesh_sizes):
+    """Every aux form, global_batch scope (and micro_batch scope on fsdp2×cp2), two micro-batches per rank."""
+    ref = _reference(micro_batch_scope=mesh_sizes.get("fsdp", 1) == 2)
     outs = run_distributed(_rank_fn, 4, layout, mesh_sizes)
     for key, want in ref.items():
         for o in outs:

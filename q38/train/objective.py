@@ -317,7 +317,7 @@ def total(values: dict, terms) -> Tensor:
         if t.weight:
             v = t.weight * values[t.name]
             out = v if out is None else out + v
-    return out
+    return out if out is not None else 0 * next(iter(values.values()))
 
 
 def step_context(mbs: list[StepBatch], par, mc, tc, count_routing: Callable[[StepBatch], Tensor] | None) -> StepContext:
