@@ -654,7 +654,8 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
                                 tb.add_scalar(f"train/{k}", v, step)
                     bar.update(1)
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", aux=f"{m['aux']:.3f}")
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", aux=f"{m['aux']:.3f}",
+                                    **({"load": f"{m['router_max_mean']:.2f}x"} if "router_max_mean" in m else {}))
                     if m["skipped"]:
                         log(f"step {step}: non-finite loss or gradient (loss={m['loss']}, grad_norm="
                             f"{m['grad_norm']}); update skipped (train.nan_policy: skip)")
