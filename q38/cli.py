@@ -13,7 +13,7 @@ USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data} ...
                    train or resume (no CONFIG: the embedded tiny run); torchrun --nproc_per_node N for N ranks
   prepare-data INPUT... --out DIR [--tokenizer T] [--workers N]   tokenize JSONL/Parquet into token shards
   plan --model M --layout L --world N     per-rank memory and communication plan
-  convert --to-hf RUN_DIR_OR_CHECKPOINT OUT_DIR     export a trained run's parameters as a Hugging Face checkpoint
+  convert --to-hf RUN_DIR_OR_CHECKPOINT OUT_DIR [--drop-router-bias]  export a trained run's parameters as a Hugging Face checkpoint
   convert --from-hf HF_DIR OUT_CHECKPOINT           import a Hugging Face checkpoint as a q38 checkpoint
   init-hf --model PRESET OUT_DIR                    write a freshly initialised model as a Hugging Face checkpoint
   --debug (any command; or Q38_DEBUG=1)             print the traceback of an error (for bug reports)"""
@@ -80,6 +80,9 @@ def _convert(argv: list[str]) -> int:
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--dtype", default=None, help="cast parameters (float32, bfloat16, float16); default: as stored")
+    p.add_argument("--drop-router-bias", action="store_true",
+                   help="--to-hf: export a run trained with aux_loss_free without its router bias (the HF format has "
+                   "none, so the exported model routes by the plain top-k)")
     p.add_argument("--mtp-num-layers", type=int, default=None,
                    help="--from-hf: override the MTP depth (0 for a checkpoint saved without mtp.* weights)")
     p.add_argument("--overwrite", action="store_true",
@@ -94,7 +97,15 @@ def _convert(argv: list[str]) -> int:
     if a.to_hf:
         from q38.hf import save_hf
 
+        from q38.train.checkpoint import read_meta
+
         ck = resolve_checkpoint(a.src, on_skip=lambda line: print(f"q38 convert: note: {line}", file=sys.stderr))
+        if (read_meta(ck).get("train_config") or {}).get("aux_loss_free") and not a.drop_router_bias:
+            raise ValueError(
+                f"{ck} was trained with aux_loss_free: its routing uses a per-expert router bias (train state), and "
+                "the Qwen3.5 / Qwen3-Next Hugging Face format has no router bias, so the exported "
+                "model would route by the plain top-k; pass --drop-router-bias to export without it"
+            )
         _check_export_target(Path(a.src), ck, out, a.overwrite)
         cfg, params, meta = load_params(ck, dtype=dtype)
         save_hf(out, cfg, params)

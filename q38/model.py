@@ -146,8 +146,8 @@ def shift_tokens(
     return out
 
 
-def _run_layer(runtime: Runtime, p, x, cfg, info):
-    fn = lambda p_, x_: layer_apply(runtime.gather(p_), x_, cfg, info, runtime.dispatch)  # noqa: E731
+def _run_layer(runtime: Runtime, p, x, cfg, info, router_bias=None):
+    fn = lambda p_, x_: layer_apply(runtime.gather(p_), x_, cfg, info, runtime.dispatch, router_bias)  # noqa: E731
     if runtime.wrap_layer is not None:
         return runtime.wrap_layer(fn, p, x)
     return fn(p, x)
@@ -162,12 +162,15 @@ def forward(
     mtp_input_ids: tuple[Tensor, ...] | None = None,
     info: SeqInfo | None = None,
     runtime: Runtime | None = None,
+    router_bias: Float[Tensor, "l e"] | None = None,
 ) -> ModelOutput:
     """Run the decoder stack and the MTP block.
 
     ``doc_ids`` marks packed documents (attention, conv and GDN state never cross them; RoPE restarts).
     ``mtp_input_ids[d-1]`` is the input of depth ``d`` (tokens shifted left by ``d`` within each document); it is
     derived from ``input_ids`` when not given (context parallel passes it, shifted before the split).
+    ``router_bias[i]`` is the expert-selection bias of MoE layer ``i`` (main layers, then MTP depths), for
+    aux-loss-free balancing; None routes by the plain top-k.
     """
     runtime = runtime or Runtime()
     b, s = input_ids.shape
@@ -179,7 +182,7 @@ def forward(
     for i, lp in enumerate(params.layers):
         if runtime.prefetch is not None and torch.is_grad_enabled() and i < len(upcoming):
             runtime.prefetch(upcoming[i])
-        x, rl = _run_layer(runtime, lp, x, config, info)
+        x, rl = _run_layer(runtime, lp, x, config, info, None if router_bias is None else router_bias[i])
         router_logits.append(rl)
     hidden = rms_norm(x, runtime.gather(params.final_norm), config.rms_norm_eps)
 
@@ -199,7 +202,8 @@ def forward(
                 torch.cat([rms_norm(e, norm_emb, config.rms_norm_eps), rms_norm(h_prev, norm_hidden, config.rms_norm_eps)], -1),
                 fc,
             )
-            h, rl = _run_layer(runtime, lp, h, config, info)
+            bias = None if router_bias is None else router_bias[len(params.layers) + depth - 1]
+            h, rl = _run_layer(runtime, lp, h, config, info, bias)
             router_logits.append(rl)
             h_prev = rms_norm(h, norm, config.rms_norm_eps)
             mtp_hidden.append(h_prev)

@@ -101,27 +101,40 @@ def test_layout_matches_single_process(layout, mesh_sizes, world, scope):
             assert (outs[0]["params"][name] - p).abs().max() <= TOL, name
 
 
-def _balance_fn(rank, world, balance, skew):
+def _balance_fn(rank, world, balance):
+    import attrs
+
     from q38.parallel.runtime import make_mesh, shard, shard_batch
 
     cfg = _cfg().replace(mtp_num_layers=0, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
-    tc = TrainConfig(enable_ep_balance=balance, max_dup_experts_num=2, aux_loss_coef=0.01, loss_chunk_size=16)
+    tc = TrainConfig(enable_ep_balance=balance, max_dup_experts_num=2, aux_loss_coef=0.01, loss_chunk_size=16,
+                     aux_loss_free=True)
     state = init_state(cfg, tc, seed=0)
-    batch = _batch()
-    if skew:  # one repeated token: near-identical hidden states pick the same experts (skewed routing)
-        batch = dict(batch, input_ids=torch.full_like(batch["input_ids"], 7), labels=torch.full_like(batch["labels"], 7))
+    # Skew across EP ranks: a selection bias of +0.3 on experts 0-3 (all on EP rank 0 of 2) sends most routed
+    # slots there; the gate weights stay the unbiased probabilities.
+    bias = torch.zeros_like(state.router_bias)
+    bias[:, :4] = 0.3
+    state = attrs.evolve(state, router_bias=bias)
     mesh = make_mesh(Layout.preset("fsdp_ep").with_mesh(fsdp=1, ep=2), world)
     st = shard(state, mesh)
-    r = loss_and_grads(st, shard_batch(batch, mesh, 0), mesh)
+    r = loss_and_grads(st, shard_batch(_batch(), mesh, 0), mesh)
     names = [n for n, _ in named_leaves(st.params)]
     grads = {n: g.full_tensor() for n, g in zip(names, r.grads)}
-    return {"loss": float(r.loss), "aux": float(r.aux_loss), "grads": grads, "loads": r.ep_max_load}
+    return {"loss": float(r.loss), "aux": float(r.aux_loss), "grads": grads, "loads": r.ep_max_load,
+            "copies": r.ep_copies, "router_load": r.router_load}
 
 
 def test_ep_balance_same_math_in_the_whole_model():
-    ons = run_distributed(_balance_fn, 2, True, True)
-    offs = run_distributed(_balance_fn, 2, False, True)
+    ons = run_distributed(_balance_fn, 2, True)
+    offs = run_distributed(_balance_fn, 2, False)
     on, off = ons[0], offs[0]
+    load = off["router_load"]  # [layers, 8] over both ranks: experts 0-3 live on EP rank 0
+    share = load[:, :4].sum(-1) / load.sum(-1)
+    print(f"\nEP=2 whole model: share of slots on rank 0's experts {share.tolist()}, peak per-rank slots "
+          f"off {off['loads']}, on {on['loads']}, copies {on['copies']}")
+    assert (share > 0.75).all()  # the routing is skewed across EP ranks in every layer
+    assert all(c > 0 for c in on["copies"])  # the plan duplicated experts in every layer
+    assert all(a < b for a, b in zip(on["loads"], off["loads"]))  # and the peak per-rank load fell
     assert abs(on["loss"] - off["loss"]) <= TOL and abs(on["aux"] - off["aux"]) <= TOL
     for n, g in off["grads"].items():
         assert (on["grads"][n] - g).abs().max() <= TOL * max(1.0, float(g.abs().max())), n

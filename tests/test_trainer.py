@@ -69,13 +69,16 @@ def test_sigterm_then_resume_gives_the_uninterrupted_losses(tmp_path, reference,
 def test_metrics_records_and_console_line(reference):
     r = reference[-1]
     for key in ("step", "loss", "mtp_1", "aux", "grad_norm", "lr", "step_time", "tokens_per_s", "mfu", "tokens",
-                "skipped"):
+                "skipped", "router_max_mean", "router_idle", "router_max_mean_0", "router_idle_0"):
         assert key in r, key
+    assert r["router_max_mean"] >= 1.0 and r["router_max_mean"] == max(v for k, v in r.items()
+                                                                        if k.startswith("router_max_mean_"))
     assert r["mfu"] is None  # CPU: no known peak
     assert reference[0]["tokens_per_s"] is None and reference[2]["tokens_per_s"] > 0  # 2 warm-up steps skipped
     assert reference[-1]["loss"] < reference[0]["loss"]
     line = format_metrics(6, r, Throughput(0, 1.0, None), 0.5)
     assert line.startswith("step 6 | loss ") and "| mtp_1 " in line and "| aux " in line and "| 0.50s |" in line
+    assert f"| load {r['router_max_mean']:.2f}x idle {r['router_idle']} |" in line
 
 
 def test_throughput_skips_warmup_and_never_divides_by_zero():

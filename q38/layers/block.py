@@ -40,13 +40,15 @@ def layer_apply(
     cfg: ModelConfig,
     info: SeqInfo,
     dispatch: ExpertDispatch | None = None,
+    router_bias: Float[Tensor, " e"] | None = None,
 ) -> tuple[Float[Tensor, "b s d"], Float[Tensor, "n e"]]:
-    """``x + mixer(norm(x))``, then ``x + moe(norm(x))``; returns the router logits too."""
+    """``x + mixer(norm(x))``, then ``x + moe(norm(x))``; returns the router logits too. ``router_bias``: the MoE
+    layer's expert-selection bias (aux-loss-free balancing), or None."""
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
     if isinstance(p.mixer, AttnParams):
         h = attention_apply(p.mixer, h, cfg, info)
     else:
         h = gdn_apply(p.mixer, h, cfg, info)
     x = x + h
-    y, router_logits = moe_apply(p.moe, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps), cfg, dispatch)
+    y, router_logits = moe_apply(p.moe, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps), cfg, dispatch, router_bias)
     return x + y, router_logits

@@ -45,12 +45,25 @@ def abstract_moe(cfg: ModelConfig) -> MoEParams:
     )
 
 
+def select_experts(
+    logits_ne: Float[Tensor, "n e"], top_k: int, bias_e: Float[Tensor, " e"] | None = None
+) -> tuple[Float[Tensor, "n e"], Int[Tensor, "n k"]]:
+    """Router probabilities (softmax over all experts, fp32) and the top-k experts each token picks.
+
+    ``bias_e`` (aux-loss-free balancing, DeepSeek-V3 §2.1.2) is added to the scores for the *selection* only; the
+    returned probabilities stay unbiased, so gate weights never see the bias."""
+    probs_ne = torch.softmax(logits_ne.float(), dim=-1)
+    scores_ne = probs_ne.detach() if bias_e is None else probs_ne.detach() + bias_e.to(probs_ne.dtype)
+    return probs_ne, torch.topk(scores_ne, top_k, dim=-1).indices
+
+
 def route(
-    logits_ne: Float[Tensor, "n e"], top_k: int, normalize: bool
+    logits_ne: Float[Tensor, "n e"], top_k: int, normalize: bool, bias_e: Float[Tensor, " e"] | None = None
 ) -> tuple[Float[Tensor, "n k"], Int[Tensor, "n k"]]:
-    """Softmax over all experts in fp32, top-k, optional renormalisation of the kept weights."""
-    probs = torch.softmax(logits_ne.float(), dim=-1)
-    w_nk, idx_nk = torch.topk(probs, top_k, dim=-1)
+    """Softmax over all experts in fp32, top-k (of the biased scores when ``bias_e`` is given), gate weights from the
+    unbiased probabilities of the chosen experts, optional renormalisation of the kept weights."""
+    probs, idx_nk = select_experts(logits_ne, top_k, bias_e)
+    w_nk = probs.gather(-1, idx_nk)
     if normalize:
         w_nk = w_nk / w_nk.sum(-1, keepdim=True)
     return w_nk.to(logits_ne.dtype), idx_nk
@@ -120,12 +133,15 @@ def moe_apply(
     x: Float[Tensor, "b s d"],
     cfg: ModelConfig,
     dispatch: ExpertDispatch | None = None,
+    router_bias: Float[Tensor, " e"] | None = None,
 ) -> tuple[Float[Tensor, "b s d"], Float[Tensor, "n e"]]:
-    """Routed + shared experts. Returns the output and the raw router logits (for the aux loss)."""
+    """Routed + shared experts. Returns the output and the raw router logits (for the aux loss).
+
+    ``router_bias``: per-expert selection bias (aux-loss-free balancing); not a parameter, no gradient."""
     b, s, d = x.shape
     x_nd = x.reshape(-1, d)
     logits_ne = F.linear(x_nd, p.w_router)
-    w_nk, idx_nk = route(logits_ne, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    w_nk, idx_nk = route(logits_ne, cfg.num_experts_per_tok, cfg.norm_topk_prob, router_bias)
     k = idx_nk.shape[1]
     token_m = torch.arange(x_nd.shape[0], device=x.device).repeat_interleave(k)
     y_md = (dispatch or local_experts)(x_nd[token_m], idx_nk.reshape(-1), p, cfg)

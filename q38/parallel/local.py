@@ -31,6 +31,10 @@ class LocalParallel:
         """Sum over every rank that holds a different part of the step's batch (data and CP dims)."""
         return t
 
+    def seq_all_reduce_sum(self, t: Tensor) -> Tensor:
+        """Sum over the ranks holding other parts of the same rows (the CP group)."""
+        return t
+
     def grad_sq_norm(self, grads: list[Tensor]) -> Tensor:
         return sum((g.float().pow(2).sum() for g in grads), torch.zeros(()))
 

@@ -252,9 +252,12 @@ def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int, *, local_rows: bool = 
     """This rank's part of a global batch (the same on every rank): rows split over the batch dims, the sequence
     over ``cp`` (contiguous). Shifts and positions are computed on whole rows first, so they cross CP borders.
     ``local_rows``: ``batch`` already holds only this rank's rows (``batch_row_rank``); only the sequence is split."""
+    import torch.utils._pytree as pytree
+
     from q38.train.objective import prepare_batch
 
-    full = prepare_batch(batch["input_ids"], batch["labels"], batch.get("doc_ids"), mtp_depths)
+    full = prepare_batch(batch["input_ids"], batch["labels"], batch.get("doc_ids"), mtp_depths,
+                         batch.get("attention_mask"))
     b, s = full.input_ids.shape
     row_dims = [d for d in mesh.layout.batch_mesh_dims if mesh.size(d) > 1]
     n_rows, r = 1, 0
@@ -270,14 +273,7 @@ def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int, *, local_rows: bool = 
     c = mesh.local_rank("cp")
     cols = slice(c * (s // cp), (c + 1) * (s // cp))
 
-    def take(t):
-        return t[rows, cols].contiguous()
-
-    return StepBatch(
-        input_ids=take(full.input_ids), targets=take(full.targets), doc_ids=take(full.doc_ids),
-        seq_idx=take(full.seq_idx), positions=take(full.positions), aux_mask=take(full.aux_mask),
-        mtp_inputs=tuple(take(t) for t in full.mtp_inputs), mtp_targets=tuple(take(t) for t in full.mtp_targets),
-    )
+    return pytree.tree_map(lambda t: t[rows, cols].contiguous(), full)
 
 
 def batch_row_rank(mesh: Mesh) -> tuple[int, int]:
@@ -379,6 +375,7 @@ class EPDispatch:
         self.group, self.rank, self.size = group, rank, size
         self.balance, self.max_dup = balance, max_dup
         self.loads: list[int] = []  # max per-rank received slots, one entry per call (for reports and tests)
+        self.copies: list[int] = []  # with balance: expert copies the plan made, one entry per call
 
     def __call__(self, x_md, expert_m, p, cfg):
         e_local = p.we_gate_up.shape[0]
@@ -410,6 +407,7 @@ class EPDispatch:
         load = torch.bincount(expert_m, minlength=num_experts).float()
         dist.all_reduce(load, group=self.group)
         plan = plan_ep_balance(load.tolist(), self.size, e_local, self.max_dup)
+        self.copies.append(sum(len(reps) - 1 for reps in plan.values()))
         if not plan:
             return dest, local_idx, w_gu, w_dn
         # Copies: which experts each owner sends, and where each copy lands in its host's weight table.
@@ -569,6 +567,13 @@ class MeshParallel:
     def all_reduce_sum(self, t: Tensor) -> Tensor:
         t = torch.as_tensor(t).detach().clone()
         dist.all_reduce(t)
+        return t
+
+    def seq_all_reduce_sum(self, t: Tensor) -> Tensor:
+        """Sum over the CP group (the ranks holding other parts of the same rows); identity without CP."""
+        t = torch.as_tensor(t).detach().clone()
+        if self.comm is not None:
+            dist.all_reduce(t, group=self.comm.group)
         return t
 
     def grad_sq_norm(self, grads) -> Tensor:

@@ -379,7 +379,11 @@ def load_checkpoint(path: str | os.PathLike, template) -> tuple[Any, dict]:
     flat, spec = pytree.tree_flatten(template)
     names = [n for n, _ in named_leaves(template)]
     sd = dict(zip(names, flat))
+    fresh = {}
+    if "router_bias" in sd and not (meta.get("train_config") or {}).get("aux_loss_free"):
+        fresh["router_bias"] = sd.pop("router_bias")  # aux_loss_free switched on at resume: start from zero bias
     _dcp_load(sd, path)
+    sd.update(fresh)
     state = pytree.tree_unflatten([sd[n] for n in names], spec)
     rng_dir = path / "rng"
     own = rng_dir / f"rank_{_rank():05d}.pt"

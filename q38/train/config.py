@@ -12,6 +12,8 @@ from q38.typed_config import finite, ge, gt, in_range, one_of, structure
 
 SCHEDULES = ("cosine", "linear", "constant")
 AUX_SCOPES = ("micro_batch", "global_batch")
+AUX_TYPES = ("pooled", "per_layer", "sequence")
+AUX_TOKENS = ("real", "labelled")
 NAN_POLICIES = ("stop", "skip")
 DEFAULT_NO_DECAY = (
     "*norm*", "*.dt_bias", "*.A_log", "*.w_shared_gate", "*.w_router",  # norms, gates, biases
@@ -48,6 +50,11 @@ class TrainConfig:
     # None: the model's router_aux_loss_coef
     aux_loss_coef: float | None = attrs.field(default=None, validator=[ge(0), finite])
     aux_loss_scope: str = attrs.field(default="micro_batch", validator=one_of(*AUX_SCOPES))
+    aux_loss_type: str = attrs.field(default="pooled", validator=one_of(*AUX_TYPES))  # pooled | per_layer | sequence
+    aux_loss_tokens: str = attrs.field(default="real", validator=one_of(*AUX_TOKENS))  # real (non-padding) | labelled
+    # aux-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert router bias for top-k selection, moved by ±rate
+    aux_loss_free: bool = False
+    router_bias_rate: float = attrs.field(default=1e-3, validator=[gt(0), finite])
     # memory
     recompute: bool = False
     skip_flash_attn_recompute: bool = False
@@ -95,6 +102,7 @@ def validate_train_config(t: TrainConfig) -> None:
     need(t.micro_batches >= 1, f"micro_batches must be >= 1, got {t.micro_batches}")
     need(t.grad_clip is None or t.grad_clip > 0, "grad_clip must be > 0, or null to disable clipping")
     need(t.aux_loss_scope in AUX_SCOPES, f"aux_loss_scope must be one of {AUX_SCOPES}, got {t.aux_loss_scope!r}")
+    need(isinstance(t.aux_loss_free, bool), f"aux_loss_free must be true or false, got {t.aux_loss_free!r}")
     need(t.nan_policy in NAN_POLICIES, f"nan_policy must be one of {NAN_POLICIES}, got {t.nan_policy!r}")
     need(t.mtp_loss_scaling_factor >= 0, "mtp_loss_scaling_factor must be >= 0")
     need(

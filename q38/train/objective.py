@@ -1,20 +1,57 @@
-"""Targets and loss terms of the training objective: shifted targets (main and MTP), the global normaliser, and the
-load-balancing aux loss split into its non-differentiable counts and differentiable probability sums.
+"""The training objective, defined once: named terms with weights, their inputs (shifted targets, global
+normalisers, router statistics) and the load-balancing aux loss in its three forms.
 
-Aggregation rule (DESIGN.md decision 5): every term is a sum over this rank's tokens divided by a global count, so
-summing gradients over ranks and micro-batches gives the single-device gradient.
+**Terms.** ``objective = Σ_name weight[name] · term[name]`` (:func:`total`). The default terms
+(:func:`default_terms`) are ``loss`` (main LM, weight 1), ``mtp_<d>`` for each MTP depth (weight
+``mtp_loss_scaling_factor / depths``, i.e. the factor times the mean over depths) and ``aux`` (weight ``coef``:
+``aux_loss_coef`` or the model's ``router_aux_loss_coef``). A term is one function of :class:`TermInput` returning
+this rank's and this micro-batch's *partial*: the term's value is the sum of the partials over ranks and
+micro-batches (DESIGN.md decision 5), so gradients are only ever summed. The step accumulates the partials over
+micro-batches as a pytree (``{name: tensor}``) and reduces them once; ``metrics.jsonl``, TensorBoard and the progress
+line use the same names. A new term is one function plus one weight: ``default_terms(mc, tc) + (Term("z", w, fn),)``
+passed as ``train_step(..., terms=...)``.
+
+**Aux loss** (``aux_loss_type``). Notation: ``E`` experts, top-``k``, ``L`` MoE layers (main layers then MTP depths),
+``c_le`` the number of counted tokens whose top-k (as actually routed, router bias included) holds expert ``e`` in
+layer ``l``, ``p_le`` the sum over counted tokens of the router probability (softmax over all experts) of ``e``,
+``N`` the number of counted tokens. All three use the transformers normalisation ``f = c / N`` (``Σ_e f_e = k``), so a
+perfectly balanced router scores ``k`` in every form.
+
+- ``pooled`` (transformers ``load_balancing_loss_func``; exact parity):
+  ``E · Σ_e (Σ_l c_le / (L·N)) · (Σ_l p_le / (L·N))``. Layers are pooled before the product, so two layers collapsed
+  onto different experts can score like balanced ones.
+- ``per_layer`` (Megatron ``aux_loss``): ``(1/L) · Σ_l E · Σ_e (c_le / N) · (p_le / N)``. Megatron adds
+  ``coef_M · E/(k·N²) · Σ_e c_le p_le`` per layer (its ``f`` is normalised by ``k·N``, and layers are summed), so
+  Megatron's ``coef_M`` equals q38's ``coef · k / L``.
+- ``sequence`` (DeepSeek-V3 sequence-wise, Megatron ``seq_aux_loss``): the same product per sequence ``s`` (a document
+  of a packed row) with its own ``c_lse``, ``p_lse`` and token count ``T_s``, averaged over sequences and layers:
+  ``(1/(L·S)) · Σ_l Σ_s E · Σ_e (c_lse / T_s) · (p_lse / T_s)``. DeepSeek's ``α`` equals q38's ``coef · k``.
+
+Counted tokens (``aux_loss_tokens``): ``real`` = every non-padding token (``attention_mask``, else ``doc_ids != -1``;
+as transformers and Megatron), ``labelled`` = positions whose label is not -100. Scope (``aux_loss_scope``):
+``micro_batch`` takes ``c`` and ``N`` (``S`` for ``sequence``) over one global micro-batch (all data-parallel, CP and
+EP ranks) and averages the micro-batches; ``global_batch`` takes them over the whole step (for ``pooled`` /
+``per_layer`` with several micro-batches, one extra no-grad forward counts the routing first). A sequence never spans
+micro-batches, so ``sequence``'s per-sequence statistics are the same in both scopes; only ``S`` differs. Under CP a
+sequence spans ranks: its counts are summed over the CP group.
 """
+
+from typing import Callable
 
 import attrs
 import torch
+import torch.utils._pytree as pytree
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from q38.layers.moe import select_experts
 from q38.layers.rope import positions_from_docs
 from q38.model import shift_tokens
 from q38.pytree import pytree_node
+from q38.train.loss import chunked_lm_loss, unchunked_lm_loss
 
 IGNORE = -100
+PAD_DOC_ID = -1
 
 
 @pytree_node
@@ -23,8 +60,10 @@ class StepBatch:
     """What ``train_step`` consumes on one rank (shifts done on the un-split rows, so they cross CP borders).
 
     ``targets[t]`` = token ``t + 1`` of the same document or -100; ``mtp_targets[d-1][t]`` = token ``t + 1 + d``;
-    ``mtp_inputs[d-1][t]`` = token ``t + d`` (0 across a document end); ``aux_mask`` = positions counted by the
-    aux loss (label not ignored); ``seq_idx`` = index in the un-split row.
+    ``mtp_inputs[d-1][t]`` = token ``t + d`` (0 across a document end); ``real_mask`` = non-padding positions;
+    ``label_mask`` = positions whose label is not ignored; ``segments`` = index of the document within its row,
+    counted from 0 along the whole row (the aux loss's sequences); ``seq_idx`` = index in the un-split row.
+    Every leaf is ``[b, s]``, so ``tree_map`` over a StepBatch slices rows or columns.
     """
 
     input_ids: Tensor
@@ -32,7 +71,9 @@ class StepBatch:
     doc_ids: Tensor
     seq_idx: Tensor
     positions: Tensor
-    aux_mask: Tensor
+    real_mask: Tensor
+    label_mask: Tensor
+    segments: Tensor
     mtp_inputs: tuple
     mtp_targets: tuple
 
@@ -42,19 +83,30 @@ def prepare_batch(
     labels: Int[Tensor, "b s"],
     doc_ids: Int[Tensor, "b s"] | None,
     mtp_depths: int,
+    attention_mask: Int[Tensor, "b s"] | None = None,
 ) -> StepBatch:
-    """Shift labels and MTP inputs per document on whole rows (labels are HF-style: ``labels[t]`` is token ``t``)."""
+    """Shift labels and MTP inputs per document on whole rows (labels are HF-style: ``labels[t]`` is token ``t``).
+
+    Real (non-padding) tokens: ``attention_mask != 0`` when given, else ``doc_ids != -1``, else every token."""
     b, s = input_ids.shape
     packed_docs = doc_ids
     if doc_ids is None:
         doc_ids = torch.zeros_like(input_ids)
+    if attention_mask is not None:
+        real = attention_mask != 0
+    else:
+        real = doc_ids != PAD_DOC_ID
+    change = torch.zeros_like(doc_ids)
+    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(change.dtype)
     return StepBatch(
         input_ids=input_ids,
         targets=shift_tokens(labels, packed_docs, 1, IGNORE),
         doc_ids=doc_ids,
         seq_idx=torch.arange(s, device=input_ids.device).expand(b, s).contiguous(),
         positions=positions_from_docs(doc_ids),
-        aux_mask=(labels != IGNORE),
+        real_mask=real,
+        label_mask=(labels != IGNORE),
+        segments=change.cumsum(1),
         mtp_inputs=tuple(shift_tokens(input_ids, packed_docs, d, 0) for d in range(1, mtp_depths + 1)),
         mtp_targets=tuple(shift_tokens(labels, packed_docs, 1 + d, IGNORE) for d in range(1, mtp_depths + 1)),
     )
@@ -66,57 +118,253 @@ def split_micro_batches(batch: StepBatch, n: int) -> list[StepBatch]:
     if b % n:
         raise ValueError(f"the rank-local batch size {b} is not divisible by micro_batches={n}; change either")
     size = b // n
-
-    def part(i):
-        sl = slice(i * size, (i + 1) * size)
-        return StepBatch(
-            input_ids=batch.input_ids[sl], targets=batch.targets[sl], doc_ids=batch.doc_ids[sl],
-            seq_idx=batch.seq_idx[sl], positions=batch.positions[sl], aux_mask=batch.aux_mask[sl],
-            mtp_inputs=tuple(t[sl] for t in batch.mtp_inputs), mtp_targets=tuple(t[sl] for t in batch.mtp_targets),
-        )
-
-    return [part(i) for i in range(n)]
-
-
-@attrs.frozen
-class AuxStats:
-    """Pooled router statistics over all MoE layers: ``counts`` (top-k assignments per expert, no gradient),
-    ``prob_sum`` (sum of router probabilities per expert, differentiable) and ``rows`` (tokens × layers)."""
-
-    counts: Tensor
-    prob_sum: Tensor
-    rows: Tensor
-
-
-def aux_stats(router_logits: tuple[Tensor, ...], mask: Tensor, top_k: int) -> AuxStats:
-    """Statistics of HF's ``load_balancing_loss_func`` (one softmax), masked by ``mask`` (flattened tokens)."""
-    flat_mask = mask.reshape(-1).float()
-    e = router_logits[0].shape[-1]
-    counts = torch.zeros(e, device=flat_mask.device)
-    prob_sum = torch.zeros(e, device=flat_mask.device)
-    for logits_ne in router_logits:
-        probs = torch.softmax(logits_ne.float(), dim=-1)
-        idx_nk = torch.topk(probs.detach(), top_k, dim=-1).indices
-        counts = counts.scatter_add(0, idx_nk.reshape(-1), flat_mask.repeat_interleave(top_k))
-        prob_sum = prob_sum + (probs * flat_mask[:, None]).sum(0)
-    rows = flat_mask.sum() * len(router_logits)
-    return AuxStats(counts=counts, prob_sum=prob_sum, rows=rows)
-
-
-def aux_loss_partial(stats: AuxStats, global_counts: Tensor, global_rows: Tensor) -> Float[Tensor, ""]:
-    """``E · Σ_e f_e · P_e`` with ``f`` from global counts and this rank's share of ``P`` (sum over ranks = total)."""
-    e = stats.counts.shape[0]
-    rows = global_rows.clamp(min=1)
-    return e * torch.sum((global_counts / rows) * (stats.prob_sum / rows))
-
-
-def load_balancing_loss(router_logits: tuple[Tensor, ...], num_experts: int, top_k: int, mask: Tensor | None = None):
-    """Single-device aux loss (the reference formula), for evaluation and parity checks."""
-    n = router_logits[0].shape[0]
-    mask = torch.ones(n, device=router_logits[0].device) if mask is None else mask
-    st = aux_stats(router_logits, mask, top_k)
-    return aux_loss_partial(st, st.counts, st.rows)
+    return [pytree.tree_map(lambda t: t[i * size : (i + 1) * size], batch) for i in range(n)]
 
 
 def count_targets(targets: Tensor) -> Tensor:
     return (targets != IGNORE).sum()
+
+
+def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor, tc) -> Tensor:
+    """Sum of CE over valid targets / ``normalizer``; rows with ignored targets never reach the head."""
+    d = hidden.shape[-1]
+    h_nd, t_n = hidden.reshape(-1, d), targets.reshape(-1)
+    valid = torch.nonzero(t_n != IGNORE).flatten()
+    h_nd, t_n = h_nd.index_select(0, valid), t_n.index_select(0, valid)
+    if tc.loss_chunk_size is None and not tc.dynamic_chunk_loss:
+        return unchunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer)
+    if tc.dynamic_chunk_loss:
+        return chunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer, chunk_budget_bytes=tc.loss_chunk_budget_bytes)
+    return chunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer, chunk_size=tc.loss_chunk_size)
+
+
+# ---- router statistics ---------------------------------------------------------------------------------------------
+
+
+def routing(router_logits: tuple[Tensor, ...], top_k: int, router_bias: Tensor | None = None):
+    """Per MoE layer ``(probs [n, e] fp32, chosen experts [n, k])`` exactly as the layers routed (same function)."""
+    return [
+        select_experts(rl, top_k, None if router_bias is None else router_bias[i]) for i, rl in enumerate(router_logits)
+    ]
+
+
+def expert_counts(routes, mask: Tensor) -> Float[Tensor, "l e"]:
+    """``c_le``: counted tokens (``mask``) whose top-k holds expert ``e``, per layer (no gradient)."""
+    m = mask.reshape(-1).float()
+    e = routes[0][0].shape[-1]
+    out = []
+    for _, idx_nk in routes:
+        k = idx_nk.shape[-1]
+        out.append(torch.zeros(e, device=m.device).scatter_add(0, idx_nk.reshape(-1), m.repeat_interleave(k)))
+    return torch.stack(out)
+
+
+def prob_sums(routes, mask: Tensor) -> Float[Tensor, "l e"]:
+    """``p_le``: sum over counted tokens of the router probability of each expert, per layer (differentiable)."""
+    m = mask.reshape(-1).float()
+    return torch.stack([(probs * m[:, None]).sum(0) for probs, _ in routes])
+
+
+def aux_from_stats(kind: str, counts: Tensor, probs: Tensor, n_tokens: Tensor) -> Float[Tensor, ""]:
+    """``pooled`` or ``per_layer`` aux from ``c`` ``[l, e]`` (global), ``p`` ``[l, e]`` (this rank's share: the sum over
+    ranks of the result is the loss) and the global counted-token count ``N``."""
+    num_layers, e = counts.shape
+    n = n_tokens.clamp(min=1)
+    if kind == "pooled":
+        rows = n * num_layers
+        return e * torch.sum((counts.sum(0) / rows) * (probs.sum(0) / rows))
+    if kind == "per_layer":
+        return e * torch.sum((counts / n) * (probs / n)) / num_layers
+    raise ValueError(f"aux_from_stats handles pooled and per_layer, not {kind!r}")
+
+
+def load_balancing_loss(router_logits: tuple[Tensor, ...], num_experts: int, top_k: int, mask: Tensor | None = None,
+                        kind: str = "pooled", segments: Tensor | None = None) -> Float[Tensor, ""]:
+    """Single-device aux loss (the reference formulas), for evaluation and parity checks. ``mask``: counted tokens
+    ``[n]``; ``segments``: sequence id ``[n]`` (0, 1, ...) for ``kind="sequence"``."""
+    n = router_logits[0].shape[0]
+    mask = torch.ones(n, device=router_logits[0].device) if mask is None else mask.reshape(-1)
+    routes = routing(router_logits, top_k)
+    if kind == "sequence":
+        if segments is None:
+            raise ValueError("load_balancing_loss(kind='sequence') needs segments= (a sequence id per token)")
+        seg = segments.reshape(-1)
+        num_seg = int(seg.max()) + 1
+        seg_tokens = torch.zeros(num_seg, device=mask.device).index_add(0, seg, mask.float())
+        n_seq = (seg_tokens > 0).sum()
+        return sequence_aux(routes, mask, seg, num_seg, seg_tokens, n_seq, lambda t: t)
+    return aux_from_stats(kind, expert_counts(routes, mask), prob_sums(routes, mask), mask.float().sum())
+
+
+def _segment_index(mb: StepBatch, num_segments: int) -> Tensor:
+    """Flat ``row · D + segment`` index of every token (the key of its sequence in ``[b, D]`` tables)."""
+    b = mb.segments.shape[0]
+    rows = torch.arange(b, device=mb.segments.device)[:, None]
+    return (rows * num_segments + mb.segments).reshape(-1)
+
+
+def sequence_aux(routes, mask: Tensor, seg: Tensor, num_seg: int, seg_tokens: Tensor, n_seq: Tensor,
+                 seq_sum: Callable[[Tensor], Tensor]) -> Float[Tensor, ""]:
+    """This rank's share of the ``sequence`` aux: ``E · Σ_l Σ_s Σ_e (c_lse/T_s)(p_lse/T_s) / (L · S)``.
+
+    ``seg``: flat sequence index per token (``[b · D]`` table); ``seg_tokens``: ``T_s`` (summed over CP); ``n_seq``:
+    ``S``; ``seq_sum``: sum over the ranks that hold parts of the same sequences (CP)."""
+    m = mask.reshape(-1).float()
+    e = routes[0][0].shape[-1]
+    counts, probs = [], []
+    for p_ne, idx_nk in routes:
+        k = idx_nk.shape[-1]
+        slot = (seg[:, None] * e + idx_nk).reshape(-1)
+        counts.append(torch.zeros(num_seg * e, device=m.device).scatter_add(0, slot, m.repeat_interleave(k)))
+        probs.append(torch.zeros(num_seg, e, device=m.device, dtype=p_ne.dtype).index_add(0, seg, p_ne * m[:, None]))
+    c_lse = seq_sum(torch.stack(counts)).view(len(routes), num_seg, e)
+    p_lse = torch.stack(probs)
+    t = seg_tokens.clamp(min=1)[None, :, None]
+    return e * torch.sum((c_lse / t) * (p_lse / t)) / (len(routes) * n_seq.clamp(min=1))
+
+
+# ---- the step's context and the terms ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class StepContext:
+    """What terms need beyond one micro-batch, fixed before the first forward: global normalisers (valid main / MTP
+    targets, counted aux tokens), step-wide aux counts (``global_batch``) and the sequence tables (``sequence``)."""
+
+    n_main: Tensor
+    n_mtp: tuple
+    n_aux: Tensor  # counted aux tokens in the whole step
+    n_mb: int
+    aux_counts: Tensor | None = None  # [l, e] step counts when the scope is the whole step
+    aux_mb: tuple = ()  # micro_batch scope: per micro-batch (global counted tokens,)
+    seq: tuple = ()  # sequence aux: per micro-batch (D, T [b·D], S)
+
+
+@attrs.frozen
+class TermInput:
+    """One micro-batch's forward and everything a term may read."""
+
+    out: object  # q38.model.ModelOutput
+    mb: StepBatch
+    index: int  # micro-batch index
+    routes: list  # routing(out.router_logits, ...)
+    w_head: Tensor
+    step: StepContext
+    par: object  # the runtime (all_reduce_sum, seq_all_reduce_sum, ...)
+    model_config: object
+    train_config: object
+
+
+@attrs.frozen
+class Term:
+    """A named term: ``fn(TermInput)`` returns this rank's and micro-batch's partial; ``weight`` multiplies it."""
+
+    name: str
+    weight: float
+    fn: Callable[[TermInput], Tensor]
+
+
+def aux_mask(mb: StepBatch, tc) -> Tensor:
+    return mb.real_mask if tc.aux_loss_tokens == "real" else mb.label_mask
+
+
+def main_term(ti: TermInput) -> Tensor:
+    return lm_loss(ti.out.hidden, ti.w_head, ti.mb.targets, ti.step.n_main, ti.train_config)
+
+
+def mtp_term(depth: int) -> Callable[[TermInput], Tensor]:
+    def fn(ti: TermInput) -> Tensor:
+        d = depth - 1
+        return lm_loss(ti.out.mtp_hidden[d], ti.w_head, ti.mb.mtp_targets[d], ti.step.n_mtp[d], ti.train_config)
+
+    return fn
+
+
+def aux_term(ti: TermInput) -> Tensor:
+    tc, st = ti.train_config, ti.step
+    mask = aux_mask(ti.mb, tc)
+    if tc.aux_loss_type == "sequence":
+        d, seg_tokens, n_seq = st.seq[ti.index]
+        seg = _segment_index(ti.mb, d)
+        part = sequence_aux(ti.routes, mask, seg, seg_tokens.numel(), seg_tokens, n_seq, ti.par.seq_all_reduce_sum)
+    else:
+        probs = prob_sums(ti.routes, mask)
+        if st.aux_counts is not None:
+            counts, n = st.aux_counts, st.n_aux
+        else:
+            counts, n = ti.par.all_reduce_sum(expert_counts(ti.routes, mask)), st.aux_mb[ti.index]
+        part = aux_from_stats(tc.aux_loss_type, counts, probs, n)
+    if tc.aux_loss_scope == "micro_batch":
+        part = part / st.n_mb
+    return part
+
+
+def aux_coef(mc, tc) -> float:
+    return mc.router_aux_loss_coef if tc.aux_loss_coef is None else tc.aux_loss_coef
+
+
+def default_terms(mc, tc) -> tuple[Term, ...]:
+    """``loss`` (main LM), ``mtp_1..mtp_D`` and ``aux``, with their weights."""
+    depths = mc.mtp_num_layers
+    mtp = tuple(Term(f"mtp_{d}", tc.mtp_loss_scaling_factor / depths, mtp_term(d)) for d in range(1, depths + 1))
+    return (Term("loss", 1.0, main_term), *mtp, Term("aux", aux_coef(mc, tc), aux_term))
+
+
+def total(values: dict, terms) -> Tensor:
+    """``Σ weight · value`` over the terms (zero-weight terms are reported but never enter the objective)."""
+    out = None
+    for t in terms:
+        if t.weight:
+            v = t.weight * values[t.name]
+            out = v if out is None else out + v
+    return out if out is not None else 0 * next(iter(values.values()))
+
+
+def step_context(mbs: list[StepBatch], par, mc, tc, count_routing: Callable[[StepBatch], Tensor] | None) -> StepContext:
+    """Normalisers and aux tables for the step (a few batched collectives). ``count_routing(mb)`` returns the
+    micro-batch's aux expert counts ``[l, e]`` from a no-grad forward; it is called only for ``pooled`` /
+    ``per_layer`` with ``global_batch`` scope and more than one micro-batch."""
+    depths = mc.mtp_num_layers
+    n_mb = len(mbs)
+    dev = mbs[0].input_ids.device
+    per_mb = [torch.stack([count_targets(mb.targets), *(count_targets(t) for t in mb.mtp_targets),
+                           aux_mask(mb, tc).sum()]) for mb in mbs]
+    counts = par.all_reduce_sum(torch.stack(per_mb))  # [n_mb, 2 + depths]: one collective
+    step_counts = counts.sum(0)
+    n_main, n_mtp, n_aux = step_counts[0], tuple(step_counts[1 : 1 + depths]), step_counts[1 + depths]
+    aux_mb = tuple(counts[:, 1 + depths])
+    aux_counts, seq = None, ()
+    if tc.aux_loss_type == "sequence":
+        seq = _sequence_tables(mbs, par, tc, dev)
+    elif tc.aux_loss_scope == "global_batch":
+        if n_mb > 1:
+            with torch.no_grad():
+                aux_counts = par.all_reduce_sum(sum(count_routing(mb) for mb in mbs))
+        # one micro-batch: its own counts are the step's (computed in the aux term, no extra forward)
+    return StepContext(n_main=n_main, n_mtp=n_mtp, n_aux=n_aux, n_mb=n_mb, aux_counts=aux_counts, aux_mb=aux_mb,
+                       seq=seq)
+
+
+def _sequence_tables(mbs: list[StepBatch], par, tc, dev) -> tuple:
+    """Per micro-batch ``(D, T_s [b·D], S)``: the sequence table width (identical on the CP ranks of a row), each
+    sequence's counted tokens summed over CP, and the number of sequences with a counted token (``global_batch``:
+    the whole step's, the same for every micro-batch)."""
+    widths = torch.stack([mb.segments.max() + 1 if mb.segments.numel() else torch.zeros((), dtype=torch.long,
+                                                                                        device=dev) for mb in mbs])
+    widths = par.seq_all_reduce_sum(widths)  # ≥ every CP rank's own count: an upper bound they all agree on
+    tokens = []
+    for mb, d in zip(mbs, widths.tolist()):
+        seg = _segment_index(mb, int(d))
+        tokens.append(torch.zeros(mb.segments.shape[0] * int(d), device=dev).index_add(
+            0, seg, aux_mask(mb, tc).reshape(-1).float()))
+    sizes = [t.numel() for t in tokens]
+    tokens = par.seq_all_reduce_sum(torch.cat(tokens)).split(sizes)
+    # Σ over counted tokens of 1 / T_(its sequence) counts each sequence once, however CP splits it.
+    per_mb = []
+    for mb, d, t in zip(mbs, widths.tolist(), tokens):
+        m = aux_mask(mb, tc).reshape(-1).float()
+        per_mb.append((m / t.clamp(min=1)[_segment_index(mb, int(d))]).sum())
+    n_seq = par.all_reduce_sum(torch.stack(per_mb)).round()
+    if tc.aux_loss_scope == "global_batch":
+        n_seq = n_seq.sum().expand(len(mbs))
+    return tuple((int(d), t, s) for d, t, s in zip(widths.tolist(), tokens, n_seq))

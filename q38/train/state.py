@@ -17,7 +17,9 @@ from q38.train.config import TrainConfig
 @attrs.frozen
 class TrainState:
     """Leaves: ``params``, ``exp_avg``, ``exp_avg_sq`` (fp32, same tree as params) and ``step`` (0-dim int64).
-    ``model_config`` / ``train_config`` ride along as static metadata (the pytree context), never as leaves."""
+    ``model_config`` / ``train_config`` ride along as static metadata (the pytree context), never as leaves.
+    ``router_bias``: ``[moe layers, e]`` fp32 expert-selection bias of aux-loss-free balancing (``aux_loss_free``),
+    else None; train state, not a parameter (no gradient, replicated and identical on every rank, checkpointed)."""
 
     params: ModelParams
     exp_avg: ModelParams
@@ -25,18 +27,22 @@ class TrainState:
     step: Tensor
     model_config: ModelConfig
     train_config: TrainConfig
+    router_bias: Tensor | None = None
 
 
 def _flatten(s: TrainState):
-    return [s.params, s.exp_avg, s.exp_avg_sq, s.step], (s.model_config, s.train_config)
+    # an absent router bias lives in the context (no None leaf), as pytree_node does for optional fields
+    extra = [] if s.router_bias is None else [s.router_bias]
+    return [s.params, s.exp_avg, s.exp_avg_sq, s.step, *extra], (s.model_config, s.train_config, bool(extra))
 
 
 def _unflatten(children, ctx):
-    return TrainState(*children, model_config=ctx[0], train_config=ctx[1])
+    bias = children[4] if ctx[2] else None
+    return TrainState(*children[:4], model_config=ctx[0], train_config=ctx[1], router_bias=bias)
 
 
 def _flatten_with_keys(s: TrainState):
-    names = ("params", "exp_avg", "exp_avg_sq", "step")
+    names = ("params", "exp_avg", "exp_avg_sq", "step", "router_bias")
     children, ctx = _flatten(s)
     return [(pytree.GetAttrKey(n), c) for n, c in zip(names, children)], ctx
 
@@ -63,7 +69,19 @@ def state_from_params(params: ModelParams, model_config: ModelConfig, train_conf
         step=torch.zeros((), dtype=torch.int64),
         model_config=model_config,
         train_config=train_config,
+        router_bias=initial_router_bias(model_config, train_config, params),
     )
+
+
+def initial_router_bias(model_config: ModelConfig, train_config: TrainConfig, params) -> Tensor | None:
+    """Zeros ``[moe layers, e]`` (main layers, then MTP depths) when ``aux_loss_free``, else None."""
+    if not train_config.aux_loss_free:
+        return None
+    n = model_config.num_hidden_layers + model_config.mtp_num_layers
+    device = params.embed.device
+    if device.type == "meta":
+        device = None
+    return torch.zeros(n, model_config.num_experts, dtype=torch.float32, device=device)
 
 
 def decay_mask(params: ModelParams, train_config: TrainConfig) -> list[bool]:

@@ -1,8 +1,8 @@
 """``train_step(params, batch, mesh) -> (new_state, metrics)``: the whole training objective and one AdamW update.
 
-Objective = main LM loss + ``mtp_loss_scaling_factor`` · mean over depths of the MTP losses + ``coef`` · aux loss.
-Each LM term is ``Σ token CE / N_global`` (its own depth's valid-target count over the whole step), so micro-batches,
-data-parallel and CP ranks only ever *sum* gradients. Inputs are never mutated.
+Objective = ``Σ weight · term`` over the named terms of ``q38.train.objective`` (``loss``, ``mtp_<d>``, ``aux``; see
+there for the formulas). Each LM term is ``Σ token CE / N_global`` (its own depth's valid-target count over the whole
+step), so micro-batches, data-parallel and CP ranks only ever *sum* gradients. Inputs are never mutated.
 """
 
 import typing
@@ -13,15 +13,19 @@ from torch import Tensor
 
 from q38.model import Runtime, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
-from q38.train.loss import chunked_lm_loss, unchunked_lm_loss
-from q38.train.objective import (
+from q38.train.objective import (  # noqa: F401  (lm_loss, IGNORE: re-exported)
     IGNORE,
     StepBatch,
-    aux_loss_partial,
-    aux_stats,
-    count_targets,
+    TermInput,
+    aux_mask,
+    default_terms,
+    expert_counts,
+    lm_loss,
     prepare_batch,
+    routing,
     split_micro_batches,
+    step_context,
+    total,
 )
 from q38.train.remat import layer_wrapper
 from q38.train.state import TrainState, decay_mask, learning_rate
@@ -42,14 +46,30 @@ class Metrics:
     lr: float
     tokens: Tensor  # valid main targets in the step
     skipped: bool = False
+    terms: dict = attrs.field(factory=dict)  # every objective term by name (reduced), the keys of the logs
+    router_load: Tensor | None = None  # [moe layers, e]: real tokens routed to each expert in the step (all ranks)
 
     def as_dict(self) -> dict[str, float]:
-        d = {"loss": float(self.loss), "aux": float(self.aux_loss), "objective": float(self.objective),
-             "grad_norm": float(self.grad_norm), "lr": float(self.lr), "tokens": int(self.tokens),
-             "skipped": bool(self.skipped)}
-        for i, m in enumerate(self.mtp_losses, start=1):
-            d[f"mtp_{i}"] = float(m)
+        terms = self.terms or {"loss": self.loss, **{f"mtp_{i}": m for i, m in enumerate(self.mtp_losses, 1)},
+                               "aux": self.aux_loss}
+        d = {name: float(v) for name, v in terms.items()}
+        d.update({"objective": float(self.objective), "grad_norm": float(self.grad_norm), "lr": float(self.lr),
+                  "tokens": int(self.tokens), "skipped": bool(self.skipped)})
+        if self.router_load is not None:
+            d.update(router_metrics(self.router_load))
         return d
+
+
+def router_metrics(load: Tensor) -> dict[str, float]:
+    """Per MoE layer ``i``: ``router_max_mean_<i>`` (largest expert load / mean load) and ``router_idle_<i>``
+    (experts that received no token); ``router_max_mean`` / ``router_idle``: the worst layer and the total."""
+    load = load.float()
+    ratio = (load.max(-1).values / load.mean(-1).clamp(min=1e-9)).tolist()
+    idle = (load == 0).sum(-1).tolist()
+    d = {f"router_max_mean_{i}": r for i, r in enumerate(ratio)}
+    d.update({f"router_idle_{i}": int(z) for i, z in enumerate(idle)})
+    d.update({"router_max_mean": max(ratio), "router_idle": int(sum(idle))})
+    return d
 
 
 def parallel_for(mesh, train_config=None):
@@ -67,19 +87,6 @@ def parallel_for(mesh, train_config=None):
     return runtime(train_config)
 
 
-def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor, tc) -> Tensor:
-    """Sum of CE over valid targets / ``normalizer``; rows with ignored targets never reach the head."""
-    d = hidden.shape[-1]
-    h_nd, t_n = hidden.reshape(-1, d), targets.reshape(-1)
-    valid = torch.nonzero(t_n != IGNORE).flatten()
-    h_nd, t_n = h_nd.index_select(0, valid), t_n.index_select(0, valid)
-    if tc.loss_chunk_size is None and not tc.dynamic_chunk_loss:
-        return unchunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer)
-    if tc.dynamic_chunk_loss:
-        return chunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer, chunk_budget_bytes=tc.loss_chunk_budget_bytes)
-    return chunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer, chunk_size=tc.loss_chunk_size)
-
-
 def _as_step_batch(batch, depths: int) -> StepBatch:
     if isinstance(batch, StepBatch):
         return batch
@@ -92,41 +99,52 @@ def _as_step_batch(batch, depths: int) -> StepBatch:
         raise ValueError("a batch needs input_ids and labels ([batch, seq] int64; labels -100 = ignored)")
     if input_ids.shape != labels.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must have one shape")
-    return prepare_batch(input_ids, labels, get("doc_ids"), depths)
+    return prepare_batch(input_ids, labels, get("doc_ids"), depths, get("attention_mask"))
 
 
 @attrs.frozen
 class Gradients:
-    """``grads``: one tensor per parameter leaf (flatten order), summed over micro-batches (and, on a mesh, ranks)."""
+    """``grads``: one tensor per parameter leaf (flatten order), summed over micro-batches (and, on a mesh, ranks);
+    ``terms``: each objective term's value by name (reduced over ranks); ``router_load``: real tokens per expert and
+    MoE layer in the step (reduced over ranks, router bias included in the routing)."""
 
     grads: list
-    loss: Tensor
-    mtp_losses: tuple
-    aux_loss: Tensor
+    terms: dict
     objective: Tensor
     grad_norm: Tensor
     tokens: Tensor
+    router_load: Tensor
     ep_max_load: tuple = ()  # EP: the largest per-rank count of routed slots, per MoE layer call
     prefetched: int = 0  # FSDP gathers that were started a layer early and consumed
+    ep_copies: tuple = ()  # EP balance: expert copies the plan made, per MoE layer call
+
+    @property
+    def loss(self) -> Tensor:
+        return self.terms["loss"]
+
+    @property
+    def mtp_losses(self) -> tuple:
+        return tuple(v for k, v in self.terms.items() if k.startswith("mtp_"))
+
+    @property
+    def aux_loss(self) -> Tensor:
+        return self.terms["aux"]
 
 
 @typing.no_type_check
-def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
-    """Forward and backward of the whole objective over all micro-batches; no update."""
+def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients:
+    """Forward and backward of the whole objective over all micro-batches; no update. ``terms``: the objective's
+    named terms (default ``default_terms``; see ``q38.train.objective``)."""
     mc, tc = state.model_config, state.train_config
+    terms = default_terms(mc, tc) if terms is None else tuple(terms)
     par = parallel_for(mesh, tc)
     depths = mc.mtp_num_layers
     mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
-    n_mb = len(mbs)
-    coef = mc.router_aux_loss_coef if tc.aux_loss_coef is None else tc.aux_loss_coef
     runtime = Runtime(
         gather=par.gather, wrap_layer=layer_wrapper(tc), dispatch=par.dispatch,
         prefetch=par.prefetch if getattr(par, "prefetch_enabled", False) else None,
     )
-
-    # Global normalisers, known before any forward (DESIGN.md decision 5).
-    n_main = par.all_reduce_sum(sum(count_targets(mb.targets) for mb in mbs))
-    n_mtp = [par.all_reduce_sum(sum(count_targets(mb.mtp_targets[d]) for mb in mbs)) for d in range(depths)]
+    bias = getattr(state, "router_bias", None)
 
     flat, spec = pytree.tree_flatten(state.params)
     leaves = [t.detach().requires_grad_(True) for t in flat]
@@ -135,63 +153,56 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
 
     def run(mb: StepBatch):
         info = par.seq_info(mb)
-        return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, runtime=runtime)
+        return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, runtime=runtime, router_bias=bias)
 
-    # Aux-loss expert counts: per (global) micro-batch, or for the whole step. With several micro-batches the
-    # step's counts need every micro-batch's routing first: one extra no-grad forward pass.
-    step_counts = None
-    if tc.aux_loss_scope == "global_batch" and n_mb > 1:
-        with torch.no_grad():
-            sts = [aux_stats(run(mb).router_logits, mb.aux_mask, mc.num_experts_per_tok) for mb in mbs]
-        step_counts = (par.all_reduce_sum(sum(s.counts for s in sts)), par.all_reduce_sum(sum(s.rows for s in sts)))
+    def count_routing(mb: StepBatch):  # aux counts of the whole step need every micro-batch's routing first
+        return expert_counts(routing(run(mb).router_logits, mc.num_experts_per_tok, bias), aux_mask(mb, tc))
+
+    # Global normalisers and aux tables, known before the forwards (DESIGN.md decision 5).
+    ctx = step_context(mbs, par, mc, tc, count_routing)
 
     grads = [None] * len(leaves)
-    main_sum = torch.zeros(())
-    mtp_sum = [torch.zeros(()) for _ in range(depths)]
-    aux_sum = torch.zeros(())
-    for mb in mbs:
+    sums = None  # {term name: Σ over micro-batches of this rank's partials}
+    load = None  # [moe layers, e] real-token expert counts, for router metrics and the router-bias update
+    for i, mb in enumerate(mbs):
         out = run(mb)
-        w_head = par.gather(head_weight(p))
-        main = lm_loss(out.hidden, w_head, mb.targets, n_main, tc)
-        objective = main
-        if depths:
-            mtp = [lm_loss(h, w_head, mb.mtp_targets[d], n_mtp[d], tc) for d, h in enumerate(out.mtp_hidden)]
-            objective = objective + tc.mtp_loss_scaling_factor * torch.stack(mtp).mean()
-        st = aux_stats(out.router_logits, mb.aux_mask, mc.num_experts_per_tok)
-        if step_counts is not None:
-            aux = aux_loss_partial(st, *step_counts)
-        else:  # this (global) micro-batch's counts; the micro_batch scope averages over micro-batches
-            aux = aux_loss_partial(st, par.all_reduce_sum(st.counts.detach()), par.all_reduce_sum(st.rows))
-            if tc.aux_loss_scope == "micro_batch":
-                aux = aux / n_mb
-        if coef:
-            objective = objective + coef * aux
-        g = torch.autograd.grad(objective, leaves, allow_unused=True)
+        routes = routing(out.router_logits, mc.num_experts_per_tok, bias)
+        ti = TermInput(out, mb, i, routes, par.gather(head_weight(p)), ctx, par, mc, tc)
+        values = {t.name: t.fn(ti) for t in terms}
+        g = torch.autograd.grad(total(values, terms), leaves, allow_unused=True)
         grads = [gi if acc is None else (acc if gi is None else acc + gi) for acc, gi in zip(grads, g)]
-        main_sum = main_sum + main.detach()
-        aux_sum = aux_sum + aux.detach()
-        for d in range(depths):
-            mtp_sum[d] = mtp_sum[d] + mtp[d].detach()
+        values = pytree.tree_map(lambda v: v.detach(), values)
+        sums = values if sums is None else pytree.tree_map(torch.add, sums, values)
+        mb_load = expert_counts(routes, mb.real_mask)
+        load = mb_load if load is None else load + mb_load
     grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
 
-    loss = par.all_reduce_sum(main_sum)
-    mtp_losses = tuple(par.all_reduce_sum(m) for m in mtp_sum)
-    aux_loss = par.all_reduce_sum(aux_sum)
-    objective = loss + (tc.mtp_loss_scaling_factor * torch.stack(mtp_losses).mean() if depths else 0.0)
-    objective = objective + coef * aux_loss
+    # One collective for every term and the router loads.
+    names = [t.name for t in terms]
+    packed = par.all_reduce_sum(torch.cat([torch.stack([sums[n].float() for n in names]), load.reshape(-1)]))
+    reduced = dict(zip(names, packed[: len(names)]))
+    router_load = packed[len(names) :].view_as(load)
     grad_norm = par.grad_sq_norm(grads).sqrt()
     loads = tuple(getattr(par.dispatch, "loads", ()) or ())
-    return Gradients(grads, loss, mtp_losses, aux_loss, objective, grad_norm, n_main, loads,
-                     getattr(par, "prefetched", 0))
+    copies = tuple(getattr(par.dispatch, "copies", ()) or ())
+    return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
+                     getattr(par, "prefetched", 0), copies)
+
+
+def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
+    """DeepSeek-V3 §2.1.2: each expert's selection bias rises by ``rate`` when its load in the step is below its
+    layer's mean and falls by ``rate`` when above (unchanged when equal). ``load``: ``[moe layers, e]`` global."""
+    load = load.to(bias)
+    return bias + rate * torch.sign(load.mean(-1, keepdim=True) - load)
 
 
 @typing.no_type_check
-def train_step(params: TrainState, batch, mesh=None) -> tuple[TrainState, Metrics]:
+def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainState, Metrics]:
     """One optimizer step on ``batch`` (dict with ``input_ids``, ``labels``, optional ``doc_ids``, or a ``StepBatch``
     from ``q38.parallel.shard_batch``). ``params`` is the ``TrainState``; ``mesh`` is None or a q38 mesh."""
     state = params
     tc = state.train_config
-    r = loss_and_grads(state, batch, mesh)
+    r = loss_and_grads(state, batch, mesh, terms)
     grads, loss, mtp_losses, aux_loss, objective, grad_norm, n_main = (
         r.grads, r.loss, r.mtp_losses, r.aux_loss, r.objective, r.grad_norm, r.tokens
     )
@@ -205,7 +216,8 @@ def train_step(params: TrainState, batch, mesh=None) -> tuple[TrainState, Metric
                 f"non-finite loss or gradient at step {step} (loss={float(loss)}, grad_norm={float(grad_norm)}); "
                 "lower the learning rate, check the data, or set nan_policy: skip"
             )
-        metrics = Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, skipped=True)
+        metrics = Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, skipped=True,
+                          terms=r.terms, router_load=r.router_load)
         return attrs.evolve(state, step=state.step + 1), metrics
 
     scale = 1.0
@@ -219,7 +231,11 @@ def train_step(params: TrainState, batch, mesh=None) -> tuple[TrainState, Metric
         exp_avg_sq=pytree.tree_unflatten(new_v, spec),
         step=state.step + 1,
     )
-    return new_state, Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main)
+    if getattr(state, "router_bias", None) is not None:
+        new_state = attrs.evolve(new_state, router_bias=update_router_bias(state.router_bias, r.router_load,
+                                                                           tc.router_bias_rate))
+    return new_state, Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, terms=r.terms,
+                              router_load=r.router_load)
 
 
 @torch.no_grad()

@@ -390,10 +390,16 @@ def known_peak_flops(device: str, dtype: str) -> float | None:
     return next((v for k, v in PEAK_FLOPS_16BIT.items() if k in name), None)
 
 
-def format_metrics(step: int, m: dict, tput: Throughput, step_time: float | None = None) -> str:
-    parts = [f"step {step}", f"loss {m['loss']:.4f}"]
-    parts += [f"{k} {m[k]:.4f}" for k in sorted(m) if k.startswith("mtp_")]
-    parts += [f"aux {m['aux']:.4f}", f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
+def format_metrics(step: int, m: dict, tput: Throughput, step_time: float | None = None,
+                   terms: list[str] | None = None) -> str:
+    """One progress line: the objective's terms by name (default: loss, mtp_<d>, aux), grad norm, LR, the worst
+    MoE layer's max/mean expert load and the count of idle experts, time, throughput."""
+    if terms is None:
+        terms = ["loss", *sorted(k for k in m if k.startswith("mtp_")), "aux"]
+    parts = [f"step {step}", *(f"{k} {m[k]:.4f}" for k in terms)]
+    parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
+    if "router_max_mean" in m:
+        parts.append(f"load {m['router_max_mean']:.2f}x idle {m['router_idle']}")
     if step_time is not None:
         parts.append(f"{step_time:.2f}s")
     tps = tput.tokens_per_s
@@ -706,21 +712,19 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                 records.append(rec)
                 if lead:
                     write_jsonl(metrics_path, rec)
-                    if tb is not None:
-                        for k in ("loss", "aux", "grad_norm", "lr", "tokens_per_s", "mfu", *[f"mtp_{i}" for i in
-                                                                                               range(1, depths + 1)]):
-                            if rec.get(k) is not None:
-                                tb.add_scalar(f"train/{k}", rec[k], step)
-                        for k in [k for k in rec if k.startswith("eval_") and k != "eval_tokens"]:
-                            tb.add_scalar(f"eval/{k[5:]}", rec[k], step)
+                    if tb is not None:  # every number of the record, under the same names as metrics.jsonl
+                        for k, v in rec.items():
+                            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                                tb.add_scalar(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}", v, step)
                     bar.update(1)
                     bar.set_postfix(loss=f"{m['loss']:.3f}", aux=f"{m['aux']:.3f}",
+                                    **({"load": f"{m['router_max_mean']:.2f}x"} if "router_max_mean" in m else {}),
                                     **({"eval": f"{m['eval_loss']:.3f}"} if "eval_loss" in m else {}))
                     if m["skipped"]:
                         log(f"step {step}: non-finite loss or gradient (loss={m['loss']}, grad_norm="
                             f"{m['grad_norm']}); update skipped (train.nan_policy: skip)")
                     if step % cfg.run.log_every == 0 or step == start + 1 or step == cfg.run.steps or "eval_loss" in m:
-                        log(format_metrics(step, m, tput, dt))
+                        log(format_metrics(step, m, tput, dt, terms=list(metrics.terms) or None))
                 if on_step is not None:
                     on_step(rec)
                 stopping = _any_rank(int(stop.signum or 0), device)
