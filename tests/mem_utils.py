@@ -1,7 +1,7 @@
 """Peak live tensor bytes of a CPU computation, measured like an allocator would see them.
 
 A ``TorchDispatchMode`` sees every tensor every aten op returns (forward, autograd backward, collectives' buffers);
-each distinct storage is counted from its first appearance until Python frees it (a ``weakref.finalize`` on the
+each distinct storage (a DTensor's local shard) is counted from its first appearance until Python frees it (a ``weakref.finalize`` on the
 storage). Tensors alive before the mode starts (parameters, optimizer state) are registered up front. Views and
 in-place results share their storage and are counted once. This is independent of q38's planner: it knows nothing
 about layers, layouts or the model.
@@ -23,9 +23,10 @@ class PeakMemory(TorchDispatchMode):
         self.timeline: list[tuple[str, int]] = []
         for t in pytree.tree_leaves(existing):
             if isinstance(t, torch.Tensor):
-                self._track(getattr(t, "_local_tensor", t))
+                self._track(t)
 
     def _track(self, t: torch.Tensor) -> None:
+        t = getattr(t, "_local_tensor", t)  # a DTensor: its local shard
         if t.device.type == "meta":
             return
         st = t.untyped_storage()

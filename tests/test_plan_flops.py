@@ -74,7 +74,7 @@ SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_ke
 
 
 @pytest.mark.parametrize("preset,recompute,mb", [
-    ("tiny", "none", 1),
+    pytest.param("tiny", "none", 1, marks=pytest.mark.slow),  # 10-25 s each on the shared machine
     pytest.param("tiny", "full", 1, marks=pytest.mark.slow),
     pytest.param("tiny", "selective_gdn", 2, marks=pytest.mark.slow),
     pytest.param("small", "none", 1, marks=pytest.mark.slow),

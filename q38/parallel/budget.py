@@ -194,9 +194,21 @@ def layer_activations(cfg: ModelConfig, kind: str, rows: float, seq: int, *, act
 
 @attrs.frozen
 class Item:
+    """One line of the memory budget. Items of a ``transient`` group are alive at different moments of the step
+    (the loss backward, one layer's backward): the phase total counts only the largest group."""
+
     name: str
     bytes: float
     note: str = ""
+    transient: str = ""
+
+
+def phase_total(items) -> float:
+    groups: dict[str, float] = {}
+    for it in items:
+        if it.transient:
+            groups[it.transient] = groups.get(it.transient, 0.0) + it.bytes
+    return sum(it.bytes for it in items if not it.transient) + max(groups.values(), default=0.0)
 
 
 @attrs.frozen
@@ -235,11 +247,11 @@ class Budget:
 
     @property
     def peak_fwd_bwd(self) -> float:
-        return sum(i.bytes for i in self.memory)
+        return phase_total(self.memory)
 
     @property
     def peak_optimizer(self) -> float:
-        return sum(i.bytes for i in self.optimizer_phase)
+        return phase_total(self.optimizer_phase)
 
     @property
     def peak_bytes(self) -> float:
@@ -427,11 +439,12 @@ def estimate(
     elif gathered_layers:
         depth = 2 if prefetch else 1
         memory.append(Item("gathered params (transient)", depth * largest_layer * cbytes,
-                           f"{'current + prefetched' if prefetch else 'current'} layer, compute form"))
+                           f"{'current + prefetched' if prefetch else 'current'} layer, compute form", "layer"))
     memory.append(Item("layer backward working set", working, "recomputed layer + gradients of its widest tensors"
-                       if recompute != "none" else "gradients of the widest saved tensors"))
+                       if recompute != "none" else "gradients of the widest saved tensors", "layer"))
     memory.append(Item("model edges", model_extra, "embedding output, final norm, MTP block"))
-    memory.append(Item("loss workspace", loss_ws, f"chunked CE: {chunk_logits:,.0f} logits live + hidden rows"))
+    memory.append(Item("loss workspace", loss_ws, f"chunked CE: {chunk_logits:,.0f} logits live + hidden rows",
+                       "loss"))
     if ep > 1:
         e_local = math.ceil(cfg.num_experts / ep)
         recv = n_mb * cfg.num_experts_per_tok * d * act * 2
@@ -439,11 +452,11 @@ def estimate(
                            f" routed rows ({e_local} local experts)"))
         if ep_balance:
             memory.append(Item("EP-balance duplicate experts", max_dup_experts * 3 * d * cfg.moe_intermediate_size
-                               * cbytes * 2, f"{max_dup_experts} copied experts per rank (weights + gradients)"))
+                               * cbytes * 2, f"{max_dup_experts} copied experts per rank (weights + gradients)",
+                               "layer"))
     if cp > 1:
-        n_attn = sum(1 for k in kinds if k == "full_attention")
         memory.append(Item("CP buffers", 2 * n_mb * cp * cfg.num_key_value_heads * cfg.head_dim * act * 2
-                           + n_attn * 0, "gathered keys/values of the layer in flight (+ gradient)"))
+                           , "gathered keys/values of the layer in flight (+ gradient)", "layer"))
 
     opt = [
         Item("master weights", numel * mst),
@@ -537,8 +550,9 @@ def format_budget(b: Budget) -> str:
         "peak memory per rank (fullest rank), forward/backward phase",
     ]
     for it in b.memory:
-        lines.append(f"  {it.name:<32}{_fmt_bytes(it.bytes):>14}   {it.note}")
-    lines.append(f"  {'total':<32}{_fmt_bytes(b.peak_fwd_bwd):>14}")
+        tag = f" [transient: {it.transient}]" if it.transient else ""
+        lines.append(f"  {it.name:<32}{_fmt_bytes(it.bytes):>14}   {it.note}{tag}")
+    lines.append(f"  {'total':<32}{_fmt_bytes(b.peak_fwd_bwd):>14}   (persistent + the largest transient group)")
     lines.append(f"optimizer phase total {_fmt_bytes(b.peak_optimizer)}; peak {_fmt_bytes(b.peak_bytes)} "
                  f"in the {b.peak_phase}")
     f = b.flops
