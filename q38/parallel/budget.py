@@ -94,10 +94,19 @@ class Hardware:
         if bad:
             raise ConfigError(f"{path}: unknown hardware key(s) {bad}; valid keys: {', '.join(fields)}")
         raw["sources"] = tuple(raw.get("sources") or ())
-        try:
-            return cls(**raw)
-        except TypeError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        missing = [f for f in fields if f not in raw and f != "sources"]
+        if missing:
+            raise ConfigError(f"{path}: missing hardware key(s) {missing}")
+        for f in fields:
+            if f in ("name", "sources"):
+                continue
+            try:  # YAML 1.1 reads 989.0e12 (no exponent sign) as a string
+                raw[f] = int(raw[f]) if f == "devices_per_node" else float(raw[f])
+            except (TypeError, ValueError):
+                raise ConfigError(f"{path}: {f} must be a number, got {raw[f]!r}") from None
+            if raw[f] <= 0:
+                raise ConfigError(f"{path}: {f} must be > 0, got {raw[f]!r}")
+        return cls(**raw)
 
     def peak(self, compute_dtype: str) -> float:
         return self.peak_fp32_flops if _nbytes(compute_dtype) == 4 else self.peak_bf16_flops
@@ -120,7 +129,7 @@ class LayerActivations:
         return self.core + self.rest
 
 
-def _moe_saved(cfg: ModelConfig, n: float, act: int, ep: int, ep_balance: bool) -> tuple[float, float]:
+def _moe_saved(cfg: ModelConfig, n: float | int, act: int, ep: int, ep_balance: bool) -> tuple[float, float]:
     """Router, routed experts (grouped matmul path), shared expert. Returns (bytes, widest)."""
     d, e, k, f, fs = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                       cfg.shared_expert_intermediate_size)
@@ -132,7 +141,7 @@ def _moe_saved(cfg: ModelConfig, n: float, act: int, ep: int, ep_balance: bool) 
     return elems * act + ints, m * 2 * f * act
 
 
-def _attention_saved(cfg: ModelConfig, n: float, act: int, cp: int, kernel: bool) -> tuple[float, float, float]:
+def _attention_saved(cfg: ModelConfig, n: float | int, act: int, cp: int, kernel: bool) -> tuple[float, float, float]:
     """(core, rest, widest) bytes. ``kernel``: flash SDPA saves q, k, v, out and the logsumexp (same set as the CPU
     flash op); k and v are repeated to all query heads before the call (as the layer does)."""
     h, g, c, rd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
@@ -144,7 +153,7 @@ def _attention_saved(cfg: ModelConfig, n: float, act: int, cp: int, kernel: bool
     return core, rest, n * h * c * cp * act
 
 
-def _gdn_saved(cfg: ModelConfig, rows: float, seq: int, act: int, cp: int, kernel: bool) -> tuple[float, float, float]:
+def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int, kernel: bool) -> tuple[float, float, float]:
     """(core, rest, widest) bytes of a Gated DeltaNet layer's mixer. ``kernel=False``: the chunked torch
     reference, everything fp32 (the list of tensors it saves, by shape); ``kernel=True``: fla's chunk kernel, which
     saves its inputs (q, k, v, g, beta), the per-chunk ``A`` matrix and the output."""
@@ -173,13 +182,13 @@ def _gdn_saved(cfg: ModelConfig, rows: float, seq: int, act: int, cp: int, kerne
     return core, rest, widest
 
 
-def layer_activations(cfg: ModelConfig, kind: str, rows: float, seq: int, *, act_bytes: int, cp: int = 1,
-                      ep: int = 1, ep_balance: bool = False) -> LayerActivations:
+def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, *, act_bytes: int, cp: int = 1,
+                      ep: int = 1, ep_balance: bool = False, gdn_kernel: bool | None = None) -> LayerActivations:
     """Saved bytes of one decoder layer (``kind``: ``full_attention`` | ``linear_attention``) for ``rows`` rows of
     ``seq`` local tokens. Norms and residual stream included."""
     n = rows * seq
     d = cfg.hidden_size
-    kernel_gdn = cfg.gdn_implementation != "torch"
+    kernel_gdn = getattr(cfg, "gdn_implementation", "torch") != "torch" if gdn_kernel is None else gdn_kernel
     if kind == "full_attention":
         core, rest, widest = _attention_saved(cfg, n, act_bytes, cp, kernel=True)
     else:
@@ -291,57 +300,30 @@ class Budget:
         return max(terms.items(), key=lambda kv: kv[1])[0]
 
 
-def _group_link(mesh: Mapping[str, int], dim: str, devices_per_node: int) -> str:
-    """``intra`` when every group of ``dim`` lies inside one node (ranks numbered row-major over the mesh)."""
-    names = list(mesh)
-    stride = math.prod(mesh[n] for n in names[names.index(dim) + 1:])
-    return "intra" if stride * mesh[dim] <= devices_per_node else "inter"
+@attrs.frozen
+class ParamStats:
+    """What the parameters cost on a mesh, independent of batch, recompute and hardware (computed once per mesh)."""
+
+    numel: int  # parameters on the fullest rank
+    largest_shard: int
+    largest_layer: int  # compute-form elements of the largest layer (fullest rank)
+    gathered_layers: int  # compute − local elements over all layers
+    gather_dim: dict  # mesh dim → elements received per forward gather
+    gather_prefetchable: dict
+    layer_gather: dict
+    allreduce_dim: dict
 
 
-def estimate(
-    cfg: ModelConfig,
-    layout: Layout,
-    world: int,
-    *,
-    seq_len: int,
-    rows_per_rank: int,
-    micro_batches: int = 1,
-    recompute: str = "none",
-    param_dtype: str = "bf16",
-    reduce_dtype: str = "fp32",
-    master_dtype: str = "fp32",
-    offload_activations: bool = False,
-    prefetch: bool = True,
-    loss_chunk_tokens: int | None = 1024,
-    loss_chunk_budget_bytes: int | None = None,
-    ep_balance: bool = False,
-    max_dup_experts: int = 2,
-    aux_global: bool = True,
-    hardware: Hardware | None = None,
-    model_name: str | None = None,
-    placements=None,
-) -> Budget:
-    """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
-    data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
-    ``reduce_dtype``: gradients; ``master_dtype``: stored weights (AdamW moments are fp32)."""
-    from q38.model import abstract_params
+_STATS_CACHE: dict = {}
 
-    if recompute not in RECOMPUTE_MODES:
-        raise ConfigError(f"recompute mode must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    mesh = layout.resolve_mesh(world)
-    if placements is None:
-        placements = layout.placements(abstract_params(cfg), mesh)
+
+def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamStats:
+    ck = (id(placements), tuple(mesh.items()), prefetch)
+    hit = _STATS_CACHE.get(ck)
+    if hit is not None and hit[0] is placements:
+        return hit[1]
     sizes = list(mesh.values())
     names = list(mesh)
-    cp, ep = mesh.get("cp", 1), mesh.get("ep", 1)
-    if seq_len % cp:
-        raise ConfigError(f"seq_len {seq_len} is not divisible by the layout's cp size {cp}")
-    if rows_per_rank % micro_batches:
-        raise ConfigError(f"{rows_per_rank} rows per rank do not split into {micro_batches} micro-batches")
-    seq = seq_len // cp
-    act, red, mst, cbytes = _nbytes(param_dtype), _nbytes(reduce_dtype), _nbytes(master_dtype), _nbytes(param_dtype)
-
-    # ---- parameters: per-rank shards, compute forms, per-dim gather volumes -----------------------------------
     cache: dict = {}
 
     def grid(pp, compute):
@@ -387,13 +369,77 @@ def estimate(
     largest_layer = max(layer_compute.values(), default=0)
     gathered_layers = sum(layer_compute[k] - layer_local[k] for k in layer_compute)
 
+    stats = ParamStats(numel, max((int(grid(pp, False).max()) for pp in placements.values()), default=0),
+                       largest_layer, gathered_layers, gather_dim, gather_prefetchable, layer_gather, allreduce_dim)
+    if len(_STATS_CACHE) > 64:
+        _STATS_CACHE.clear()
+    _STATS_CACHE[ck] = (placements, stats)
+    return stats
+
+
+def _group_link(mesh: Mapping[str, int], dim: str, devices_per_node: int) -> str:
+    """``intra`` when every group of ``dim`` lies inside one node (ranks numbered row-major over the mesh)."""
+    names = list(mesh)
+    stride = math.prod(mesh[n] for n in names[names.index(dim) + 1:])
+    return "intra" if stride * mesh[dim] <= devices_per_node else "inter"
+
+
+def estimate(
+    cfg: ModelConfig,
+    layout: Layout,
+    world: int,
+    *,
+    seq_len: int,
+    rows_per_rank: int,
+    micro_batches: int = 1,
+    recompute: str = "none",
+    param_dtype: str = "bf16",
+    reduce_dtype: str = "fp32",
+    master_dtype: str = "fp32",
+    offload_activations: bool = False,
+    prefetch: bool = True,
+    loss_chunk_tokens: int | None = 1024,
+    loss_chunk_budget_bytes: int | None = None,
+    ep_balance: bool = False,
+    max_dup_experts: int = 2,
+    aux_global: bool = True,
+    hardware: Hardware | None = None,
+    model_name: str | None = None,
+    placements=None,
+    gdn_kernel: bool | None = None,
+) -> Budget:
+    """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
+    data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
+    ``reduce_dtype``: gradients; ``master_dtype``: stored weights (AdamW moments are fp32). ``gdn_kernel``: True
+    for fla's GDN kernel, False for the torch reference; None: the model config's ``gdn_implementation``."""
+    from q38.model import abstract_params
+
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute mode must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    mesh = layout.resolve_mesh(world)
+    if placements is None:
+        placements = layout.placements(abstract_params(cfg), mesh)
+    names = list(mesh)
+    cp, ep = mesh.get("cp", 1), mesh.get("ep", 1)
+    if seq_len % cp:
+        raise ConfigError(f"seq_len {seq_len} is not divisible by the layout's cp size {cp}")
+    if rows_per_rank % micro_batches:
+        raise ConfigError(f"{rows_per_rank} rows per rank do not split into {micro_batches} micro-batches")
+    seq = seq_len // cp
+    act, red, mst, cbytes = _nbytes(param_dtype), _nbytes(reduce_dtype), _nbytes(master_dtype), _nbytes(param_dtype)
+
+    ps = param_stats(placements, mesh, prefetch)
+    numel, largest_layer, gathered_layers = ps.numel, ps.largest_layer, ps.gathered_layers
+    gather_dim, gather_prefetchable, layer_gather, allreduce_dim = (
+        ps.gather_dim, ps.gather_prefetchable, ps.layer_gather, ps.allreduce_dim)
+
     # ---- activations ----------------------------------------------------------------------------------------
     rows_mb = rows_per_rank / micro_batches
     n_mb = rows_mb * seq
     d = cfg.hidden_size
     kinds = list(cfg.layer_types) + ["full_attention"] * cfg.mtp_num_layers
-    acts = [layer_activations(cfg, k, rows_mb, seq, act_bytes=act, cp=cp, ep=ep, ep_balance=ep_balance)
-            for k in kinds]
+    acts = [layer_activations(cfg, k, rows_mb, seq, act_bytes=act, cp=cp, ep=ep, ep_balance=ep_balance,
+                              gdn_kernel=gdn_kernel) for k in kinds]
     keep_attn = recompute in ("selective_attention", "selective_both")
     keep_gdn = recompute in ("selective_gdn", "selective_both")
     if recompute == "none":
@@ -463,7 +509,7 @@ def estimate(
         Item("optimizer moments", numel * 8),
         Item("gradients", numel * red),
         Item("new weights and moments", numel * (mst + 8), "the functional AdamW returns new tensors"),
-        Item("update temporaries", max(int(grid(pp, False).max()) for pp in placements.values()) * 4 * 4,
+        Item("update temporaries", ps.largest_shard * 4 * 4,
              "per-parameter fp32 temporaries of the largest shard"),
     ]
 
@@ -472,10 +518,10 @@ def estimate(
                     aux_global=aux_global, causal_skip=True)
     comm: list[CommTerm] = []
     hw = hardware
-    peak = hw.peak(param_dtype) * 1.0 if hw else None
+    peak = hw.peak(param_dtype) if hw else None
     compute_s = fl.executed / (peak * hw.achievable_fraction) if hw else 0.0
 
-    def add(coll: str, dim: str, nbytes: float, overlapped: bool = False) -> None:
+    def add(coll: str, dim: str, nbytes: float | int, overlapped: bool = False) -> None:
         if nbytes <= 0:
             return
         link = _group_link(mesh, dim, hw.devices_per_node) if hw else "intra"
@@ -529,14 +575,14 @@ def _layer_key(path: str) -> str:
 # ---- formatting -------------------------------------------------------------------------------------------------
 
 
-def _fmt_bytes(n: float) -> str:
+def _fmt_bytes(n: float | int) -> str:
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:,.2f} {unit}"
     return f"{n:,.0f} B"
 
 
-def _fmt_s(s: float) -> str:
+def _fmt_s(s: float | int) -> str:
     return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
 
 
