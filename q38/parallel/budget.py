@@ -117,12 +117,15 @@ class Hardware:
 
 @attrs.frozen
 class LayerActivations:
-    """Bytes autograd saves for one layer over one micro-batch, split into the kernel core (what selective
-    recompute can keep) and the rest; ``widest``: the largest single saved tensor (backward working set)."""
+    """Bytes autograd saves for one layer over one micro-batch, split into the mixer core and the rest;
+    ``kept``: what selective recompute stores for the layer (the outputs of the ops inside the kernel region:
+    every intermediate of the torch GDN reference, the output (and logsumexp) of a fused kernel);
+    ``widest``: the largest single saved tensor (backward working set)."""
 
     core: float
     rest: float
     widest: float
+    kept: float = 0.0
 
     @property
     def total(self) -> float:
@@ -191,11 +194,13 @@ def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, 
     kernel_gdn = getattr(cfg, "gdn_implementation", "torch") != "torch" if gdn_kernel is None else gdn_kernel
     if kind == "full_attention":
         core, rest, widest = _attention_saved(cfg, n, act_bytes, cp, kernel=True)
+        kept = n * cfg.num_attention_heads * (cfg.head_dim * act_bytes + 4)  # SDPA is one op: out + logsumexp
     else:
         core, rest, widest = _gdn_saved(cfg, rows, seq, act_bytes, cp, kernel=kernel_gdn)
+        kept = core if not kernel_gdn else n * cfg.linear_value_dim * act_bytes
     moe, moe_w = _moe_saved(cfg, n, act_bytes, ep, ep_balance)
     common = (6 * n * d) * act_bytes + 2 * n * 4  # norm outputs, residual stream, rsqrt
-    return LayerActivations(core=core, rest=rest + moe + common, widest=max(widest, moe_w))
+    return LayerActivations(core=core, rest=rest + moe + common, widest=max(widest, moe_w), kept=kept)
 
 
 # ---- the budget -------------------------------------------------------------------------------------------------
@@ -447,7 +452,7 @@ def estimate(
         working = max(a.widest for a in acts) * 2 + 2 * n_mb * d * act
         saved_note = f"{len(kinds)} layers × saved tensors"
     else:
-        kept = sum(a.core for a, k in zip(acts, kinds)
+        kept = sum(a.kept for a, k in zip(acts, kinds)
                    if (k == "full_attention" and keep_attn) or (k == "linear_attention" and keep_gdn))
         saved = len(kinds) * n_mb * d * act + kept
         working = max(a.total + a.widest for a in acts) + 2 * n_mb * d * act
