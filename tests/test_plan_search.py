@@ -73,3 +73,21 @@ def test_written_layout_yaml_is_plain_data(tmp_path, monkeypatch, capsys):
     lay = next(p for p in (tmp_path / "o").iterdir() if p.name != "train.yaml")
     d = yaml.safe_load(lay.read_text())
     assert set(d) <= {"include", "name", "mesh", "uneven"} and d["include"].endswith(".yaml")
+
+
+def test_prefetch_overlap_follows_the_runtime_rule():
+    """MeshParallel.prefetch starts a gather early only for a parameter gathered over exactly one mesh dim: pure
+    fsdp layouts overlap all their forward gathers; under fsdp × ep the dense weights (gathered over fsdp and ep) are
+    synchronous and only the experts (gathered over fsdp, EP-local) are prefetched."""
+    from q38.parallel.budget import estimate
+    from q38.parallel.layout import Layout
+
+    cfg = ModelConfig.preset("tiny")
+    hw = Hardware.load("h200")
+    one = estimate(cfg, Layout.preset("fsdp"), 4, seq_len=128, rows_per_rank=1, hardware=hw)
+    two = estimate(cfg, Layout.preset("fsdp_ep").with_mesh(fsdp=2, ep=2), 4, seq_len=128, rows_per_rank=1,
+                   hardware=hw)
+    fwd = lambda b: {(t.mesh_dim, t.overlapped) for t in b.comm if t.collective.startswith("all-gather fwd")}  # noqa
+    assert fwd(one) == {("fsdp", True)}
+    assert fwd(two) == {("fsdp", True), ("fsdp", False), ("ep", False)}
+    assert not any(t.collective.startswith("reduce-scatter") and t.overlapped for t in one.comm)

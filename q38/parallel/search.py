@@ -195,8 +195,10 @@ def add_budget_args(ap) -> None:
     ap.add_argument("--global-batch", type=int, help="sequences per step over all data-parallel ranks")
     ap.add_argument("--micro-batches", type=int, help="micro-batches per step")
     ap.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute mode")
-    ap.add_argument("--param-dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="compute/gather dtype")
-    ap.add_argument("--reduce-dtype", default="fp32", choices=("bf16", "fp32"), help="gradient reduce dtype")
+    ap.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32"),
+                    help="compute/gather dtype (default: the run config's train.param_dtype, else bf16)")
+    ap.add_argument("--reduce-dtype", choices=("bf16", "fp32"),
+                    help="gradient reduce dtype (default: the run config's train.reduce_dtype, else fp32)")
     ap.add_argument("--gdn-kernel", choices=("fla", "torch"), help="GDN implementation to plan activations for "
                                                                    "(default: the model config's)")
     ap.add_argument("--search", action="store_true", help="search layouts for --world ranks of --hardware")
@@ -216,6 +218,13 @@ def _train_defaults(ns, model_arg: str) -> tuple[dict, str | None]:
         raise ConfigError(f"--train {path}: file not found")
     raw = yaml.safe_load(Path(path).read_text()) or {}
     return raw, path
+
+
+def _dtype_name(x: str) -> str:
+    names = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+    if str(x) not in names:
+        raise ConfigError(f"unknown dtype {x!r}; use one of bf16, fp16, fp32")
+    return names[str(x)]
 
 
 def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
@@ -243,7 +252,8 @@ def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
         recompute = "none" if src is not None or not ns.search else "full"
     micro = ns.micro_batches or int(train.get("micro_batches", 1))
     hw = Hardware.load(ns.hardware) if ns.hardware else None
-    kw = dict(param_dtype=ns.param_dtype, reduce_dtype=ns.reduce_dtype,
+    kw = dict(param_dtype=_dtype_name(ns.param_dtype or train.get("param_dtype") or "bf16"),
+              reduce_dtype=_dtype_name(ns.reduce_dtype or train.get("reduce_dtype") or "fp32"),
               gdn_kernel=None if ns.gdn_kernel is None else ns.gdn_kernel == "fla",
               ep_balance=bool(train.get("enable_ep_balance", False)),
               max_dup_experts=int(train.get("max_dup_experts_num", 2)),
