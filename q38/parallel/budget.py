@@ -312,6 +312,7 @@ class ParamStats:
     numel: int  # parameters on the fullest rank
     largest_shard: int
     largest_layer: int  # compute-form elements of the largest layer (fullest rank)
+    largest_layer_local: int  # stored elements of the largest layer (fullest rank)
     gathered_layers: int  # compute − local elements over all layers
     gather_dim: dict  # mesh dim → elements received per forward gather
     gather_prefetchable: dict
@@ -375,7 +376,7 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
     gathered_layers = sum(layer_compute[k] - layer_local[k] for k in layer_compute)
 
     stats = ParamStats(numel, max((int(grid(pp, False).max()) for pp in placements.values()), default=0),
-                       largest_layer, gathered_layers, gather_dim, gather_prefetchable, layer_gather, allreduce_dim)
+                       largest_layer, max(layer_local.values(), default=0), gathered_layers, gather_dim, gather_prefetchable, layer_gather, allreduce_dim)
     if len(_STATS_CACHE) > 64:
         _STATS_CACHE.clear()
     _STATS_CACHE[ck] = (placements, stats)
@@ -482,15 +483,16 @@ def estimate(
     memory.append(Item("activations (saved)", saved_dev,
                        saved_note + (" — offloaded to host" if offload_activations else "")
                        + f"; {rows_mb:g} rows × {seq} tokens per micro-batch"))
-    if param_dtype != master_dtype:
-        memory.append(Item("compute-dtype copy of shards", numel * act, f"{param_dtype} cast before the gather"))
+    if param_dtype != master_dtype:  # each layer's shards are cast just before its gather (FSDP2's policy)
+        memory.append(Item("compute-dtype copy of shards", ps.largest_layer_local * act,
+                           f"{param_dtype} cast of the layer's shards before the gather", "layer"))
     if recompute == "none" and gathered_layers:
         memory.append(Item("gathered params (held)", gathered_layers * cbytes,
                            "every layer's gathered weights, saved for its backward (no recompute)"))
     elif gathered_layers:
-        depth = 2 if prefetch else 1
-        memory.append(Item("gathered params (transient)", depth * largest_layer * cbytes,
-                           f"{'current + prefetched' if prefetch else 'current'} layer, compute form", "layer"))
+        ahead = any(v > 0 for v in gather_prefetchable.values())
+        memory.append(Item("gathered params (transient)", (2 if ahead else 1) * largest_layer * cbytes,
+                           f"{'current + prefetched' if ahead else 'current'} layer, compute form", "layer"))
     memory.append(Item("layer backward working set", working, "recomputed layer + gradients of its widest tensors"
                        if recompute != "none" else "gradients of the widest saved tensors", "layer"))
     memory.append(Item("model edges", model_extra, "embedding output, final norm, MTP block"))
@@ -500,14 +502,14 @@ def estimate(
         e_local = math.ceil(cfg.num_experts / ep)
         recv = n_mb * cfg.num_experts_per_tok * d * act * 2
         memory.append(Item("EP receive buffers", recv, f"dispatch + combine of {n_mb * cfg.num_experts_per_tok:,.0f}"
-                           f" routed rows ({e_local} local experts)"))
+                           f" routed rows ({e_local} local experts), the layer in flight", "layer"))
         if ep_balance:
             memory.append(Item("EP-balance duplicate experts", max_dup_experts * 3 * d * cfg.moe_intermediate_size
                                * cbytes * 2, f"{max_dup_experts} copied experts per rank (weights + gradients)",
                                "layer"))
     if cp > 1:
-        memory.append(Item("CP buffers", 2 * n_mb * cp * cfg.num_key_value_heads * cfg.head_dim * act * 2
-                           , "gathered keys/values of the layer in flight (+ gradient)", "layer"))
+        memory.append(Item("CP buffers", 2 * n_mb * cp * cfg.num_key_value_heads * cfg.head_dim * act * 2,
+                           "gathered keys/values of the layer in flight (+ gradient)", "layer"))
 
     opt = [
         Item("master weights", numel * mst),
