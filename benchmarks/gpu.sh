@@ -11,3 +11,6 @@ python3 benchmarks/gdn_kernel.py 2>&1 | tee "$out/gdn_kernel.txt" || echo "step 
 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320 2>&1 | tee "$out/loss.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
 PYTHONPATH="$PWD" python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 2>&1 | tee "$out/model_torch_gdn.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --gdn fla 2>&1 | tee "$out/model_fla_gdn.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
+# q38 plan: predicted vs measured one-GPU step time and peak memory (issue 13); not yet run
+python3 benchmarks/plan_step.py --device cuda --dtype bfloat16 --hardware h200 --gdn fla --repeats 5 2>&1 | tee "$out/plan_step.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
+python3 benchmarks/plan_step.py --device cuda --dtype bfloat16 --hardware h200 --gdn fla --recompute --repeats 5 2>&1 | tee "$out/plan_step_recompute.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"

@@ -349,17 +349,24 @@ def plan_cli(args: list[str]) -> int:
 
     ap = OneLineParser(prog="q38 plan", description="Per-rank memory and FSDP traffic of a layout.")
     ap.add_argument("--model", required=True, help="model preset name, q38 YAML, HF config.json or checkpoint dir")
-    ap.add_argument("--layout", required=True, help="parallel layout preset name or YAML path")
+    ap.add_argument("--layout", help="parallel layout preset name or YAML path (optional with --search)")
     ap.add_argument("--world", type=int, required=True, help="number of ranks (WORLD_SIZE)")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="parameter and gradient dtype")
     ap.add_argument("--optimizer-states", type=int, default=2, help="fp32 optimizer values per parameter")
     ap.add_argument("--mesh", default="", help="override mesh sizes, e.g. ep=8,cp=2")
+    from q38.parallel.search import add_budget_args, budget_cli
+
+    add_budget_args(ap)
     try:
         ns = ap.parse_args(args)
     except SystemExit as e:
         return int(e.code or 0)
     try:
         cfg = ModelConfig.load(ns.model)
+        if ns.layout is None:
+            if not ns.search:
+                raise LayoutError("--layout is required (a preset name or YAML path), unless --search finds one")
+            return budget_cli(ns, cfg, None)
         layout = Layout.load(ns.layout)
         if ns.mesh:
             try:
@@ -371,6 +378,10 @@ def plan_cli(args: list[str]) -> int:
             cfg, layout, ns.world, param_dtype=DTYPES[ns.dtype], optimizer_state_factor=ns.optimizer_states,
             model_name=str(ns.model),
         )
+        if ns.search or ns.hardware or ns.seq_len or ns.recompute:
+            print(format_plan(report))
+            print()
+            return budget_cli(ns, cfg, layout)
     except (LayoutError, ConfigError) as e:
         print(f"q38 plan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

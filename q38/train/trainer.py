@@ -368,12 +368,11 @@ class Throughput:
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """6 · active params (+ MTP) + attention score FLOPs (12 · layers · heads · head_dim · seq / 2 causal)."""
-    from q38.model import count_params
+    """Model FLOPs per trained token (MFU's numerator): q38.flops, the formula ``q38 plan`` predicts step time with
+    (matmuls of every layer, causal attention, the GDN chunk algorithm and the LM head per depth; fwd + bwd)."""
+    from q38.flops import train_flops_per_token
 
-    c = count_params(cfg)
-    attn = 12 * (cfg.num_full_layers + cfg.mtp_num_layers) * cfg.num_attention_heads * cfg.head_dim * seq_len / 2
-    return 6 * (c.active + c.mtp_active) + attn
+    return train_flops_per_token(cfg, seq_len)
 
 
 # Dense bf16 / fp16 peak FLOP/s per device (vendor datasheets); MFU is shown only for these, or with run.peak_flops.

@@ -1,0 +1,126 @@
+"""Matmul FLOPs of one training step, from the model config alone: the one formula MFU (``q38 train``) and the step
+time predictor (``q38 plan``) share.
+
+Counted: every matrix product the layer math performs (projections, routed and shared experts, router, attention
+scores and values, the Gated DeltaNet chunk algorithm, the depthwise causal conv, the MTP fc, the LM head per
+depth), forward once and backward twice, as a matmul's backward is two matmuls of the same size. Not counted:
+elementwise ops, norms, softmax (a few percent of a layer at most, and none of it on the tensor cores).
+
+Exceptions to "backward = 2 × forward", from what the code does:
+
+- the chunked LM loss recomputes its logits in backward: 1 forward + 3 backward head products;
+- the GDN triangular solve's backward is a solve plus a product twice its size: 1 + 3;
+- activation recompute runs each recomputed layer's forward again (executed FLOPs, not model FLOPs);
+- ``aux_loss_scope: global_batch`` with several micro-batches runs one extra no-grad forward of the model.
+
+``causal_skip``: attention kernels on accelerators (flash / fused SDPA) skip the masked upper triangle, so a
+query attends to ``(s + 1) / 2`` keys on average; the CPU math path computes every score (``causal_skip=False``).
+"""
+
+import math
+
+import attrs
+
+from q38.config import ModelConfig
+
+
+@attrs.frozen
+class StepFlops:
+    """FLOPs of one step on one rank's tokens, by term. ``model`` excludes recompute and the extra aux forward
+    (the MFU numerator); ``executed`` is what the device runs."""
+
+    dense: float  # projections, shared experts, router, MTP fc, conv (fwd + bwd)
+    experts: float  # routed experts (fwd + bwd)
+    attention: float  # scores and values (fwd + bwd)
+    gdn_core: float  # chunked delta rule (fwd + bwd)
+    head: float  # LM head, main + MTP depths (fwd + bwd, chunked loss recompute included)
+    recompute: float  # extra forward of recomputed layers
+    aux_forward: float  # extra no-grad forward for the global-batch aux loss
+    tokens: int
+
+    @property
+    def model(self) -> float:
+        return self.dense + self.experts + self.attention + self.gdn_core + self.head
+
+    @property
+    def executed(self) -> float:
+        return self.model + self.recompute + self.aux_forward
+
+
+def _layer_forward(cfg: ModelConfig, kind: str, tokens: int, rows: int, seq: int, *, causal_skip: bool,
+                   cp: int = 1) -> dict[str, float]:
+    """Forward matmul FLOPs of one decoder layer over ``tokens`` = ``rows`` × ``seq`` local tokens (``seq`` local
+    to this CP rank; attention keys span ``seq × cp``)."""
+    d = cfg.hidden_size
+    out = {"dense": 0.0, "experts": 0.0, "attention": 0.0, "gdn_core": 0.0, "solve": 0.0}
+    if kind == "full_attention":
+        h, g, c = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        out["dense"] += 2 * tokens * d * (2 * h * c + 2 * g * c + h * c)
+        keys = seq * cp
+        if causal_skip:  # average keys per query, this rank's queries at CP offsets
+            avg = sum((r * seq + (seq + 1) / 2) for r in range(cp)) / cp
+        else:
+            avg = keys
+        out["attention"] += 2 * 2 * tokens * h * c * avg
+    else:
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        a, p, kw = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        conv = cfg.linear_conv_dim
+        out["dense"] += 2 * tokens * d * (conv + nv * p + 2 * nv) + 2 * tokens * nv * p * d
+        out["dense"] += 2 * tokens * conv * kw  # depthwise causal conv
+        C = cfg.gdn_chunk_size
+        chunks = rows * math.ceil(seq / C)
+        pe = p + (a if cp > 1 else 0)  # CP runs extra value columns for the state response
+        per = 4 * C * C * a + 2 * C * C * pe + 6 * C * a * pe
+        out["gdn_core"] += chunks * nv * per
+        out["solve"] += chunks * nv * C * C * (pe + a)
+        del nk
+    e, k, f, fs = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    out["dense"] += 2 * tokens * d * e + 2 * tokens * (3 * d * fs) + 2 * tokens * d
+    out["experts"] += 2 * tokens * k * 3 * d * f
+    return out
+
+
+def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute: str = "none",
+               micro_batches: int = 1, aux_global: bool = False, causal_skip: bool = True,
+               valid_targets: tuple[float, ...] | None = None) -> StepFlops:
+    """FLOPs of one step over ``rows`` rows of ``seq`` local tokens (this rank's share of the step, all
+    micro-batches together). ``recompute``: ``none`` | ``full`` | ``selective_attention`` | ``selective_gdn`` |
+    ``selective_both`` (kept kernels are not recomputed). ``valid_targets``: rows' valid targets per depth (main,
+    MTP 1, ...); default every token minus the shifted-out tail of each row (unpacked rows, CP rank-agnostic)."""
+    tokens = rows * seq
+    kinds = list(cfg.layer_types) + ["full_attention"] * cfg.mtp_num_layers
+    fwd = {"dense": 0.0, "experts": 0.0, "attention": 0.0, "gdn_core": 0.0, "solve": 0.0}
+    recomputed = 0.0
+    keep_attn = recompute in ("selective_attention", "selective_both")
+    keep_gdn = recompute in ("selective_gdn", "selective_both")
+    for kind in kinds:
+        lf = _layer_forward(cfg, kind, tokens, rows, seq, causal_skip=causal_skip, cp=cp)
+        for key, v in lf.items():
+            fwd[key] += v
+        if recompute != "none":
+            kept = (lf["attention"] if keep_attn else 0.0) + (lf["gdn_core"] + lf["solve"] if keep_gdn else 0.0)
+            recomputed += sum(lf.values()) - kept
+    d, v = cfg.hidden_size, cfg.vocab_size
+    fwd["dense"] += cfg.mtp_num_layers * 2 * tokens * 2 * d * d  # MTP fc
+    if valid_targets is None:
+        full_seq = seq * cp
+        valid_targets = tuple(tokens * max(full_seq - 1 - depth, 0) / full_seq
+                              for depth in range(cfg.mtp_num_layers + 1))
+    head_fwd = sum(2 * n * d * v for n in valid_targets)
+    model_fwd_no_head = fwd["dense"] + fwd["experts"] + fwd["attention"] + fwd["gdn_core"] + fwd["solve"]
+    return StepFlops(
+        dense=3 * fwd["dense"],
+        experts=3 * fwd["experts"],
+        attention=3 * fwd["attention"],
+        gdn_core=3 * fwd["gdn_core"] + 4 * fwd["solve"],
+        head=4 * head_fwd,
+        recompute=recomputed,
+        aux_forward=model_fwd_no_head if (aux_global and micro_batches > 1) else 0.0,
+        tokens=tokens,
+    )
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per token of one training step (MFU's numerator / tokens): :func:`step_flops` of one row."""
+    return step_flops(cfg, 1, seq_len).model / seq_len

@@ -1,0 +1,627 @@
+"""The whole budget of a layout, predicted by arithmetic: itemised peak memory per rank, communication bytes per
+collective and mesh dim, FLOPs, and a step time placed on a hardware profile (``specs/hardware/*.yaml``).
+
+Nothing here allocates a tensor or starts a process: shapes come from the abstract parameter tree and the layout's
+placements (``Layout.placements``), FLOPs from :mod:`q38.flops` (the formula MFU uses), activations from per-layer
+formulas written from what each layer saves for backward.
+
+**Memory** is the larger of two phases of ``train_step`` as the code runs it:
+
+- *forward/backward*: fp32 master weights and AdamW moments, gradients accumulated over earlier micro-batches,
+  the tensors autograd saves (per layer kind, per the recompute mode), the gathered compute-form parameters that
+  stay alive (without recompute ``F.linear`` saves the gathered weight of every layer until its backward; with
+  recompute only the layer being recomputed and the prefetched next one), the loss workspace, EP receive buffers
+  and duplicated experts, CP key/value buffers, and the backward working set of one layer;
+- *optimizer*: the functional AdamW builds new parameter and moment tensors while the old ones are alive.
+
+Activation formulas exist for two implementations: the pure-torch reference (``gdn_implementation: torch``,
+SDPA on CPU; checked against a live-storage measurement in tests/test_plan_budget.py) and the accelerator kernels
+(``fla`` GDN, flash SDPA), written from the tensors those kernels save (not yet measured: benchmarks/gpu.sh).
+
+**Time**: compute = executed FLOPs / (peak × achievable fraction); each collective's bytes over the link its group
+spans (NVLink/HCCS inside a node, the NIC across nodes). Overlap is what the runtime does: a forward all-gather is
+prefetched (hidden behind the previous layer's compute) only for a parameter gathered over exactly one mesh dim
+(``MeshParallel.prefetch``); every other gather, every reduce-scatter, all-reduce, EP all-to-all and CP exchange
+runs synchronously on the compute stream. The optimizer step is bound by memory bandwidth.
+"""
+
+import math
+from typing import Mapping
+
+import attrs
+import torch
+
+from q38.config import ConfigError, ModelConfig
+from q38.flops import StepFlops, step_flops
+from q38.parallel.layout import Layout
+from q38.parallel.plan import local_numel_grid
+
+RECOMPUTE_MODES = ("none", "full", "selective_attention", "selective_gdn", "selective_both")
+GIB = 2**30
+
+
+def _nbytes(dtype: str) -> int:
+    return {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}[dtype]
+
+
+def recompute_mode(train_config) -> str:
+    """The recompute mode of a ``TrainConfig``."""
+    if not train_config.recompute:
+        return "none"
+    a, g = train_config.skip_flash_attn_recompute, train_config.skip_gdn_recompute
+    return {(False, False): "full", (True, False): "selective_attention", (False, True): "selective_gdn",
+            (True, True): "selective_both"}[(a, g)]
+
+
+# ---- hardware ---------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Hardware:
+    """One accelerator kind (``specs/hardware/<name>.yaml``)."""
+
+    name: str
+    peak_bf16_flops: float  # dense, per device
+    peak_fp32_flops: float
+    achievable_fraction: float  # of peak that large matmuls reach (an assumption; benchmarks/gpu.sh checks it)
+    hbm_bytes: float
+    hbm_bandwidth: float  # bytes/s
+    intra_node_bandwidth: float  # bytes/s per device, one direction (NVLink / HCCS)
+    inter_node_bandwidth: float  # bytes/s per device, one direction (its share of the node's NICs)
+    devices_per_node: int
+    sources: tuple[str, ...] = ()
+
+    @classmethod
+    def load(cls, name: str) -> "Hardware":
+        import yaml
+
+        from q38.config import SPECS_DIR
+
+        d = SPECS_DIR / "hardware"
+        known = sorted(p.stem for p in d.glob("*.yaml"))
+        path = d / f"{name}.yaml"
+        if not path.is_file():
+            from pathlib import Path
+
+            if Path(name).is_file():
+                path = Path(name)
+            else:
+                raise ConfigError(f"unknown hardware profile {name!r}; known: {', '.join(known)} "
+                                  f"(or a YAML path with the fields of specs/hardware/h200.yaml)")
+        raw = yaml.safe_load(path.read_text()) or {}
+        fields = [a.name for a in attrs.fields(cls)]
+        bad = [k for k in raw if k not in fields]
+        if bad:
+            raise ConfigError(f"{path}: unknown hardware key(s) {bad}; valid keys: {', '.join(fields)}")
+        raw["sources"] = tuple(raw.get("sources") or ())
+        missing = [f for f in fields if f not in raw and f != "sources"]
+        if missing:
+            raise ConfigError(f"{path}: missing hardware key(s) {missing}")
+        for f in fields:
+            if f in ("name", "sources"):
+                continue
+            try:  # YAML 1.1 reads 989.0e12 (no exponent sign) as a string
+                raw[f] = int(raw[f]) if f == "devices_per_node" else float(raw[f])
+            except (TypeError, ValueError):
+                raise ConfigError(f"{path}: {f} must be a number, got {raw[f]!r}") from None
+            if raw[f] <= 0:
+                raise ConfigError(f"{path}: {f} must be > 0, got {raw[f]!r}")
+        return cls(**raw)
+
+    def peak(self, compute_dtype: str) -> float:
+        return self.peak_fp32_flops if _nbytes(compute_dtype) == 4 else self.peak_bf16_flops
+
+
+# ---- activations per layer kind ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class LayerActivations:
+    """Bytes autograd saves for one layer over one micro-batch, split into the mixer core and the rest;
+    ``kept``: what selective recompute stores for the layer (the outputs of the ops inside the kernel region:
+    every intermediate of the torch GDN reference, the output (and logsumexp) of a fused kernel);
+    ``widest``: the largest single saved tensor (backward working set)."""
+
+    core: float
+    rest: float
+    widest: float
+    kept: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.core + self.rest
+
+
+def _moe_saved(cfg: ModelConfig, n: float | int, act: int, ep: int, ep_balance: bool) -> tuple[float, float]:
+    """Router, routed experts (grouped matmul path), shared expert. Returns (bytes, widest)."""
+    d, e, k, f, fs = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                      cfg.shared_expert_intermediate_size)
+    m = n * k
+    elems = n * e + 2 * n + n * k + 4 * m * d + m * 2 * f + 2 * m * f + m + 4 * n * fs
+    ints = n * k * 8 + 2 * m * 8
+    if ep > 1:  # the receive buffer of the dispatch and the combine's return, saved for the expert matmuls
+        elems += 2 * m * d
+    return elems * act + ints, m * 2 * f * act
+
+
+def _attention_saved(cfg: ModelConfig, n: float | int, act: int, cp: int, kernel: bool) -> tuple[float, float, float]:
+    """(core, rest, widest) bytes. ``kernel``: flash SDPA saves q, k, v, out and the logsumexp (same set as the CPU
+    flash op); k and v are repeated to all query heads before the call (as the layer does)."""
+    h, g, c, rd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
+    core = (n * h * c * (1 + 2 * cp + 1)) * act + n * h * 4  # q, k and v over the whole row, out; lse fp32
+    rest = n * (2 * h * c + h + h * c + 2 * g * c + g + 2 * rd + h * c + h * c) * act
+    if cp > 1:  # gathered k and v before the repeat
+        rest += 2 * n * cp * g * c * act
+    del kernel
+    return core, rest, n * h * c * cp * act
+
+
+def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int, kernel: bool) -> tuple[float, float, float]:
+    """(core, rest, widest) bytes of a Gated DeltaNet layer's mixer. ``kernel=False``: the chunked torch
+    reference, everything fp32 (the list of tensors it saves, by shape); ``kernel=True``: fla's chunk kernel, which
+    saves its inputs (q, k, v, g, beta), the per-chunk ``A`` matrix and the output."""
+    H, a, p, K = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                  cfg.linear_conv_kernel_dim)
+    conv = cfg.linear_conv_dim
+    C = cfg.gdn_chunk_size
+    n = rows * seq
+    S = rows * math.ceil(seq / C) * C  # padded tokens
+    j = math.ceil(seq / C)
+    pe = p + (a if cp > 1 else 0)
+    # projections, conv, gates, gated norm, output projection input (activation dtype)
+    rest = (rows * (seq + K - 1) * conv + n * conv + 3 * n * H + n * H + 5 * n * H * p + n * H * p) * act
+    if kernel:
+        core = n * H * (2 * a + pe + 2) * act + n * H * C * 4 + n * H * pe * act
+        widest = n * H * C * 4
+    else:
+        f32 = 4
+        core = (
+            S * H * (1 + 3 * a + pe + 5 * C + (pe + a) + 3)  # beta, q/k/kβ, vβ, C×C decay/ut/intra, uw, gammas
+            + n * H * (2 * a + 2)  # l2-normalised q, k and their rsqrt
+            + S * H * 4 * a  # matmul operand copies of kβ·kᵀ and q·kᵀ
+            + S * H * (pe + 1.5 * a) + rows * H * j * a * pe  # per-chunk loop: v_new, operand copies, states
+        ) * f32 + C * C
+        widest = S * H * C * f32
+    return core, rest, widest
+
+
+def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, *, act_bytes: int, cp: int = 1,
+                      ep: int = 1, ep_balance: bool = False, gdn_kernel: bool | None = None) -> LayerActivations:
+    """Saved bytes of one decoder layer (``kind``: ``full_attention`` | ``linear_attention``) for ``rows`` rows of
+    ``seq`` local tokens. Norms and residual stream included."""
+    n = rows * seq
+    d = cfg.hidden_size
+    kernel_gdn = getattr(cfg, "gdn_implementation", "torch") != "torch" if gdn_kernel is None else gdn_kernel
+    if kind == "full_attention":
+        core, rest, widest = _attention_saved(cfg, n, act_bytes, cp, kernel=True)
+        kept = n * cfg.num_attention_heads * (cfg.head_dim * act_bytes + 4)  # SDPA is one op: out + logsumexp
+    else:
+        core, rest, widest = _gdn_saved(cfg, rows, seq, act_bytes, cp, kernel=kernel_gdn)
+        kept = core if not kernel_gdn else n * cfg.linear_value_dim * act_bytes
+    moe, moe_w = _moe_saved(cfg, n, act_bytes, ep, ep_balance)
+    common = (6 * n * d) * act_bytes + 2 * n * 4  # norm outputs, residual stream, rsqrt
+    return LayerActivations(core=core, rest=rest + moe + common, widest=max(widest, moe_w), kept=kept)
+
+
+# ---- the budget -------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Item:
+    """One line of the memory budget. Items of a ``transient`` group are alive at different moments of the step
+    (the loss backward, one layer's backward): the phase total counts only the largest group."""
+
+    name: str
+    bytes: float
+    note: str = ""
+    transient: str = ""
+
+
+def phase_total(items) -> float:
+    groups: dict[str, float] = {}
+    for it in items:
+        if it.transient:
+            groups[it.transient] = groups.get(it.transient, 0.0) + it.bytes
+    return sum(it.bytes for it in items if not it.transient) + max(groups.values(), default=0.0)
+
+
+@attrs.frozen
+class CommTerm:
+    """One collective over one mesh dim: bytes received per rank in a step, and its exposed time."""
+
+    collective: str
+    mesh_dim: str
+    bytes: float
+    link: str  # intra | inter
+    seconds: float
+    overlapped: bool
+
+
+@attrs.frozen
+class Budget:
+    model: str
+    layout: str
+    mesh: tuple[tuple[str, int], ...]
+    world: int
+    seq_len: int
+    rows_per_rank: int  # rows of seq_len per data-parallel rank and step
+    micro_batches: int
+    recompute: str
+    param_dtype: str
+    reduce_dtype: str
+    memory: tuple[Item, ...]  # forward/backward phase items
+    optimizer_phase: tuple[Item, ...]
+    flops: StepFlops
+    comm: tuple[CommTerm, ...]
+    compute_s: float
+    optimizer_s: float
+    hardware: str | None
+    peak_flops: float | None
+    global_tokens: int
+
+    @property
+    def peak_fwd_bwd(self) -> float:
+        return phase_total(self.memory)
+
+    @property
+    def peak_optimizer(self) -> float:
+        return phase_total(self.optimizer_phase)
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.peak_fwd_bwd, self.peak_optimizer)
+
+    @property
+    def peak_phase(self) -> str:
+        return "forward/backward" if self.peak_fwd_bwd >= self.peak_optimizer else "optimizer step"
+
+    @property
+    def comm_exposed_s(self) -> float:
+        return sum(t.seconds for t in self.comm if not t.overlapped)
+
+    @property
+    def step_s(self) -> float:
+        # prefetched gathers hide behind compute; whatever they do not hide shows up
+        hidden = sum(t.seconds for t in self.comm if t.overlapped)
+        return self.compute_s + self.comm_exposed_s + max(0.0, hidden - self.compute_s) + self.optimizer_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.global_tokens / self.step_s if self.step_s else float("nan")
+
+    @property
+    def mfu(self) -> float | None:
+        if not self.peak_flops or not self.step_s:
+            return None
+        return self.flops.model / (self.step_s * self.peak_flops)
+
+    @property
+    def bound(self) -> str:
+        terms = {"compute": self.compute_s, "optimizer (HBM)": self.optimizer_s}
+        for t in self.comm:
+            if not t.overlapped:
+                key = f"{t.collective} over {t.mesh_dim} ({t.link})"
+                terms[key] = terms.get(key, 0.0) + t.seconds
+        return max(terms.items(), key=lambda kv: kv[1])[0]
+
+
+@attrs.frozen
+class ParamStats:
+    """What the parameters cost on a mesh, independent of batch, recompute and hardware (computed once per mesh)."""
+
+    numel: int  # parameters on the fullest rank
+    largest_shard: int
+    largest_layer: int  # compute-form elements of the largest layer (fullest rank)
+    largest_layer_local: int  # stored elements of the largest layer (fullest rank)
+    gathered_layers: int  # compute − local elements over all layers
+    gather_dim: dict  # mesh dim → elements received per forward gather
+    gather_prefetchable: dict
+    layer_gather: dict
+    allreduce_dim: dict
+
+
+_STATS_CACHE: dict = {}
+
+
+def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamStats:
+    ck = (id(placements), tuple(mesh.items()), prefetch)
+    hit = _STATS_CACHE.get(ck)
+    if hit is not None and hit[0] is placements:
+        return hit[1]
+    sizes = list(mesh.values())
+    names = list(mesh)
+    cache: dict = {}
+
+    def grid(pp, compute):
+        key = (pp.shape, tuple(pp.shard_dims(compute)))
+        if key not in cache:
+            cache[key] = local_numel_grid(pp.shape, key[1], sizes)
+        return cache[key]
+
+    held = torch.zeros(sizes, dtype=torch.int64)
+    layer_compute: dict[str, int] = {}
+    layer_local: dict[str, int] = {}
+    gather_dim = {n: 0.0 for n in names}  # elements received per forward gather, per mesh dim (fullest rank)
+    gather_prefetchable = {n: 0.0 for n in names}
+    layer_gather = {n: 0.0 for n in names}  # elements of layer params only (recompute re-gathers these)
+    allreduce_dim = {n: 0.0 for n in names}
+    for path, pp in placements.items():
+        local, comp = grid(pp, False), grid(pp, True)
+        held += local
+        lmax, cmax = int(local.max()), int(comp.max())
+        in_layer = ".layers." in f".{path}"
+        if in_layer:
+            key = _layer_key(path)
+            layer_compute[key] = layer_compute.get(key, 0) + cmax
+            layer_local[key] = layer_local.get(key, 0) + lmax
+        sd, sdc = pp.shard_dims(False), pp.shard_dims(True)
+        gathered = [n for n, a, b in zip(names, sd, sdc) if a is not None and b is None]
+        # gathers run innermost mesh dim first; each multiplies what the rank holds
+        cur = lmax
+        for n in reversed(names):
+            if n in gathered:
+                recv = cur * (mesh[n] - 1)
+                gather_dim[n] += recv
+                if in_layer:
+                    layer_gather[n] += recv
+                if len(gathered) == 1 and pp.shape[sd[names.index(n)]] % mesh[n] == 0 and prefetch:
+                    gather_prefetchable[n] += recv
+                cur *= mesh[n]
+        sharding = {n for n, a in zip(names, sd) if a is not None}
+        for n in names:
+            if n not in sharding and mesh[n] > 1:  # replicated: gradient all-reduce (ring) over this dim
+                allreduce_dim[n] += 2 * (mesh[n] - 1) / mesh[n] * cmax
+    numel = int(held.max())
+    largest_layer = max(layer_compute.values(), default=0)
+    gathered_layers = sum(layer_compute[k] - layer_local[k] for k in layer_compute)
+
+    stats = ParamStats(numel, max((int(grid(pp, False).max()) for pp in placements.values()), default=0),
+                       largest_layer, max(layer_local.values(), default=0), gathered_layers, gather_dim, gather_prefetchable, layer_gather, allreduce_dim)
+    if len(_STATS_CACHE) > 64:
+        _STATS_CACHE.clear()
+    _STATS_CACHE[ck] = (placements, stats)
+    return stats
+
+
+def _group_link(mesh: Mapping[str, int], dim: str, devices_per_node: int) -> str:
+    """``intra`` when every group of ``dim`` lies inside one node (ranks numbered row-major over the mesh)."""
+    names = list(mesh)
+    stride = math.prod(mesh[n] for n in names[names.index(dim) + 1:])
+    return "intra" if stride * mesh[dim] <= devices_per_node else "inter"
+
+
+def estimate(
+    cfg: ModelConfig,
+    layout: Layout,
+    world: int,
+    *,
+    seq_len: int,
+    rows_per_rank: int,
+    micro_batches: int = 1,
+    recompute: str = "none",
+    param_dtype: str = "bf16",
+    reduce_dtype: str = "fp32",
+    master_dtype: str = "fp32",
+    offload_activations: bool = False,
+    prefetch: bool = True,
+    loss_chunk_tokens: int | None = 1024,
+    loss_chunk_budget_bytes: int | None = None,
+    ep_balance: bool = False,
+    max_dup_experts: int = 2,
+    aux_global: bool = True,
+    hardware: Hardware | None = None,
+    model_name: str | None = None,
+    placements=None,
+    gdn_kernel: bool | None = None,
+) -> Budget:
+    """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
+    data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
+    ``reduce_dtype``: gradients; ``master_dtype``: stored weights (AdamW moments are fp32). ``gdn_kernel``: True
+    for fla's GDN kernel, False for the torch reference; None: the model config's ``gdn_implementation``."""
+    from q38.model import abstract_params
+
+    if recompute not in RECOMPUTE_MODES:
+        raise ConfigError(f"recompute mode must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    mesh = layout.resolve_mesh(world)
+    if placements is None:
+        placements = layout.placements(abstract_params(cfg), mesh)
+    names = list(mesh)
+    cp, ep = mesh.get("cp", 1), mesh.get("ep", 1)
+    if seq_len % cp:
+        raise ConfigError(f"seq_len {seq_len} is not divisible by the layout's cp size {cp}")
+    if rows_per_rank % micro_batches:
+        raise ConfigError(f"{rows_per_rank} rows per rank do not split into {micro_batches} micro-batches")
+    seq = seq_len // cp
+    act, red, mst, cbytes = _nbytes(param_dtype), _nbytes(reduce_dtype), _nbytes(master_dtype), _nbytes(param_dtype)
+
+    ps = param_stats(placements, mesh, prefetch)
+    numel, largest_layer, gathered_layers = ps.numel, ps.largest_layer, ps.gathered_layers
+    gather_dim, gather_prefetchable, layer_gather, allreduce_dim = (
+        ps.gather_dim, ps.gather_prefetchable, ps.layer_gather, ps.allreduce_dim)
+
+    # ---- activations ----------------------------------------------------------------------------------------
+    rows_mb = rows_per_rank / micro_batches
+    n_mb = rows_mb * seq
+    d = cfg.hidden_size
+    kinds = list(cfg.layer_types) + ["full_attention"] * cfg.mtp_num_layers
+    acts = [layer_activations(cfg, k, rows_mb, seq, act_bytes=act, cp=cp, ep=ep, ep_balance=ep_balance,
+                              gdn_kernel=gdn_kernel) for k in kinds]
+    keep_attn = recompute in ("selective_attention", "selective_both")
+    keep_gdn = recompute in ("selective_gdn", "selective_both")
+    if recompute == "none":
+        saved = sum(a.total for a in acts)
+        working = max(a.widest for a in acts) * 2 + 2 * n_mb * d * act
+        saved_note = f"{len(kinds)} layers × saved tensors"
+    else:
+        kept = sum(a.kept for a, k in zip(acts, kinds)
+                   if (k == "full_attention" and keep_attn) or (k == "linear_attention" and keep_gdn))
+        saved = len(kinds) * n_mb * d * act + kept
+        working = max(a.total + a.widest for a in acts) + 2 * n_mb * d * act
+        saved_note = f"{len(kinds)} layer inputs" + (" + kept kernel outputs" if kept else "")
+    depths = cfg.mtp_num_layers
+    v = cfg.vocab_size
+    model_extra = (n_mb * d * 2 + depths * n_mb * (5 * d)) * act  # embedding out, final norm, MTP concat/fc/norms
+    # loss: each depth's valid hidden rows (index_select, saved) + the chunk workspace + dx accumulators
+    if loss_chunk_budget_bytes is not None:
+        chunk_logits = min(n_mb, max(1, loss_chunk_budget_bytes // (v * 8))) * v
+    elif loss_chunk_tokens is not None:
+        chunk_logits = min(n_mb, loss_chunk_tokens) * v
+    else:
+        chunk_logits = n_mb * v * 3
+    loss_ws = (1 + depths) * n_mb * d * act + chunk_logits * (4 + (act if act < 4 else 0)) + 2 * n_mb * d * 4
+    if offload_activations:
+        saved_dev = 0.0
+    else:
+        saved_dev = saved
+
+    memory = [
+        Item("master weights", numel * mst, f"{master_dtype}, {numel:,} params on the fullest rank"),
+        Item("optimizer moments", numel * 8, "AdamW m and v, fp32"),
+    ]
+    if micro_batches > 1:
+        memory.append(Item("gradient accumulator", numel * red * 2, f"{reduce_dtype}; sum and the next micro-batch's"))
+    memory.append(Item("activations (saved)", saved_dev,
+                       saved_note + (" — offloaded to host" if offload_activations else "")
+                       + f"; {rows_mb:g} rows × {seq} tokens per micro-batch"))
+    if param_dtype != master_dtype:  # each layer's shards are cast just before its gather (FSDP2's policy)
+        memory.append(Item("compute-dtype copy of shards", ps.largest_layer_local * act,
+                           f"{param_dtype} cast of the layer's shards before the gather", "layer"))
+    if recompute == "none" and gathered_layers:
+        memory.append(Item("gathered params (held)", gathered_layers * cbytes,
+                           "every layer's gathered weights, saved for its backward (no recompute)"))
+    elif gathered_layers:
+        ahead = any(v > 0 for v in gather_prefetchable.values())
+        memory.append(Item("gathered params (transient)", (2 if ahead else 1) * largest_layer * cbytes,
+                           f"{'current + prefetched' if ahead else 'current'} layer, compute form", "layer"))
+    memory.append(Item("layer backward working set", working, "recomputed layer + gradients of its widest tensors"
+                       if recompute != "none" else "gradients of the widest saved tensors", "layer"))
+    memory.append(Item("model edges", model_extra, "embedding output, final norm, MTP block"))
+    memory.append(Item("loss workspace", loss_ws, f"chunked CE: {chunk_logits:,.0f} logits live + hidden rows",
+                       "loss"))
+    if ep > 1:
+        e_local = math.ceil(cfg.num_experts / ep)
+        recv = n_mb * cfg.num_experts_per_tok * d * act * 2
+        memory.append(Item("EP receive buffers", recv, f"dispatch + combine of {n_mb * cfg.num_experts_per_tok:,.0f}"
+                           f" routed rows ({e_local} local experts), the layer in flight", "layer"))
+        if ep_balance:
+            memory.append(Item("EP-balance duplicate experts", max_dup_experts * 3 * d * cfg.moe_intermediate_size
+                               * cbytes * 2, f"{max_dup_experts} copied experts per rank (weights + gradients)",
+                               "layer"))
+    if cp > 1:
+        memory.append(Item("CP buffers", 2 * n_mb * cp * cfg.num_key_value_heads * cfg.head_dim * act * 2,
+                           "gathered keys/values of the layer in flight (+ gradient)", "layer"))
+
+    opt = [
+        Item("master weights", numel * mst),
+        Item("optimizer moments", numel * 8),
+        Item("gradients", numel * red),
+        Item("new weights and moments", numel * (mst + 8), "the functional AdamW returns new tensors"),
+        Item("update temporaries", ps.largest_shard * 4 * 4,
+             "per-parameter fp32 temporaries of the largest shard"),
+    ]
+
+    # ---- FLOPs and time --------------------------------------------------------------------------------------
+    fl = step_flops(cfg, rows_per_rank, seq, cp=cp, recompute=recompute, micro_batches=micro_batches,
+                    aux_global=aux_global, causal_skip=True)
+    comm: list[CommTerm] = []
+    hw = hardware
+    peak = hw.peak(param_dtype) if hw else None
+    compute_s = fl.executed / (peak * hw.achievable_fraction) if hw else 0.0
+
+    def add(coll: str, dim: str, nbytes: float | int, overlapped: bool = False) -> None:
+        if nbytes <= 0:
+            return
+        link = _group_link(mesh, dim, hw.devices_per_node) if hw else "intra"
+        bw = (hw.intra_node_bandwidth if link == "intra" else hw.inter_node_bandwidth) if hw else 0.0
+        comm.append(CommTerm(coll, dim, nbytes, link, nbytes / bw if bw else 0.0, overlapped))
+
+    re_gather = recompute != "none"
+    for n in names:
+        per_mb_fwd = gather_dim[n] * cbytes
+        pre = gather_prefetchable[n] * cbytes
+        add("all-gather fwd (prefetched)", n, pre * micro_batches, overlapped=True)
+        add("all-gather fwd", n, (per_mb_fwd - pre) * micro_batches)
+        if re_gather:
+            add("all-gather recompute", n, layer_gather[n] * cbytes * micro_batches)
+        add("reduce-scatter grads", n, gather_dim[n] * red * micro_batches)
+        add("all-reduce grads", n, allreduce_dim[n] * red * micro_batches)
+    if ep > 1:
+        n_moe = len(kinds)
+        off = n_mb * cfg.num_experts_per_tok * (ep - 1) / ep * d * act  # uniform routing
+        calls = 2 if recompute != "none" else 1
+        add("all-to-all tokens", "ep", off * n_moe * micro_batches * (2 * calls + 2))
+    if cp > 1:
+        n_attn = sum(1 for k in kinds if k == "full_attention")
+        kv = 2 * n_mb * (cp - 1) * cfg.num_key_value_heads * cfg.head_dim * act
+        calls = 2 if recompute not in ("none", "selective_attention", "selective_both") else 1
+        add("all-gather k/v", "cp", kv * n_attn * micro_batches * (calls + 1))
+        n_gdn = len(kinds) - n_attn
+        a, p, H = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
+        st = rows_mb * H * a * (p + a) * 4 * (cp - 1)
+        add("all-gather GDN states", "cp", st * n_gdn * micro_batches * 3)
+    opt_bytes = numel * (mst * 2 + red + 8 * 2)
+    optimizer_s = opt_bytes / hw.hbm_bandwidth if hw else 0.0
+    dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
+    return Budget(
+        model=model_name or cfg.model_type, layout=layout.name, mesh=tuple(mesh.items()), world=world,
+        seq_len=seq_len, rows_per_rank=rows_per_rank, micro_batches=micro_batches, recompute=recompute,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory=tuple(memory), optimizer_phase=tuple(opt),
+        flops=fl, comm=tuple(comm), compute_s=compute_s, optimizer_s=optimizer_s,
+        hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
+    )
+
+
+def _layer_key(path: str) -> str:
+    parts = path.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i] == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2])
+    return path
+
+
+# ---- formatting -------------------------------------------------------------------------------------------------
+
+
+def _fmt_bytes(n: float | int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def _fmt_s(s: float | int) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def format_budget(b: Budget) -> str:
+    from q38.parallel.layout import format_mesh
+
+    lines = [
+        f"budget · {b.model} · layout {b.layout} · world {b.world} = {format_mesh(b.mesh)}",
+        f"  {b.rows_per_rank} rows × {b.seq_len} tokens per data-parallel rank, {b.micro_batches} micro-batch(es), "
+        f"recompute {b.recompute}, params {b.param_dtype} / grads {b.reduce_dtype} / master + moments fp32",
+        "peak memory per rank (fullest rank), forward/backward phase",
+    ]
+    for it in b.memory:
+        tag = f" [transient: {it.transient}]" if it.transient else ""
+        lines.append(f"  {it.name:<32}{_fmt_bytes(it.bytes):>14}   {it.note}{tag}")
+    lines.append(f"  {'total':<32}{_fmt_bytes(b.peak_fwd_bwd):>14}   (persistent + the largest transient group)")
+    lines.append(f"optimizer phase total {_fmt_bytes(b.peak_optimizer)}; peak {_fmt_bytes(b.peak_bytes)} "
+                 f"in the {b.peak_phase}")
+    f = b.flops
+    lines.append(f"FLOPs per rank and step: model {f.model:.3e} (dense {f.dense:.2e}, experts {f.experts:.2e}, "
+                 f"attention {f.attention:.2e}, GDN {f.gdn_core:.2e}, head {f.head:.2e}); executed {f.executed:.3e} "
+                 f"(+ recompute {f.recompute:.2e}, aux forward {f.aux_forward:.2e})")
+    if b.comm:
+        lines.append("communication per rank and step (bytes received; time on the link its group spans)")
+        for t in b.comm:
+            lines.append(f"  {t.collective:<30} {t.mesh_dim:<5} {_fmt_bytes(t.bytes):>14}  {t.link:<5} "
+                         f"{_fmt_s(t.seconds) if b.hardware else '':>10}{'  (overlapped)' if t.overlapped else ''}")
+    if b.hardware:
+        lines.append(
+            f"step time on {b.hardware}: {_fmt_s(b.step_s)} = compute {_fmt_s(b.compute_s)} + exposed comm "
+            f"{_fmt_s(b.comm_exposed_s)} + optimizer {_fmt_s(b.optimizer_s)}; bound by {b.bound}")
+        mfu = b.mfu
+        lines.append(f"  {b.tokens_per_s:,.0f} tokens/s over {b.global_tokens:,} tokens per step; "
+                     f"MFU {100 * mfu:.1f}%" if mfu is not None else "")
+    return "\n".join(lines)

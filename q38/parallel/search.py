@@ -1,0 +1,296 @@
+"""``q38 plan --search``: enumerate layouts for N ranks of one hardware kind, drop those that do not fit, rank the rest
+by predicted step time, and write the best as a layout YAML plus the matching run config.
+
+Candidates: every factorisation ``N = fsdp × cp × ep`` over the mesh dims the shipped layouts use (ep divides the
+expert count, cp divides the sequence, the data-parallel size fsdp × ep divides the global batch), each built from
+the shipped layout of that shape (``fsdp``, ``fsdp_cp``, ``fsdp_ep``, ``fsdp_ep_cp``; embed and lm_head opt into
+uneven shards when the vocab does not divide), times every micro-batch count that divides a rank's rows, times the
+recompute modes. All arithmetic: no tensors, no processes.
+"""
+
+import math
+from pathlib import Path
+
+import attrs
+import yaml
+
+from q38.config import ConfigError, ModelConfig
+from q38.parallel.budget import GIB, RECOMPUTE_MODES, Budget, Hardware, estimate
+from q38.parallel.layout import Layout, LayoutError
+
+TEMPLATES = {(False, False): "fsdp", (True, False): "fsdp_cp", (False, True): "fsdp_ep", (True, True): "fsdp_ep_cp"}
+MAX_CP = 16
+
+
+@attrs.frozen
+class Candidate:
+    layout_dict: dict = attrs.field(eq=False)
+    budget: Budget
+
+    @property
+    def mesh(self) -> str:
+        return " × ".join(f"{n}={s}" for n, s in self.budget.mesh)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layout(cfg: ModelConfig, fsdp: int, cp: int, ep: int) -> dict:
+    """The layout table for one factorisation: the shipped layout of that shape, resized."""
+    tpl = TEMPLATES[(cp > 1, ep > 1)]
+    mesh = {"fsdp": fsdp}
+    if cp > 1:
+        mesh["cp"] = cp
+    if ep > 1:
+        mesh["ep"] = ep
+    d = {"include": f"{tpl}.yaml", "name": f"{tpl}_f{fsdp}" + (f"_c{cp}" if cp > 1 else "") + (f"_e{ep}" if ep > 1
+                                                                                              else ""), "mesh": mesh}
+    if cfg.vocab_size % (fsdp * cp * ep):
+        d["uneven"] = ["embed", "lm_head"]
+    return d
+
+
+def factorisations(cfg: ModelConfig, world: int, seq_len: int, global_batch: int) -> tuple[list[tuple], list[str]]:
+    """Valid (fsdp, cp, ep) triples and, for the error message, why the others were dropped."""
+    ok, why = [], []
+    for ep in _divisors(world):
+        if cfg.num_experts % ep:
+            why.append(f"ep={ep} does not divide {cfg.num_experts} experts")
+            continue
+        for cp in _divisors(world // ep):
+            if cp > MAX_CP or seq_len % cp:
+                continue
+            fsdp = world // (ep * cp)
+            if global_batch % (fsdp * ep):
+                why.append(f"fsdp×ep={fsdp * ep} does not divide the global batch {global_batch}")
+                continue
+            ok.append((fsdp, cp, ep))
+    return ok, why
+
+
+def search(
+    cfg: ModelConfig,
+    world: int,
+    hardware: Hardware,
+    *,
+    seq_len: int,
+    global_batch: int,
+    memory_cap: float | int | None = None,
+    recompute_modes=RECOMPUTE_MODES,
+    model_name: str | None = None,
+    **kw,
+) -> tuple[list[Candidate], float]:
+    """All fitting candidates, fastest first, and the memory cap used (bytes). Raises ConfigError (one line) when
+    the world size has no valid factorisation or no candidate fits."""
+    from q38.model import abstract_params
+
+    cap = float(memory_cap) if memory_cap is not None else 0.9 * hardware.hbm_bytes
+    facts, why = factorisations(cfg, world, seq_len, global_batch)
+    if not facts:
+        shown = "; ".join(sorted(set(why))[:3]) or f"no cp ≤ {MAX_CP} divides seq_len {seq_len}"
+        raise ConfigError(
+            f"world {world} has no valid factorisation fsdp × cp × ep for {model_name or cfg.model_type} "
+            f"(seq_len {seq_len}, global batch {global_batch} sequences): {shown}; change --world or --global-batch")
+    abstract = abstract_params(cfg)
+    fits: list[Candidate] = []
+    smallest: tuple[float, str] | None = None
+    for fsdp, cp, ep in facts:
+        d = candidate_layout(cfg, fsdp, cp, ep)
+        try:
+            layout = Layout.from_dict(d, source=d["name"])
+            mesh = layout.resolve_mesh(world)
+            pl = layout.placements(abstract, mesh)
+        except LayoutError:
+            continue
+        rows = global_batch // (fsdp * ep)
+        for mb in _divisors(rows):
+            for rc in recompute_modes:
+                b = estimate(cfg, layout, world, seq_len=seq_len, rows_per_rank=rows, micro_batches=mb,
+                             recompute=rc, hardware=hardware, placements=pl, model_name=model_name, **kw)
+                if smallest is None or b.peak_bytes < smallest[0]:
+                    smallest = (b.peak_bytes, f"{d['name']} mb={mb} recompute={rc}")
+                if b.peak_bytes <= cap:
+                    fits.append(Candidate(d, b))
+    if not fits:
+        need = f"{smallest[0] / GIB:,.1f} GiB ({smallest[1]})" if smallest else "n/a"
+        raise ConfigError(f"no layout fits the memory cap of {cap / GIB:,.1f} GiB per device; the smallest needs "
+                          f"{need}; raise --memory-cap, use more devices, or shorten --seq-len")
+    fits.sort(key=lambda c: (c.budget.step_s, c.budget.peak_bytes))
+    return fits, cap
+
+
+def run_config(c: Candidate, model: str, layout_path: str, seq_len: int, base: dict | None = None) -> dict:
+    """The run config (``q38 train`` YAML) matching a candidate: ``base`` (the planned run config, if any) with the
+    layout, data shape, micro-batches and recompute flags of the candidate."""
+    b = c.budget
+    rc = b.recompute
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (base or {}).items()}
+    out.setdefault("model", model)
+    out["layout"] = layout_path
+    out["data"] = dict(out.get("data") or {}, seq_len=seq_len, batch_size=b.rows_per_rank)
+    train = dict(out.get("train") or {}, micro_batches=b.micro_batches, recompute=rc != "none")
+    train["skip_flash_attn_recompute"] = rc in ("selective_attention", "selective_both")
+    train["skip_gdn_recompute"] = rc in ("selective_gdn", "selective_both")
+    if train.get("enable_ep_balance") and dict(b.mesh).get("ep", 1) <= 1:
+        train["enable_ep_balance"] = False
+    out["train"] = train
+    out["run"] = dict(out.get("run") or {}, dtype={"bf16": "bfloat16", "fp16": "float16"}.get(b.param_dtype,
+                                                                                                "float32"))
+    return out
+
+
+def write_best(c: Candidate, out_dir: str | Path, model: str, seq_len: int,
+               base: dict | None = None) -> tuple[Path, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lp = out / f"{c.layout_dict['name']}.yaml"
+    head = (f"# Written by `q38 plan --search`: predicted {c.budget.step_s:.2f} s/step, MFU "
+            f"{100 * (c.budget.mfu or 0):.1f}% on {c.budget.hardware}, peak {c.budget.peak_bytes / GIB:.1f} GiB/rank.\n")
+    lp.write_text(head + yaml.safe_dump(c.layout_dict, sort_keys=False))
+    tp = out / "train.yaml"
+    tp.write_text(head + yaml.safe_dump(run_config(c, model, str(lp), seq_len, base), sort_keys=False))
+    return lp, tp
+
+
+def format_search(cands: list[Candidate], cap: float | int, shipped: Budget | None, top: int = 10) -> str:
+    lines = [f"{len(cands)} layouts fit {cap / GIB:,.1f} GiB per device; fastest first",
+             f"  {'mesh':<28} {'mb':>3} {'recompute':<20} {'peak GiB':>9} {'step s':>8} {'tok/s':>12} {'MFU':>6}  bound"]
+
+    def row(mesh: str, b: Budget) -> str:
+        return (f"  {mesh:<28} {b.micro_batches:>3} {b.recompute:<20} {b.peak_bytes / GIB:>9.1f} {b.step_s:>8.2f} "
+                f"{b.tokens_per_s:>12,.0f} {100 * (b.mfu or 0):>5.1f}%  {b.bound}")
+
+    for c in cands[:top]:
+        lines.append(row(c.mesh, c.budget))
+    if shipped is not None:
+        mesh = " × ".join(f"{n}={s}" for n, s in shipped.mesh)
+        lines.append(f"shipped layout {shipped.layout}:")
+        lines.append(row(mesh, shipped) + ("" if shipped.peak_bytes <= cap else "  (does not fit)"))
+    best = cands[0].budget
+    lines.append(f"best: {cands[0].mesh}, {best.micro_batches} micro-batch(es), recompute {best.recompute}: "
+                 f"{best.step_s:.2f} s/step, {best.tokens_per_s:,.0f} tokens/s, MFU {100 * (best.mfu or 0):.1f}%")
+    return "\n".join(lines)
+
+
+def shipped_budget(cfg: ModelConfig, layout: Layout, world: int, hardware: Hardware, *, seq_len: int,
+                   global_batch: int, recompute: str, micro_batches: int, **kw) -> Budget:
+    mesh = layout.resolve_mesh(world)
+    dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
+    if global_batch % dp:
+        raise ConfigError(f"global batch {global_batch} does not split over the layout's {dp} data-parallel ranks")
+    return estimate(cfg, layout, world, seq_len=seq_len, rows_per_rank=global_batch // dp,
+                    micro_batches=micro_batches, recompute=recompute, hardware=hardware, **kw)
+
+
+# ---- CLI ----------------------------------------------------------------------------------------------------------
+
+
+def add_budget_args(ap) -> None:
+    """The ``q38 plan`` options of the budget and the search (plan.py adds them to its parser)."""
+    ap.add_argument("--hardware", help="hardware profile: a name under specs/hardware (h200, ascend_910b) or a YAML")
+    ap.add_argument("--train", help="run config whose data/train settings to plan (default: specs/train/<model>.yaml "
+                                    "when it exists)")
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence")
+    ap.add_argument("--global-batch", type=int, help="sequences per step over all data-parallel ranks")
+    ap.add_argument("--micro-batches", type=int, help="micro-batches per step")
+    ap.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute mode")
+    ap.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32"),
+                    help="compute/gather dtype (default: the run config's train.param_dtype, else bf16)")
+    ap.add_argument("--reduce-dtype", choices=("bf16", "fp32"),
+                    help="gradient reduce dtype (default: the run config's train.reduce_dtype, else fp32)")
+    ap.add_argument("--gdn-kernel", choices=("fla", "torch"), help="GDN implementation to plan activations for "
+                                                                   "(default: the model config's)")
+    ap.add_argument("--search", action="store_true", help="search layouts for --world ranks of --hardware")
+    ap.add_argument("--memory-cap", type=float, help="GiB per device (default: 90%% of the hardware's HBM)")
+    ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config")
+
+
+def _train_defaults(ns, model_arg: str) -> tuple[dict, str | None]:
+    """Settings from --train, or the shipped run config named like the model; {} when there is none."""
+    from q38.config import SPECS_DIR
+
+    path = ns.train or (str(SPECS_DIR / "train" / f"{model_arg}.yaml")
+                        if (SPECS_DIR / "train" / f"{model_arg}.yaml").is_file() else None)
+    if path is None:
+        return {}, None
+    if not Path(path).is_file():
+        raise ConfigError(f"--train {path}: file not found")
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    return raw, path
+
+
+def _dtype_name(x: str) -> str:
+    names = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+    if str(x) not in names:
+        raise ConfigError(f"unknown dtype {x!r}; use one of bf16, fp16, fp32")
+    return names[str(x)]
+
+
+def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
+    """``q38 plan ... --hardware/--seq-len/--search``: the budget of a layout, or the search. Prints; returns 0."""
+    import sys
+
+    from q38.parallel.budget import format_budget
+
+    raw, src = _train_defaults(ns, str(ns.model))
+    data, train = raw.get("data") or {}, raw.get("train") or {}
+    seq_len = ns.seq_len or int(data.get("seq_len", 4096))
+    if layout is None and src is not None and raw.get("layout"):
+        try:  # the run config's layout, when it fits this world size: shown next to the search's best
+            layout = Layout.load(str(raw["layout"]))
+            layout.resolve_mesh(ns.world)
+        except LayoutError:
+            layout = None
+    if ns.recompute:
+        recompute = ns.recompute
+    elif train.get("recompute"):
+        recompute = {(False, False): "full", (True, False): "selective_attention", (False, True): "selective_gdn",
+                     (True, True): "selective_both"}[(bool(train.get("skip_flash_attn_recompute")),
+                                                      bool(train.get("skip_gdn_recompute")))]
+    else:
+        recompute = "none" if src is not None or not ns.search else "full"
+    micro = ns.micro_batches or int(train.get("micro_batches", 1))
+    hw = Hardware.load(ns.hardware) if ns.hardware else None
+    kw = dict(param_dtype=_dtype_name(ns.param_dtype or train.get("param_dtype") or "bf16"),
+              reduce_dtype=_dtype_name(ns.reduce_dtype or train.get("reduce_dtype") or "fp32"),
+              gdn_kernel=None if ns.gdn_kernel is None else ns.gdn_kernel == "fla",
+              ep_balance=bool(train.get("enable_ep_balance", False)),
+              max_dup_experts=int(train.get("max_dup_experts_num", 2)),
+              loss_chunk_tokens=train.get("loss_chunk_size", 1024),
+              loss_chunk_budget_bytes=train.get("loss_chunk_budget_bytes") if train.get("dynamic_chunk_loss") else None,
+              offload_activations=bool(train.get("offload_activations", False)))
+    shipped = None
+    global_batch = ns.global_batch
+    if layout is not None:
+        mesh = layout.resolve_mesh(ns.world)
+        dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
+        if global_batch is None:
+            global_batch = dp * int(data.get("batch_size", 1))
+        shipped = shipped_budget(cfg, layout, ns.world, hw, seq_len=seq_len, global_batch=global_batch,
+                                 recompute=recompute, micro_batches=micro, model_name=str(ns.model), **kw) \
+            if hw is not None else None
+    if global_batch is None:
+        global_batch = ns.world
+    if src:
+        print(f"settings from {src}: seq_len {seq_len}, global batch {global_batch} sequences, recompute {recompute}, "
+              f"{micro} micro-batch(es)", file=sys.stderr)
+    if not ns.search:
+        if layout is None:
+            raise ConfigError("q38 plan needs --layout (or --search to find one)")
+        if shipped is None:
+            mesh = layout.resolve_mesh(ns.world)
+            dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
+            shipped = shipped_budget(cfg, layout, ns.world, None, seq_len=seq_len, global_batch=global_batch,
+                                     recompute=recompute, micro_batches=micro, model_name=str(ns.model), **kw)
+        print(format_budget(shipped))
+        return 0
+    if hw is None:
+        raise ConfigError("q38 plan --search needs --hardware (one of the profiles under specs/hardware, e.g. h200)")
+    cap = ns.memory_cap * GIB if ns.memory_cap is not None else None
+    cands, cap = search(cfg, ns.world, hw, seq_len=seq_len, global_batch=global_batch, memory_cap=cap,
+                        model_name=str(ns.model), **kw)
+    print(format_search(cands, cap, shipped))
+    lp, tp = write_best(cands[0], ns.out, str(ns.model), seq_len, raw)
+    print(f"wrote {lp} and {tp} (run: torchrun --nproc_per_node ... q38 train {tp})")
+    return 0

@@ -1,0 +1,93 @@
+"""``q38 plan --search`` and the budget options: the written layout and run config are accepted by ``q38 train``'s
+checks unchanged; bad input gives one line each."""
+
+import yaml
+
+from q38.parallel.plan import plan_cli
+from q38.parallel.search import search
+from q38.parallel.budget import Hardware
+from q38.config import ModelConfig
+
+TINY = ["--model", "tiny", "--seq-len", "128", "--global-batch", "8"]
+
+
+def _err(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    return [line for line in err if not line.startswith("settings from")]
+
+
+def test_search_writes_a_layout_q38_train_accepts(tmp_path, capsys, monkeypatch):
+    from q38.train.trainer import RunConfig, check_run
+
+    monkeypatch.chdir(tmp_path)
+    rc = plan_cli(["--search", "--world", "4", "--hardware", "h200", *TINY, "--out", "best"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "layouts fit" in out and "best:" in out
+    written = sorted(p.name for p in (tmp_path / "best").iterdir())
+    assert "train.yaml" in written and len(written) == 2
+    cfg = RunConfig.from_yaml(tmp_path / "best" / "train.yaml")
+    plan = check_run(cfg, world_size=4)  # the layout loads, fills 4 ranks and places every parameter
+    assert plan.dp_size * cfg.data.batch_size == 8
+
+
+def test_search_ranks_by_step_time_and_respects_the_cap():
+    cfg = ModelConfig.preset("tiny")
+    hw = Hardware.load("h200")
+    cands, cap = search(cfg, 8, hw, seq_len=128, global_batch=16, memory_cap=40 * 2**20)
+    times = [c.budget.step_s for c in cands]
+    assert times == sorted(times)
+    assert all(c.budget.peak_bytes <= cap for c in cands)
+    meshes = {c.mesh for c in cands}
+    assert len(meshes) > 1  # several factorisations survive
+
+
+def test_budget_of_a_given_layout(capsys):
+    rc = plan_cli(["--layout", "fsdp_ep", "--world", "4", "--hardware", "h200", *TINY])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "step time on h200" in out and "MFU" in out and "peak memory per rank" in out
+
+
+def test_unknown_hardware_is_one_line(capsys):
+    rc = plan_cli(["--search", "--world", "4", "--hardware", "tpu9", *TINY])
+    err = _err(capsys)
+    assert rc == 2 and len(err) == 1 and "unknown hardware profile 'tpu9'" in err[0] and "h200" in err[0]
+
+
+def test_memory_cap_nothing_fits_says_the_smallest_need(capsys):
+    rc = plan_cli(["--search", "--world", "4", "--hardware", "h200", *TINY, "--memory-cap", "0.001"])
+    err = _err(capsys)
+    assert rc == 2 and len(err) == 1 and "no layout fits" in err[0] and "the smallest needs" in err[0]
+
+
+def test_world_without_factorisation_is_one_line(capsys):
+    rc = plan_cli(["--search", "--world", "3", "--hardware", "h200", *TINY])
+    err = _err(capsys)
+    assert rc == 2 and len(err) == 1 and "world 3 has no valid factorisation" in err[0]
+
+
+def test_written_layout_yaml_is_plain_data(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert plan_cli(["--search", "--world", "2", "--hardware", "ascend_910b", *TINY, "--out", "o"]) == 0
+    lay = next(p for p in (tmp_path / "o").iterdir() if p.name != "train.yaml")
+    d = yaml.safe_load(lay.read_text())
+    assert set(d) <= {"include", "name", "mesh", "uneven"} and d["include"].endswith(".yaml")
+
+
+def test_prefetch_overlap_follows_the_runtime_rule():
+    """MeshParallel.prefetch starts a gather early only for a parameter gathered over exactly one mesh dim: pure
+    fsdp layouts overlap all their forward gathers; under fsdp × ep the dense weights (gathered over fsdp and ep) are
+    synchronous and only the experts (gathered over fsdp, EP-local) are prefetched."""
+    from q38.parallel.budget import estimate
+    from q38.parallel.layout import Layout
+
+    cfg = ModelConfig.preset("tiny")
+    hw = Hardware.load("h200")
+    one = estimate(cfg, Layout.preset("fsdp"), 4, seq_len=128, rows_per_rank=1, hardware=hw)
+    two = estimate(cfg, Layout.preset("fsdp_ep").with_mesh(fsdp=2, ep=2), 4, seq_len=128, rows_per_rank=1,
+                   hardware=hw)
+    fwd = lambda b: {(t.mesh_dim, t.overlapped) for t in b.comm if t.collective.startswith("all-gather fwd")}  # noqa
+    assert fwd(one) == {("fsdp", True)}
+    assert fwd(two) == {("fsdp", True), ("fsdp", False), ("ep", False)}
+    assert not any(t.collective.startswith("reduce-scatter") and t.overlapped for t in one.comm)
