@@ -171,6 +171,9 @@ def gated_delta_rule_recurrent(
     return rearrange(o, "b h s p -> b s h p").to(dtype), S
 
 
+GDN_BACKWARDS = ("custom", "autograd")
+
+
 def gated_delta_rule_chunked(
     q: Float[Tensor, "b s h a"],
     k: Float[Tensor, "b s h a"],
@@ -180,8 +183,197 @@ def gated_delta_rule_chunked(
     doc_ids: Int[Tensor, "b s"] | None = None,
     initial_state: Float[Tensor, "b h a p"] | None = None,
     chunk_size: int = 64,
+    backward: str = "custom",
 ) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
     """Chunked (WY/UT) gated delta rule in fp32 (architecture.md §5.5), document-masked.
+
+    ``initial_state`` belongs to the document of the first token (``doc_ids[:, 0]``). Returns the outputs and the
+    state after the last token (for the document the row ends in).
+
+    ``backward="custom"`` (default) runs the core as ``_ChunkGatedDeltaRule``: forward saves only its inputs and the
+    state at the start of every chunk, backward recomputes the in-chunk WY factors and runs the reverse chunk
+    recurrence (architecture.md §5.5b). ``backward="autograd"`` is the plain-autograd reference.
+    """
+    if backward == "autograd":
+        return gated_delta_rule_chunked_autograd(q, k, v, g, beta, doc_ids, initial_state, chunk_size)
+    if backward != "custom":
+        raise ValueError(f"backward must be one of {GDN_BACKWARDS}, got {backward!r}")
+    dtype = v.dtype
+    q, k, v, g, beta = _prep(q, k, v, g, beta)
+    s = k.shape[2]
+    C = chunk_size
+    pad = (C - s % C) % C
+    # Zero padding (k = v = β = g = 0) at the tail changes nothing; padded positions stay in the last document.
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    doc = None
+    if doc_ids is not None:
+        doc = F.pad(doc_ids.float()[:, None], (0, pad), mode="replicate")[:, 0].long()  # [b, s+pad]
+    q, k, v = (rearrange(t, "b h (j u) c -> b h j u c", u=C) for t in (q, k, v))
+    g, beta = (rearrange(t, "b h (j u) -> b h j u", u=C) for t in (g, beta))
+    s0 = None if initial_state is None else initial_state.float()
+    o, state = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, doc, s0)
+    o = rearrange(o, "b h j u p -> b (j u) h p")[:, :s]
+    return o.to(dtype), state
+
+
+def _doc_masks(doc: Tensor, C: int):
+    """Per-chunk document masks from padded doc ids ``[b, n·C]``: ``same`` [b 1 j u u] (same document),
+    ``cont`` [b 1 j u] (token continues the document carried into its chunk), ``last_same`` [b 1 j u] (same
+    document as the chunk's last token)."""
+    prev_doc = torch.cat([doc[:, :1], doc[:, :-1]], dim=1)  # the doc the state carries into position t
+    doc_c = rearrange(doc, "b (j u) -> b j u", u=C)
+    same = (doc_c[..., :, None] == doc_c[..., None, :])[:, None]
+    first_doc = rearrange(prev_doc, "b (j u) -> b j u", u=C)[..., 0]
+    cont = (doc_c == first_doc[..., None]).float()[:, None]
+    last_same = (doc_c == doc_c[..., -1:]).float()[:, None]
+    return same, cont, last_same
+
+
+def _chunk_factors(k, v, g, beta, doc):
+    """Everything the chunk recurrence needs that depends on one chunk only (forward and recomputed in backward).
+
+    Returns ``(kb, vb, L, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks)`` with document masks applied: ``L`` the unit-lower
+    matrix whose inverse is the WY factor ``T`` (its diagonal is ignored), ``Gam`` the masked ``exp(γ_r − γ_s)``,
+    ``E_q`` / ``Ec_k`` the masked ``exp(γ)`` / ``exp(γ_C − γ)``, ``decay`` the masked ``exp(γ_C)``.
+    """
+    C = k.shape[-2]
+    p = v.shape[-1]
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    # γ and its pairwise differences in fp64 (|γ| reaches ~10³ with A_log up to log 16), then back to fp32.
+    gam64 = g.double().cumsum(-1)
+    gam = gam64.float()
+    supp = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    masks = None
+    if doc is not None:
+        masks = _doc_masks(doc, C)
+        supp = masks[0] & supp
+    Gam = (gam64[..., :, None] - gam64[..., None, :]).float().masked_fill(~supp, float("-inf")).exp()
+    E = gam.exp()
+    Ec = (gam64[..., -1:] - gam64).float().exp()
+    decay = E[..., -1]
+    L = (kb @ k.transpose(-1, -2)) * Gam
+    uw = torch.linalg.solve_triangular(L, torch.cat([vb, kb * E[..., None]], dim=-1), upper=False, unitriangular=True)
+    U, W_raw = uw[..., :p], uw[..., p:]
+    E_q, Ec_k, W = E, Ec, W_raw
+    if masks is not None:
+        _, cont, last_same = masks
+        E_q, Ec_k, W = E * cont, Ec * last_same, W_raw * cont[..., None]
+        decay = decay * cont[..., -1]
+    return kb, vb, L, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks
+
+
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    """The chunked gated delta rule on prepared fp32 chunks ``q, k [b h j u a]``, ``v [b h j u p]``,
+    ``g, β [b h j u]`` (``doc`` [b j·u] or None, ``s0`` [b h a p] or None) → ``(o [b h j u p], S_final)``.
+
+    Saves the inputs and the state at every chunk start (``[b h j a p]``); backward is architecture.md §5.5b.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, doc, s0):
+        b, h, n, C, a = k.shape
+        p = v.shape[-1]
+        _, _, _, Gam, _, E_q, Ec_k, decay, U, _, W, _ = _chunk_factors(k, v, g, beta, doc)
+        kd = k * Ec_k[..., None]
+        S = s0 if s0 is not None else q.new_zeros(b, h, a, p)
+        states = q.new_empty(b, h, n, a, p)
+        vnew = q.new_empty(b, h, n, C, p)
+        for j in range(n):
+            states[:, :, j] = S
+            vn = torch.baddbmm(U[:, :, j].reshape(-1, C, p), W[:, :, j].reshape(-1, C, a), S.reshape(-1, a, p),
+                               alpha=-1).view(b, h, C, p)
+            vnew[:, :, j] = vn
+            S = S * decay[:, :, j, None, None] + kd[:, :, j].transpose(-1, -2) @ vn
+        ctx.save_for_backward(q, k, v, g, beta, doc, s0, states)
+        ctx.set_materialize_grads(False)
+        # the outputs of every chunk at once: O = (Q ⊙ exp γ) S_j + (Q Kᵀ ⊙ Γ) Vnew
+        o = (q * E_q[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Gam) @ vnew
+        return o, S
+
+    @staticmethod
+    def backward(ctx, d_o, d_sfin):
+        q, k, v, g, beta, doc, s0, states = ctx.saved_tensors
+        b, h, n, C, a = k.shape
+        p = v.shape[-1]
+        kb, vb, L, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks = _chunk_factors(k, v, g, beta, doc)
+        kd = k * Ec_k[..., None]
+        qd = q * E_q[..., None]
+        P = (q @ k.transpose(-1, -2)) * Gam
+        vnew = U - W @ states
+        if d_o is None:
+            d_o = torch.zeros_like(vnew)
+        # The reverse state recurrence: dS' (gradient of the state after chunk j) → dVnew_j and dS_j.
+        dv_base = P.transpose(-1, -2) @ d_o  # [b h j u p]
+        ds_base = qd.transpose(-1, -2) @ d_o  # [b h j a p]
+        dS = d_sfin.float() if d_sfin is not None else q.new_zeros(b, h, a, p)
+        dS_after = q.new_empty(b, h, n, a, p)
+        dvnew = q.new_empty(b, h, n, C, p)
+        for j in range(n - 1, -1, -1):
+            dS_after[:, :, j] = dS
+            dvn = dv_base[:, :, j] + kd[:, :, j] @ dS
+            dvnew[:, :, j] = dvn
+            dS = ds_base[:, :, j] - W[:, :, j].transpose(-1, -2) @ dvn + decay[:, :, j, None, None] * dS
+        d_s0 = dS
+        st_t = states.transpose(-1, -2)
+        dgam = torch.zeros_like(g)
+        # S_after = S·decay + Kdᵀ Vnew
+        d_decay = (dS_after * states).sum((-1, -2))
+        dgam[..., -1] += d_decay * decay
+        dkd = vnew @ dS_after.transpose(-1, -2)  # [b h j u a]
+        dk = dkd * Ec_k[..., None]
+        y = (dkd * kd).sum(-1)
+        dgam -= y
+        dgam[..., -1] += y.sum(-1)
+        # O = Qd S + P Vnew
+        dqd = d_o @ st_t
+        dq = dqd * E_q[..., None]
+        dgam += (dqd * qd).sum(-1)
+        dP = d_o @ vnew.transpose(-1, -2)
+        x = dP * P
+        dgam += x.sum(-1) - x.sum(-2)
+        dP = dP * Gam
+        dq = dq + dP @ k
+        dk = dk + dP.transpose(-1, -2) @ q
+        # Vnew = U − W S  (W = W_raw ⊙ cont)
+        dW = -(dvnew @ st_t)
+        if masks is not None:
+            dW = dW * masks[1][..., None]
+        # U = T Vβ, W_raw = T X with T = L⁻¹: [dVβ | dX] = Tᵀ [dU | dW]; dL = −strict(dVβ Uᵀ + dX W_rawᵀ)
+        dvx = torch.linalg.solve_triangular(
+            L.transpose(-1, -2), torch.cat([dvnew, dW], dim=-1), upper=True, unitriangular=True
+        )
+        dvb, dx = dvx[..., :p], dvx[..., p:]
+        dL = -(dvb @ U.transpose(-1, -2) + dx @ W_raw.transpose(-1, -2)).tril(-1)
+        x = dL * L
+        dgam += x.sum(-1) - x.sum(-2)
+        dL = dL * Gam
+        dkb = dL @ k
+        dk = dk + dL.transpose(-1, -2) @ kb
+        # X = Kβ ⊙ exp γ
+        xe = dx * E[..., None]
+        dkb = dkb + xe
+        dgam += (xe * kb).sum(-1)
+        dv = dvb * beta[..., None]
+        dbeta = (dvb * v).sum(-1) + (dkb * k).sum(-1)
+        dk = dk + dkb * beta[..., None]
+        dg = dgam.flip(-1).cumsum(-1).flip(-1)
+        return dq, dk, dv, dg, dbeta, None, (d_s0 if s0 is not None else None)
+
+
+def gated_delta_rule_chunked_autograd(
+    q: Float[Tensor, "b s h a"],
+    k: Float[Tensor, "b s h a"],
+    v: Float[Tensor, "b s h p"],
+    g: Float[Tensor, "b s h"],
+    beta: Float[Tensor, "b s h"],
+    doc_ids: Int[Tensor, "b s"] | None = None,
+    initial_state: Float[Tensor, "b h a p"] | None = None,
+    chunk_size: int = 64,
+) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
+    """Chunked (WY/UT) gated delta rule in fp32 (architecture.md §5.5), document-masked, differentiated by plain
+    autograd through the chunk loop (every per-chunk intermediate is saved). The reference the custom backward of
+    ``gated_delta_rule_chunked`` is tested against (``gdn_backward="autograd"`` selects it).
 
     ``initial_state`` belongs to the document of the first token (``doc_ids[:, 0]``). Returns the outputs and the
     state after the last token (for the document the row ends in).
