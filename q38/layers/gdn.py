@@ -7,6 +7,8 @@ several documents gives exactly the outputs of the documents run one by one.
 Extra dims: ``u`` = position inside a chunk, ``j`` = chunk index, ``a``/``p`` = key/value state dims.
 """
 
+import contextlib
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -172,6 +174,20 @@ def gated_delta_rule_recurrent(
 
 
 GDN_BACKWARDS = ("custom", "autograd")
+_BACKWARD = {"mode": "custom"}
+
+
+@contextlib.contextmanager
+def gdn_backward(mode: str):
+    """Internal switch for the layer's torch GDN core: ``custom`` (default) or ``autograd`` (today's reference path,
+    every per-chunk intermediate saved). For tests and ``benchmarks/gdn_memory.py``; not a run setting."""
+    if mode not in GDN_BACKWARDS:
+        raise ValueError(f"gdn_backward must be one of {GDN_BACKWARDS}, got {mode!r}")
+    prev, _BACKWARD["mode"] = _BACKWARD["mode"], mode
+    try:
+        yield
+    finally:
+        _BACKWARD["mode"] = prev
 
 
 def gated_delta_rule_chunked(
@@ -183,7 +199,7 @@ def gated_delta_rule_chunked(
     doc_ids: Int[Tensor, "b s"] | None = None,
     initial_state: Float[Tensor, "b h a p"] | None = None,
     chunk_size: int = 64,
-    backward: str = "custom",
+    backward: str | None = None,
 ) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
     """Chunked (WY/UT) gated delta rule in fp32 (architecture.md §5.5), document-masked.
 
@@ -192,8 +208,10 @@ def gated_delta_rule_chunked(
 
     ``backward="custom"`` (default) runs the core as ``_ChunkGatedDeltaRule``: forward saves only its inputs and the
     state at the start of every chunk, backward recomputes the in-chunk WY factors and runs the reverse chunk
-    recurrence (architecture.md §5.5b). ``backward="autograd"`` is the plain-autograd reference.
+    recurrence (architecture.md §5.5b). ``backward="autograd"`` is the plain-autograd reference. ``None`` takes the
+    mode set by ``gdn_backward`` (``custom`` unless changed).
     """
+    backward = backward or _BACKWARD["mode"]
     if backward == "autograd":
         return gated_delta_rule_chunked_autograd(q, k, v, g, beta, doc_ids, initial_state, chunk_size)
     if backward != "custom":
