@@ -17,6 +17,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from q38.config import ModelConfig
+from q38.kernels import active_kernels
 from q38.layers.common import ParamInfo, kernel_region
 from q38.layers.context import SeqInfo
 from q38.layers.norm import gated_rms_norm
@@ -95,9 +96,10 @@ def _conv(x: Tensor, w: Tensor, cfg: ModelConfig, info: SeqInfo) -> Tensor:
     kw = w.shape[1]
     comm = info.comm
     local = getattr(comm, "is_local", False)
-    if cfg.causal_conv1d_implementation == "cuda":
-        return _cuda_conv(x, w, info) if local else _unsupported_cp("causal_conv1d_implementation=cuda")
-    if cfg.causal_conv1d_implementation == "npu":
+    impl = active_kernels().causal_conv1d
+    if impl == "cuda":
+        return _cuda_conv(x, w, info) if local else _unsupported_cp("kernels.causal_conv1d: cuda")
+    if impl == "npu":
         return _npu_conv(x, w, info)
     halo = None if local else comm.prev_tail(x, kw - 1, 1)
     halo_doc = None if local else comm.prev_tail(info.doc_ids + 2, kw - 1, 1) - 2  # zeros from rank 0 → -2
@@ -114,20 +116,20 @@ def _cuda_conv(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
         from causal_conv1d import causal_conv1d_fn  # type: ignore
     except ImportError as e:
         raise ImportError(
-            "causal_conv1d_implementation='cuda' needs the causal-conv1d package (pip install causal-conv1d) "
-            "and a CUDA device; set causal_conv1d_implementation: torch to use the reference path"
+            "kernels.causal_conv1d: cuda needs the causal-conv1d package (pip install causal-conv1d) "
+            "and a CUDA device; set kernels.causal_conv1d: torch to use the reference path"
         ) from e
     if info.packed:
         raise NotImplementedError(
-            "causal_conv1d_implementation='cuda' is not wired for packed rows; use causal_conv1d_implementation: torch"
+            "kernels.causal_conv1d: cuda is not wired for packed rows; use kernels.causal_conv1d: torch"
         )
     return causal_conv1d_fn(x.transpose(1, 2), w, None, activation=None).transpose(1, 2)
 
 
 def _npu_conv(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
     raise NotImplementedError(
-        "causal_conv1d_implementation='npu' is not available in q38 yet (it needs torch_npu's causal conv kernel); "
-        "use causal_conv1d_implementation: torch"
+        "kernels.causal_conv1d: npu is not available in q38 yet (it needs torch_npu's causal conv kernel); "
+        "use kernels.causal_conv1d: torch"
     )
 
 
@@ -464,13 +466,13 @@ def _gdn_core(q, k, v, g, beta, cfg: ModelConfig, info: SeqInfo) -> Tensor:
     comm = info.comm
     local = getattr(comm, "is_local", False)
     doc_ids = info.doc_ids if (info.packed or not local) else None
-    impl = cfg.gdn_implementation
+    impl = active_kernels().gdn
     if impl == "fla":
         return _fla_gdn(q, k, v, g, beta, info)
     if impl == "npu":
         raise NotImplementedError(
-            "gdn_implementation='npu' is not available in q38 yet (it needs MindSpeed's Ascend GDN kernels); "
-            "use gdn_implementation: torch"
+            "kernels.gdn: npu is not available in q38 yet (it needs MindSpeed's Ascend GDN kernels); "
+            "use kernels.gdn: torch"
         )
     if local:
         return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size=cfg.gdn_chunk_size)[0]
@@ -495,11 +497,11 @@ def _fla_gdn(q, k, v, g, beta, info: SeqInfo) -> Tensor:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
     except ImportError as e:
         raise ImportError(
-            "gdn_implementation='fla' needs flash-linear-attention (pip install 'q38[cuda]') and a CUDA device; "
-            "set gdn_implementation: torch to use the reference path"
+            "kernels.gdn: fla needs flash-linear-attention (pip install 'q38[cuda]') and a CUDA device; "
+            "set kernels.gdn: torch to use the reference path"
         ) from e
     if not getattr(info.comm, "is_local", False):
-        _unsupported_cp("gdn_implementation=fla")
+        _unsupported_cp("kernels.gdn: fla")
     cu_seqlens = None
     if info.packed:
         # FLA takes packed documents as one batch row with cumulative sequence lengths.
