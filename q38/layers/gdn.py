@@ -297,14 +297,15 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         _, _, _, Gam, _, E_q, Ec_k, decay, U, _, W, _ = _chunk_factors(k, v, g, beta, doc)
         kd = k * Ec_k[..., None]
         S = s0 if s0 is not None else q.new_zeros(b, h, a, p)
-        states = q.new_empty(b, h, n, a, p)
-        vnew = q.new_empty(b, h, n, C, p)
+        # Lists then one stack (no in-place writes: selective recompute caches op outputs and refuses mutation).
+        states, vnew = [], []
         for j in range(n):
-            states[:, :, j] = S
+            states.append(S)
             vn = torch.baddbmm(U[:, :, j].reshape(-1, C, p), W[:, :, j].reshape(-1, C, a), S.reshape(-1, a, p),
                                alpha=-1).view(b, h, C, p)
-            vnew[:, :, j] = vn
+            vnew.append(vn)
             S = S * decay[:, :, j, None, None] + kd[:, :, j].transpose(-1, -2) @ vn
+        states, vnew = torch.stack(states, dim=2), torch.stack(vnew, dim=2)
         ctx.save_for_backward(q, k, v, g, beta, doc, s0, states)
         ctx.set_materialize_grads(False)
         # the outputs of every chunk at once: O = (Q ⊙ exp γ) S_j + (Q Kᵀ ⊙ Γ) Vnew
