@@ -11,3 +11,6 @@ python3 benchmarks/gdn_kernel.py 2>&1 | tee "$out/gdn_kernel.txt" || echo "step 
 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320 2>&1 | tee "$out/loss.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
 PYTHONPATH="$PWD" python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 2>&1 | tee "$out/model_torch_gdn.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --gdn fla 2>&1 | tee "$out/model_fla_gdn.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
+# whole train_step, tokens/s + MFU (bf16, hidden 2048, 8 layers, 64 experts top-8, 2 × 4096): torch GDN, FLA GDN where
+# the kernel registry allows it (FLA >= 0.5.2 with Triton >= 3.7.1 or TileLang), transformers
+python3 benchmarks/train_step.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --experts 64 --top-k 8 --batch 2 --seq 4096 --steps 5 2>&1 | tee "$out/train_step.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
