@@ -219,7 +219,10 @@ def gated_delta_rule_chunked(
     if backward != "custom":
         raise ValueError(f"backward must be one of {GDN_BACKWARDS}, got {backward!r}")
     dtype = v.dtype
-    q, k, v, g, beta = _prep(q, k, v, g, beta)
+    # Layout only: the fp32 cast, L2 norm and query scale happen inside the function (recomputed in backward), so
+    # what it saves is the inputs in their own dtype (bf16 in a bf16 run) and no autograd of the norm.
+    q, k, v = (rearrange(t, "b s h c -> b h s c") for t in (q, k, v))
+    g, beta = (rearrange(t, "b s h -> b h s") for t in (g, beta))
     s = k.shape[2]
     C = chunk_size
     pad = (C - s % C) % C
@@ -287,15 +290,31 @@ def _chunk_factors(k, v, g, beta, doc):
     return kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks
 
 
-class _ChunkGatedDeltaRule(torch.autograd.Function):
-    """The chunked gated delta rule on prepared fp32 chunks ``q, k [b h j u a]``, ``v [b h j u p]``,
-    ``g, β [b h j u]`` (``doc`` [b j·u] or None, ``s0`` [b h a p] or None) → ``(o [b h j u p], S_final)``.
+def _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw):
+    """fp32 inputs with L2-normalised q/k and q scaled by dk^-0.5 (as ``_prep``), plus ``1/‖q‖``, ``1/‖k‖``."""
+    qf, kf = q_raw.float(), k_raw.float()
+    q, k = l2norm(qf) * qf.shape[-1] ** -0.5, l2norm(kf)
+    return qf, kf, q, k, v_raw.float(), g_raw.float(), beta_raw.float()
 
-    Saves the inputs and the state at every chunk start (``[b h j a p]``); backward is architecture.md §5.5b.
+
+def _l2norm_backward(x: Tensor, dy: Tensor, scale: float, eps: float = 1e-6) -> Tensor:
+    """Gradient through ``y = scale · x / sqrt(‖x‖² + eps)``: ``scale · r · (dy − r² x (x·dy))``."""
+    r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    return scale * r * (dy - r * r * x * (x * dy).sum(-1, keepdim=True))
+
+
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    """The chunked gated delta rule on raw chunks ``q, k [b h j u a]``, ``v [b h j u p]``, ``g, β [b h j u]`` in
+    any float dtype (``doc`` [b j·u] or None, ``s0`` [b h a p] fp32 or None) → ``(o [b h j u p], S_final)`` in
+    fp32. Casts to fp32, L2-normalises q/k and scales q inside.
+
+    Saves the inputs as given and the fp32 state at every chunk start (``[b h j a p]``); backward recomputes the
+    rest (architecture.md §5.5b) and chains through the L2 norms.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, doc, s0):
+    def forward(ctx, q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0):
+        _, _, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
         b, h, n, C, a = k.shape
         p = v.shape[-1]
         _, _, _, _, Gam, _, E_q, Ec_k, decay, U, _, W, _ = _chunk_factors(k, v, g, beta, doc)
@@ -310,7 +329,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             vnew.append(vn)
             S = S * decay[:, :, j, None, None] + kd[:, :, j].transpose(-1, -2) @ vn
         states, vnew = torch.stack(states, dim=2), torch.stack(vnew, dim=2)
-        ctx.save_for_backward(q, k, v, g, beta, doc, s0, states)
+        ctx.save_for_backward(q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0, states)
         ctx.set_materialize_grads(False)
         # the outputs of every chunk at once: O = (Q ⊙ exp γ) S_j + (Q Kᵀ ⊙ Γ) Vnew
         o = (q * E_q[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Gam) @ vnew
@@ -318,7 +337,8 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_o, d_sfin):
-        q, k, v, g, beta, doc, s0, states = ctx.saved_tensors
+        q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0, states = ctx.saved_tensors
+        qf, kf, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
         b, h, n, C, a = k.shape
         p = v.shape[-1]
         kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks = _chunk_factors(k, v, g, beta, doc)
@@ -381,7 +401,10 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dbeta = (dvb * v).sum(-1) + (dkb * k).sum(-1)
         dk = dk + dkb * beta[..., None]
         dg = dgam.flip(-1).cumsum(-1).flip(-1)
-        return dq, dk, dv, dg, dbeta, None, (d_s0 if s0 is not None else None)
+        dq = _l2norm_backward(qf, dq, a**-0.5)
+        dk = _l2norm_backward(kf, dk, 1.0)
+        return (dq.to(q_raw.dtype), dk.to(k_raw.dtype), dv.to(v_raw.dtype), dg.to(g_raw.dtype),
+                dbeta.to(beta_raw.dtype), None, (d_s0 if s0 is not None else None))
 
 
 def gated_delta_rule_chunked_autograd(
