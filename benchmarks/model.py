@@ -26,18 +26,21 @@ def bench_config(args) -> q38.ModelConfig:
     )
 
 
-def timeit(fn, repeats, device):
-    fn()  # warm-up
-    times = []
+def timeit_pair(fa, fb, repeats, device):
+    """Median seconds of ``fa`` and of ``fb``, called alternately (A, B, A, B, ...) so that load on a shared
+    machine hits both sides alike; one warm-up call each."""
+    fa(), fb()
+    times = ([], [])
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for fn, out in ((fa, times[0]), (fb, times[1])):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - t)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def main():
@@ -84,7 +87,7 @@ def run(args):
         loss = (out.last_hidden_state.float() ** 2).mean()
         torch.autograd.grad(loss, [p for p in hf.model.parameters()], allow_unused=True)
 
-    t_q, t_h = timeit(run_q38, args.repeats, args.device), timeit(run_hf, args.repeats, args.device)
+    t_q, t_h = timeit_pair(run_q38, run_hf, args.repeats, args.device)
     print(f"config: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} "
           f"({cfg.layer_types.count('linear_attention')} GDN + {cfg.layer_types.count('full_attention')} attn), experts "
           f"{cfg.num_experts} top-{cfg.num_experts_per_tok}, batch {args.batch} × seq {args.seq}, {args.device}/{args.dtype}")
@@ -122,7 +125,7 @@ def per_layer(args, cfg, params, hf, dtype):
     ]
     print(f"\n{'layer (fwd+bwd)':<28}{'q38 (s)':>12}{'transformers (s)':>18}{'ratio':>8}")
     for name, fq, fh in rows:
-        tq, th = timeit(fq, args.repeats, args.device), timeit(fh, args.repeats, args.device)
+        tq, th = timeit_pair(fq, fh, args.repeats, args.device)
         print(f"{name:<28}{tq:>12.4f}{th:>18.4f}{tq / th:>8.3f}")
 
 
