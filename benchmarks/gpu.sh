@@ -14,3 +14,6 @@ python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 
 # q38 plan: predicted vs measured one-GPU step time and peak memory (issue 13); not yet run
 python3 benchmarks/plan_step.py --device cuda --dtype bfloat16 --hardware h200 --gdn fla --repeats 5 2>&1 | tee "$out/plan_step.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
 python3 benchmarks/plan_step.py --device cuda --dtype bfloat16 --hardware h200 --gdn fla --recompute --repeats 5 2>&1 | tee "$out/plan_step_recompute.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
+# whole train_step, tokens/s + MFU (bf16, hidden 2048, 8 layers, 64 experts top-8, 2 × 4096): torch GDN, FLA GDN where
+# the kernel registry allows it (FLA >= 0.5.2 with Triton >= 3.7.1 or TileLang), transformers
+python3 benchmarks/train_step.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --experts 64 --top-k 8 --batch 2 --seq 4096 --steps 5 2>&1 | tee "$out/train_step.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"

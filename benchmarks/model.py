@@ -17,27 +17,30 @@ import q38
 
 def bench_config(args) -> q38.ModelConfig:
     return q38.ModelConfig(
-        model_type="qwen3_5_moe", vocab_size=4096, hidden_size=args.hidden, num_hidden_layers=4,
+        model_type="qwen3_5_moe", vocab_size=4096, hidden_size=args.hidden, num_hidden_layers=args.num_layers,
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
         linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=args.experts,
         num_experts_per_tok=args.top_k, moe_intermediate_size=args.hidden // 2,
         shared_expert_intermediate_size=args.hidden // 2, mtp_num_layers=0,
-        use_grouped_expert_matmul=args.grouped, gdn_implementation=args.gdn,
+        use_grouped_expert_matmul=args.grouped,
     )
 
 
-def timeit(fn, repeats, device):
-    fn()  # warm-up
-    times = []
+def timeit_pair(fa, fb, repeats, device):
+    """Median seconds of ``fa`` and of ``fb``, called alternately (A, B, A, B, ...) so that load on a shared
+    machine hits both sides alike; one warm-up call each."""
+    fa(), fb()
+    times = ([], [])
     for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+        for fn, out in ((fa, times[0]), (fb, times[1])):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - t)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def main():
@@ -48,12 +51,20 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--num-layers", type=int, default=4, help="every 4th layer is full attention, the rest GDN")
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--grouped", action="store_true", help="use_grouped_expert_matmul")
-    ap.add_argument("--gdn", default="torch", help="gdn_implementation (torch | fla)")
+    ap.add_argument("--gdn", default="torch", help="kernels.gdn (torch | fla)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", action="store_true", help="also time each layer family on the same input")
     args = ap.parse_args()
+    from q38.kernels import KernelConfig, use_kernels
+
+    with use_kernels(KernelConfig(gdn=args.gdn, causal_conv1d="torch", attention="sdpa")):
+        run(args)
+
+
+def run(args):
     from transformers import Qwen3_5MoeForCausalLM
 
     dtype = getattr(torch, args.dtype)
@@ -76,8 +87,9 @@ def main():
         loss = (out.last_hidden_state.float() ** 2).mean()
         torch.autograd.grad(loss, [p for p in hf.model.parameters()], allow_unused=True)
 
-    t_q, t_h = timeit(run_q38, args.repeats, args.device), timeit(run_hf, args.repeats, args.device)
-    print(f"config: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} (3 GDN + 1 attn), experts "
+    t_q, t_h = timeit_pair(run_q38, run_hf, args.repeats, args.device)
+    print(f"config: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} "
+          f"({cfg.layer_types.count('linear_attention')} GDN + {cfg.layer_types.count('full_attention')} attn), experts "
           f"{cfg.num_experts} top-{cfg.num_experts_per_tok}, batch {args.batch} × seq {args.seq}, {args.device}/{args.dtype}")
     print(f"{'implementation':<28}{'fwd+bwd (s)':>14}")
     print(f"{'q38':<28}{t_q:>14.4f}")
@@ -113,7 +125,7 @@ def per_layer(args, cfg, params, hf, dtype):
     ]
     print(f"\n{'layer (fwd+bwd)':<28}{'q38 (s)':>12}{'transformers (s)':>18}{'ratio':>8}")
     for name, fq, fh in rows:
-        tq, th = timeit(fq, args.repeats, args.device), timeit(fh, args.repeats, args.device)
+        tq, th = timeit_pair(fq, fh, args.repeats, args.device)
         print(f"{name:<28}{tq:>12.4f}{th:>18.4f}{tq / th:>8.3f}")
 
 

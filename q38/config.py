@@ -1,6 +1,7 @@
 """Model configuration: one frozen attrs class, loaded from YAML presets or Hugging Face ``config.json``.
 
-Every field of the Qwen3.5-MoE / Qwen3-Next text model (architecture.md §9) plus the kernel switches.
+Every field of the Qwen3.5-MoE / Qwen3-Next text model (architecture.md §9). Kernel choices are a run setting
+(``q38.kernels.KernelConfig``), not part of the model.
 Checks live in ``__attrs_post_init__`` and name the offending field and the fix.
 """
 
@@ -17,9 +18,6 @@ import attrs
 SPECS_DIR = Path(os.environ.get("Q38_SPECS", Path(__file__).resolve().parent.parent / "specs"))
 
 LAYER_TYPES = ("linear_attention", "full_attention")
-GDN_IMPLEMENTATIONS = ("torch", "fla", "npu")
-CONV_IMPLEMENTATIONS = ("torch", "cuda", "npu")
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 class ConfigError(ValueError):
@@ -115,10 +113,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    # kernel switches (the torch path is the oracle and runs everywhere)
-    gdn_implementation: str = "torch"
-    causal_conv1d_implementation: str = "torch"
-    attention_implementation: str = "sdpa"
+    # numerics-neutral compute switches (kernel implementations live in q38.kernels.KernelConfig, a run setting)
     use_grouped_expert_matmul: bool = False
     gdn_chunk_size: int = 64
 
@@ -179,20 +174,6 @@ class ModelConfig:
             "attention_bias=True is not supported by q38 (no released checkpoint of this family uses it)",
         )
         need(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")
-        need(
-            self.gdn_implementation in GDN_IMPLEMENTATIONS,
-            f"gdn_implementation must be one of {GDN_IMPLEMENTATIONS}, got {self.gdn_implementation!r}",
-        )
-        need(
-            self.causal_conv1d_implementation in CONV_IMPLEMENTATIONS,
-            f"causal_conv1d_implementation must be one of {CONV_IMPLEMENTATIONS}, "
-            f"got {self.causal_conv1d_implementation!r}",
-        )
-        need(
-            self.attention_implementation in ATTENTION_IMPLEMENTATIONS,
-            f"attention_implementation must be one of {ATTENTION_IMPLEMENTATIONS}, "
-            f"got {self.attention_implementation!r}",
-        )
 
     # ---- derived sizes ------------------------------------------------------------------------------
     @property
@@ -245,8 +226,16 @@ class ModelConfig:
         return [a.name for a in attrs.fields(cls)]
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], *, source: str = "config") -> "ModelConfig":
-        d = dict(d)
+    def from_dict(
+        cls, d: Mapping[str, Any], *, source: str = "config", kernels_out: dict | None = None
+    ) -> "ModelConfig":
+        """``kernels_out``: receives the pre-``KernelConfig`` kernel keys (``gdn_implementation`` ...) mapped onto
+        ``KernelConfig`` names; they are accepted with a note and never become part of the model."""
+        from q38.kernels import legacy_kernel_keys
+
+        d, legacy = legacy_kernel_keys(d, source=source, mapped=kernels_out is not None)
+        if kernels_out is not None:
+            kernels_out.update(legacy)
         if "full_attention_interval" in d:
             interval = int(d.pop("full_attention_interval"))
             if d.get("layer_types") is None:
@@ -257,7 +246,7 @@ class ModelConfig:
         return structure(cls, d, "model")  # typed: every field by its annotation
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> "ModelConfig":
+    def from_yaml(cls, path: str | os.PathLike, *, kernels_out: dict | None = None) -> "ModelConfig":
         import yaml
 
         path = Path(path)
@@ -267,7 +256,7 @@ class ModelConfig:
             d = yaml.safe_load(f) or {}
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys, got {type(d).__name__}")
-        return cls.from_dict(d, source=str(path))
+        return cls.from_dict(d, source=str(path), kernels_out=kernels_out)
 
     @classmethod
     def presets(cls) -> list[str]:
@@ -281,13 +270,13 @@ class ModelConfig:
         return cls.from_yaml(path)
 
     @classmethod
-    def load(cls, name_or_path: str | os.PathLike) -> "ModelConfig":
+    def load(cls, name_or_path: str | os.PathLike, *, kernels_out: dict | None = None) -> "ModelConfig":
         """A preset name, a q38 YAML file, a HF ``config.json`` or a HF checkpoint directory."""
         p = Path(name_or_path)
         if p.is_dir() or p.suffix == ".json":
             return cls.from_hf(p)
         if p.suffix in (".yaml", ".yml"):
-            return cls.from_yaml(p)
+            return cls.from_yaml(p, kernels_out=kernels_out)
         return cls.preset(str(name_or_path))
 
     @classmethod

@@ -7,6 +7,7 @@ import torch
 
 import q38
 from q38.config import ConfigError, ModelConfig
+from q38.kernels import KernelConfig, use_kernels
 from q38.train.config import TrainConfig, validate_run
 
 
@@ -62,7 +63,6 @@ def test_from_hf_refuses_dense_layers():
         ({"num_experts_per_tok": 9}, "num_experts_per_tok .9. must be <= num_experts"),
         ({"head_dim": 10, "partial_rotary_factor": 0.5}, "rotary dim .* must be even"),
         ({"mtp_num_layers": -1}, "mtp_num_layers must be >= 0"),
-        ({"gdn_implementation": "triton"}, "gdn_implementation must be one of"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
         ({"model_type": "qwen4"}, "unknown model_type 'qwen4'"),
     ],
@@ -107,24 +107,24 @@ def test_cross_config_rules():
     tiny = ModelConfig.preset("tiny")
     with pytest.raises(ConfigError, match="enable_ep_balance: true needs expert parallelism"):
         validate_run(tiny, TrainConfig(enable_ep_balance=True), ep_size=1)
-    with pytest.raises(ConfigError, match="gdn_implementation: fla needs a CUDA device"):
-        validate_run(tiny.replace(gdn_implementation="fla"), TrainConfig(), device="cpu")
-    with pytest.raises(ConfigError, match="causal_conv1d_implementation: cuda needs a CUDA device"):
-        validate_run(tiny.replace(causal_conv1d_implementation="cuda"), TrainConfig(), device="cpu")
-    with pytest.raises(ConfigError, match="gdn_implementation: npu is not available"):
-        validate_run(tiny.replace(gdn_implementation="npu"), TrainConfig(), device="cpu")
+    with pytest.raises(ConfigError, match="kernels.gdn: fla runs on cuda only, not on 'cpu'"):
+        validate_run(tiny, TrainConfig(), device="cpu", kernels=KernelConfig(gdn="fla"))
+    with pytest.raises(ConfigError, match="kernels.causal_conv1d: cuda runs on cuda only"):
+        validate_run(tiny, TrainConfig(), device="cpu", kernels=KernelConfig(causal_conv1d="cuda"))
+    with pytest.raises(ConfigError, match="kernels.gdn: npu runs on npu only"):
+        validate_run(tiny, TrainConfig(), device="cpu", kernels=KernelConfig(gdn="npu"))
     with pytest.raises(ConfigError, match="needs a fused attention kernel"):
-        validate_run(tiny.replace(attention_implementation="eager"),
-                     TrainConfig(recompute=True, skip_flash_attn_recompute=True))
+        validate_run(tiny, TrainConfig(recompute=True, skip_flash_attn_recompute=True),
+                     kernels=KernelConfig(attention="eager"))
     with pytest.raises(ConfigError, match="unknown train config key.*did you mean 'micro_batches'"):
         TrainConfig.from_dict({"micro_batch": 2})
 
 
 def test_unavailable_kernel_raises_naming_the_option_and_install(tiny_cfg):
-    cfg = tiny_cfg.replace(gdn_implementation="fla")
-    p = q38.init_params(cfg, seed=0)
-    with pytest.raises(ImportError, match="gdn_implementation='fla' needs flash-linear-attention"):
-        q38.forward(p, torch.zeros(1, 8, dtype=torch.long), cfg)
+    p = q38.init_params(tiny_cfg, seed=0)
+    with use_kernels(KernelConfig(gdn="fla", causal_conv1d="torch", attention="sdpa")):
+        with pytest.raises(ImportError, match="kernels.gdn: fla needs flash-linear-attention"):
+            q38.forward(p, torch.zeros(1, 8, dtype=torch.long), tiny_cfg)
 
 
 def test_eager_attention_matches_sdpa(tiny_cfg):
@@ -132,5 +132,6 @@ def test_eager_attention_matches_sdpa(tiny_cfg):
     doc = torch.tensor([[0] * 15 + [1] * 25, [0] * 40])
     p = q38.init_params(tiny_cfg.replace(initializer_range=0.1), seed=0)
     a = q38.logits(p, ids, tiny_cfg, doc_ids=doc)
-    b = q38.logits(p, ids, tiny_cfg.replace(attention_implementation="eager"), doc_ids=doc)
+    with use_kernels(KernelConfig(gdn="torch", causal_conv1d="torch", attention="eager")):
+        b = q38.logits(p, ids, tiny_cfg, doc_ids=doc)
     assert (a - b).abs().max() <= 1e-5

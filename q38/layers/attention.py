@@ -11,6 +11,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from q38.config import ModelConfig
+from q38.kernels import active_kernels
 from q38.layers.common import ParamInfo, kernel_region
 from q38.layers.context import SeqInfo
 from q38.layers.norm import rms_norm
@@ -79,7 +80,7 @@ def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, 
 
 
 def _attend(q_bhsc: Tensor, k_bhtc: Tensor, v_bhtc: Tensor, mask: Tensor | None, cfg: ModelConfig, c: int) -> Tensor:
-    if cfg.attention_implementation == "eager":
+    if active_kernels().attention == "eager":
         scores = torch.einsum("bhsc,bhtc->bhst", q_bhsc.float(), k_bhtc.float()) * c**-0.5
         if mask is None:
             s, t = scores.shape[-2:]

@@ -7,6 +7,8 @@ several documents gives exactly the outputs of the documents run one by one.
 Extra dims: ``u`` = position inside a chunk, ``j`` = chunk index, ``a``/``p`` = key/value state dims.
 """
 
+import contextlib
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from q38.config import ModelConfig
+from q38.kernels import active_kernels
 from q38.layers.common import ParamInfo, kernel_region
 from q38.layers.context import SeqInfo
 from q38.layers.norm import gated_rms_norm
@@ -93,9 +96,10 @@ def _conv(x: Tensor, w: Tensor, cfg: ModelConfig, info: SeqInfo) -> Tensor:
     kw = w.shape[1]
     comm = info.comm
     local = getattr(comm, "is_local", False)
-    if cfg.causal_conv1d_implementation == "cuda":
-        return _cuda_conv(x, w, info) if local else _unsupported_cp("causal_conv1d_implementation=cuda")
-    if cfg.causal_conv1d_implementation == "npu":
+    impl = active_kernels().causal_conv1d
+    if impl == "cuda":
+        return _cuda_conv(x, w, info) if local else _unsupported_cp("kernels.causal_conv1d: cuda")
+    if impl == "npu":
         return _npu_conv(x, w, info)
     halo = None if local else comm.prev_tail(x, kw - 1, 1)
     halo_doc = None if local else comm.prev_tail(info.doc_ids + 2, kw - 1, 1) - 2  # zeros from rank 0 → -2
@@ -112,20 +116,20 @@ def _cuda_conv(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
         from causal_conv1d import causal_conv1d_fn  # type: ignore
     except ImportError as e:
         raise ImportError(
-            "causal_conv1d_implementation='cuda' needs the causal-conv1d package (pip install causal-conv1d) "
-            "and a CUDA device; set causal_conv1d_implementation: torch to use the reference path"
+            "kernels.causal_conv1d: cuda needs the causal-conv1d package (pip install causal-conv1d) "
+            "and a CUDA device; set kernels.causal_conv1d: torch to use the reference path"
         ) from e
     if info.packed:
         raise NotImplementedError(
-            "causal_conv1d_implementation='cuda' is not wired for packed rows; use causal_conv1d_implementation: torch"
+            "kernels.causal_conv1d: cuda is not wired for packed rows; use kernels.causal_conv1d: torch"
         )
     return causal_conv1d_fn(x.transpose(1, 2), w, None, activation=None).transpose(1, 2)
 
 
 def _npu_conv(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
     raise NotImplementedError(
-        "causal_conv1d_implementation='npu' is not available in q38 yet (it needs torch_npu's causal conv kernel); "
-        "use causal_conv1d_implementation: torch"
+        "kernels.causal_conv1d: npu is not available in q38 yet (it needs torch_npu's causal conv kernel); "
+        "use kernels.causal_conv1d: torch"
     )
 
 
@@ -171,6 +175,23 @@ def gated_delta_rule_recurrent(
     return rearrange(o, "b h s p -> b s h p").to(dtype), S
 
 
+GDN_BACKWARDS = ("custom", "autograd")
+_BACKWARD = {"mode": "custom"}
+
+
+@contextlib.contextmanager
+def gdn_backward(mode: str):
+    """Internal switch for the layer's torch GDN core: ``custom`` (default) or ``autograd`` (today's reference path,
+    every per-chunk intermediate saved). For tests and ``benchmarks/gdn_memory.py``; not a run setting."""
+    if mode not in GDN_BACKWARDS:
+        raise ValueError(f"gdn_backward must be one of {GDN_BACKWARDS}, got {mode!r}")
+    prev, _BACKWARD["mode"] = _BACKWARD["mode"], mode
+    try:
+        yield
+    finally:
+        _BACKWARD["mode"] = prev
+
+
 def gated_delta_rule_chunked(
     q: Float[Tensor, "b s h a"],
     k: Float[Tensor, "b s h a"],
@@ -180,8 +201,225 @@ def gated_delta_rule_chunked(
     doc_ids: Int[Tensor, "b s"] | None = None,
     initial_state: Float[Tensor, "b h a p"] | None = None,
     chunk_size: int = 64,
+    backward: str | None = None,
 ) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
     """Chunked (WY/UT) gated delta rule in fp32 (architecture.md §5.5), document-masked.
+
+    ``initial_state`` belongs to the document of the first token (``doc_ids[:, 0]``). Returns the outputs and the
+    state after the last token (for the document the row ends in).
+
+    ``backward="custom"`` (default) runs the core as ``_ChunkGatedDeltaRule``: forward saves only its inputs and the
+    state at the start of every chunk, backward recomputes the in-chunk WY factors and runs the reverse chunk
+    recurrence (architecture.md §5.5b). ``backward="autograd"`` is the plain-autograd reference. ``None`` takes the
+    mode set by ``gdn_backward`` (``custom`` unless changed).
+    """
+    backward = backward or _BACKWARD["mode"]
+    if backward == "autograd":
+        return gated_delta_rule_chunked_autograd(q, k, v, g, beta, doc_ids, initial_state, chunk_size)
+    if backward != "custom":
+        raise ValueError(f"backward must be one of {GDN_BACKWARDS}, got {backward!r}")
+    dtype = v.dtype
+    # Layout only: the fp32 cast, L2 norm and query scale happen inside the function (recomputed in backward), so
+    # what it saves is the inputs in their own dtype (bf16 in a bf16 run) and no autograd of the norm.
+    q, k, v = (rearrange(t, "b s h c -> b h s c") for t in (q, k, v))
+    g, beta = (rearrange(t, "b s h -> b h s") for t in (g, beta))
+    s = k.shape[2]
+    C = chunk_size
+    pad = (C - s % C) % C
+    # Zero padding (k = v = β = g = 0) at the tail changes nothing; padded positions stay in the last document.
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    doc = None
+    if doc_ids is not None:
+        doc = F.pad(doc_ids.float()[:, None], (0, pad), mode="replicate")[:, 0].long()  # [b, s+pad]
+    q, k, v = (rearrange(t, "b h (j u) c -> b h j u c", u=C) for t in (q, k, v))
+    g, beta = (rearrange(t, "b h (j u) -> b h j u", u=C) for t in (g, beta))
+    s0 = None if initial_state is None else initial_state.float()
+    o, state = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, doc, s0)
+    o = rearrange(o, "b h j u p -> b (j u) h p")[:, :s]
+    return o.to(dtype), state
+
+
+def _doc_masks(doc: Tensor, C: int):
+    """Per-chunk document masks from padded doc ids ``[b, n·C]``: ``same`` [b 1 j u u] (same document),
+    ``cont`` [b 1 j u] (token continues the document carried into its chunk), ``last_same`` [b 1 j u] (same
+    document as the chunk's last token)."""
+    prev_doc = torch.cat([doc[:, :1], doc[:, :-1]], dim=1)  # the doc the state carries into position t
+    doc_c = rearrange(doc, "b (j u) -> b j u", u=C)
+    same = (doc_c[..., :, None] == doc_c[..., None, :])[:, None]
+    first_doc = rearrange(prev_doc, "b (j u) -> b j u", u=C)[..., 0]
+    cont = (doc_c == first_doc[..., None]).float()[:, None]
+    last_same = (doc_c == doc_c[..., -1:]).float()[:, None]
+    return same, cont, last_same
+
+
+def _chunk_factors(k, v, g, beta, doc):
+    """Everything the chunk recurrence needs that depends on one chunk only (forward and recomputed in backward).
+
+    Returns ``(kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks)`` with document masks applied: ``L`` the unit-lower
+    matrix whose inverse is the WY factor ``T`` (its diagonal is ignored; ``T`` its unit-lower inverse), ``Gam`` the masked ``exp(γ_r − γ_s)``,
+    ``E_q`` / ``Ec_k`` the masked ``exp(γ)`` / ``exp(γ_C − γ)``, ``decay`` the masked ``exp(γ_C)``.
+    """
+    C = k.shape[-2]
+    p = v.shape[-1]
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    # γ and its pairwise differences in fp64 (|γ| reaches ~10³ with A_log up to log 16), then back to fp32.
+    gam64 = g.double().cumsum(-1)
+    gam = gam64.float()
+    supp = torch.ones(C, C, dtype=torch.bool, device=k.device).tril()
+    masks = None
+    if doc is not None:
+        masks = _doc_masks(doc, C)
+        supp = masks[0] & supp
+    Gam = (gam64[..., :, None] - gam64[..., None, :]).float().masked_fill(~supp, float("-inf")).exp()
+    E = gam.exp()
+    Ec = (gam64[..., -1:] - gam64).float().exp()
+    decay = E[..., -1]
+    L = (kb @ k.transpose(-1, -2)) * Gam
+    # T = L⁻¹ explicitly: one solve against a contiguous I (on CPU several times faster than solving against
+    # [Vβ | X] directly), then matmuls; backward reuses T for the transposed products instead of a second solve.
+    eye = torch.eye(C, dtype=L.dtype, device=L.device).expand_as(L).contiguous()
+    T = torch.linalg.solve_triangular(L, eye, upper=False, unitriangular=True)
+    uw = T @ torch.cat([vb, kb * E[..., None]], dim=-1)
+    U, W_raw = uw[..., :p], uw[..., p:]
+    E_q, Ec_k, W = E, Ec, W_raw
+    if masks is not None:
+        _, cont, last_same = masks
+        E_q, Ec_k, W = E * cont, Ec * last_same, W_raw * cont[..., None]
+        decay = decay * cont[..., -1]
+    return kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks
+
+
+def _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw):
+    """fp32 inputs with L2-normalised q/k and q scaled by dk^-0.5 (as ``_prep``), plus ``1/‖q‖``, ``1/‖k‖``."""
+    qf, kf = q_raw.float(), k_raw.float()
+    q, k = l2norm(qf) * qf.shape[-1] ** -0.5, l2norm(kf)
+    return qf, kf, q, k, v_raw.float(), g_raw.float(), beta_raw.float()
+
+
+def _l2norm_backward(x: Tensor, dy: Tensor, scale: float, eps: float = 1e-6) -> Tensor:
+    """Gradient through ``y = scale · x / sqrt(‖x‖² + eps)``: ``scale · r · (dy − r² x (x·dy))``."""
+    r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    return scale * r * (dy - r * r * x * (x * dy).sum(-1, keepdim=True))
+
+
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    """The chunked gated delta rule on raw chunks ``q, k [b h j u a]``, ``v [b h j u p]``, ``g, β [b h j u]`` in
+    any float dtype (``doc`` [b j·u] or None, ``s0`` [b h a p] fp32 or None) → ``(o [b h j u p], S_final)`` in
+    fp32. Casts to fp32, L2-normalises q/k and scales q inside.
+
+    Saves the inputs as given and the fp32 state at every chunk start (``[b h j a p]``); backward recomputes the
+    rest (architecture.md §5.5b) and chains through the L2 norms.
+    """
+
+    @staticmethod
+    def forward(ctx, q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0):
+        _, _, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
+        b, h, n, C, a = k.shape
+        p = v.shape[-1]
+        _, _, _, _, Gam, _, E_q, Ec_k, decay, U, _, W, _ = _chunk_factors(k, v, g, beta, doc)
+        kd = k * Ec_k[..., None]
+        S = s0 if s0 is not None else q.new_zeros(b, h, a, p)
+        # Lists then one stack (no in-place writes: selective recompute caches op outputs and refuses mutation).
+        states, vnew = [], []
+        for j in range(n):
+            states.append(S)
+            vn = torch.baddbmm(U[:, :, j].reshape(-1, C, p), W[:, :, j].reshape(-1, C, a), S.reshape(-1, a, p),
+                               alpha=-1).view(b, h, C, p)
+            vnew.append(vn)
+            S = S * decay[:, :, j, None, None] + kd[:, :, j].transpose(-1, -2) @ vn
+        states, vnew = torch.stack(states, dim=2), torch.stack(vnew, dim=2)
+        ctx.save_for_backward(q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0, states)
+        ctx.set_materialize_grads(False)
+        # the outputs of every chunk at once: O = (Q ⊙ exp γ) S_j + (Q Kᵀ ⊙ Γ) Vnew
+        o = (q * E_q[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Gam) @ vnew
+        return o, S
+
+    @staticmethod
+    def backward(ctx, d_o, d_sfin):
+        q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0, states = ctx.saved_tensors
+        qf, kf, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
+        b, h, n, C, a = k.shape
+        p = v.shape[-1]
+        kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks = _chunk_factors(k, v, g, beta, doc)
+        kd = k * Ec_k[..., None]
+        qd = q * E_q[..., None]
+        P = (q @ k.transpose(-1, -2)) * Gam
+        vnew = U - W @ states
+        if d_o is None:
+            d_o = torch.zeros_like(vnew)
+        # The reverse state recurrence: dS' (gradient of the state after chunk j) → dVnew_j and dS_j.
+        dv_base = P.transpose(-1, -2) @ d_o  # [b h j u p]
+        ds_base = qd.transpose(-1, -2) @ d_o  # [b h j a p]
+        dS = d_sfin.float() if d_sfin is not None else q.new_zeros(b, h, a, p)
+        dS_after = q.new_empty(b, h, n, a, p)
+        dvnew = q.new_empty(b, h, n, C, p)
+        for j in range(n - 1, -1, -1):
+            dS_after[:, :, j] = dS
+            dvn = dv_base[:, :, j] + kd[:, :, j] @ dS
+            dvnew[:, :, j] = dvn
+            dS = ds_base[:, :, j] - W[:, :, j].transpose(-1, -2) @ dvn + decay[:, :, j, None, None] * dS
+        d_s0 = dS
+        st_t = states.transpose(-1, -2)
+        dgam = torch.zeros_like(g)
+        # S_after = S·decay + Kdᵀ Vnew
+        d_decay = (dS_after * states).sum((-1, -2))
+        dgam[..., -1] += d_decay * decay
+        dkd = vnew @ dS_after.transpose(-1, -2)  # [b h j u a]
+        dk = dkd * Ec_k[..., None]
+        y = (dkd * kd).sum(-1)
+        dgam -= y
+        dgam[..., -1] += y.sum(-1)
+        # O = Qd S + P Vnew
+        dqd = d_o @ st_t
+        dq = dqd * E_q[..., None]
+        dgam += (dqd * qd).sum(-1)
+        dP = d_o @ vnew.transpose(-1, -2)
+        x = dP * P
+        dgam += x.sum(-1) - x.sum(-2)
+        dP = dP * Gam
+        dq = dq + dP @ k
+        dk = dk + dP.transpose(-1, -2) @ q
+        # Vnew = U − W S  (W = W_raw ⊙ cont)
+        dW = -(dvnew @ st_t)
+        if masks is not None:
+            dW = dW * masks[1][..., None]
+        # U = T Vβ, W_raw = T X with T = L⁻¹: [dVβ | dX] = Tᵀ [dU | dW]; dL = −strict(dVβ Uᵀ + dX W_rawᵀ)
+        dvx = T.transpose(-1, -2) @ torch.cat([dvnew, dW], dim=-1)
+        dvb, dx = dvx[..., :p], dvx[..., p:]
+        dL = -(dvb @ U.transpose(-1, -2) + dx @ W_raw.transpose(-1, -2)).tril(-1)
+        x = dL * L
+        dgam += x.sum(-1) - x.sum(-2)
+        dL = dL * Gam
+        dkb = dL @ k
+        dk = dk + dL.transpose(-1, -2) @ kb
+        # X = Kβ ⊙ exp γ
+        xe = dx * E[..., None]
+        dkb = dkb + xe
+        dgam += (xe * kb).sum(-1)
+        dv = dvb * beta[..., None]
+        dbeta = (dvb * v).sum(-1) + (dkb * k).sum(-1)
+        dk = dk + dkb * beta[..., None]
+        dg = dgam.flip(-1).cumsum(-1).flip(-1)
+        dq = _l2norm_backward(qf, dq, a**-0.5)
+        dk = _l2norm_backward(kf, dk, 1.0)
+        return (dq.to(q_raw.dtype), dk.to(k_raw.dtype), dv.to(v_raw.dtype), dg.to(g_raw.dtype),
+                dbeta.to(beta_raw.dtype), None, (d_s0 if s0 is not None else None))
+
+
+def gated_delta_rule_chunked_autograd(
+    q: Float[Tensor, "b s h a"],
+    k: Float[Tensor, "b s h a"],
+    v: Float[Tensor, "b s h p"],
+    g: Float[Tensor, "b s h"],
+    beta: Float[Tensor, "b s h"],
+    doc_ids: Int[Tensor, "b s"] | None = None,
+    initial_state: Float[Tensor, "b h a p"] | None = None,
+    chunk_size: int = 64,
+) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
+    """Chunked (WY/UT) gated delta rule in fp32 (architecture.md §5.5), document-masked, differentiated by plain
+    autograd through the chunk loop (every per-chunk intermediate is saved). The reference the custom backward of
+    ``gated_delta_rule_chunked`` is tested against (``gdn_backward="autograd"`` selects it).
 
     ``initial_state`` belongs to the document of the first token (``doc_ids[:, 0]``). Returns the outputs and the
     state after the last token (for the document the row ends in).
@@ -254,13 +492,13 @@ def _gdn_core(q, k, v, g, beta, cfg: ModelConfig, info: SeqInfo) -> Tensor:
     comm = info.comm
     local = getattr(comm, "is_local", False)
     doc_ids = info.doc_ids if (info.packed or not local) else None
-    impl = cfg.gdn_implementation
+    impl = active_kernels().gdn
     if impl == "fla":
         return _fla_gdn(q, k, v, g, beta, info)
     if impl == "npu":
         raise NotImplementedError(
-            "gdn_implementation='npu' is not available in q38 yet (it needs MindSpeed's Ascend GDN kernels); "
-            "use gdn_implementation: torch"
+            "kernels.gdn: npu is not available in q38 yet (it needs MindSpeed's Ascend GDN kernels); "
+            "use kernels.gdn: torch"
         )
     if local:
         return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size=cfg.gdn_chunk_size)[0]
@@ -285,11 +523,11 @@ def _fla_gdn(q, k, v, g, beta, info: SeqInfo) -> Tensor:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
     except ImportError as e:
         raise ImportError(
-            "gdn_implementation='fla' needs flash-linear-attention (pip install 'q38[cuda]') and a CUDA device; "
-            "set gdn_implementation: torch to use the reference path"
+            "kernels.gdn: fla needs flash-linear-attention (pip install 'q38[cuda]') and a CUDA device; "
+            "set kernels.gdn: torch to use the reference path"
         ) from e
     if not getattr(info.comm, "is_local", False):
-        _unsupported_cp("gdn_implementation=fla")
+        _unsupported_cp("kernels.gdn: fla")
     cu_seqlens = None
     if info.packed:
         # FLA takes packed documents as one batch row with cumulative sequence lengths.

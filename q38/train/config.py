@@ -129,39 +129,22 @@ def validate_train_config(t: TrainConfig) -> None:
     need(t.max_dup_experts_num >= 0, "max_dup_experts_num must be >= 0")
 
 
-def validate_run(model: ModelConfig, train: TrainConfig, *, device: str = "cpu", ep_size: int = 1) -> None:
-    """Cross-config rules: kernels vs device, EP balance vs the layout, MTP depth."""
-    dev = device.split(":")[0]
-    if model.gdn_implementation == "fla" and dev != "cuda":
-        raise ConfigError(
-            f"gdn_implementation: fla needs a CUDA device but the run is on {device!r}; "
-            "set gdn_implementation: torch (runs everywhere) or run on CUDA"
-        )
-    if model.causal_conv1d_implementation == "cuda" and dev != "cuda":
-        raise ConfigError(
-            f"causal_conv1d_implementation: cuda needs a CUDA device but the run is on {device!r}; "
-            "set causal_conv1d_implementation: torch"
-        )
-    for name in ("gdn_implementation", "causal_conv1d_implementation"):
-        if getattr(model, name) == "npu":
-            raise ConfigError(
-                f"{name}: npu is not available in q38 yet (Ascend kernels are not wired); set {name}: torch"
-            )
-    if model.gdn_implementation == "fla":
-        try:
-            import fla  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                "gdn_implementation: fla needs flash-linear-attention (pip install 'q38[cuda]'); "
-                "or set gdn_implementation: torch"
-            ) from None
+def validate_run(
+    model: ModelConfig, train: TrainConfig, *, device: str = "cpu", ep_size: int = 1, kernels=None, cp_size: int = 1
+):
+    """Cross-config rules: kernels (``q38.kernels.KernelConfig``) vs device and CP, EP balance vs the layout, MTP
+    depth. Returns the resolved kernels (``auto`` replaced by the implementation this run uses)."""
+    from q38.kernels import resolve_kernels
+
+    resolved = resolve_kernels(kernels, device=device, cp=cp_size > 1)  # one ConfigError per unsupported choice
     if train.enable_ep_balance and ep_size <= 1:
         raise ConfigError(
             "enable_ep_balance: true needs expert parallelism (a layout with an `ep` mesh dim > 1); "
             f"the layout's ep size is {ep_size}. Use an EP layout (e.g. fsdp_ep) or set enable_ep_balance: false"
         )
-    if train.skip_flash_attn_recompute and model.attention_implementation == "eager":
+    if train.skip_flash_attn_recompute and resolved.attention == "eager":
         raise ConfigError(
-            "skip_flash_attn_recompute: true needs a fused attention kernel (attention_implementation: sdpa); "
+            "skip_flash_attn_recompute: true needs a fused attention kernel (kernels.attention: sdpa); "
             "eager attention has no single kernel output to keep"
         )
+    return resolved

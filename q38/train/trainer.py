@@ -1,7 +1,7 @@
 """The training run behind ``q38 train``: config file → model, data, state → steps with logs and checkpoints.
 
-A run config is YAML with sections ``model``, ``init_from``, ``layout``, ``data``, ``train`` (a ``TrainConfig``)
-and ``run``. One process or ``torchrun --nproc_per_node N``: the device and process-group backend are chosen
+A run config is YAML with sections ``model``, ``init_from``, ``layout``, ``data``, ``train`` (a ``TrainConfig``),
+``run`` and ``kernels`` (a ``q38.kernels.KernelConfig``: a run setting, so any checkpoint loads under any kernels). One process or ``torchrun --nproc_per_node N``: the device and process-group backend are chosen
 automatically (Ascend NPU + hccl, CUDA + nccl, CPU + gloo; ``run.device`` / ``run.backend`` override), and the
 layout's mesh is checked against ``WORLD_SIZE`` before anything is allocated.
 """
@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from q38.config import SPECS_DIR, ConfigError, ModelConfig, check_keys
+from q38.kernels import DEFAULT_KERNELS, OPS as KERNEL_OPS, KernelConfig, use_kernels
 from q38.train.config import TrainConfig, validate_run
 from q38.typed_config import structure
 
@@ -120,6 +121,7 @@ class RunConfig:
     train: TrainConfig
     run: RunOptions
     source: str
+    kernels: KernelConfig = KernelConfig()  # a run setting, not model identity (q38.kernels)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> "RunConfig":
@@ -141,7 +143,7 @@ class RunConfig:
         import difflib
 
         raw = dict(raw)
-        sections = ("model", "init_from", "layout", "data", "train", "run")
+        sections = ("model", "init_from", "layout", "data", "train", "run", "kernels")
         for k, v in (overrides or {}).items():
             sec, _, key = k.partition(".")
             if not key:
@@ -158,7 +160,7 @@ class RunConfig:
                     f"{source}: unknown top-level key {k!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
                     + f"; valid sections: {', '.join(sections)}"
                 )
-        for sec in ("data", "train", "run"):
+        for sec in ("data", "train", "run", "kernels"):
             if raw.get(sec) is not None and not isinstance(raw[sec], dict):
                 raise ConfigError(f"{source}: section {sec!r} must be a mapping, got {type(raw[sec]).__name__}")
         init_from = raw.get("init_from")
@@ -171,11 +173,13 @@ class RunConfig:
             raise ConfigError(
                 f"{source}: the 'model' key is required (a preset name, a YAML file or a Hugging Face directory)"
             )
+        legacy: dict = {}  # pre-KernelConfig kernel keys in the model section / model YAML, mapped with a note
         if isinstance(model_src, dict):
-            model = ModelConfig.from_dict(model_src, source=f"{source}: model")
+            model = ModelConfig.from_dict(model_src, source=f"{source}: model", kernels_out=legacy)
             model_src = "inline"
         else:
-            model = _load_model_config(_resolve(str(model_src), base_dir))
+            model = _load_model_config(_resolve(str(model_src), base_dir), kernels_out=legacy)
+        kernels = KernelConfig.from_dict({**legacy, **(raw.get("kernels") or {})}, source=f"{source}: kernels")
         data = dict(raw.get("data") or {})
         _check_keys("data", data, DataConfig)
         if "path" in data and isinstance(data["path"], list):
@@ -194,14 +198,14 @@ class RunConfig:
         return cls(
             model=model, model_source=str(model_src), init_from=init_from, layout=str(raw.get("layout", "single")),
             data=structure(DataConfig, data, "data"), train=train, run=structure(RunOptions, run, "run"),
-            source=source,
+            source=source, kernels=kernels,
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "model": self.model_source, "init_from": self.init_from, "layout": self.layout,
             "data": attrs.asdict(self.data), "train": self.train.to_dict(), "run": attrs.asdict(self.run),
-            "source": self.source,
+            "source": self.source, "kernels": self.kernels.to_dict(),
         }
 
 
@@ -212,18 +216,19 @@ def _resolve(p: str, base_dir) -> str:
     return p
 
 
-def _load_model_config(src: str) -> ModelConfig:
+def _load_model_config(src: str, kernels_out: dict | None = None) -> ModelConfig:
     """A preset name, a model YAML, a Hugging Face directory / config.json, or a q38 checkpoint (its meta.json)."""
     from q38.train.checkpoint import is_checkpoint, latest_checkpoint, read_meta
 
     p = Path(src)
     ck = p if is_checkpoint(p) else (latest_checkpoint(p / "checkpoints") if p.is_dir() else None)
     if ck is not None:
+        # a checkpoint's kernel keys (older meta.json) do not bind this run: dropped, not mapped
         return ModelConfig.from_dict(read_meta(ck)["model_config"], source=str(ck))
     if p.is_dir() and not (p / "config.json").is_file():
         raise ConfigError(f"model: {p} is a directory without config.json (not a Hugging Face checkpoint) and "
                           "without a q38 checkpoint; name a preset, a model YAML or a checkpoint directory")
-    return ModelConfig.load(src)
+    return ModelConfig.load(src, kernels_out=kernels_out)
 
 
 # ---- devices, processes, layout -------------------------------------------------------------------------------------
@@ -287,6 +292,7 @@ class RunPlan:
     dp_size: int
     ep_size: int
     cp_size: int
+    kernels: KernelConfig = DEFAULT_KERNELS  # resolved: what this run's layers execute
 
 
 def check_run(cfg: RunConfig, world_size: int = 1, device: str = "cpu") -> RunPlan:
@@ -305,11 +311,11 @@ def check_run(cfg: RunConfig, world_size: int = 1, device: str = "cpu") -> RunPl
     layout.placements(abstract_params_of(cfg.model), sizes)  # every parameter placed and divisible (or uneven)
     ep, cp = sizes.get("ep", 1), sizes.get("cp", 1)
     dp = math.prod(sizes.get(d, 1) for d in layout.batch_mesh_dims)
-    validate_run(cfg.model, cfg.train, device=device, ep_size=ep)
+    kernels = validate_run(cfg.model, cfg.train, device=device, ep_size=ep, kernels=cfg.kernels, cp_size=cp)
     _need(cfg.data.seq_len % cp == 0,
           f"data.seq_len {cfg.data.seq_len} must be divisible by the layout's cp size {cp} (the sequence is split "
           f"over cp ranks); change seq_len or the layout")
-    return RunPlan(layout, dict(sizes), dp, ep, cp)
+    return RunPlan(layout, dict(sizes), dp, ep, cp, kernels)
 
 
 def abstract_params_of(model: ModelConfig):
@@ -529,6 +535,7 @@ def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo) -> di
                  "seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size, "dp_size": plan.dp_size,
                  "seed": cfg.run.seed, "shuffle": cfg.data.shuffle},
         "layout": cfg.layout,
+        "kernels": plan.kernels.to_dict(),  # what ran (a run setting: a run with other kernels may load this)
         "mesh": plan.mesh_sizes,
         "world_size": world.world_size,
         "run_config": cfg.to_dict(),
@@ -547,6 +554,9 @@ def _changes(meta: Mapping[str, Any], cfg: RunConfig, plan: RunPlan) -> list[str
     old_train = meta.get("train_config") or {}
     out += [f"train.{k}: {old_train[k]!r} -> {v!r}" for k, v in cfg.train.to_dict().items()
             if k in old_train and old_train[k] != v]
+    old_k = meta.get("kernels") or {}
+    out += [f"kernels.{k}: {old_k[k]!r} -> {v!r}" for k, v in plan.kernels.to_dict().items()
+            if k in old_k and old_k[k] != v]
     return out
 
 
@@ -681,6 +691,9 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     log = bar.write if lead else (lambda s: None)
     if start and lead:
         log(f"resumed from {latest} (step {start})")
+    if lead:
+        log("kernels: " + ", ".join(f"{op}={getattr(plan.kernels, op)}" + (" (auto)" if getattr(cfg.kernels, op) == "auto"
+                                                                             else "") for op in KERNEL_OPS))
     saved_at = None
 
     def save() -> Path:
@@ -695,7 +708,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
             raise save_error(e, int(state.step), ck_root) from e
 
     try:
-        with StopSignal() as stop:
+        with StopSignal() as stop, use_kernels(plan.kernels):
             for step in range(start + 1, cfg.run.steps + 1):
                 lb = {k: v.to(device) for k, v in next(batches).items()}
                 batch = shard_batch(lb, mesh, depths, local_rows=True) if mesh is not None else lb

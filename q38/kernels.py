@@ -1,0 +1,230 @@
+"""Kernels are a run setting, not model identity: ``KernelConfig`` (one implementation per op), the registry of what
+every implementation needs and supports, ``auto`` resolution, and the up-front check of a run's combination.
+
+Ops: ``gdn`` (the gated delta rule core), ``causal_conv1d`` (the GDN depthwise conv), ``attention`` (the full
+attention core). Layers read the active choice with ``active_kernels()``; a run enters ``use_kernels(resolved)``
+around its steps. The torch paths are the oracle and run everywhere.
+
+Model configs from before this split (``gdn_implementation`` / ``causal_conv1d_implementation`` /
+``attention_implementation`` in a model YAML, a run config's ``model`` mapping or a checkpoint's ``meta.json``) are
+accepted: the keys are mapped onto ``kernels`` with a note (``legacy_kernel_keys``), never onto model identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import warnings
+from typing import Any, Callable, Mapping
+
+import attrs
+
+from q38.config import ConfigError, check_keys
+
+OPS = ("gdn", "causal_conv1d", "attention")
+# legacy ModelConfig field → KernelConfig field
+LEGACY_KEYS = {
+    "gdn_implementation": "gdn",
+    "causal_conv1d_implementation": "causal_conv1d",
+    "attention_implementation": "attention",
+}
+
+
+def _version(pkg: str) -> tuple[int, ...] | None:
+    try:
+        v = importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    out = []
+    for part in v.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in part if ch.isdigit())
+        out.append(int(digits) if digits else 0)
+    return tuple(out)
+
+
+def _fla_problem() -> str | None:
+    """Why FLA's gated-delta-rule backward is not known good here (None when it is)."""
+    fla = _version("flash-linear-attention") or _version("fla-core")
+    if fla is None:
+        return "flash-linear-attention is not installed (pip install 'q38[cuda]')"
+    if fla < (0, 5, 2):
+        return f"flash-linear-attention {'.'.join(map(str, fla))} is older than 0.5.2"
+    if _version("tilelang") is not None:
+        return None
+    triton = _version("triton")
+    if triton is None:
+        return "FLA needs Triton (or its TileLang backend) and neither is installed"
+    if triton < (3, 7, 1):
+        return (f"Triton {'.'.join(map(str, triton))} < 3.7.1 miscompiles FLA's gated backward (chunk_bwd_dqkwg) "
+                "on some GPUs; install triton>=3.7.1 or tilelang")
+    return None
+
+
+def _import_problem(module: str, pip: str) -> Callable[[], str | None]:
+    def check() -> str | None:
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not installed ({pip})"
+        return None
+
+    return check
+
+
+@attrs.frozen(kw_only=True)
+class KernelImpl:
+    """What one implementation of an op needs and supports."""
+
+    devices: tuple[str, ...]  # device types it runs on
+    cp: bool  # works with context parallelism (the sequence split over ranks)
+    packed: bool  # works with packed rows (several documents in one row)
+    backward: bool  # has a (correct) backward, so it can train
+    problem: Callable[[], str | None] = lambda: None  # why it cannot run in this environment (None: it can)
+    note: str = ""
+
+
+# Per op: implementations in ``auto`` preference order (fastest first); the last is the portable torch path.
+REGISTRY: dict[str, dict[str, KernelImpl]] = {
+    "gdn": {
+        "fla": KernelImpl(devices=("cuda",), cp=False, packed=True, backward=True, problem=_fla_problem,
+                          note="flash-linear-attention chunk kernels; packed rows via cu_seqlens"),
+        "npu": KernelImpl(devices=("npu",), cp=False, packed=False, backward=False,
+                          problem=lambda: "MindSpeed's Ascend GDN kernels are not wired into q38 yet"),
+        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+                            note="chunked WY form with its own backward (architecture.md §5.5b)"),
+    },
+    "causal_conv1d": {
+        "cuda": KernelImpl(devices=("cuda",), cp=False, packed=False, backward=True,
+                           problem=_import_problem("causal_conv1d", "pip install causal-conv1d")),
+        "npu": KernelImpl(devices=("npu",), cp=False, packed=False, backward=False,
+                          problem=lambda: "torch_npu's causal conv kernel is not wired into q38 yet"),
+        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True),
+    },
+    "attention": {
+        "sdpa": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+                           note="F.scaled_dot_product_attention (a boolean mask for packed rows / CP)"),
+        "eager": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+                            note="explicit fp32 softmax(QKᵀ)V; the reference"),
+    },
+}
+
+
+def _check_choice(op: str, value: str) -> None:
+    names = (*REGISTRY[op], "auto")
+    if value not in names:
+        raise ConfigError(f"kernels.{op} must be one of {names}, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class KernelConfig:
+    """One implementation per op, or ``auto`` (the fastest one known correct for the run's device, CP and rows)."""
+
+    gdn: str = "auto"
+    causal_conv1d: str = "auto"
+    attention: str = "auto"
+
+    def __attrs_post_init__(self) -> None:
+        for op in OPS:
+            _check_choice(op, getattr(self, op))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None, *, source: str = "kernels") -> "KernelConfig":
+        d = dict(d or {})
+        check_keys(d, OPS, f"{source}: unknown kernel key(s)")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, str]:
+        return attrs.asdict(self)
+
+    def replace(self, **changes: str) -> "KernelConfig":
+        return attrs.evolve(self, **changes)
+
+    @property
+    def resolved(self) -> bool:
+        return all(getattr(self, op) != "auto" for op in OPS)
+
+
+def legacy_kernel_keys(
+    d: Mapping[str, Any], *, source: str = "model config", mapped: bool = True
+) -> tuple[dict, dict[str, str]]:
+    """Split a model-config mapping into ``(model keys, kernel keys)``: the pre-``KernelConfig`` keys
+    ``gdn_implementation`` / ``causal_conv1d_implementation`` / ``attention_implementation`` become ``kernels``
+    entries. A non-default value gets a ``UserWarning`` note saying where it went (``mapped``: into this run's
+    kernels; otherwise, e.g. from a checkpoint's metadata, it does not bind the run and is ignored)."""
+    rest = dict(d)
+    kern = {}
+    for old, new in LEGACY_KEYS.items():
+        if old in rest:
+            kern[new] = rest.pop(old)
+    moved = {k: v for k, v in kern.items() if v not in ("torch", "sdpa")}
+    if moved:
+        olds = {n: o for o, n in LEGACY_KEYS.items()}
+        what = ", ".join(f"{olds[k]}: {v}" for k, v in moved.items())
+        as_kernels = "{" + ", ".join(f"{k}: {v}" for k, v in moved.items()) + "}"
+        where = (f"read as kernels: {as_kernels} (put it in the run config's kernels section)" if mapped else
+                 "ignored here (the run's kernels section decides; this model is the same under any kernels)")
+        warnings.warn(f"{source}: {what} is a run setting now, not part of the model; {where}", UserWarning,
+                      stacklevel=3)
+    return rest, kern
+
+
+def _unsupported(op: str, name: str, impl: KernelImpl, device: str, cp: bool, packed: bool, train: bool) -> str | None:
+    """Why ``impl`` cannot serve this run (None if it can)."""
+    if device not in impl.devices:
+        return f"runs on {'/'.join(impl.devices)} only, not on {device!r}"
+    if cp and not impl.cp:
+        return "does not support context parallelism (a `cp` mesh dim > 1)"
+    if packed and not impl.packed:
+        return "does not support packed rows (several documents in one row)"
+    if train and not impl.backward:
+        return "has no backward (cannot train)"
+    return impl.problem()
+
+
+def resolve_kernels(
+    kc: KernelConfig | None, *, device: str = "cpu", cp: bool = False, packed: bool = True, train: bool = True
+) -> KernelConfig:
+    """Every op's implementation for this run: explicit choices are checked (one ``ConfigError`` naming the op, the
+    implementation, what it lacks and the fix); ``auto`` takes the first implementation in registry order that
+    supports the run. ``packed``: rows may hold several documents (the default: the data pipeline packs)."""
+    kc = kc or KernelConfig()
+    dev = str(device).split(":")[0]
+    out = {}
+    for op in OPS:
+        want = getattr(kc, op)
+        impls = REGISTRY[op]
+        if want == "auto":
+            out[op] = next(n for n, i in impls.items() if _unsupported(op, n, i, dev, cp, packed, train) is None)
+            continue
+        why = _unsupported(op, want, impls[want], dev, cp, packed, train)
+        if why is not None:
+            ok = [n for n, i in impls.items() if _unsupported(op, n, i, dev, cp, packed, train) is None]
+            raise ConfigError(
+                f"kernels.{op}: {want} {why}; use kernels.{op}: auto (picks {ok[0]} here) or one of {ok}"
+            )
+        out[op] = want
+    return KernelConfig(**out)
+
+
+# ---- the active choice -----------------------------------------------------------------------------------------
+
+# Process-wide, not thread-local: autograd runs backward (and so activation recompute) on its own threads.
+_ACTIVE: dict[str, KernelConfig | None] = {"kernels": None}
+DEFAULT_KERNELS = KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa")
+
+
+def active_kernels() -> KernelConfig:
+    """What the layers run now: the innermost ``use_kernels``, else the torch paths (``sdpa`` attention)."""
+    return _ACTIVE["kernels"] or DEFAULT_KERNELS
+
+
+@contextlib.contextmanager
+def use_kernels(kc: KernelConfig):
+    """Run the enclosed forward/backward with ``kc`` (must be resolved: no ``auto``)."""
+    if not kc.resolved:
+        raise ValueError(f"use_kernels needs resolved kernels (resolve_kernels first), got {kc}")
+    prev, _ACTIVE["kernels"] = _ACTIVE["kernels"], kc
+    try:
+        yield kc
+    finally:
+        _ACTIVE["kernels"] = prev

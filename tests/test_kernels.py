@@ -1,0 +1,122 @@
+"""Kernels as a run setting: the registry refuses every unsupported combination with one message, ``auto`` picks
+per device / CP, FLA is gated on known-good versions, old model-config keys are mapped with a note, and a checkpoint
+made under one kernel setting resumes under another."""
+
+import json
+import warnings
+
+import attrs
+import pytest
+
+import q38.kernels as K
+from q38.config import ConfigError, ModelConfig
+from q38.kernels import KernelConfig, resolve_kernels
+from q38.train import checkpoint as ck
+from q38.train.trainer import RunConfig, check_run, train
+from tests.run_utils import run_config, run_dict
+
+
+@pytest.fixture
+def fla_ok(monkeypatch):
+    """Pretend a known-good FLA is installed (the CPU test machine has none)."""
+    monkeypatch.setitem(K.REGISTRY["gdn"], "fla", attrs.evolve(K.REGISTRY["gdn"]["fla"], problem=lambda: None))
+
+
+@pytest.mark.parametrize(
+    "kernels,where,message",
+    [
+        ({"gdn": "fla"}, {"device": "cpu"}, "kernels.gdn: fla runs on cuda only, not on 'cpu'"),
+        ({"gdn": "fla"}, {"device": "cuda", "cp": True}, "kernels.gdn: fla does not support context parallelism"),
+        ({"gdn": "npu"}, {"device": "cuda"}, "kernels.gdn: npu runs on npu only"),
+        ({"gdn": "npu"}, {"device": "npu"}, "kernels.gdn: npu does not support packed rows"),
+        ({"gdn": "npu"}, {"device": "npu", "packed": False}, "kernels.gdn: npu has no backward"),
+        ({"causal_conv1d": "cuda"}, {"device": "cpu"}, "kernels.causal_conv1d: cuda runs on cuda only"),
+        ({"causal_conv1d": "cuda"}, {"device": "cuda", "cp": True, "packed": False},
+         "kernels.causal_conv1d: cuda does not support context parallelism"),
+        ({"causal_conv1d": "cuda"}, {"device": "cuda"}, "kernels.causal_conv1d: cuda does not support packed rows"),
+        ({"causal_conv1d": "npu"}, {"device": "npu", "packed": False}, "kernels.causal_conv1d: npu has no backward"),
+    ],
+)
+def test_registry_refuses_unsupported_combinations(fla_ok, kernels, where, message):
+    with pytest.raises(ConfigError, match=message + r".*use kernels\.\w+: auto \(picks \w+ here\)"):
+        resolve_kernels(KernelConfig(**kernels), **where)
+
+
+def test_registry_refuses_fla_without_a_known_good_install():
+    # No FLA in this environment: the environment check names the package (on a CUDA run, nothing else missing).
+    with pytest.raises(ConfigError, match="kernels.gdn: fla flash-linear-attention is not installed"):
+        resolve_kernels(KernelConfig(gdn="fla"), device="cuda")
+
+
+@pytest.mark.parametrize(
+    "versions,problem",
+    [
+        ({"flash-linear-attention": (0, 6, 0), "triton": (3, 6, 0)}, "Triton 3.6.0 < 3.7.1"),
+        ({"flash-linear-attention": (0, 6, 0), "triton": (3, 7, 1)}, None),
+        ({"flash-linear-attention": (0, 6, 0), "triton": (3, 6, 0), "tilelang": (0, 1, 0)}, None),
+        ({"flash-linear-attention": (0, 5, 1), "triton": (3, 7, 1)}, "older than 0.5.2"),
+        ({"triton": (3, 7, 1)}, "not installed"),
+    ],
+)
+def test_fla_gate(monkeypatch, versions, problem):
+    monkeypatch.setattr(K, "_version", lambda pkg: versions.get(pkg))
+    got = K._fla_problem()
+    assert (got is None) if problem is None else (problem in got)
+
+
+def test_auto_picks_per_device_and_cp(fla_ok):
+    assert resolve_kernels(KernelConfig(), device="cpu") == KernelConfig(gdn="torch", causal_conv1d="torch",
+                                                                         attention="sdpa")
+    assert resolve_kernels(KernelConfig(), device="cuda").gdn == "fla"
+    assert resolve_kernels(KernelConfig(), device="cuda", cp=True).gdn == "torch"  # FLA has no CP path
+    assert resolve_kernels(KernelConfig(), device="cuda").causal_conv1d == "torch"  # cuda conv: no packed rows
+
+
+def test_auto_without_fla_is_torch_on_cuda():
+    assert resolve_kernels(KernelConfig(), device="cuda").gdn == "torch"
+
+
+def test_bad_kernel_names_are_refused():
+    with pytest.raises(ConfigError, match=r"kernels.gdn must be one of \('fla', 'npu', 'torch', 'auto'\)"):
+        KernelConfig(gdn="triton")
+    with pytest.raises(ConfigError, match="unknown kernel key.*did you mean 'attention'"):
+        KernelConfig.from_dict({"attn": "sdpa"})
+
+
+def test_old_model_keys_are_mapped_onto_kernels_with_a_note(tmp_path):
+    d = ModelConfig.preset("tiny").to_dict()
+    out = {}
+    with pytest.warns(UserWarning, match=r"gdn_implementation: fla is a run setting now.*kernels: \{gdn: fla\}"):
+        cfg = ModelConfig.from_dict(dict(d, gdn_implementation="fla", attention_implementation="sdpa"),
+                                    kernels_out=out)
+    assert cfg == ModelConfig.preset("tiny") and out == {"gdn": "fla", "attention": "sdpa"}
+    # in a run config: the old key lands in kernels, and the up-front check refuses it on this CPU run
+    raw = run_dict(tmp_path, steps=1)
+    raw["model"] = dict(raw["model"], gdn_implementation="fla")
+    with pytest.warns(UserWarning):
+        rc = RunConfig.from_dict(raw)
+    assert rc.kernels.gdn == "fla" and "gdn_implementation" not in rc.model.to_dict()
+    with pytest.raises(ConfigError, match="kernels.gdn: fla runs on cuda only"):
+        check_run(rc, 1, "cpu")
+
+
+def test_checkpoint_made_with_one_kernel_setting_resumes_with_another(tmp_path, capsys):
+    out = tmp_path / "run"
+    first = train(run_config(out, steps=1, kernels={"attention": "eager"}))
+    said = capsys.readouterr().out
+    assert "kernels: gdn=torch (auto), causal_conv1d=torch (auto), attention=eager" in said
+    path = out / "checkpoints" / "step_000001"
+    meta = ck.read_meta(path)
+    assert meta["kernels"] == {"gdn": "torch", "causal_conv1d": "torch", "attention": "eager"}
+    assert "attention_implementation" not in meta["model_config"]
+    # An older checkpoint's meta.json carried the kernel keys inside the model config: still the same model.
+    meta["model_config"] = dict(meta["model_config"], gdn_implementation="torch", attention_implementation="eager")
+    (path / "meta.json").write_text(json.dumps(meta))
+    ck.write_manifest(path)  # as that older run's save would have sealed it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = train(run_config(out, steps=2, kernels={"attention": "sdpa"}))
+    notes = [str(w.message) for w in caught if "is a run setting now" in str(w.message)]
+    assert notes and all("attention_implementation: eager" in n and "gdn_implementation" not in n for n in notes)
+    assert [r["step"] for r in first + second] == [1, 2]
+    assert "kernels.attention: 'eager' -> 'sdpa'" in capsys.readouterr().err
