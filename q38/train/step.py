@@ -14,6 +14,7 @@ from torch import Tensor
 from q38.model import Runtime, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
 from q38.train.loss import chunked_lm_loss, unchunked_lm_loss
+from q38.train.optim import adamw_step
 from q38.train.objective import (
     IGNORE,
     StepBatch,
@@ -42,6 +43,7 @@ class Metrics:
     lr: float
     tokens: Tensor  # valid main targets in the step
     skipped: bool = False
+    mtp_tokens: tuple = ()  # valid targets per MTP depth (a depth with 0 reports loss 0 with count 0)
 
     def as_dict(self) -> dict[str, float]:
         d = {"loss": float(self.loss), "aux": float(self.aux_loss), "objective": float(self.objective),
@@ -49,6 +51,8 @@ class Metrics:
              "skipped": bool(self.skipped)}
         for i, m in enumerate(self.mtp_losses, start=1):
             d[f"mtp_{i}"] = float(m)
+        for i, n in enumerate(self.mtp_tokens, start=1):
+            d[f"mtp_{i}_tokens"] = int(n)
         return d
 
 
@@ -57,7 +61,7 @@ def parallel_for(mesh, train_config=None):
     if mesh is None:
         from q38.parallel.local import LocalParallel
 
-        return LocalParallel()
+        return LocalParallel(train_config.torch_param_dtype if train_config is not None else torch.float32)
     runtime = getattr(mesh, "runtime", None)
     if runtime is None:
         raise TypeError(
@@ -68,7 +72,9 @@ def parallel_for(mesh, train_config=None):
 
 
 def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor, tc) -> Tensor:
-    """Sum of CE over valid targets / ``normalizer``; rows with ignored targets never reach the head."""
+    """Sum of CE over valid targets / ``normalizer``; rows with ignored targets never reach the head. A term with no
+    valid targets in the whole step contributes 0 (the normalizer is clamped to >= 1), never NaN."""
+    normalizer = normalizer.clamp(min=1) if isinstance(normalizer, Tensor) else max(normalizer, 1)
     d = hidden.shape[-1]
     h_nd, t_n = hidden.reshape(-1, d), targets.reshape(-1)
     valid = torch.nonzero(t_n != IGNORE).flatten()
@@ -108,6 +114,23 @@ class Gradients:
     tokens: Tensor
     ep_max_load: tuple = ()  # EP: the largest per-rank count of routed slots, per MoE layer call
     prefetched: int = 0  # FSDP gathers that were started a layer early and consumed
+    mtp_tokens: tuple = ()  # valid targets of each MTP depth in the step (0: that term is 0, not NaN)
+
+
+def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
+    """Micro-batch gradient accumulation in ``reduce_dtype`` (the mixed-precision policy; fp32 by default)."""
+    return [
+        gi if a is None else (a if gi is None else a.to(reduce_dtype) + gi.to(reduce_dtype))
+        for a, gi in zip(acc, g)
+    ]
+
+
+def _reshard_hooks(par, tc):
+    """FSDP reshard-after-forward without recompute (recompute re-gathers inside the recomputed layer anyway)."""
+    if tc.recompute or tc.offload_activations:
+        return None
+    hooks = getattr(par, "saved_tensor_hooks", None)
+    return hooks() if hooks is not None else None
 
 
 @typing.no_type_check
@@ -120,7 +143,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
     n_mb = len(mbs)
     coef = mc.router_aux_loss_coef if tc.aux_loss_coef is None else tc.aux_loss_coef
     runtime = Runtime(
-        gather=par.gather, wrap_layer=layer_wrapper(tc), dispatch=par.dispatch,
+        gather=par.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(par, tc)), dispatch=par.dispatch,
         prefetch=par.prefetch if getattr(par, "prefetch_enabled", False) else None,
     )
 
@@ -146,9 +169,10 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
         step_counts = (par.all_reduce_sum(sum(s.counts for s in sts)), par.all_reduce_sum(sum(s.rows for s in sts)))
 
     grads = [None] * len(leaves)
-    main_sum = torch.zeros(())
-    mtp_sum = [torch.zeros(()) for _ in range(depths)]
-    aux_sum = torch.zeros(())
+    dev = mbs[0].input_ids.device
+    main_sum = torch.zeros((), device=dev)
+    mtp_sum = [torch.zeros((), device=dev) for _ in range(depths)]
+    aux_sum = torch.zeros((), device=dev)
     for mb in mbs:
         out = run(mb)
         w_head = par.gather(head_weight(p))
@@ -167,12 +191,12 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
         if coef:
             objective = objective + coef * aux
         g = torch.autograd.grad(objective, leaves, allow_unused=True)
-        grads = [gi if acc is None else (acc if gi is None else acc + gi) for acc, gi in zip(grads, g)]
+        grads = _accumulate(grads, g, tc.torch_reduce_dtype)
         main_sum = main_sum + main.detach()
         aux_sum = aux_sum + aux.detach()
         for d in range(depths):
             mtp_sum[d] = mtp_sum[d] + mtp[d].detach()
-    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+    grads = [torch.zeros_like(t) if g is None else g.to(t.dtype) for t, g in zip(leaves, grads)]
 
     loss = par.all_reduce_sum(main_sum)
     mtp_losses = tuple(par.all_reduce_sum(m) for m in mtp_sum)
@@ -182,7 +206,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
     grad_norm = par.grad_sq_norm(grads).sqrt()
     loads = tuple(getattr(par.dispatch, "loads", ()) or ())
     return Gradients(grads, loss, mtp_losses, aux_loss, objective, grad_norm, n_main, loads,
-                     getattr(par, "prefetched", 0))
+                     getattr(par, "prefetched", 0), tuple(n_mtp))
 
 
 @typing.no_type_check
@@ -205,7 +229,8 @@ def train_step(params: TrainState, batch, mesh=None) -> tuple[TrainState, Metric
                 f"non-finite loss or gradient at step {step} (loss={float(loss)}, grad_norm={float(grad_norm)}); "
                 "lower the learning rate, check the data, or set nan_policy: skip"
             )
-        metrics = Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, skipped=True)
+        metrics = Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, skipped=True,
+                          mtp_tokens=r.mtp_tokens)
         return attrs.evolve(state, step=state.step + 1), metrics
 
     scale = 1.0
@@ -219,27 +244,15 @@ def train_step(params: TrainState, batch, mesh=None) -> tuple[TrainState, Metric
         exp_avg_sq=pytree.tree_unflatten(new_v, spec),
         step=state.step + 1,
     )
-    return new_state, Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main)
+    return new_state, Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, mtp_tokens=r.mtp_tokens)
 
 
-@torch.no_grad()
 def _adamw(state: TrainState, flat: list[Tensor], grads: list[Tensor], scale, lr: float, step: int):
-    """Decoupled-weight-decay Adam in fp32; returns new lists (the inputs are untouched)."""
+    """Decoupled-weight-decay Adam in fp32 with torch's kernels (``q38.train.optim``); returns new lists (the
+    inputs are untouched)."""
     tc = state.train_config
-    m_flat = tree_leaves(state.exp_avg)
-    v_flat = tree_leaves(state.exp_avg_sq)
-    decay = decay_mask(state.params, tc)
-    bc1, bc2 = 1 - tc.beta1**step, 1 - tc.beta2**step
-    new_p, new_m, new_v = [], [], []
-    for p, g, m, v, dec in zip(flat, grads, m_flat, v_flat, decay):
-        g32 = g.float() * scale
-        m = m * tc.beta1 + g32 * (1 - tc.beta1)
-        v = v * tc.beta2 + g32 * g32 * (1 - tc.beta2)
-        upd = (m / bc1) / ((v / bc2).sqrt() + tc.eps)
-        p32 = p.float()
-        if dec and tc.weight_decay:
-            upd = upd + tc.weight_decay * p32
-        new_p.append((p32 - lr * upd).to(p.dtype))
-        new_m.append(m)
-        new_v.append(v)
-    return new_p, new_m, new_v
+    return adamw_step(
+        flat, grads, tree_leaves(state.exp_avg), tree_leaves(state.exp_avg_sq), decay_mask(state.params, tc),
+        step=step, lr=lr, beta1=tc.beta1, beta2=tc.beta2, eps=tc.eps, weight_decay=tc.weight_decay,
+        grad_scale=scale,
+    )
