@@ -125,6 +125,15 @@ def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
     ]
 
 
+def make_runtime(par, tc) -> Runtime:
+    """How the model runs on ``par`` (from ``parallel_for``): gathers in the policy's ``param_dtype``, recompute /
+    offload / reshard-after-forward around each layer, EP dispatch, FSDP prefetch."""
+    return Runtime(
+        gather=par.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(par, tc)), dispatch=par.dispatch,
+        prefetch=par.prefetch if getattr(par, "prefetch_enabled", False) else None,
+    )
+
+
 def _reshard_hooks(par, tc):
     """FSDP reshard-after-forward without recompute (recompute re-gathers inside the recomputed layer anyway)."""
     if tc.recompute or tc.offload_activations:
@@ -142,10 +151,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None) -> Gradients:
     mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
     n_mb = len(mbs)
     coef = mc.router_aux_loss_coef if tc.aux_loss_coef is None else tc.aux_loss_coef
-    runtime = Runtime(
-        gather=par.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(par, tc)), dispatch=par.dispatch,
-        prefetch=par.prefetch if getattr(par, "prefetch_enabled", False) else None,
-    )
+    runtime = make_runtime(par, tc)
 
     # Global normalisers, known before any forward (DESIGN.md decision 5).
     n_main = par.all_reduce_sum(sum(count_targets(mb.targets) for mb in mbs))
