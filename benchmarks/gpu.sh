@@ -11,3 +11,5 @@ python3 benchmarks/gdn_kernel.py 2>&1 | tee "$out/gdn_kernel.txt" || echo "step 
 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320 2>&1 | tee "$out/loss.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
 PYTHONPATH="$PWD" python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 2>&1 | tee "$out/model_torch_gdn.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --gdn fla 2>&1 | tee "$out/model_fla_gdn.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
+# bf16 mixed-precision policy: the tiny run on CUDA (bf16 compute, fp32 masters) vs the CPU fp32 losses, 50 steps
+PYTHONPATH="$PWD" python3 benchmarks/bf16_train.py --device cuda --steps 50 --out "$out/bf16_train" 2>&1 | tee "$out/bf16_train.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"

@@ -73,7 +73,9 @@ def _convert(argv: list[str]) -> int:
     g.add_argument("--from-hf", action="store_true", help="SRC is a Hugging Face checkpoint directory")
     p.add_argument("src")
     p.add_argument("out")
-    p.add_argument("--dtype", default=None, help="cast parameters (float32, bfloat16, float16); default: as stored")
+    p.add_argument("--dtype", default=None, help="cast parameters (float32, bfloat16, float16); default: --to-hf "
+                   "writes the run's compute dtype (train_config.param_dtype: bfloat16 under the bf16 policy, as "
+                   "Qwen checkpoints ship), --from-hf keeps the stored dtype")
     p.add_argument("--mtp-num-layers", type=int, default=None,
                    help="--from-hf: override the MTP depth (0 for a checkpoint saved without mtp.* weights)")
     a = p.parse_args(argv)
@@ -87,6 +89,10 @@ def _convert(argv: list[str]) -> int:
         from q38.hf import save_hf
 
         ck = resolve_checkpoint(a.src)
+        if dtype is None:  # checkpoints hold fp32 masters; export in the dtype the run computes in
+            from q38.train.checkpoint import read_meta
+
+            dtype = _dtype((read_meta(ck).get("train_config") or {}).get("param_dtype", "float32"))
         cfg, params, meta = load_params(ck, dtype=dtype)
         save_hf(out, cfg, params)
         print(f"q38 convert: wrote {out} (Hugging Face safetensors, {cfg.model_type}, step {meta.get('step')} "

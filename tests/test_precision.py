@@ -331,3 +331,38 @@ def test_ep_cp_step_creates_no_tensor_without_a_device():
     tc = TrainConfig(loss_chunk_size=16, aux_loss_coef=0.01, enable_ep_balance=True, **BF16)
     calls = run_distributed(_device_rank_fn, 4, "fsdp_ep_cp", {"fsdp": 1, "ep": 2, "cp": 2}, tc)
     assert calls == [[]] * 4, calls
+
+
+def test_convert_to_hf_writes_the_compute_dtype_of_the_run(tmp_path, tiny_cfg):
+    """Checkpoints hold fp32 masters; ``q38 convert --to-hf`` of a bf16-policy run writes bf16 tensors and config
+    (as Qwen checkpoints ship), ``--dtype`` still overrides."""
+    import json
+    import struct
+
+    from q38.cli import main
+    from q38.train import checkpoint as ck
+
+    tc = TrainConfig(**BF16)
+    state = init_state(tiny_cfg, tc, seed=0)
+    meta = {"step": 0, "model_config": tiny_cfg.to_dict(), "train_config": tc.to_dict(), "param_dtype": "float32",
+            "data": None}
+    path = ck.save_checkpoint(tmp_path / "checkpoints", state, meta)
+    for args, want in (([], "BF16"), (["--dtype", "float32"], "F32")):
+        out = tmp_path / f"hf_{want}"
+        assert main(["convert", "--to-hf", str(path), str(out), *args]) == 0
+        for f in out.glob("*.safetensors"):
+            raw = f.read_bytes()
+            header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+            assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {want}, f
+        assert json.loads((out / "config.json").read_text())["dtype"] == {"BF16": "bfloat16", "F32": "float32"}[want]
+
+
+def test_run_dtype_bfloat16_means_the_bf16_policy():
+    from q38.train.trainer import RunConfig
+
+    cfg = RunConfig.from_dict({"model": "tiny", "run": {"dtype": "bfloat16"}})
+    assert (cfg.train.param_dtype, cfg.train.reduce_dtype) == ("bfloat16", "float32")
+    with pytest.raises(ConfigError, match="run.dtype 'bfloat16' and train.param_dtype 'float32' disagree"):
+        RunConfig.from_dict({"model": "tiny", "run": {"dtype": "bfloat16"}, "train": {"param_dtype": "float32"}})
+    with pytest.raises(ConfigError, match="param_dtype must be one of .*use bfloat16"):
+        RunConfig.from_dict({"model": "tiny", "run": {"dtype": "float16"}})
