@@ -96,22 +96,29 @@ def test_bf16_policy_step_changes_every_element_with_a_gradient(tiny_cfg):
 
 @pytest.mark.slow
 def test_bf16_policy_tracks_fp32_over_100_steps(tiny_cfg):
-    """Tiny preset, 100 steps on a fixed stream of batches: the bf16-policy loss stays within 0.05 (absolute) of
-    the fp32 run's at every step from 10 on, and both fall. Measured (this machine): max gap 0.0 (see report)."""
+    """Tiny preset, 100 steps over a fixed cycle of 10 batches, fp32 vs the bf16 policy from the same init.
+
+    Single steps are noisy: this model is very sensitive to weight rounding (fp32 compute on bf16-*rounded* initial
+    weights already changes the gradients by 29 % median ‖Δg‖/‖g‖, about as much as the bf16 policy: 32 %), and
+    the per-step loss gap reached 0.80 in one measured run. What must track is the loss over each cycle of 10
+    batches: mean over the cycle within 8 % (relative) at every cycle, within 4 % at the last, and a fall of more
+    than 4 nats. Measured (tests' settings): max cycle gap 4.9 % (cycle 6), last cycle 1.7 % (1.283 vs 1.261),
+    fall 6.25 → 1.26. About 40 s on an idle 2-core machine, hence slow."""
     cfg = tiny_cfg.replace(initializer_range=0.1)
-    losses = {}
-    for dt in ("float32", "bfloat16"):
+    states, losses = {}, {"float32": [], "bfloat16": []}
+    for dt in losses:
         tc = TrainConfig(lr=3e-3, warmup_steps=10, total_steps=100, loss_chunk_size=64, param_dtype=dt)
-        state = init_state(cfg, tc, seed=0)
-        out = []
-        for i in range(100):
-            state, m = train_step(state, _batch(seed=i % 10, b=4, s=16))
-            out.append(float(m.loss))
-        losses[dt] = out
-    gaps = [abs(a - b) for a, b in zip(losses["float32"], losses["bfloat16"])]
-    print("max gap", max(gaps[10:]), "final", losses["float32"][-1], losses["bfloat16"][-1])
-    assert max(gaps[10:]) <= 0.05
-    assert losses["bfloat16"][-1] < losses["bfloat16"][0] - 1.0
+        states[dt] = init_state(cfg, tc, seed=0)
+    for i in range(100):
+        batch = _batch(seed=i % 10, b=4, s=16)
+        for dt in losses:
+            states[dt], m = train_step(states[dt], batch)
+            losses[dt].append(float(m.loss))
+    cyc = {dt: [sum(v[c : c + 10]) / 10 for c in range(0, 100, 10)] for dt, v in losses.items()}
+    rel = [abs(a - b) / a for a, b in zip(cyc["float32"], cyc["bfloat16"])]
+    print("cycle means fp32", cyc["float32"], "bf16", cyc["bfloat16"], "relative gaps", rel)
+    assert max(rel) <= 0.08 and rel[-1] <= 0.04
+    assert cyc["bfloat16"][0] - cyc["bfloat16"][-1] > 4.0
 
 
 def test_checkpoint_resume_under_the_bf16_policy_is_identical(tmp_path, tiny_cfg):
@@ -327,9 +334,11 @@ def test_mesh_step_creates_no_tensor_without_a_device(layout, mesh_sizes, world,
 
 @pytest.mark.dist
 @pytest.mark.slow
-def test_ep_cp_step_creates_no_tensor_without_a_device():
+@pytest.mark.parametrize("layout", ["fsdp_ep_cp", "qwen3_8_2_4t"])
+def test_ep_cp_step_creates_no_tensor_without_a_device(layout):
+    """The 4-rank shipped layouts (the production one with its uneven embedding shards), EP balance on."""
     tc = TrainConfig(loss_chunk_size=16, aux_loss_coef=0.01, enable_ep_balance=True, **BF16)
-    calls = run_distributed(_device_rank_fn, 4, "fsdp_ep_cp", {"fsdp": 1, "ep": 2, "cp": 2}, tc)
+    calls = run_distributed(_device_rank_fn, 4, layout, {"fsdp": 1, "ep": 2, "cp": 2}, tc)
     assert calls == [[]] * 4, calls
 
 
