@@ -65,6 +65,7 @@ class TrainConfig:
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     # FSDP without recompute: free each gathered parameter after its layer's forward, gather it again in backward
+    # (not applied with enable_ep_balance, whose per-rank graphs differ; use recompute there)
     reshard_after_forward: bool = True
 
     def __attrs_post_init__(self) -> None:

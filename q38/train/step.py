@@ -135,8 +135,10 @@ def make_runtime(par, tc) -> Runtime:
 
 
 def _reshard_hooks(par, tc):
-    """FSDP reshard-after-forward without recompute (recompute re-gathers inside the recomputed layer anyway)."""
-    if tc.recompute or tc.offload_activations:
+    """FSDP reshard-after-forward without recompute (recompute re-gathers inside the recomputed layer anyway).
+    Not with EP balance: its graph differs per rank (which experts a rank hosts copies of), so backward re-gathers
+    would not line up across ranks (measured: a gloo collective mismatch on fsdp_ep_cp with bf16)."""
+    if tc.recompute or tc.offload_activations or tc.enable_ep_balance:
         return None
     hooks = getattr(par, "saved_tensor_hooks", None)
     return hooks() if hooks is not None else None
