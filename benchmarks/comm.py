@@ -1,14 +1,18 @@
 """Bytes moved per step per collective, measured on a real gloo mesh, next to the analytic minimum.
 
-    python benchmarks/comm.py [--world 4] [--fsdp 2] [--ep 2] [--recompute]
+    python benchmarks/comm.py [--world 4] [--fsdp 2] [--ep 2] [--recompute] [--policy fp32|bf16|both]
+                              [--reduce-dtype float32|bfloat16] [--no-reshard]
 
-Every rank runs one ``train_step`` of the tiny model (fp32) with the ``fsdp_ep`` layout; the torch.distributed
+Every rank runs one ``train_step`` of the tiny model with the ``fsdp_ep`` layout, under the fp32 policy and/or
+the bf16 mixed-precision policy (``param_dtype: bfloat16``: each rank casts its shard before the all-gather, so
+gathers move half of fp32's bytes; reduce-scatters move ``reduce_dtype``); the torch.distributed
 calls are wrapped to count the bytes each rank *receives* from other ranks:
 all-gather (k−1)·shard, reduce-scatter (k−1)·shard, all-to-all the off-rank part of the output, all-reduce
 2·(k−1)/k·size (ring). The analytic minimum is:
 
-- FSDP all-gather: every FSDP-sharded parameter's gathered bytes once per forward, again for each recomputed layer;
-- FSDP reduce-scatter: every FSDP-sharded gradient once;
+- FSDP all-gather: every FSDP-sharded parameter's gathered bytes (in ``param_dtype``) once per forward, again in
+  backward for each layer's parameters when the layer is recomputed or resharded after forward;
+- FSDP reduce-scatter: every FSDP-sharded gradient once (in ``reduce_dtype``);
 - EP all-to-all: the routed activations that leave their rank, dispatch + combine, forward and backward.
 
 Everything else (counts, expert indices, loss normalisers, replicated-parameter all-reduces) is overhead shown
@@ -26,7 +30,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def _rank_fn(rank, world, fsdp, ep, recompute):
+def _rank_fn(rank, world, fsdp, ep, recompute, param_dtype="float32", reduce_dtype="float32", reshard=True):
     from q38.config import ModelConfig
     from q38.parallel.layout import Layout
     from q38.parallel.runtime import make_mesh, shard, shard_batch
@@ -71,7 +75,10 @@ def _rank_fn(rank, world, fsdp, ep, recompute):
         setattr(dist, n, f)
 
     cfg = ModelConfig.preset("tiny")
-    tc = TrainConfig(recompute=recompute, loss_chunk_size=256)
+    tc = TrainConfig(recompute=recompute, loss_chunk_size=256, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                     reshard_after_forward=reshard)
+    pbytes = torch.tensor([], dtype=tc.torch_param_dtype).element_size()
+    rbytes = torch.tensor([], dtype=tc.torch_reduce_dtype).element_size()
     layout = Layout.preset("fsdp_ep").with_mesh(fsdp=fsdp, ep=ep)
     mesh = make_mesh(layout, world)
     state = shard(init_state(cfg, tc, seed=0), mesh)
@@ -113,38 +120,26 @@ def _rank_fn(rank, world, fsdp, ep, recompute):
         k = 1
         for n in gathered:
             k *= mesh.sizes[n]
-        shard_bytes = local.numel() * local.element_size()
-        times = 2 if (recompute and ".layers." in f".{path}") else 1
-        ag_min += shard_bytes * (k - 1) * times
-        rs_min += shard_bytes * (k - 1)
+        times = 2 if ((recompute or reshard) and ".layers." in f".{path}") else 1
+        ag_min += local.numel() * pbytes * (k - 1) * times
+        rs_min += local.numel() * rbytes * (k - 1)
     # Forward calls include the recompute re-run (same routing); backward reverses each layer's two exchanges once.
     a2a_min = int(off_rank["fwd"] * (1.5 if recompute else 2))
     return {"counts": dict(counts), "ag_min": ag_min, "rs_min": rs_min, "a2a_min": a2a_min}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--fsdp", type=int, default=2)
-    ap.add_argument("--ep", type=int, default=2)
-    ap.add_argument("--recompute", action="store_true")
-    a = ap.parse_args()
-    from tests.dist_utils import run_distributed
-
-    outs = run_distributed(_rank_fn, a.world, a.fsdp, a.ep, a.recompute)
-    r = outs[0]
+def _table(r, title):
     c = collections.Counter()
     for (kind, _), v in r["counts"].items():
         c[kind] += v
     rows = [
-        ("FSDP all-gather (fwd + recompute)", c["all_gather"], r["ag_min"]),
+        ("FSDP all-gather (fwd + bwd re-gather)", c["all_gather"], r["ag_min"]),
         ("FSDP reduce-scatter (grads)", c["reduce_scatter"], r["rs_min"]),
         ("EP all-to-all (activations)", c["a2a activations"], r["a2a_min"]),
         ("EP all-to-all (counts, indices)", c["a2a counts/indices"], 0),
         ("all-reduce (replicated grads, normalisers)", c["all_reduce"], 0),
     ]
-    print(f"tiny model, fsdp={a.fsdp} × ep={a.ep} on {a.world} gloo ranks, recompute={a.recompute}; "
-          "bytes received by rank 0 in one train_step")
+    print(title)
     print(f"| {'collective':<44} | {'measured':>12} | {'analytic min':>12} | {'ratio':>6} |")
     print(f"|{'-' * 46}|{'-' * 14}|{'-' * 14}|{'-' * 8}|")
     for name, got, want in rows:
@@ -156,6 +151,39 @@ def main():
     total = sum(v for _, v, _ in rows)
     print(f"| {'everything (goal: within 5% of the minimum)':<44} | {total:>12,} | {core_min:>12,} | "
           f"{total / core_min:>6.3f} |")
+    print()
+    return c
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--fsdp", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--recompute", action="store_true")
+    ap.add_argument("--policy", choices=("fp32", "bf16", "both"), default="both")
+    ap.add_argument("--reduce-dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--no-reshard", action="store_true", help="reshard_after_forward: false")
+    a = ap.parse_args()
+    from tests.dist_utils import run_distributed
+
+    policies = {"fp32": ("float32", "float32"), "bf16": ("bfloat16", a.reduce_dtype)}
+    chosen = list(policies) if a.policy == "both" else [a.policy]
+    measured = {}
+    for name in chosen:
+        pd, rd = policies[name]
+        r = run_distributed(_rank_fn, a.world, a.fsdp, a.ep, a.recompute, pd, rd, not a.no_reshard)[0]
+        measured[name] = _table(
+            r, f"tiny model, fsdp={a.fsdp} × ep={a.ep} on {a.world} gloo ranks, recompute={a.recompute}, "
+               f"reshard_after_forward={not a.no_reshard}, param_dtype={pd}, reduce_dtype={rd}; "
+               "bytes received by rank 0 in one train_step",
+        )
+    if len(measured) == 2:
+        f, b = measured["fp32"], measured["bf16"]
+        print("bf16 policy / fp32 policy, measured bytes (analytic: all-gather 0.5, reduce-scatter "
+              f"{0.5 if a.reduce_dtype == 'bfloat16' else 1.0})")
+        for kind in ("all_gather", "reduce_scatter"):
+            print(f"  {kind:<16} {b[kind] / f[kind]:.3f}")
 
 
 if __name__ == "__main__":

@@ -17,3 +17,5 @@ python3 benchmarks/plan_step.py --device cuda --dtype bfloat16 --hardware h200 -
 # whole train_step, tokens/s + MFU (bf16, hidden 2048, 8 layers, 64 experts top-8, 2 × 4096): torch GDN, FLA GDN where
 # the kernel registry allows it (FLA >= 0.5.2 with Triton >= 3.7.1 or TileLang), transformers
 python3 benchmarks/train_step.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --experts 64 --top-k 8 --batch 2 --seq 4096 --steps 5 2>&1 | tee "$out/train_step.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"
+# bf16 mixed-precision policy: the tiny run on CUDA (bf16 compute, fp32 masters) vs the CPU fp32 losses, 50 steps
+PYTHONPATH="$PWD" python3 benchmarks/bf16_train.py --device cuda --steps 50 --out "$out/bf16_train" 2>&1 | tee "$out/bf16_train.txt" || echo "step failed: see above" | tee -a "$out/failures.txt"

@@ -79,7 +79,9 @@ def _convert(argv: list[str]) -> int:
     g.add_argument("--from-hf", action="store_true", help="SRC is a Hugging Face checkpoint directory")
     p.add_argument("src")
     p.add_argument("out")
-    p.add_argument("--dtype", default=None, help="cast parameters (float32, bfloat16, float16); default: as stored")
+    p.add_argument("--dtype", default=None, help="cast parameters (float32, bfloat16, float16); default: --to-hf "
+                   "writes the run's compute dtype (train_config.param_dtype: bfloat16 under the bf16 policy, as "
+                   "Qwen checkpoints ship), --from-hf keeps the stored dtype")
     p.add_argument("--drop-router-bias", action="store_true",
                    help="--to-hf: export a run trained with aux_loss_free without its router bias (the HF format has "
                    "none, so the exported model routes by the plain top-k)")
@@ -107,6 +109,8 @@ def _convert(argv: list[str]) -> int:
                 "model would route by the plain top-k; pass --drop-router-bias to export without it"
             )
         _check_export_target(Path(a.src), ck, out, a.overwrite)
+        if dtype is None:  # checkpoints hold fp32 masters; export in the dtype the run computes in
+            dtype = _dtype((read_meta(ck).get("train_config") or {}).get("param_dtype", "float32"))
         cfg, params, meta = load_params(ck, dtype=dtype)
         save_hf(out, cfg, params)
         print(f"q38 convert: wrote {out} (Hugging Face safetensors, {cfg.model_type}, step {meta.get('step')} "

@@ -115,7 +115,7 @@ SET_CASES = [  # --set KEY=VALUE on a valid config: the line names KEY (typed co
     ("run.keep_last=-1", "run.keep_last must be an integer >= 0"),
     ("run.device=tpu", "run.device must be one of auto, cpu, cuda, npu"),
     ("run.backend=mpi", "run.backend must be one of"),
-    ("run.dtype=float64", "run.dtype must be one of float32, bfloat16, float16"),
+    ("run.dtype=float64", "train.param_dtype must be one of ('float32', 'bfloat16'), got 'float64'"),  # run.dtype: alias
     ("run.progress=yes please", "run.progress must be true or false, got 'yes please'"),
     ("run.tensorboard=maybe", "run.tensorboard must be true or false"),
     ("run.resume=2", "run.resume must be true or false, got 2"),

@@ -386,7 +386,10 @@ def test_plan_2_4t_on_1024_ranks(big_cfg):
 def test_plan_single_has_no_traffic(tiny_cfg):
     r = plan(tiny_cfg, Layout.preset("single"), 1, param_dtype=torch.bfloat16)
     assert r.numel_max == r.total_params == count_params(tiny_cfg).total_with_mtp
-    assert r.param_bytes_max == 2 * r.total_params and r.comm_bytes == 0
+    # bf16 policy: fp32 masters, grads and moments; the gathered (compute-form) layer in bf16
+    assert r.param_bytes_max == r.grad_bytes_max == 4 * r.total_params and r.comm_bytes == 0
+    assert r.optimizer_bytes_max == 8 * r.total_params
+    assert r.largest_layer_bytes == 2 * plan(tiny_cfg, Layout.preset("single"), 1).largest_layer_bytes // 4
     assert r.experts.mesh_dims == () and r.experts.per_rank == tiny_cfg.num_experts
 
 
@@ -398,13 +401,18 @@ def test_plan_traffic_fsdp(tiny_cfg):
     replicated = sum(math.prod(p.shape) for p in pl.values() if p.shard_factor == 1)
     assert r.allgather_fwd_bytes == r.reduce_scatter_bytes == 4 * sharded * 3 // 4
     assert r.all_reduce_bytes == 4 * math.ceil(2 * 3 / 4 * replicated)
+    # bf16 policy: gathers move half the bytes, reductions follow reduce_dtype
+    rb = plan(tiny_cfg, Layout.preset("fsdp"), 4, param_dtype=torch.bfloat16)
+    assert 2 * rb.allgather_fwd_bytes == r.allgather_fwd_bytes and rb.reduce_scatter_bytes == r.reduce_scatter_bytes
+    rbb = plan(tiny_cfg, Layout.preset("fsdp"), 4, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    assert 2 * rbb.reduce_scatter_bytes == r.reduce_scatter_bytes
     assert r.numel_max == sharded // 4 + replicated
 
 
 def test_plan_cli(capsys, tmp_path):
     assert plan_cli(["--model", "tiny", "--layout", "fsdp_ep", "--world", "4", "--dtype", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "layout fsdp_ep · world 4 = fsdp=2 × ep=2" in out and "params and grads bfloat16" in out
+    assert "layout fsdp_ep · world 4 = fsdp=2 × ep=2" in out and "compute and gathers bfloat16" in out
     assert plan_cli(["--model", "tiny", "--layout", "fsdp_ep", "--world", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "WORLD_SIZE=3" in err

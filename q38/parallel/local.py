@@ -13,6 +13,9 @@ class LocalParallel:
     is_local = True
     ep_size = 1
 
+    def __init__(self, param_dtype=torch.float32):
+        self.param_dtype = param_dtype  # compute dtype (the mixed-precision policy); masters stay fp32
+
     def seq_info(self, mb) -> SeqInfo:
         s = mb.doc_ids.shape[1]
         packed = bool((mb.doc_ids[:, 1:] != mb.doc_ids[:, :-1]).any()) if s > 1 else False
@@ -22,8 +25,11 @@ class LocalParallel:
         pass
 
     def gather(self, tree):
-        """Parameters in compute form (FSDP all-gather on a mesh)."""
-        return tree
+        """Parameters in compute form: cast to ``param_dtype`` (on a mesh: cast, then FSDP all-gather)."""
+        import torch.utils._pytree as pytree
+
+        cast = lambda t: t.to(self.param_dtype) if t.is_floating_point() else t  # noqa: E731
+        return pytree.tree_map(cast, tree)
 
     dispatch = None
 
@@ -36,7 +42,7 @@ class LocalParallel:
         return t
 
     def grad_sq_norm(self, grads: list[Tensor]) -> Tensor:
-        return sum((g.float().pow(2).sum() for g in grads), torch.zeros(()))
+        return sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=grads[0].device))
 
     def local_grad(self, g: Tensor) -> Tensor:
         return g

@@ -110,6 +110,7 @@ class PlanReport:
     all_reduce_bytes: int
     rows: tuple[PatternRow, ...]
     seconds: float
+    reduce_dtype: str = "float32"  # gradient reduce-scatter / all-reduce dtype (the mixed-precision policy)
 
     @property
     def total_bytes_max(self) -> int:
@@ -162,12 +163,14 @@ def plan(
     param_dtype: torch.dtype = torch.float32,
     optimizer_state_factor: int = 2,
     model_name: str | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> PlanReport:
     """Per-rank parameter, gradient and optimizer bytes, the largest gathered layer, the expert placement and the
     FSDP collective volume of one step, for ``model_cfg`` under ``layout`` on ``world_size`` ranks.
 
-    Gradients have ``param_dtype``; optimizer state is ``optimizer_state_factor`` fp32 values per parameter
-    (AdamW m and v). Raises :class:`LayoutError` when the layout does not fit the model or the world size.
+    Under the mixed-precision policy: master weights and gradients are fp32, optimizer state is
+    ``optimizer_state_factor`` fp32 values per parameter (AdamW m and v); gathered layers and all-gathers are in
+    ``param_dtype`` (the compute dtype), reduce-scatters and all-reduces in ``reduce_dtype``. Raises :class:`LayoutError` when the layout does not fit the model or the world size.
     """
     from q38.model import abstract_params
 
@@ -175,7 +178,9 @@ def plan(
     mesh = layout.resolve_mesh(world_size)
     pl = layout.placements(abstract_params(model_cfg), mesh)
     mesh_sizes = list(mesh.values())
-    pbytes = torch.tensor([], dtype=param_dtype).element_size()
+    pbytes = torch.tensor([], dtype=param_dtype).element_size()  # compute form: gathered layers, all-gathers
+    rbytes = torch.tensor([], dtype=reduce_dtype).element_size()  # gradient reductions
+    mbytes = 4  # fp32 master weights and their gradients
     grid_cache: dict[tuple, torch.Tensor] = {}
 
     def grid(pp: ParamPlacement, compute: bool) -> torch.Tensor:
@@ -221,7 +226,7 @@ def plan(
     report_rows = tuple(
         PatternRow(
             pattern=pat, count=n, shape=pp.shape, spec=pp.mesh_axes_per_dim,
-            local_shape=pp.local_shape(origin), bytes_per_rank=int(g.max()) * pbytes,
+            local_shape=pp.local_shape(origin), bytes_per_rank=int(g.max()) * mbytes,
         )
         for pat, (n, pp, g) in rows.items()
     )
@@ -237,10 +242,10 @@ def plan(
         numel_max=numel_max,
         numel_min=int(flat.min()),
         numel_rank0=rank0,
-        param_bytes_max=numel_max * pbytes,
-        param_bytes_rank0=rank0 * pbytes,
-        grad_bytes_max=numel_max * pbytes,
-        grad_bytes_rank0=rank0 * pbytes,
+        param_bytes_max=numel_max * mbytes,
+        param_bytes_rank0=rank0 * mbytes,
+        grad_bytes_max=numel_max * mbytes,
+        grad_bytes_rank0=rank0 * mbytes,
         optimizer_bytes_max=numel_max * 4 * optimizer_state_factor,
         optimizer_bytes_rank0=rank0 * 4 * optimizer_state_factor,
         largest_layer=largest_layer,
@@ -250,10 +255,11 @@ def plan(
         experts=_expert_placement(pl, model_cfg.num_experts, world_size),
         allgather_fwd_bytes=gmax * pbytes,
         allgather_bwd_bytes=gmax * pbytes,
-        reduce_scatter_bytes=gmax * pbytes,
-        all_reduce_bytes=int(math.ceil(float(reduced.max()))) * pbytes if reduced.numel() else 0,
+        reduce_scatter_bytes=gmax * rbytes,
+        all_reduce_bytes=int(math.ceil(float(reduced.max()))) * rbytes if reduced.numel() else 0,
         rows=report_rows,
         seconds=time.perf_counter() - t0,
+        reduce_dtype=str(reduce_dtype).replace("torch.", ""),
     )
 
 
@@ -295,20 +301,22 @@ def format_plan(r: PlanReport) -> str:
     lines = [
         f"q38 plan · model {r.model} ({_count(r.total_params)} params, {_count(r.expert_params)} in routed experts)"
         f" · layout {r.layout} · world {r.world_size} = {format_mesh(r.mesh)}",
-        f"params and grads {r.param_dtype}, optimizer {r.optimizer_state_factor} × fp32 per param",
+        f"master weights and grads float32, compute and gathers {r.param_dtype}, reductions {r.reduce_dtype}, "
+        f"optimizer {r.optimizer_state_factor} × fp32 per param",
         "",
         fmt(head),
         fmt(["-" * w for w in widths]),
         *map(fmt, body),
         "",
         "per rank                      fullest rank      rank 0",
-        f"  parameters            {_gib(r.param_bytes_max):>16}  {_gib(r.param_bytes_rank0):>12}"
+        f"  master weights (fp32) {_gib(r.param_bytes_max):>16}  {_gib(r.param_bytes_rank0):>12}"
         f"   ({_count(r.numel_max)} params; emptiest rank {_count(r.numel_min)})",
-        f"  gradients             {_gib(r.grad_bytes_max):>16}  {_gib(r.grad_bytes_rank0):>12}",
-        f"  optimizer state       {_gib(r.optimizer_bytes_max):>16}  {_gib(r.optimizer_bytes_rank0):>12}",
+        f"  gradients (fp32)      {_gib(r.grad_bytes_max):>16}  {_gib(r.grad_bytes_rank0):>12}",
+        f"  AdamW moments (fp32)  {_gib(r.optimizer_bytes_max):>16}  {_gib(r.optimizer_bytes_rank0):>12}",
         f"  total                 {_gib(r.total_bytes_max):>16}  "
         f"{_gib(r.param_bytes_rank0 + r.grad_bytes_rank0 + r.optimizer_bytes_rank0):>12}",
-        f"largest gathered layer    {r.largest_layer}: {_gib(r.largest_layer_bytes)} (FSDP-gathered, experts EP-local)",
+        f"largest gathered layer    {r.largest_layer}: {_gib(r.largest_layer_bytes)} in {r.param_dtype} "
+        "(FSDP-gathered, experts EP-local)",
         f"largest gathered tensor   {r.largest_tensor}: {_gib(r.largest_tensor_bytes)}",
     ]
     e = r.experts
@@ -351,7 +359,8 @@ def plan_cli(args: list[str]) -> int:
     ap.add_argument("--model", required=True, help="model preset name, q38 YAML, HF config.json or checkpoint dir")
     ap.add_argument("--layout", help="parallel layout preset name or YAML path (optional with --search)")
     ap.add_argument("--world", type=int, required=True, help="number of ranks (WORLD_SIZE)")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="parameter and gradient dtype")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                    help="compute / gather dtype (train.param_dtype); masters, grads and moments are fp32")
     ap.add_argument("--optimizer-states", type=int, default=2, help="fp32 optimizer values per parameter")
     ap.add_argument("--mesh", default="", help="override mesh sizes, e.g. ep=8,cp=2")
     from q38.parallel.search import add_budget_args, budget_cli
@@ -376,7 +385,7 @@ def plan_cli(args: list[str]) -> int:
             layout = layout.with_mesh(**sizes)
         report = plan(
             cfg, layout, ns.world, param_dtype=DTYPES[ns.dtype], optimizer_state_factor=ns.optimizer_states,
-            model_name=str(ns.model),
+            model_name=str(ns.model), reduce_dtype=DTYPES[ns.reduce_dtype or "fp32"],  # --reduce-dtype: see add_budget_args
         )
         if ns.search or ns.hardware or ns.seq_len or ns.recompute:
             print(format_plan(report))

@@ -6,7 +6,9 @@ parameter's gradient is the *sum* over every rank of its local contribution: gat
 autograd functions on local tensors (shard_map style); parameters and optimizer moments live as DTensors.
 """
 
+import contextlib
 import functools
+import weakref
 
 import attrs
 import torch
@@ -27,84 +29,141 @@ from q38.train.objective import StepBatch
 # ---- differentiable collectives on local tensors ------------------------------------------------------------------
 
 
+def _ag(x: Tensor, dim: int, group, sizes=None) -> Tensor:
+    """All-gather equal shards (``sizes`` None) or DTensor's uneven ``torch.chunk`` shards (zero-padded for the
+    collective, trimmed after) along ``dim``."""
+    if sizes is None:
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+    full = max(sizes)
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, full - x.shape[dim]]
+    xp = F.pad(x, pad).contiguous()
+    parts = [torch.empty_like(xp) for _ in sizes]
+    dist.all_gather(parts, xp, group=group)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+
+def _rs(g: Tensor, dim: int, group, sizes=None) -> Tensor:
+    """Reduce-scatter (sum): the backward of ``_ag``."""
+    if sizes is None:
+        chunks = [c.contiguous() for c in g.chunk(dist.get_world_size(group), dim=dim)]
+        out = torch.empty_like(chunks[0])
+        dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group)
+        return out
+    full = max(sizes)
+    chunks = []
+    for c in g.split(list(sizes), dim=dim):
+        pad = [0, 0] * (g.dim() - 1 - dim) + [0, full - c.shape[dim]]
+        chunks.append(F.pad(c, pad).contiguous())
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group)
+    return out.narrow(dim, 0, sizes[dist.get_rank(group)])
+
+
+@attrs.frozen
+class _Step:
+    """One collective of a parameter's gather: ``gather`` (all-gather along ``dim``; backward reduce-scatter) or
+    ``sum`` (identity; backward all-reduce, for a dim the parameter is replicated on)."""
+
+    kind: str
+    group: object
+    dim: int = 0
+    sizes: tuple | None = None  # uneven torch.chunk sizes, None when even
+    name: str = ""  # the mesh dim
+
+
+def _gather_forward(x: Tensor, steps: tuple, dtype, prefetched=None) -> Tensor:
+    """The compute form of a local shard: cast to ``dtype`` first (gathers move ``dtype`` bytes), then gather."""
+    y = x.to(dtype)
+    for st in steps:
+        if st.kind != "gather":
+            continue
+        if prefetched is not None:  # the first gather was started early (MeshParallel.prefetch)
+            work, parts = prefetched
+            prefetched = None
+            work.wait()
+            y = torch.cat(parts, dim=st.dim)
+        else:
+            y = _ag(y, st.dim, st.group, st.sizes)
+    return y
+
+
+class _GatherParam(torch.autograd.Function):
+    """A parameter shard → its compute form, as FSDP2's mixed-precision policy does it: the fp32 master shard is cast
+    to ``param_dtype`` *before* the gathers; backward casts the gradient to ``reduce_dtype`` and runs the
+    reduce-scatters / all-reduces in reverse order, returning the shard's gradient in the master dtype. Nothing
+    is saved for backward (the gathered tensor is not kept by this function)."""
+
+    @staticmethod
+    def forward(ctx, x, steps, param_dtype, reduce_dtype, prefetched):
+        ctx.steps, ctx.reduce_dtype, ctx.in_dtype = steps, reduce_dtype, x.dtype
+        y = _gather_forward(x, steps, param_dtype, prefetched)
+        return x.view_as(x) if y is x else y
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.to(ctx.reduce_dtype)
+        for st in reversed(ctx.steps):
+            if st.kind == "gather":
+                g = _rs(g, st.dim, st.group, st.sizes)
+            else:
+                g = g.contiguous().clone()
+                dist.all_reduce(g, group=st.group)
+        return g.to(ctx.in_dtype), None, None, None, None
+
+
+class _Regather:
+    """How to rebuild one gathered parameter for backward (reshard-after-forward): its local shard and steps.
+    The rebuilt tensor is shared by every saved view of it while it is alive."""
+
+    def __init__(self, shard: Tensor, steps: tuple, dtype, gathered: Tensor):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.shard, self.steps, self.dtype = shard, steps, dtype
+        self.storage = StorageWeakRef(gathered.untyped_storage())
+        self.nbytes = gathered.untyped_storage().nbytes()
+        self.cached = None
+        self.regathers = 0
+
+    def alive(self) -> bool:
+        return not self.storage.expired()
+
+    def full(self) -> Tensor:
+        t = self.cached() if self.cached is not None else None
+        if t is None:
+            with torch.no_grad():
+                t = _gather_forward(self.shard, self.steps, self.dtype)
+            self.cached = weakref.ref(t)
+            self.regathers += 1
+        return t
+
+
+@attrs.frozen
+class _Resharded:
+    """What a saved gathered parameter (or a view of it) is packed into: the recipe and the view's geometry."""
+
+    src: _Regather
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+
 class _AllGather(torch.autograd.Function):
     """Forward: concatenate every rank's equal-size shard along ``dim``. Backward: reduce-scatter (sum).
 
-    Used for FSDP parameter gathers (the reduce-scatter sums the data-parallel gradient) and for CP activation
-    gathers (each rank gets back the summed gradient of its own slice)."""
+    Used for CP activation gathers (each rank gets back the summed gradient of its own slice) and for the EP
+    balance copies of expert weights; parameters go through ``_GatherParam``."""
 
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        n = dist.get_world_size(group)
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=dim)
+        return _ag(x, dim, group)
 
     @staticmethod
     def backward(ctx, g):
-        n = dist.get_world_size(ctx.group)
-        chunks = [c.contiguous() for c in g.chunk(n, dim=ctx.dim)]
-        out = torch.empty_like(chunks[0])
-        dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=ctx.group)
-        return out, None, None
-
-
-class _UnevenAllGather(torch.autograd.Function):
-    """``_AllGather`` for DTensor's uneven ``torch.chunk`` shards (``sizes[r]`` rows on rank r, possibly 0):
-    shards are zero-padded to the largest for the collective and trimmed after; backward likewise."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group, sizes):
-        ctx.dim, ctx.group, ctx.sizes = dim, group, sizes
-        full = max(sizes)
-        pad = [0, 0] * (x.dim() - 1 - dim) + [0, full - x.shape[dim]]
-        xp = F.pad(x, pad).contiguous()
-        parts = [torch.empty_like(xp) for _ in sizes]
-        dist.all_gather(parts, xp, group=group)
-        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        full = max(ctx.sizes)
-        chunks = []
-        for c in g.split(list(ctx.sizes), dim=ctx.dim):
-            pad = [0, 0] * (g.dim() - 1 - ctx.dim) + [0, full - c.shape[ctx.dim]]
-            chunks.append(F.pad(c, pad).contiguous())
-        out = torch.empty_like(chunks[0])
-        dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=ctx.group)
-        me = dist.get_rank(ctx.group)
-        return out.narrow(ctx.dim, 0, ctx.sizes[me]), None, None, None
-
-
-class _PrefetchedAllGather(torch.autograd.Function):
-    """``_AllGather`` whose collective was started earlier (``MeshParallel.prefetch``): forward waits for it."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group, work, parts):
-        ctx.dim, ctx.group = dim, group
-        work.wait()
-        return torch.cat(parts, dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        grad, _, _ = _AllGather.backward(ctx, g)
-        return grad, None, None, None, None
-
-
-class _SumGrad(torch.autograd.Function):
-    """Forward: identity. Backward: all-reduce (sum) over ``group`` (a replicated parameter used on every rank)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+        return _rs(g, ctx.dim, ctx.group), None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -160,8 +219,10 @@ class Mesh:
         """The runtime for one step; EP balance options come from the train config."""
         if train_config is None:
             return MeshParallel(self)
-        return MeshParallel(self, train_config.enable_ep_balance, train_config.max_dup_experts_num,
-                            getattr(train_config, "fsdp_prefetch", None))
+        tc = train_config
+        return MeshParallel(self, tc.enable_ep_balance, tc.max_dup_experts_num, getattr(tc, "fsdp_prefetch", None),
+                            param_dtype=tc.torch_param_dtype, reduce_dtype=tc.torch_reduce_dtype,
+                            reshard_after_forward=tc.reshard_after_forward)
 
     def group(self, name: str):
         return self.device_mesh.get_group(name)
@@ -389,11 +450,11 @@ class EPDispatch:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         send_l, recv_l = send.tolist(), recv.tolist()
-        load = torch.tensor(sum(recv_l))
+        load = torch.tensor(sum(recv_l), device=x_md.device)
         dist.all_reduce(load, op=dist.ReduceOp.MAX, group=self.group)
         self.loads.append(int(load))
         x_recv = _AllToAll.apply(x_md[order], recv_l, send_l, self.group)
-        e_recv = torch.empty(sum(recv_l), dtype=expert_m.dtype)
+        e_recv = torch.empty(sum(recv_l), dtype=expert_m.dtype, device=expert_m.device)
         dist.all_to_all_single(e_recv, local_idx[order].contiguous(), recv_l, send_l, group=self.group)
         o = torch.argsort(e_recv, stable=True)
         counts = torch.bincount(e_recv, minlength=w_gu.shape[0])
@@ -415,7 +476,7 @@ class EPDispatch:
         width = max(len(v) for v in sent.values())
         mine = sent[self.rank]
         pad = width - len(mine)
-        idx = torch.tensor([e - self.rank * e_local for e in mine], dtype=torch.long)
+        idx = torch.tensor([e - self.rank * e_local for e in mine], dtype=torch.long, device=w_gu.device)
         gu_send = torch.cat([w_gu.index_select(0, idx), w_gu.new_zeros(pad, *w_gu.shape[1:])])
         dn_send = torch.cat([w_dn.index_select(0, idx), w_dn.new_zeros(pad, *w_dn.shape[1:])])
         gu_all = _AllGather.apply(gu_send, 0, self.group)  # backward: copies' grads reduce-scattered to owners
@@ -427,7 +488,7 @@ class EPDispatch:
                 host_slot[(e, r)] = e_local + len(extra[r])
                 extra[r].append(plan[e][0][0] * width + sent[plan[e][0][0]].index(e))
         if extra[self.rank]:
-            pick = torch.tensor(extra[self.rank], dtype=torch.long)
+            pick = torch.tensor(extra[self.rank], dtype=torch.long, device=w_gu.device)
             w_gu = torch.cat([w_gu, gu_all.index_select(0, pick)])
             w_dn = torch.cat([w_dn, dn_all.index_select(0, pick)])
         else:  # keep the gathered copies in this rank's graph: their backward is a collective every rank joins
@@ -458,10 +519,15 @@ class EPDispatch:
 class MeshParallel:
     is_local = False
 
-    def __init__(self, mesh: Mesh, ep_balance: bool = False, max_dup_experts: int = 2, prefetch: bool | None = None):
+    def __init__(self, mesh: Mesh, ep_balance: bool = False, max_dup_experts: int = 2, prefetch: bool | None = None,
+                 *, param_dtype=torch.float32, reduce_dtype=torch.float32, reshard_after_forward: bool = True):
         self.mesh = mesh
         # Prefetch the next layer's FSDP gathers on accelerators (overlap); on CPU only when asked (tests).
         self.prefetch_enabled = mesh.device_mesh.device_type != "cpu" if prefetch is None else prefetch
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        dt = mesh.device_mesh.device_type
+        self.device = torch.device(dt) if dt == "cpu" else torch.device(dt, getattr(torch, dt).current_device())
+        self.reshard_after_forward = reshard_after_forward
         names = list(mesh.sizes)
         self.dims = [(i, n, mesh.sizes[n]) for i, n in enumerate(names)]
         self.ep_size = mesh.size("ep")
@@ -474,6 +540,10 @@ class MeshParallel:
         self._keep_local: dict[int, set] = {}
         self._pending: dict[int, tuple] = {}  # id(leaf) -> (mesh dim name, work, parts) of a prefetched gather
         self.prefetched = 0  # prefetched gathers consumed (reported in Gradients, checked by the tests)
+        # Every compute-form tensor made by gather() in this step (storage weak refs): what reshard-after-forward
+        # frees and rebuilds, and what tests measure (live_gathered_bytes).
+        self.gathered: list[_Regather] = []
+        self._by_storage: dict[int, _Regather] = {}
 
     def bind(self, params) -> None:
         """Record, per parameter leaf, the mesh dims that stay sharded in compute form (the layout's ``compute``
@@ -502,8 +572,9 @@ class MeshParallel:
 
     def prefetch(self, tree) -> None:
         """Start the all-gathers of ``tree`` (the next layer) now, so they overlap the current layer's compute
-        (on accelerators the collective runs on its own stream). Leaves gathered over one mesh dim are prefetched;
-        the gather that consumes them waits, and its backward is the usual reduce-scatter."""
+        (on accelerators the collective runs on its own stream). Leaves gathered over one mesh dim are prefetched
+        (cast to ``param_dtype`` first, like every gather); the gather that consumes them waits, and its backward
+        is the usual reduce-scatter."""
         import torch.utils._pytree as pytree
 
         for t in pytree.tree_leaves(tree):
@@ -513,39 +584,86 @@ class MeshParallel:
             if len(dims) != 1 or t.shape[dims[0][1]] % self.mesh.sizes[dims[0][0]]:
                 continue
             name, dim = dims[0]
-            x = t.to_local().detach().contiguous()
+            x = t.to_local().detach().to(self.param_dtype).contiguous()
             parts = [torch.empty_like(x) for _ in range(self.mesh.sizes[name])]
             work = dist.all_gather(parts, x, group=self.mesh.group(name), async_op=True)
             self._pending[id(t)] = (name, work, parts)
 
-    def _gather_one(self, t):
-        if not isinstance(t, DTensor):
-            return t
-        keep = self._keep_local.get(id(t))
-        if keep is None:
-            raise RuntimeError("MeshParallel.gather: parameter not bound; call bind(params) first")
-        x = t.to_local(grad_placements=t.placements)
-        # Gather sharded dims (inner mesh dims first), keep compute-local ones; sum grads over replicated dims.
+    def _steps(self, t) -> tuple:
+        """The collectives that bring leaf ``t`` into compute form, innermost mesh dim first: gather its sharded
+        dims (except the compute-local ones), sum its gradient over the dims it is replicated on."""
+        keep = self._keep_local[id(t)]
+        steps = []
         for i, name, size in reversed(self.dims):
             if size == 1:
                 continue
             pl = t.placements[i]
             if isinstance(pl, Shard) and name in keep:
                 continue
-            pending = self._pending.get(id(t))
-            if isinstance(pl, Shard) and pending is not None and pending[0] == name:
-                del self._pending[id(t)]
-                self.prefetched += 1
-                x = _PrefetchedAllGather.apply(x, pl.dim, self.mesh.group(name), pending[1], pending[2])
-            elif isinstance(pl, Shard):
+            if isinstance(pl, Shard):
                 total = self._level_size(t, i, pl.dim)
-                if total % size == 0:
-                    x = _AllGather.apply(x, pl.dim, self.mesh.group(name))
-                else:  # uneven (the layout's `uneven` list): torch.chunk sizes of this dim at this level
-                    x = _UnevenAllGather.apply(x, pl.dim, self.mesh.group(name), _chunk_sizes(total, size))
+                sizes = None if total % size == 0 else tuple(_chunk_sizes(total, size))
+                steps.append(_Step("gather", self.mesh.group(name), pl.dim, sizes, name))
             else:
-                x = _SumGrad.apply(x, self.mesh.group(name))
-        return x
+                steps.append(_Step("sum", self.mesh.group(name), name=name))
+        return tuple(steps)
+
+    def _gather_one(self, t):
+        if not isinstance(t, DTensor):
+            return t.to(self.param_dtype) if t.is_floating_point() else t
+        if id(t) not in self._keep_local:
+            raise RuntimeError("MeshParallel.gather: parameter not bound; call bind(params) first")
+        x = t.to_local(grad_placements=t.placements)
+        steps = self._steps(t)
+        prefetched = None
+        pending = self._pending.get(id(t))
+        first = next((st for st in steps if st.kind == "gather"), None)
+        if pending is not None and first is not None and first.name == pending[0]:
+            del self._pending[id(t)]
+            self.prefetched += 1
+            prefetched = (pending[1], pending[2])
+        if not steps:
+            y = x.to(self.param_dtype)
+        else:
+            y = _GatherParam.apply(x, steps, self.param_dtype, self.reduce_dtype, prefetched)
+        if y is not x and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+            entry = _Regather(x.detach(), steps, self.param_dtype, y)
+            self.gathered.append(entry)
+            self._by_storage[y.untyped_storage().data_ptr()] = entry
+        return y
+
+    # -- reshard after forward: saved gathered parameters are dropped and rebuilt for backward -----------------
+
+    def _pack(self, t: Tensor):
+        try:
+            entry = self._by_storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage
+            return t
+        if entry is None or not entry.alive() or t.dtype != entry.dtype:
+            return t
+        return _Resharded(entry, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    @staticmethod
+    def _unpack(h):
+        if isinstance(h, _Resharded):
+            return h.src.full().as_strided(h.size, h.stride, h.offset)
+        return h
+
+    def saved_tensor_hooks(self):
+        """A context for one layer's forward (no recompute): tensors saved for backward that are (views of) a
+        gathered parameter are kept as their shard and re-gathered when backward needs them, so each gathered
+        layer is freed after its forward (FSDP reshard-after-forward). None when ``reshard_after_forward`` is off
+        or nothing is gathered on this mesh."""
+        if not self.reshard_after_forward:
+            return None
+        return functools.partial(torch.autograd.graph.saved_tensors_hooks, self._pack, self._unpack)
+
+    def live_gathered_bytes(self) -> int:
+        """Bytes of compute-form (gathered / cast) parameters of this step that are still allocated."""
+        return sum(e.nbytes for e in self.gathered if e.alive())
+
+    def regathers(self) -> int:
+        return sum(e.regathers for e in self.gathered)
 
     def _level_size(self, t, mesh_i: int, dim: int) -> int:
         """Size of tensor dim ``dim`` before splitting over mesh dim ``mesh_i`` (DTensor splits mesh dims in order,
@@ -565,7 +683,7 @@ class MeshParallel:
         return pytree.tree_map(self._gather_one, tree)
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
-        t = torch.as_tensor(t).detach().clone()
+        t = torch.as_tensor(t, device=self.device).detach().clone()
         dist.all_reduce(t)
         return t
 
@@ -577,7 +695,7 @@ class MeshParallel:
         return t
 
     def grad_sq_norm(self, grads) -> Tensor:
-        total = torch.zeros(())
+        total = torch.zeros((), device=self.device)
         for g in grads:
             if isinstance(g, DTensor):
                 local = g.to_local().float().pow(2).sum()

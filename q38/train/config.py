@@ -15,6 +15,8 @@ AUX_SCOPES = ("micro_batch", "global_batch")
 AUX_TYPES = ("pooled", "per_layer", "sequence")
 AUX_TOKENS = ("real", "labelled")
 NAN_POLICIES = ("stop", "skip")
+# mixed precision (DESIGN.md decision 9): master weights and AdamW moments are always fp32
+PRECISION_DTYPES = ("float32", "bfloat16")
 DEFAULT_NO_DECAY = (
     "*norm*", "*.dt_bias", "*.A_log", "*.w_shared_gate", "*.w_router",  # norms, gates, biases
 )
@@ -66,9 +68,29 @@ class TrainConfig:
     max_dup_experts_num: int = attrs.field(default=2, validator=ge(0))
     # failure handling
     nan_policy: str = attrs.field(default="stop", validator=one_of(*NAN_POLICIES))
+    # mixed precision: fp32 master weights and moments; `param_dtype` for compute and FSDP gathers (each rank casts
+    # its shard before the all-gather), `reduce_dtype` for gradient reduce-scatter / all-reduce and micro-batch
+    # accumulation. Defaults keep fp32 runs exact.
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    # FSDP without recompute: free each gathered parameter after its layer's forward, gather it again in backward
+    # (not applied with enable_ep_balance, whose per-rank graphs differ; use recompute there)
+    reshard_after_forward: bool = True
 
     def __attrs_post_init__(self) -> None:
         validate_train_config(self)
+
+    @property
+    def torch_param_dtype(self):
+        import torch
+
+        return getattr(torch, self.param_dtype)
+
+    @property
+    def torch_reduce_dtype(self):
+        import torch
+
+        return getattr(torch, self.reduce_dtype)
 
     def replace(self, **changes: Any) -> "TrainConfig":
         return attrs.evolve(self, **changes)
@@ -127,6 +149,13 @@ def validate_train_config(t: TrainConfig) -> None:
             "loss_chunk_size must be > 0, or null for the unchunked reference loss",
         )
     need(t.max_dup_experts_num >= 0, "max_dup_experts_num must be >= 0")
+    for name in ("param_dtype", "reduce_dtype"):
+        v = getattr(t, name)
+        need(
+            v in PRECISION_DTYPES,
+            f"{name} must be one of {PRECISION_DTYPES}, got {v!r} (master weights and AdamW moments are always "
+            "float32; float16 would need loss scaling, which q38 does not implement: use bfloat16)",
+        )
 
 
 def validate_run(

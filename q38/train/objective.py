@@ -126,7 +126,9 @@ def count_targets(targets: Tensor) -> Tensor:
 
 
 def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor, tc) -> Tensor:
-    """Sum of CE over valid targets / ``normalizer``; rows with ignored targets never reach the head."""
+    """Sum of CE over valid targets / ``normalizer``; rows with ignored targets never reach the head. A term with no
+    valid targets in the whole step contributes 0 (the normalizer is clamped to >= 1), never NaN."""
+    normalizer = normalizer.clamp(min=1) if isinstance(normalizer, Tensor) else max(normalizer, 1)
     d = hidden.shape[-1]
     h_nd, t_n = hidden.reshape(-1, d), targets.reshape(-1)
     valid = torch.nonzero(t_n != IGNORE).flatten()

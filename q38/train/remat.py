@@ -16,9 +16,10 @@ def _policy(keep: frozenset):
     return policy
 
 
-def layer_wrapper(tc: TrainConfig):
+def layer_wrapper(tc: TrainConfig, saved_hooks=None):
     """``wrap_layer(fn, params, x)`` for ``Runtime``: plain call, checkpoint, or selective checkpoint; with offload
-    every tensor saved for backward lives in host memory until it is needed."""
+    every tensor saved for backward lives in host memory until it is needed. ``saved_hooks`` (a context factory,
+    used without recompute): the FSDP reshard-after-forward hooks of the mesh runtime."""
     keep = frozenset(
         name for name, on in (("attention", tc.skip_flash_attn_recompute), ("gdn", tc.skip_gdn_recompute)) if on
     )
@@ -31,6 +32,13 @@ def layer_wrapper(tc: TrainConfig):
             kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _policy(keep))
         return checkpoint(fn, p, x, use_reentrant=False, determinism_check="none", **kwargs)
 
+    if saved_hooks is not None and not tc.recompute and not tc.offload_activations:
+
+        def resharded(fn, p, x):
+            with saved_hooks():
+                return fn(p, x)
+
+        return resharded
     if not (tc.recompute or tc.offload_activations):
         return None
     if tc.offload_activations:

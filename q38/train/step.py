@@ -13,6 +13,7 @@ from torch import Tensor
 
 from q38.model import Runtime, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
+from q38.train.optim import adamw_step
 from q38.train.objective import (  # noqa: F401  (lm_loss, IGNORE: re-exported)
     IGNORE,
     StepBatch,
@@ -48,6 +49,7 @@ class Metrics:
     skipped: bool = False
     terms: dict = attrs.field(factory=dict)  # every objective term by name (reduced), the keys of the logs
     router_load: Tensor | None = None  # [moe layers, e]: real tokens routed to each expert in the step (all ranks)
+    mtp_tokens: tuple = ()  # valid targets per MTP depth (a depth with 0 reports loss 0 with count 0)
 
     def as_dict(self) -> dict[str, float]:
         terms = self.terms or {"loss": self.loss, **{f"mtp_{i}": m for i, m in enumerate(self.mtp_losses, 1)},
@@ -55,6 +57,8 @@ class Metrics:
         d = {name: float(v) for name, v in terms.items()}
         d.update({"objective": float(self.objective), "grad_norm": float(self.grad_norm), "lr": float(self.lr),
                   "tokens": int(self.tokens), "skipped": bool(self.skipped)})
+        for i, n in enumerate(self.mtp_tokens, start=1):
+            d[f"mtp_{i}_tokens"] = int(n)
         if self.router_load is not None:
             d.update(router_metrics(self.router_load))
         return d
@@ -77,7 +81,7 @@ def parallel_for(mesh, train_config=None):
     if mesh is None:
         from q38.parallel.local import LocalParallel
 
-        return LocalParallel()
+        return LocalParallel(train_config.torch_param_dtype if train_config is not None else torch.float32)
     runtime = getattr(mesh, "runtime", None)
     if runtime is None:
         raise TypeError(
@@ -117,6 +121,7 @@ class Gradients:
     ep_max_load: tuple = ()  # EP: the largest per-rank count of routed slots, per MoE layer call
     prefetched: int = 0  # FSDP gathers that were started a layer early and consumed
     ep_copies: tuple = ()  # EP balance: expert copies the plan made, per MoE layer call
+    mtp_tokens: tuple = ()  # valid targets of each MTP depth in the step (0: that term is 0, not NaN)
 
     @property
     def loss(self) -> Tensor:
@@ -124,11 +129,38 @@ class Gradients:
 
     @property
     def mtp_losses(self) -> tuple:
-        return tuple(v for k, v in self.terms.items() if k.startswith("mtp_"))
+        return tuple(v for k, v in self.terms.items() if k.startswith("mtp_") and not k.endswith("_tokens"))
 
     @property
     def aux_loss(self) -> Tensor:
         return self.terms["aux"]
+
+
+def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
+    """Micro-batch gradient accumulation in ``reduce_dtype`` (the mixed-precision policy; fp32 by default)."""
+    return [
+        gi if a is None else (a if gi is None else a.to(reduce_dtype) + gi.to(reduce_dtype))
+        for a, gi in zip(acc, g)
+    ]
+
+
+def make_runtime(par, tc) -> Runtime:
+    """How the model runs on ``par`` (from ``parallel_for``): gathers in the policy's ``param_dtype``, recompute /
+    offload / reshard-after-forward around each layer, EP dispatch, FSDP prefetch."""
+    return Runtime(
+        gather=par.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(par, tc)), dispatch=par.dispatch,
+        prefetch=par.prefetch if getattr(par, "prefetch_enabled", False) else None,
+    )
+
+
+def _reshard_hooks(par, tc):
+    """FSDP reshard-after-forward without recompute (recompute re-gathers inside the recomputed layer anyway).
+    Not with EP balance: its graph differs per rank (which experts a rank hosts copies of), so backward re-gathers
+    would not line up across ranks (measured: a gloo collective mismatch on fsdp_ep_cp with bf16)."""
+    if tc.recompute or tc.offload_activations or tc.enable_ep_balance:
+        return None
+    hooks = getattr(par, "saved_tensor_hooks", None)
+    return hooks() if hooks is not None else None
 
 
 @typing.no_type_check
@@ -140,10 +172,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     par = parallel_for(mesh, tc)
     depths = mc.mtp_num_layers
     mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
-    runtime = Runtime(
-        gather=par.gather, wrap_layer=layer_wrapper(tc), dispatch=par.dispatch,
-        prefetch=par.prefetch if getattr(par, "prefetch_enabled", False) else None,
-    )
+    runtime = make_runtime(par, tc)
     bias = getattr(state, "router_bias", None)
 
     flat, spec = pytree.tree_flatten(state.params)
@@ -170,12 +199,12 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
         ti = TermInput(out, mb, i, routes, par.gather(head_weight(p)), ctx, par, mc, tc)
         values = {t.name: t.fn(ti) for t in terms}
         g = torch.autograd.grad(total(values, terms), leaves, allow_unused=True)
-        grads = [gi if acc is None else (acc if gi is None else acc + gi) for acc, gi in zip(grads, g)]
+        grads = _accumulate(grads, g, tc.torch_reduce_dtype)
         values = pytree.tree_map(lambda v: v.detach(), values)
         sums = values if sums is None else pytree.tree_map(torch.add, sums, values)
         mb_load = expert_counts(routes, mb.real_mask)
         load = mb_load if load is None else load + mb_load
-    grads = [torch.zeros_like(t) if g is None else g for t, g in zip(leaves, grads)]
+    grads = [torch.zeros_like(t) if g is None else g.to(t.dtype) for t, g in zip(leaves, grads)]
 
     # One collective for every term and the router loads.
     names = [t.name for t in terms]
@@ -186,7 +215,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     loads = tuple(getattr(par.dispatch, "loads", ()) or ())
     copies = tuple(getattr(par.dispatch, "copies", ()) or ())
     return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
-                     getattr(par, "prefetched", 0), copies)
+                     getattr(par, "prefetched", 0), copies, tuple(ctx.n_mtp))
 
 
 def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
@@ -217,7 +246,7 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
                 "lower the learning rate, check the data, or set nan_policy: skip"
             )
         metrics = Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, skipped=True,
-                          terms=r.terms, router_load=r.router_load)
+                          terms=r.terms, router_load=r.router_load, mtp_tokens=r.mtp_tokens)
         return attrs.evolve(state, step=state.step + 1), metrics
 
     scale = 1.0
@@ -235,27 +264,15 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
         new_state = attrs.evolve(new_state, router_bias=update_router_bias(state.router_bias, r.router_load,
                                                                            tc.router_bias_rate))
     return new_state, Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, terms=r.terms,
-                              router_load=r.router_load)
+                              router_load=r.router_load, mtp_tokens=r.mtp_tokens)
 
 
-@torch.no_grad()
 def _adamw(state: TrainState, flat: list[Tensor], grads: list[Tensor], scale, lr: float, step: int):
-    """Decoupled-weight-decay Adam in fp32; returns new lists (the inputs are untouched)."""
+    """Decoupled-weight-decay Adam in fp32 with torch's kernels (``q38.train.optim``); returns new lists (the
+    inputs are untouched)."""
     tc = state.train_config
-    m_flat = tree_leaves(state.exp_avg)
-    v_flat = tree_leaves(state.exp_avg_sq)
-    decay = decay_mask(state.params, tc)
-    bc1, bc2 = 1 - tc.beta1**step, 1 - tc.beta2**step
-    new_p, new_m, new_v = [], [], []
-    for p, g, m, v, dec in zip(flat, grads, m_flat, v_flat, decay):
-        g32 = g.float() * scale
-        m = m * tc.beta1 + g32 * (1 - tc.beta1)
-        v = v * tc.beta2 + g32 * g32 * (1 - tc.beta2)
-        upd = (m / bc1) / ((v / bc2).sqrt() + tc.eps)
-        p32 = p.float()
-        if dec and tc.weight_decay:
-            upd = upd + tc.weight_decay * p32
-        new_p.append((p32 - lr * upd).to(p.dtype))
-        new_m.append(m)
-        new_v.append(v)
-    return new_p, new_m, new_v
+    return adamw_step(
+        flat, grads, tree_leaves(state.exp_avg), tree_leaves(state.exp_avg_sq), decay_mask(state.params, tc),
+        step=step, lr=lr, beta1=tc.beta1, beta2=tc.beta2, eps=tc.eps, weight_decay=tc.weight_decay,
+        grad_scale=scale,
+    )

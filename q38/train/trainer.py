@@ -81,7 +81,7 @@ class RunOptions:
     keep_last: int = 3  # checkpoints kept in out_dir/checkpoints (0: all)
     device: str = "auto"  # auto | cpu | cuda | npu
     backend: str = "auto"  # process-group backend: auto | gloo | nccl | hccl
-    dtype: str = "float32"  # parameter dtype (AdamW moments are always fp32)
+    dtype: str = "float32"  # alias of train.param_dtype (bfloat16: the bf16 policy); masters and moments stay fp32
     warmup_log_steps: int = 2  # steps excluded from throughput (compile / cache warm-up)
     peak_flops: float | None = None  # per device, for MFU; None: known devices only
     progress: bool = True
@@ -194,7 +194,8 @@ class RunConfig:
             data["eval_path"] = _resolve(str(data["eval_path"]), base_dir)
         run = dict(raw.get("run") or {})
         _check_keys("run", run, RunOptions)
-        train = TrainConfig.from_dict(raw.get("train") or {}, source=f"{source}: train")
+        train = TrainConfig.from_dict(_train_with_run_dtype(raw.get("train") or {}, run, source),
+                                      source=f"{source}: train")
         return cls(
             model=model, model_source=str(model_src), init_from=init_from, layout=str(raw.get("layout", "single")),
             data=structure(DataConfig, data, "data"), train=train, run=structure(RunOptions, run, "run"),
@@ -207,6 +208,20 @@ class RunConfig:
             "data": attrs.asdict(self.data), "train": self.train.to_dict(), "run": attrs.asdict(self.run),
             "source": self.source, "kernels": self.kernels.to_dict(),
         }
+
+
+def _train_with_run_dtype(train: Mapping[str, Any], run: Mapping[str, Any], source: str) -> dict:
+    """``run.dtype: bfloat16`` means the bf16 mixed-precision policy: ``train.param_dtype: bfloat16`` (compute and
+    gathers), fp32 master weights and moments. It may not contradict an explicit ``train.param_dtype``."""
+    train = dict(train)
+    dt = run.get("dtype")
+    if dt is None or dt == "float32":
+        return train
+    if train.get("param_dtype", dt) != dt:
+        raise ConfigError(f"{source}: run.dtype {dt!r} and train.param_dtype {train['param_dtype']!r} disagree; "
+                          "run.dtype is an alias of train.param_dtype: drop run.dtype or make them equal")
+    train["param_dtype"] = dt
+    return train
 
 
 def _resolve(p: str, base_dir) -> str:
@@ -530,7 +545,7 @@ def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo) -> di
         "step": int(state.step),
         "model_config": cfg.model.to_dict(),
         "train_config": cfg.train.to_dict(),
-        "param_dtype": cfg.run.dtype,
+        "param_dtype": "float32",  # stored dtype: fp32 masters (train_config.param_dtype is the compute dtype)
         "data": {"iterator": batches.state_dict(), "path": str(cfg.data.path), "tokenizer": str(cfg.data.tokenizer),
                  "seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size, "dp_size": plan.dp_size,
                  "seed": cfg.run.seed, "shuffle": cfg.data.shuffle},
@@ -617,7 +632,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     if cfg.run.eval_every and not data.eval:
         raise ConfigError(f"run.eval_every is {cfg.run.eval_every} but there is no eval data; set data.eval_split "
                           "(e.g. 0.05) or data.eval_path, or run.eval_every: 0")
-    dtype = getattr(torch, cfg.run.dtype)
+    dtype = torch.float32  # master weights (the mixed-precision policy computes in train.param_dtype)
     out = Path(cfg.run.out_dir)
     ck_root = out / CHECKPOINTS
     notes: list[str] = []  # verified before use; nothing is deleted or truncated until the run starts
@@ -680,7 +695,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                      "is replaced")
             metrics_path.write_text("")
     tb = _tensorboard(cfg, out) if lead else None
-    peak = cfg.run.peak_flops or known_peak_flops(device, cfg.run.dtype)
+    peak = cfg.run.peak_flops or known_peak_flops(device, cfg.train.param_dtype)
     tput = Throughput(cfg.run.warmup_log_steps, flops_per_token(cfg.model, cfg.data.seq_len), peak,
                       world.world_size)
     depths = cfg.model.mtp_num_layers
