@@ -256,10 +256,11 @@ def test_layout_written_as_yaml_trains_without_code_changes(tmp_path, text, worl
 
 def _init_fn(rank, world, layout_name, mesh_sizes):
     from q38.parallel.runtime import init_sharded, make_mesh, shard
+    from q38.train.state import state_from_params
 
     cfg = _cfg()
     mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)
-    a = init_sharded(cfg, TrainConfig(), mesh, seed=3)
+    a = state_from_params(init_sharded(cfg, mesh, seed=3), cfg, TrainConfig())
     b = shard(init_state(cfg, TrainConfig(), seed=3), mesh)
     local = lambda t: (tuple(t.placements), t.to_local()) if hasattr(t, "placements") else ((), t)  # noqa: E731
     bad = []

@@ -63,7 +63,7 @@ def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, 
     # Context parallel: keys/values of the whole row (identity on one device).
     comm = info.comm
     k_btgc, v_btgc = comm.all_gather_seq(k_bsgc, 1), comm.all_gather_seq(v_bsgc, 1)
-    local = getattr(comm, "is_local", False)
+    local = comm.is_local
     mask = None
     if not (local and not info.packed):
         seq_idx_k = comm.all_gather_seq(info.seq_idx, 1)

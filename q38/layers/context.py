@@ -4,7 +4,7 @@ the few sequence-dimension exchanges context parallelism needs. On one device ev
 Layers never import ``torch.distributed``; ``q38.parallel`` provides a ``SeqComm`` that does the collectives.
 """
 
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -13,7 +13,10 @@ from torch import Tensor
 
 
 class SeqComm(Protocol):
-    """Sequence-dimension exchanges (all differentiable). ``LocalSeqComm`` is the one-device identity."""
+    """Sequence-dimension exchanges (all differentiable). ``LocalSeqComm`` is the one-device identity; ``is_local``
+    lets a layer take its single-device fast path."""
+
+    is_local: bool
 
     def all_gather_seq(self, x: Tensor, dim: int) -> Tensor:
         """Concatenate every CP rank's ``x`` along ``dim`` in rank order (backward: reduce-scatter)."""
@@ -44,9 +47,56 @@ class LocalSeqComm:
     def gdn_carry(self, state_zero: Tensor, transition: Tensor, doc_ids: Tensor) -> Tensor:
         return torch.zeros_like(state_zero)
 
-    @property
-    def is_local(self) -> bool:
-        return True
+    is_local = True
+
+
+@runtime_checkable
+class StepRuntime(Protocol):
+    """What ``q38.train`` asks of a parallel runtime during a step, implemented by the one-device runtime
+    (``q38.parallel.local.LocalParallel``) and the mesh runtime (``q38.parallel.runtime.MeshParallel``); the step
+    never probes for anything else. ``mb`` is a ``q38.batch.StepBatch``."""
+
+    is_local: bool
+    prefetch_enabled: bool  # start the next layer's FSDP gathers early
+    prefetched: int  # prefetched gathers consumed so far (reported, checked by the tests)
+    dispatch: Any  # the MoE expert dispatch (q38.layers.moe.ExpertDispatch) or None: experts run locally
+
+    def seq_info(self, mb: Any) -> "SeqInfo":
+        """This rank's tokens' ``SeqInfo`` (with the CP ``SeqComm``)."""
+        ...
+
+    def bind(self, params: Any) -> None:
+        """Record the step's parameter leaves (which dims stay sharded in compute form)."""
+        ...
+
+    def gather(self, tree: Any) -> Any:
+        """Parameters in compute form, in the policy's ``param_dtype`` (FSDP all-gather on a mesh)."""
+        ...
+
+    def prefetch(self, tree: Any) -> None:
+        """Start gathering ``tree`` now (consumed by the next ``gather`` of it)."""
+        ...
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        """Sum over every rank that holds a different part of the step's batch (data and CP dims)."""
+        ...
+
+    def seq_all_reduce_sum(self, t: Tensor) -> Tensor:
+        """Sum over the ranks that split one sequence (CP)."""
+        ...
+
+    def grad_sq_norm(self, grads: list[Tensor]) -> Tensor:
+        """The squared global norm of the step's gradients (each counted once over the mesh)."""
+        ...
+
+    def saved_tensor_hooks(self) -> Any:
+        """A saved-tensors-hooks context that reshards gathered parameters after forward, or None."""
+        ...
+
+    def ep_stats(self) -> tuple[tuple, tuple]:
+        """Per MoE layer call of the step: the largest per-rank routed-slot count, and the expert copies EP balance
+        made (empty without EP)."""
+        ...
 
 
 @attrs.frozen

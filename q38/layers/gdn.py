@@ -95,7 +95,7 @@ def causal_conv1d(
 def _conv(x: Tensor, w: Tensor, cfg: ModelConfig, info: SeqInfo) -> Tensor:
     kw = w.shape[1]
     comm = info.comm
-    local = getattr(comm, "is_local", False)
+    local = comm.is_local
     impl = active_kernels().causal_conv1d
     if impl == "cuda":
         return _cuda_conv(x, w, info) if local else _unsupported_cp("kernels.causal_conv1d: cuda")
@@ -490,7 +490,7 @@ def gated_delta_rule_chunked_autograd(
 
 def _gdn_core(q, k, v, g, beta, cfg: ModelConfig, info: SeqInfo) -> Tensor:
     comm = info.comm
-    local = getattr(comm, "is_local", False)
+    local = comm.is_local
     doc_ids = info.doc_ids if (info.packed or not local) else None
     impl = active_kernels().gdn
     if impl == "fla":
@@ -526,7 +526,7 @@ def _fla_gdn(q, k, v, g, beta, info: SeqInfo) -> Tensor:
             "kernels.gdn: fla needs flash-linear-attention (pip install 'q38[cuda]') and a CUDA device; "
             "set kernels.gdn: torch to use the reference path"
         ) from e
-    if not getattr(info.comm, "is_local", False):
+    if not info.comm.is_local:
         _unsupported_cp("kernels.gdn: fla")
     cu_seqlens = None
     if info.packed:

@@ -10,8 +10,12 @@ from q38.layers.context import SeqInfo
 
 
 class LocalParallel:
+    """``q38.layers.context.StepRuntime`` on one device."""
+
     is_local = True
     ep_size = 1
+    prefetch_enabled = False
+    prefetched = 0
 
     def __init__(self, param_dtype=torch.float32):
         self.param_dtype = param_dtype  # compute dtype (the mixed-precision policy); masters stay fp32
@@ -32,6 +36,15 @@ class LocalParallel:
         return pytree.tree_map(cast, tree)
 
     dispatch = None
+
+    def prefetch(self, tree) -> None:
+        pass
+
+    def saved_tensor_hooks(self):
+        return None  # nothing is gathered, so nothing to reshard
+
+    def ep_stats(self) -> tuple[tuple, tuple]:
+        return (), ()
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
         """Sum over every rank that holds a different part of the step's batch (data and CP dims)."""

@@ -23,7 +23,7 @@ from q38.layers.context import SeqInfo
 from q38.layers.moe import swiglu_grouped
 from q38.parallel.layout import Layout
 from q38.pytree import named_leaves
-from q38.train.objective import StepBatch
+from q38.batch import StepBatch
 
 
 # ---- differentiable collectives on local tensors ------------------------------------------------------------------
@@ -247,8 +247,23 @@ def _placements(mesh: Mesh, params) -> dict:
     return mesh.layout.placements(params, mesh.sizes)
 
 
-def shard(state, mesh: Mesh, layout: Layout | None = None):
-    """Place the train state's parameters and moments as DTensors per the layout (values = the unsharded ones)."""
+def _param_suffix(path: str) -> str | None:
+    """The parameter path a leaf path ends in (``exp_avg.layers.0.moe.we_down`` → ``layers.0.moe.we_down``), or
+    None when no layer declares such a parameter (a step count, a router bias)."""
+    from q38.model import declared_params, generic_path
+
+    parts = path.split(".")
+    for i in range(len(parts)):
+        cand = ".".join(parts[i:])
+        if generic_path(cand) in declared_params():
+            return cand
+    return None
+
+
+def shard(tree, mesh: Mesh, layout: Layout | None = None):
+    """Place every leaf of ``tree`` whose path ends in a parameter path (the parameters, the optimizer moments, any
+    tree keyed by parameter path) as a DTensor per the layout; values are the unsharded ones. Other leaves (the step
+    count, the router bias: identical on every rank) are left as they are."""
     import torch.utils._pytree as pytree
 
     if layout is not None and layout != mesh.layout:
@@ -258,26 +273,29 @@ def shard(state, mesh: Mesh, layout: Layout | None = None):
                 f"layout {layout.name!r} has mesh dims {tuple(mesh.sizes)} but the mesh was built with "
                 f"{mesh.device_mesh.mesh_dim_names}; build the mesh from this layout (make_mesh(layout, world))"
             )
-    pl = _placements(mesh, state.params)
+    named = named_leaves(tree)
+    params = {}
+    for path, t in named:
+        q = _param_suffix(path)
+        if q is not None:
+            params.setdefault(q, tuple(t.shape))
+    pl = mesh.layout.placements_of_shapes(list(params.items()), mesh.sizes)
+    flat, spec = pytree.tree_flatten(tree)
+    out = []
+    for (path, _), t in zip(named, flat):
+        q = _param_suffix(path)
+        out.append(t if q is None else distribute_tensor(t, mesh.device_mesh, pl[q].dtensor_placements()))
+    return pytree.tree_unflatten(out, spec)
 
-    def place(tree):
-        names = [n for n, _ in named_leaves(tree)]
-        flat, spec = pytree.tree_flatten(tree)
-        out = [distribute_tensor(t, mesh.device_mesh, pl[n].dtensor_placements()) for n, t in zip(names, flat)]
-        return pytree.tree_unflatten(out, spec)
 
-    return attrs.evolve(state, params=place(state.params), exp_avg=place(state.exp_avg), exp_avg_sq=place(state.exp_avg_sq))
-
-
-def init_sharded(model_config, train_config, mesh: Mesh, *, seed: int = 0, device=None, dtype=None):
-    """A fresh ``TrainState`` whose every rank materialises only its own shards (never the full model): values
-    equal ``shard(init_state(...))`` because initial values are drawn per parameter path and row block."""
+def init_sharded(model_config, mesh: Mesh, *, seed: int = 0, device=None, dtype=None):
+    """Fresh parameters whose every rank materialises only its own shards (never the full model): values equal
+    ``shard(init_params(...))`` because initial values are drawn per parameter path and row block."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from q38.layers.common import materialize
     from q38.model import abstract_params, is_param_info
     from q38.pytree import tree_map_with_path
-    from q38.train.state import state_from_params
 
     abstract = abstract_params(model_config)
     pl = mesh.layout.placements(abstract, mesh.sizes)
@@ -292,21 +310,14 @@ def init_sharded(model_config, train_config, mesh: Mesh, *, seed: int = 0, devic
             stride=torch.empty(info.shape, device="meta").stride(),
         )
 
-    params = tree_map_with_path(make, abstract, is_leaf=is_param_info)
-    return state_from_params(params, model_config, train_config)
+    return tree_map_with_path(make, abstract, is_leaf=is_param_info)
 
 
-def unshard(state):
-    """Full tensors on every rank (for checks and Hugging Face export)."""
+def unshard(tree):
+    """Every DTensor leaf of ``tree`` as a full tensor on every rank (for checks and Hugging Face export)."""
     import torch.utils._pytree as pytree
 
-    full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
-    return attrs.evolve(
-        state,
-        params=pytree.tree_map(full, state.params),
-        exp_avg=pytree.tree_map(full, state.exp_avg),
-        exp_avg_sq=pytree.tree_map(full, state.exp_avg_sq),
-    )
+    return pytree.tree_map(lambda t: t.full_tensor() if isinstance(t, DTensor) else t, tree)
 
 
 def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int, *, local_rows: bool = False) -> StepBatch:
@@ -315,7 +326,7 @@ def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int, *, local_rows: bool = 
     ``local_rows``: ``batch`` already holds only this rank's rows (``batch_row_rank``); only the sequence is split."""
     import torch.utils._pytree as pytree
 
-    from q38.train.objective import prepare_batch
+    from q38.batch import prepare_batch
 
     full = prepare_batch(batch["input_ids"], batch["labels"], batch.get("doc_ids"), mtp_depths,
                          batch.get("attention_mask"))
@@ -516,7 +527,7 @@ class EPDispatch:
 # ---- the runtime -----------------------------------------------------------------------------------------------
 
 
-class MeshParallel:
+class MeshParallel:  # implements q38.layers.context.StepRuntime
     is_local = False
 
     def __init__(self, mesh: Mesh, ep_balance: bool = False, max_dup_experts: int = 2, prefetch: bool | None = None,
@@ -648,6 +659,10 @@ class MeshParallel:
         if isinstance(h, _Resharded):
             return h.src.full().as_strided(h.size, h.stride, h.offset)
         return h
+
+    def ep_stats(self) -> tuple[tuple, tuple]:
+        d = self.dispatch
+        return (tuple(d.loads), tuple(d.copies)) if d is not None else ((), ())
 
     def saved_tensor_hooks(self):
         """A context for one layer's forward (no recompute): tensors saved for backward that are (views of) a

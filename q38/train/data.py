@@ -20,8 +20,8 @@ from typing import Any, Iterator, Mapping, Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
-IGNORE_INDEX = -100
-PAD_DOC_ID = -1
+from q38.batch import IGNORE_INDEX, PAD_DOC_ID  # one ignore index and pad doc id for data, batch and losses
+
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 BUILTIN_PREFIX = "builtin:"
 OVERLONG_MODES = ("truncate", "error", "split")

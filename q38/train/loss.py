@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
+from q38.batch import IGNORE_INDEX
+
 __all__ = ["chunked_lm_loss", "dynamic_chunk_size", "unchunked_lm_loss"]
 
 # fp32 chunk logits plus as much again for the softmax / gradient temporaries.
@@ -35,7 +37,7 @@ def unchunked_lm_loss(
     targets: Int[Tensor, " n"],
     *,
     normalizer: float | int | Shaped[Tensor, ""],
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> Float[Tensor, ""]:
     """Reference loss: full ``[n, v]`` logits, upcast to fp32, ``cross_entropy(reduction="sum") / normalizer``."""
     mm_dtype, compute_dtype = _dtypes(hidden, w_head)
@@ -179,7 +181,7 @@ def chunked_lm_loss(
     normalizer: float | int | Shaped[Tensor, ""],
     chunk_size: int | None = None,
     chunk_budget_bytes: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> Float[Tensor, ""]:
     """Same value and gradients as :func:`unchunked_lm_loss`, never holding more than ``chunk_size * v`` logits.
 

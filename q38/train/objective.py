@@ -40,89 +40,20 @@ from typing import Callable
 
 import attrs
 import torch
-import torch.utils._pytree as pytree
-from jaxtyping import Float, Int
+from jaxtyping import Float
 from torch import Tensor
 
 from q38.layers.moe import select_experts
-from q38.layers.rope import positions_from_docs
-from q38.model import shift_tokens
-from q38.pytree import pytree_node
+from q38.batch import (  # noqa: F401  (re-exported: the step and tests import them from here)
+    IGNORE_INDEX,
+    PAD_DOC_ID,
+    StepBatch,
+    count_targets,
+    prepare_batch,
+    split_micro_batches,
+)
 from q38.train.loss import chunked_lm_loss, unchunked_lm_loss
 
-IGNORE = -100
-PAD_DOC_ID = -1
-
-
-@pytree_node
-@attrs.frozen
-class StepBatch:
-    """What ``train_step`` consumes on one rank (shifts done on the un-split rows, so they cross CP borders).
-
-    ``targets[t]`` = token ``t + 1`` of the same document or -100; ``mtp_targets[d-1][t]`` = token ``t + 1 + d``;
-    ``mtp_inputs[d-1][t]`` = token ``t + d`` (0 across a document end); ``real_mask`` = non-padding positions;
-    ``label_mask`` = positions whose label is not ignored; ``segments`` = index of the document within its row,
-    counted from 0 along the whole row (the aux loss's sequences); ``seq_idx`` = index in the un-split row.
-    Every leaf is ``[b, s]``, so ``tree_map`` over a StepBatch slices rows or columns.
-    """
-
-    input_ids: Tensor
-    targets: Tensor
-    doc_ids: Tensor
-    seq_idx: Tensor
-    positions: Tensor
-    real_mask: Tensor
-    label_mask: Tensor
-    segments: Tensor
-    mtp_inputs: tuple
-    mtp_targets: tuple
-
-
-def prepare_batch(
-    input_ids: Int[Tensor, "b s"],
-    labels: Int[Tensor, "b s"],
-    doc_ids: Int[Tensor, "b s"] | None,
-    mtp_depths: int,
-    attention_mask: Int[Tensor, "b s"] | None = None,
-) -> StepBatch:
-    """Shift labels and MTP inputs per document on whole rows (labels are HF-style: ``labels[t]`` is token ``t``).
-
-    Real (non-padding) tokens: ``attention_mask != 0`` when given, else ``doc_ids != -1``, else every token."""
-    b, s = input_ids.shape
-    packed_docs = doc_ids
-    if doc_ids is None:
-        doc_ids = torch.zeros_like(input_ids)
-    if attention_mask is not None:
-        real = attention_mask != 0
-    else:
-        real = doc_ids != PAD_DOC_ID
-    change = torch.zeros_like(doc_ids)
-    change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(change.dtype)
-    return StepBatch(
-        input_ids=input_ids,
-        targets=shift_tokens(labels, packed_docs, 1, IGNORE),
-        doc_ids=doc_ids,
-        seq_idx=torch.arange(s, device=input_ids.device).expand(b, s).contiguous(),
-        positions=positions_from_docs(doc_ids),
-        real_mask=real,
-        label_mask=(labels != IGNORE),
-        segments=change.cumsum(1),
-        mtp_inputs=tuple(shift_tokens(input_ids, packed_docs, d, 0) for d in range(1, mtp_depths + 1)),
-        mtp_targets=tuple(shift_tokens(labels, packed_docs, 1 + d, IGNORE) for d in range(1, mtp_depths + 1)),
-    )
-
-
-def split_micro_batches(batch: StepBatch, n: int) -> list[StepBatch]:
-    """Split along the batch dim into ``n`` equal micro-batches."""
-    b = batch.input_ids.shape[0]
-    if b % n:
-        raise ValueError(f"the rank-local batch size {b} is not divisible by micro_batches={n}; change either")
-    size = b // n
-    return [pytree.tree_map(lambda t: t[i * size : (i + 1) * size], batch) for i in range(n)]
-
-
-def count_targets(targets: Tensor) -> Tensor:
-    return (targets != IGNORE).sum()
 
 
 def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor, tc) -> Tensor:
@@ -131,7 +62,7 @@ def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor,
     normalizer = normalizer.clamp(min=1) if isinstance(normalizer, Tensor) else max(normalizer, 1)
     d = hidden.shape[-1]
     h_nd, t_n = hidden.reshape(-1, d), targets.reshape(-1)
-    valid = torch.nonzero(t_n != IGNORE).flatten()
+    valid = torch.nonzero(t_n != IGNORE_INDEX).flatten()
     h_nd, t_n = h_nd.index_select(0, valid), t_n.index_select(0, valid)
     if tc.loss_chunk_size is None and not tc.dynamic_chunk_loss:
         return unchunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer)

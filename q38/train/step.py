@@ -14,8 +14,7 @@ from torch import Tensor
 from q38.model import Runtime, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
 from q38.train.optim import adamw_step
-from q38.train.objective import (  # noqa: F401  (lm_loss, IGNORE: re-exported)
-    IGNORE,
+from q38.train.objective import (  # noqa: F401  (lm_loss: re-exported)
     StepBatch,
     TermInput,
     aux_mask,
@@ -149,7 +148,7 @@ def make_runtime(par, tc) -> Runtime:
     offload / reshard-after-forward around each layer, EP dispatch, FSDP prefetch."""
     return Runtime(
         gather=par.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(par, tc)), dispatch=par.dispatch,
-        prefetch=par.prefetch if getattr(par, "prefetch_enabled", False) else None,
+        prefetch=par.prefetch if par.prefetch_enabled else None,
     )
 
 
@@ -159,8 +158,7 @@ def _reshard_hooks(par, tc):
     would not line up across ranks (measured: a gloo collective mismatch on fsdp_ep_cp with bf16)."""
     if tc.recompute or tc.offload_activations or tc.enable_ep_balance:
         return None
-    hooks = getattr(par, "saved_tensor_hooks", None)
-    return hooks() if hooks is not None else None
+    return par.saved_tensor_hooks()
 
 
 @typing.no_type_check
@@ -173,7 +171,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     depths = mc.mtp_num_layers
     mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
     runtime = make_runtime(par, tc)
-    bias = getattr(state, "router_bias", None)
+    bias = state.router_bias
 
     flat, spec = pytree.tree_flatten(state.params)
     leaves = [t.detach().requires_grad_(True) for t in flat]
@@ -212,10 +210,9 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     reduced = dict(zip(names, packed[: len(names)]))
     router_load = packed[len(names) :].view_as(load)
     grad_norm = par.grad_sq_norm(grads).sqrt()
-    loads = tuple(getattr(par.dispatch, "loads", ()) or ())
-    copies = tuple(getattr(par.dispatch, "copies", ()) or ())
+    loads, copies = par.ep_stats()
     return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
-                     getattr(par, "prefetched", 0), copies, tuple(ctx.n_mtp))
+                     par.prefetched, copies, tuple(ctx.n_mtp))
 
 
 def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
@@ -260,7 +257,7 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
         exp_avg_sq=pytree.tree_unflatten(new_v, spec),
         step=state.step + 1,
     )
-    if getattr(state, "router_bias", None) is not None:
+    if state.router_bias is not None:
         new_state = attrs.evolve(new_state, router_bias=update_router_bias(state.router_bias, r.router_load,
                                                                            tc.router_bias_rate))
     return new_state, Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, terms=r.terms,

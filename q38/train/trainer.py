@@ -662,7 +662,8 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                                     shuffle=cfg.data.shuffle, eval_batches=cfg.run.eval_batches)
     if mesh is not None and latest is None and not cfg.init_from:
         # each rank draws only its own shards: the full model never exists on one rank
-        state = init_sharded(cfg.model, cfg.train, mesh, seed=cfg.run.seed, device=device, dtype=dtype)
+        state = state_from_params(init_sharded(cfg.model, mesh, seed=cfg.run.seed, device=device, dtype=dtype),
+                                  cfg.model, cfg.train)
     else:
         if latest is None:
             params = _initial_params(cfg, device, dtype)
