@@ -158,7 +158,8 @@ def _attention_saved(cfg: ModelConfig, n: float | int, act: int, cp: int, kernel
 
 def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int, kernel: bool) -> tuple[float, float, float]:
     """(core, rest, widest) bytes of a Gated DeltaNet layer's mixer. ``kernel=False``: the chunked torch
-    reference, everything fp32 (the list of tensors it saves, by shape); ``kernel=True``: fla's chunk kernel, which
+    reference with its own backward (inputs q, k, v, g, beta in the activation dtype and one fp32 state per chunk;
+    backward recomputes the in-chunk factors); ``kernel=True``: fla's chunk kernel, which
     saves its inputs (q, k, v, g, beta), the per-chunk ``A`` matrix and the output."""
     H, a, p, K = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                   cfg.linear_conv_kernel_dim)
@@ -173,14 +174,9 @@ def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int,
     if kernel:
         core = n * H * (2 * a + pe + 2) * act + n * H * C * 4 + n * H * pe * act
         widest = n * H * C * 4
-    else:
+    else:  # q38's chunked rule with its own backward (gdn.py): saves its inputs and one fp32 state per chunk
         f32 = 4
-        core = (
-            S * H * (1 + 3 * a + pe + 5 * C + (pe + a) + 3)  # beta, q/k/kβ, vβ, C×C decay/ut/intra, uw, gammas
-            + n * H * (2 * a + 2)  # l2-normalised q, k and their rsqrt
-            + S * H * 4 * a  # matmul operand copies of kβ·kᵀ and q·kᵀ
-            + S * H * (pe + 1.5 * a) + rows * H * j * a * pe  # per-chunk loop: v_new, operand copies, states
-        ) * f32 + C * C
+        core = n * H * (2 * a + pe + 2) * act + rows * H * j * a * pe * f32
         widest = S * H * C * f32
     return core, rest, widest
 
@@ -403,6 +399,7 @@ def estimate(
     reduce_dtype: str = "fp32",
     master_dtype: str = "fp32",
     offload_activations: bool = False,
+    reshard_after_forward: bool = True,
     prefetch: bool = True,
     loss_chunk_tokens: int | None = 1024,
     loss_chunk_budget_bytes: int | None = None,
@@ -486,7 +483,10 @@ def estimate(
     if param_dtype != master_dtype:  # each layer's shards are cast just before its gather (FSDP2's policy)
         memory.append(Item("compute-dtype copy of shards", ps.largest_layer_local * act,
                            f"{param_dtype} cast of the layer's shards before the gather", "layer"))
-    if recompute == "none" and gathered_layers:
+    # Without recompute the runtime frees each gathered layer after its forward and gathers it again in backward
+    # (train.reshard_after_forward, not with offload); otherwise the matmuls keep every gathered weight alive.
+    resharded = recompute == "none" and reshard_after_forward and not offload_activations
+    if recompute == "none" and gathered_layers and not resharded:
         memory.append(Item("gathered params (held)", gathered_layers * cbytes,
                            "every layer's gathered weights, saved for its backward (no recompute)"))
     elif gathered_layers:
@@ -535,14 +535,15 @@ def estimate(
         bw = (hw.intra_node_bandwidth if link == "intra" else hw.inter_node_bandwidth) if hw else 0.0
         comm.append(CommTerm(coll, dim, nbytes, link, nbytes / bw if bw else 0.0, overlapped))
 
-    re_gather = recompute != "none"
+    re_gather = recompute != "none" or resharded
     for n in names:
         per_mb_fwd = gather_dim[n] * cbytes
         pre = gather_prefetchable[n] * cbytes
         add("all-gather fwd (prefetched)", n, pre * micro_batches, overlapped=True)
         add("all-gather fwd", n, (per_mb_fwd - pre) * micro_batches)
         if re_gather:
-            add("all-gather recompute", n, layer_gather[n] * cbytes * micro_batches)
+            add("all-gather recompute" if recompute != "none" else "all-gather backward (reshard)", n,
+                layer_gather[n] * cbytes * micro_batches)
         add("reduce-scatter grads", n, gather_dim[n] * red * micro_batches)
         add("all-reduce grads", n, allreduce_dim[n] * red * micro_batches)
     if ep > 1:
