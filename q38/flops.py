@@ -101,6 +101,9 @@ def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute:
         if recompute != "none":
             kept = (lf["attention"] if keep_attn else 0.0) + (lf["gdn_core"] + lf["solve"] if keep_gdn else 0.0)
             recomputed += sum(lf.values()) - kept
+    # q38's GDN backward (gdn.py) rebuilds each chunk's factors (k·kᵀ, q·kᵀ, decays, WY products) instead of saving
+    # them: executed work beyond the model's FLOPs, like activation recompute; calibrated against FlopCounterMode.
+    recomputed += 2 * fwd["gdn_core"]
     d, v = cfg.hidden_size, cfg.vocab_size
     fwd["dense"] += cfg.mtp_num_layers * 2 * tokens * 2 * d * d  # MTP fc
     if valid_targets is None:
