@@ -1,0 +1,178 @@
+"""The mesh: ``make_mesh``, placing any tree keyed by parameter path (``shard`` / ``unshard``), sharded init, and
+each rank's part of a batch (``shard_batch``)."""
+
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from q38.parallel.layout import Layout
+from q38.pytree import named_leaves
+from q38.batch import StepBatch
+
+
+# ---- the mesh ----------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Mesh:
+    """A q38 mesh: the DeviceMesh, its layout and the runtime ``train_step`` uses (``mesh.parallel``)."""
+
+    device_mesh: DeviceMesh
+    layout: Layout
+    sizes: dict
+
+    @property
+    def parallel(self):
+        from q38.parallel.runtime import MeshParallel
+
+        return MeshParallel(self)
+
+    def runtime(self, train_config=None):
+        """The runtime for one step (a ``q38.parallel.runtime.MeshParallel``); EP balance and the mixed-precision
+        policy come from the train config."""
+        from q38.parallel.runtime import MeshParallel
+
+        if train_config is None:
+            return MeshParallel(self)
+        tc = train_config
+        return MeshParallel(self, tc.enable_ep_balance, tc.max_dup_experts_num, getattr(tc, "fsdp_prefetch", None),
+                            param_dtype=tc.torch_param_dtype, reduce_dtype=tc.torch_reduce_dtype,
+                            reshard_after_forward=tc.reshard_after_forward)
+
+    def group(self, name: str):
+        return self.device_mesh.get_group(name)
+
+    def size(self, name: str) -> int:
+        return self.sizes.get(name, 1)
+
+    def local_rank(self, name: str) -> int:
+        return self.device_mesh.get_local_rank(name) if self.size(name) > 1 else 0
+
+
+def make_mesh(layout: Layout, world_size: int | None = None, device_type: str = "cpu") -> Mesh:
+    """``init_device_mesh`` over the layout's mesh dims (sizes resolved against ``world_size``)."""
+    world_size = world_size if world_size is not None else dist.get_world_size()
+    sizes = layout.resolve_mesh(world_size)
+    names = tuple(sizes)
+    dm = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    return Mesh(dm, layout, dict(sizes))
+
+
+def _placements(mesh: Mesh, params) -> dict:
+    return mesh.layout.placements(params, mesh.sizes)
+
+
+def _param_suffix(path: str) -> str | None:
+    """The parameter path a leaf path ends in (``exp_avg.layers.0.moe.we_down`` → ``layers.0.moe.we_down``), or
+    None when no layer declares such a parameter (a step count, a router bias)."""
+    from q38.model import declared_params, generic_path
+
+    parts = path.split(".")
+    for i in range(len(parts)):
+        cand = ".".join(parts[i:])
+        if generic_path(cand) in declared_params():
+            return cand
+    return None
+
+
+def shard(tree, mesh: Mesh, layout: Layout | None = None):
+    """Place every leaf of ``tree`` whose path ends in a parameter path (the parameters, the optimizer moments, any
+    tree keyed by parameter path) as a DTensor per the layout; values are the unsharded ones. Other leaves (the step
+    count, the router bias: identical on every rank) are left as they are."""
+    import torch.utils._pytree as pytree
+
+    if layout is not None and layout != mesh.layout:
+        mesh = Mesh(mesh.device_mesh, layout, dict(layout.resolve_mesh(mesh.device_mesh.size())))
+        if tuple(mesh.sizes) != tuple(mesh.device_mesh.mesh_dim_names or ()):
+            raise ValueError(
+                f"layout {layout.name!r} has mesh dims {tuple(mesh.sizes)} but the mesh was built with "
+                f"{mesh.device_mesh.mesh_dim_names}; build the mesh from this layout (make_mesh(layout, world))"
+            )
+    named = named_leaves(tree)
+    params = {}
+    for path, t in named:
+        q = _param_suffix(path)
+        if q is not None:
+            params.setdefault(q, tuple(t.shape))
+    pl = mesh.layout.placements_of_shapes(list(params.items()), mesh.sizes)
+    flat, spec = pytree.tree_flatten(tree)
+    out = []
+    for (path, _), t in zip(named, flat):
+        q = _param_suffix(path)
+        out.append(t if q is None else distribute_tensor(t, mesh.device_mesh, pl[q].dtensor_placements()))
+    return pytree.tree_unflatten(out, spec)
+
+
+def init_sharded(model_config, mesh: Mesh, *, seed: int = 0, device=None, dtype=None):
+    """Fresh parameters whose every rank materialises only its own shards (never the full model): values equal
+    ``shard(init_params(...))`` because initial values are drawn per parameter path and row block."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from q38.layers.common import materialize
+    from q38.model import abstract_params, is_param_info
+    from q38.pytree import tree_map_with_path
+
+    abstract = abstract_params(model_config)
+    pl = mesh.layout.placements(abstract, mesh.sizes)
+
+    def make(path, info):
+        placements = pl[path].dtensor_placements()
+        shape, offset = compute_local_shape_and_global_offset(info.shape, mesh.device_mesh, placements)
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        local = materialize(info, path, seed=seed, device=device, dtype=dtype, index=index)
+        return DTensor.from_local(
+            local, mesh.device_mesh, placements, run_check=False, shape=torch.Size(info.shape),
+            stride=torch.empty(info.shape, device="meta").stride(),
+        )
+
+    return tree_map_with_path(make, abstract, is_leaf=is_param_info)
+
+
+def unshard(tree):
+    """Every DTensor leaf of ``tree`` as a full tensor on every rank (for checks and Hugging Face export)."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda t: t.full_tensor() if isinstance(t, DTensor) else t, tree)
+
+
+def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int, *, local_rows: bool = False) -> StepBatch:
+    """This rank's part of a global batch (the same on every rank): rows split over the batch dims, the sequence
+    over ``cp`` (contiguous). Shifts and positions are computed on whole rows first, so they cross CP borders.
+    ``local_rows``: ``batch`` already holds only this rank's rows (``batch_row_rank``); only the sequence is split."""
+    import torch.utils._pytree as pytree
+
+    from q38.batch import prepare_batch
+
+    full = prepare_batch(batch["input_ids"], batch["labels"], batch.get("doc_ids"), mtp_depths,
+                         batch.get("attention_mask"))
+    b, s = full.input_ids.shape
+    row_dims = [d for d in mesh.layout.batch_mesh_dims if mesh.size(d) > 1]
+    n_rows, r = 1, 0
+    for d in row_dims:
+        r = r * mesh.size(d) + mesh.local_rank(d)
+        n_rows *= mesh.size(d)
+    if b % n_rows and not local_rows:
+        raise ValueError(f"global batch of {b} rows does not split over {n_rows} data-parallel ranks ({row_dims})")
+    cp = mesh.size("cp")
+    if s % cp:
+        raise ValueError(f"sequence length {s} is not divisible by the cp size {cp}")
+    rows = slice(None) if local_rows else slice(r * (b // n_rows), (r + 1) * (b // n_rows))
+    c = mesh.local_rank("cp")
+    cols = slice(c * (s // cp), (c + 1) * (s // cp))
+
+    return pytree.tree_map(lambda t: t[rows, cols].contiguous(), full)
+
+
+def batch_row_rank(mesh: Mesh) -> tuple[int, int]:
+    """(this rank's index, count) over the batch mesh dims: the data-parallel row group ``shard_batch`` keeps."""
+    n_rows, r = 1, 0
+    for d in mesh.layout.batch_mesh_dims:
+        if mesh.size(d) > 1:
+            r = r * mesh.size(d) + mesh.local_rank(d)
+            n_rows *= mesh.size(d)
+    return r, n_rows
+
+
