@@ -1,0 +1,127 @@
+"""Launching a run: the device and process-group backend, the world (``torchrun`` environment), and the pre-flight
+check of the layout against the world size, the kernels against the device (``check_run``)."""
+
+import math
+import os
+from typing import Any, Mapping
+
+import attrs
+import torch
+
+from q38.config import ConfigError, ModelConfig
+from q38.kernels import DEFAULT_KERNELS, KernelConfig
+from q38.train.config import validate_run
+
+from q38.train.run_config import RunConfig, _need  # noqa: F401
+
+
+# ---- devices, processes, layout -------------------------------------------------------------------------------------
+
+
+def pick_device(name: str, local_rank: int = 0) -> str:
+    """``auto``: an Ascend NPU (torch_npu), else CUDA, else CPU; with ``local_rank`` as the index on accelerators."""
+    if name == "auto":
+        name = "cpu"
+        try:
+            import torch_npu  # noqa: F401
+
+            if torch.npu.is_available():  # type: ignore[attr-defined]
+                name = "npu"
+        except ImportError:
+            pass
+        if name == "cpu" and torch.cuda.is_available():
+            name = "cuda"
+    if name in ("cuda", "npu"):
+        return f"{name}:{local_rank}"
+    return name
+
+
+def pick_backend(device: str, name: str = "auto") -> str:
+    if name != "auto":
+        return name
+    return {"cuda": "nccl", "npu": "hccl"}.get(device.split(":")[0], "gloo")
+
+
+@attrs.frozen
+class WorldInfo:
+    """What torchrun tells this process (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``); 1 / 0 / 0 without it."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "WorldInfo":
+        env = os.environ if env is None else env
+
+        def get(k: str, default: int) -> int:
+            v = env.get(k, "")
+            try:
+                return int(v) if v != "" else default
+            except ValueError:
+                raise ConfigError(f"environment variable {k}={v!r} is not an integer (torchrun sets it)") from None
+
+        w = cls(get("WORLD_SIZE", 1), get("RANK", 0), get("LOCAL_RANK", 0))
+        _need(w.world_size >= 1 and 0 <= w.rank < w.world_size,
+              f"RANK={w.rank} does not fit WORLD_SIZE={w.world_size}; launch with torchrun")
+        return w
+
+
+@attrs.frozen
+class RunPlan:
+    """The checked shape of a run: mesh sizes, data-parallel size, EP size."""
+
+    layout: Any
+    mesh_sizes: dict
+    dp_size: int
+    ep_size: int
+    cp_size: int
+    kernels: KernelConfig = DEFAULT_KERNELS  # resolved: what this run's layers execute
+
+
+def check_run(cfg: RunConfig, world_size: int = 1, device: str = "cpu") -> RunPlan:
+    """Every up-front check that needs no data, weights or process group: the layout against ``world_size``,
+    kernels against the device, EP balance against the layout, seq_len against CP. Raises ConfigError / LayoutError."""
+    from q38.parallel.layout import Layout, LayoutError
+
+    layout = Layout.load(cfg.layout)
+    try:
+        sizes = layout.resolve_mesh(world_size)
+    except LayoutError as e:
+        raise LayoutError(
+            f"{e}. Launch a fitting number of processes with `torchrun --nproc_per_node N q38 train CONFIG`, or "
+            f"choose another layout (layout: single runs on one process)"
+        ) from None
+    layout.placements(abstract_params_of(cfg.model), sizes)  # every parameter placed and divisible (or uneven)
+    ep, cp = sizes.get("ep", 1), sizes.get("cp", 1)
+    dp = math.prod(sizes.get(d, 1) for d in layout.batch_mesh_dims)
+    kernels = validate_run(cfg.model, cfg.train, device=device, ep_size=ep, kernels=cfg.kernels, cp_size=cp)
+    _need(cfg.data.seq_len % cp == 0,
+          f"data.seq_len {cfg.data.seq_len} must be divisible by the layout's cp size {cp} (the sequence is split "
+          f"over cp ranks); change seq_len or the layout")
+    return RunPlan(layout, dict(sizes), dp, ep, cp, kernels)
+
+
+def abstract_params_of(model: ModelConfig):
+    from q38.model import abstract_params
+
+    return abstract_params(model)
+
+
+def _init_process_group(device: str, backend: str, world: WorldInfo) -> bool:
+    """Initialise the default process group for a torchrun launch; True if this call created it."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    if device.startswith("cuda"):
+        torch.cuda.set_device(world.local_rank)
+    elif device.startswith("npu"):
+        torch.npu.set_device(world.local_rank)  # type: ignore[attr-defined]
+    if "MASTER_ADDR" not in os.environ:
+        raise ConfigError(f"WORLD_SIZE={world.world_size} but MASTER_ADDR is not set; launch with "
+                          "`torchrun --nproc_per_node N q38 train CONFIG` (it sets the rendezvous variables)")
+    dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size)
+    return True
+
+
