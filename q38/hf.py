@@ -194,7 +194,7 @@ def _abstract_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 @attrs.frozen
-class Layout:
+class CheckpointLayout:
     """Where and how a checkpoint stores the text model.
 
     ``prefix``: ``model.`` or ``model.language_model.``; ``gdn_grouped``: Qwen3-Next qkvz/ba projections;
@@ -206,7 +206,7 @@ class Layout:
     fused_experts: Callable[[str], bool]
 
 
-def _plan(cfg: ModelConfig, layout: Layout) -> list[Rule]:
+def _plan(cfg: ModelConfig, layout: CheckpointLayout) -> list[Rule]:
     """One ``Rule`` per q38 leaf group, in checkpoint order; covers every leaf of ``abstract_params(cfg)`` once."""
     shapes = _abstract_shapes(cfg)
     p = layout.prefix
@@ -276,7 +276,7 @@ def _checkpoint_index(path: Path) -> dict[str, str]:
     raise CheckpointError(f"checkpoint {path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
 
-def _load_layout(cfg: ModelConfig, keys: set[str]) -> Layout:
+def _load_layout(cfg: ModelConfig, keys: set[str]) -> CheckpointLayout:
     """Detect the text prefix, GDN projection layout and per-layer expert layout from the keys present."""
     prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in keys) else "model."
     has_flat = any(k.endswith("linear_attn.in_proj_qkv.weight") for k in keys)
@@ -291,7 +291,7 @@ def _load_layout(cfg: ModelConfig, keys: set[str]) -> Layout:
         # Nothing there: report the layout this family normally uses (Qwen3.5 main layers fused).
         return cfg.family.checkpoint_layout == "qwen3_5_moe" and not hp.startswith("mtp.")
 
-    return Layout(prefix=prefix, gdn_grouped=grouped, fused_experts=fused)
+    return CheckpointLayout(prefix=prefix, gdn_grouped=grouped, fused_experts=fused)
 
 
 def load_hf(
@@ -461,7 +461,7 @@ def save_hf(
     leaves = _check_params(config, params)
     hf_config = config.to_hf_dict()
     next_layout = config.family.checkpoint_layout == "qwen3_next"
-    layout = Layout(
+    layout = CheckpointLayout(
         prefix="model.",
         gdn_grouped=next_layout,
         fused_experts=lambda hp: not next_layout and not hp.startswith("mtp."),

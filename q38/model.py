@@ -52,7 +52,7 @@ class ModelOutput:
 
 
 @attrs.frozen
-class Runtime:
+class LayerHooks:
     """How the step runs the model; every hook is the identity on one device.
 
     ``gather``: param subtree → compute form (FSDP all-gather); ``wrap_layer``: wraps each layer call (activation
@@ -146,10 +146,10 @@ def shift_tokens(
     return out
 
 
-def _run_layer(runtime: Runtime, p, x, cfg, info, router_bias=None):
-    fn = lambda p_, x_: layer_apply(runtime.gather(p_), x_, cfg, info, runtime.dispatch, router_bias)  # noqa: E731
-    if runtime.wrap_layer is not None:
-        return runtime.wrap_layer(fn, p, x)
+def _run_layer(hooks: LayerHooks, p, x, cfg, info, router_bias=None):
+    fn = lambda p_, x_: layer_apply(hooks.gather(p_), x_, cfg, info, hooks.dispatch, router_bias)  # noqa: E731
+    if hooks.wrap_layer is not None:
+        return hooks.wrap_layer(fn, p, x)
     return fn(p, x)
 
 
@@ -161,7 +161,7 @@ def forward(
     doc_ids: Int[Tensor, "b s"] | None = None,
     mtp_input_ids: tuple[Tensor, ...] | None = None,
     info: SeqInfo | None = None,
-    runtime: Runtime | None = None,
+    hooks: LayerHooks | None = None,
     router_bias: Float[Tensor, "l e"] | None = None,
 ) -> ModelOutput:
     """Run the decoder stack and the MTP block.
@@ -172,24 +172,24 @@ def forward(
     ``router_bias[i]`` is the expert-selection bias of MoE layer ``i`` (main layers, then MTP depths), for
     aux-loss-free balancing; None routes by the plain top-k.
     """
-    runtime = runtime or Runtime()
+    hooks = hooks or LayerHooks()
     b, s = input_ids.shape
     info = info or seq_info(doc_ids, b, s, input_ids.device)
-    embed = runtime.gather(params.embed)
+    embed = hooks.gather(params.embed)
     x = F.embedding(input_ids, embed)
     router_logits = []
     upcoming = list(params.layers[1:]) + ([params.mtp] if params.mtp is not None else [])
     for i, lp in enumerate(params.layers):
-        if runtime.prefetch is not None and torch.is_grad_enabled() and i < len(upcoming):
-            runtime.prefetch(upcoming[i])
-        x, rl = _run_layer(runtime, lp, x, config, info, None if router_bias is None else router_bias[i])
+        if hooks.prefetch is not None and torch.is_grad_enabled() and i < len(upcoming):
+            hooks.prefetch(upcoming[i])
+        x, rl = _run_layer(hooks, lp, x, config, info, None if router_bias is None else router_bias[i])
         router_logits.append(rl)
-    hidden = rms_norm(x, runtime.gather(params.final_norm), config.rms_norm_eps)
+    hidden = rms_norm(x, hooks.gather(params.final_norm), config.rms_norm_eps)
 
     mtp_hidden = []
     if params.mtp is not None:
         mp = params.mtp
-        norm_emb, norm_hidden, fc, norm = runtime.gather((mp.norm_emb, mp.norm_hidden, mp.fc, mp.norm))
+        norm_emb, norm_hidden, fc, norm = hooks.gather((mp.norm_emb, mp.norm_hidden, mp.fc, mp.norm))
         h_prev = hidden
         for depth, lp in enumerate(mp.layers, start=1):
             ids_d = (
@@ -203,7 +203,7 @@ def forward(
                 fc,
             )
             bias = None if router_bias is None else router_bias[len(params.layers) + depth - 1]
-            h, rl = _run_layer(runtime, lp, h, config, info, bias)
+            h, rl = _run_layer(hooks, lp, h, config, info, bias)
             router_logits.append(rl)
             h_prev = rms_norm(h, norm, config.rms_norm_eps)
             mtp_hidden.append(h_prev)

@@ -256,19 +256,19 @@ def _reshard_rank_fn(rank, world, tc):
     from q38.model import forward
     from q38.parallel.layout import Layout
     from q38.parallel.runtime import make_mesh, shard, shard_batch
-    from q38.train.step import make_runtime, parallel_for
+    from q38.train.step import make_layer_hooks, step_runtime
 
     cfg = _cfg()
     mesh = make_mesh(Layout.preset("fsdp").with_mesh(fsdp=2), world)
     state = shard(init_state(cfg, tc, seed=0), mesh)
     mb = shard_batch(_batch(), mesh, cfg.mtp_num_layers)
-    par = parallel_for(mesh, tc)
+    par = step_runtime(mesh, tc)
     flat, spec = pytree.tree_flatten(state.params)
     leaves = [t.detach().requires_grad_(True) for t in flat]
     p = pytree.tree_unflatten(leaves, spec)
     par.bind(p)
     out = forward(p, mb.input_ids, cfg, mtp_input_ids=mb.mtp_inputs, info=par.seq_info(mb),
-                  runtime=make_runtime(par, tc))
+                  hooks=make_layer_hooks(par, tc))
     live = par.live_gathered_bytes()  # at the end of the forward, before any backward
     loss = out.hidden.float().square().mean() + sum(h.float().square().mean() for h in out.mtp_hidden)
     loss = loss + sum(r.float().square().mean() for r in out.router_logits)

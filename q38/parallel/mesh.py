@@ -30,7 +30,7 @@ class Mesh:
 
         return MeshParallel(self)
 
-    def runtime(self, train_config=None):
+    def step_runtime(self, train_config=None):
         """The runtime for one step (a ``q38.parallel.runtime.MeshParallel``); EP balance and the mixed-precision
         policy come from the train config."""
         from q38.parallel.runtime import MeshParallel

@@ -11,7 +11,7 @@ import typing
 
 import torch
 
-from q38.model import Runtime, forward, head_weight
+from q38.model import LayerHooks, forward, head_weight
 from q38.train.objective import count_targets
 
 
@@ -20,12 +20,12 @@ from q38.train.objective import count_targets
 def eval_losses(state, batches, mesh=None, device: str = "cpu") -> dict[str, float]:
     """``batches``: this rank's eval batches (dicts of ``input_ids``, ``labels``, ``doc_ids``; on a mesh, this rank's
     rows as from ``EvalRows.batch``). Returns ``{"eval_loss", "eval_mtp_1", ..., "eval_tokens"}``."""
-    from q38.train.step import _as_step_batch, lm_loss, parallel_for
+    from q38.train.step import _as_step_batch, lm_loss, step_runtime
 
     mc, tc = state.model_config, state.train_config
-    par = parallel_for(mesh, tc)
+    par = step_runtime(mesh, tc)
     depths = mc.mtp_num_layers
-    runtime = Runtime(gather=par.gather, dispatch=par.dispatch)
+    hooks = LayerHooks(gather=par.gather, dispatch=par.dispatch)
     p = state.params
     par.bind(p)
     one = torch.ones(())
@@ -39,7 +39,7 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu") -> dict[str, flo
             sb = shard_batch(b, mesh, depths, local_rows=True)
         else:
             sb = _as_step_batch(b, depths)
-        out = forward(p, sb.input_ids, mc, mtp_input_ids=sb.mtp_inputs, info=par.seq_info(sb), runtime=runtime)
+        out = forward(p, sb.input_ids, mc, mtp_input_ids=sb.mtp_inputs, info=par.seq_info(sb), hooks=hooks)
         w_head = par.gather(head_weight(p))
         main_sum = main_sum + lm_loss(out.hidden, w_head, sb.targets, one, tc).float().cpu()
         n_main = n_main + count_targets(sb.targets).float().cpu()

@@ -17,7 +17,7 @@ def _policy(keep: frozenset):
 
 
 def layer_wrapper(tc: TrainConfig, saved_hooks=None):
-    """``wrap_layer(fn, params, x)`` for ``Runtime``: plain call, checkpoint, or selective checkpoint; with offload
+    """``wrap_layer(fn, params, x)`` for ``LayerHooks``: plain call, checkpoint, or selective checkpoint; with offload
     every tensor saved for backward lives in host memory until it is needed. ``saved_hooks`` (a context factory,
     used without recompute): the FSDP reshard-after-forward hooks of the mesh runtime."""
     keep = frozenset(

@@ -11,7 +11,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from q38.model import Runtime, forward, head_weight
+from q38.model import LayerHooks, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
 from q38.train.optim import adamw_step
 from q38.train.objective import (  # noqa: F401  (lm_loss: re-exported)
@@ -75,19 +75,20 @@ def router_metrics(load: Tensor) -> dict[str, float]:
     return d
 
 
-def parallel_for(mesh, train_config=None):
-    """The runtime for ``mesh``: the one-device identity for ``None``, else the mesh's own runtime object."""
+def step_runtime(mesh, train_config=None):
+    """The ``StepRuntime`` for ``mesh`` (``q38.layers.context``): the one-device ``LocalParallel`` for ``None``, else
+    the mesh's ``MeshParallel``."""
     if mesh is None:
         from q38.parallel.local import LocalParallel
 
         return LocalParallel(train_config.torch_param_dtype if train_config is not None else torch.float32)
-    runtime = getattr(mesh, "runtime", None)
-    if runtime is None:
+    make = getattr(mesh, "step_runtime", None)
+    if make is None:
         raise TypeError(
             "train_step's mesh must be None (one device) or a q38.parallel mesh (q38.parallel.make_mesh(...)); "
             f"got {type(mesh).__name__}"
         )
-    return runtime(train_config)
+    return make(train_config)
 
 
 def _as_step_batch(batch, depths: int) -> StepBatch:
@@ -143,10 +144,10 @@ def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
     ]
 
 
-def make_runtime(par, tc) -> Runtime:
-    """How the model runs on ``par`` (from ``parallel_for``): gathers in the policy's ``param_dtype``, recompute /
+def make_layer_hooks(par, tc) -> LayerHooks:
+    """How the model runs on ``par`` (from ``step_runtime``): gathers in the policy's ``param_dtype``, recompute /
     offload / reshard-after-forward around each layer, EP dispatch, FSDP prefetch."""
-    return Runtime(
+    return LayerHooks(
         gather=par.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(par, tc)), dispatch=par.dispatch,
         prefetch=par.prefetch if par.prefetch_enabled else None,
     )
@@ -167,10 +168,10 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     named terms (default ``default_terms``; see ``q38.train.objective``)."""
     mc, tc = state.model_config, state.train_config
     terms = default_terms(mc, tc) if terms is None else tuple(terms)
-    par = parallel_for(mesh, tc)
+    par = step_runtime(mesh, tc)
     depths = mc.mtp_num_layers
     mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
-    runtime = make_runtime(par, tc)
+    hooks = make_layer_hooks(par, tc)
     bias = state.router_bias
 
     flat, spec = pytree.tree_flatten(state.params)
@@ -180,7 +181,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
 
     def run(mb: StepBatch):
         info = par.seq_info(mb)
-        return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, runtime=runtime, router_bias=bias)
+        return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, hooks=hooks, router_bias=bias)
 
     def count_routing(mb: StepBatch):  # aux counts of the whole step need every micro-batch's routing first
         return expert_counts(routing(run(mb).router_logits, mc.num_experts_per_tok, bias), aux_mask(mb, tc))
