@@ -32,12 +32,11 @@ import json
 import re
 import weakref
 from datetime import datetime
-from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import attrs
 
-from q38.train.data import IGNORE_INDEX, DataError, HFTokenizer, Tokenizer
+from q38.train.data import IGNORE_INDEX, DataError, HFTokenizer, Tokenizer, read_json_object
 
 TRAIN_ON = ("assistant", "all", "last_assistant")
 ROLES = ("system", "user", "assistant", "tool")
@@ -294,24 +293,12 @@ def _template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
     return out
 
 
-def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"tokenizer: cannot parse {file}: {e}") from None
-    if not isinstance(data, dict):
-        raise DataError(f"tokenizer: {file} must contain a JSON object")
-    return data
-
-
 def load_chat_format(tokenizer: HFTokenizer) -> ChatFormat | None:
     """The chat templates of a tokenizer directory, or ``None`` if it has none. Like transformers, template files
     (``chat_template.jinja`` and ``additional_chat_templates/*.jinja``) take precedence over ``chat_template`` in
     ``tokenizer_config.json`` (a string, or a list of ``{"name", "template"}``)."""
     root = tokenizer.path if tokenizer.path.is_dir() else tokenizer.path.parent
-    config = _read_json(root / "tokenizer_config.json")
+    config = read_json_object(root / "tokenizer_config.json")
     templates: dict[str, str] = {}
     sources: list[str] = []
     if (root / "chat_template.jinja").is_file():
@@ -339,7 +326,7 @@ def load_chat_format(tokenizer: HFTokenizer) -> ChatFormat | None:
         sources.append(where)
     if not templates:
         return None
-    legacy = _read_json(root / "special_tokens_map.json")
+    legacy = read_json_object(root / "special_tokens_map.json")
     special: dict[str, str] = {}
     for key in _SPECIAL_TOKEN_KEYS:
         value = config.get(key, legacy.get(key))

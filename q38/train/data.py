@@ -119,6 +119,19 @@ def _token_content(value: Any) -> str | None:
     return None
 
 
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A tokenizer directory's JSON file as a dict ({} when absent); a bad file is one ``DataError`` naming it."""
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise DataError(f"tokenizer: cannot parse {file}: {e}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"tokenizer: {file} must contain a JSON object")
+    return data
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (via the ``tokenizers`` library) read from a local directory.
 
@@ -137,15 +150,7 @@ class HFTokenizer:
             self._tok = _HFTok.from_file(str(file))
         except Exception as e:  # the tokenizers library raises plain Exceptions
             raise DataError(f"tokenizer: cannot load {file}: {e}") from e
-        config: dict[str, Any] = {}
-        config_file = file.parent / "tokenizer_config.json"
-        if config_file.is_file():
-            try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as e:
-                raise DataError(f"tokenizer: cannot parse {config_file}: {e}") from e
-            if not isinstance(config, dict):
-                raise DataError(f"tokenizer: {config_file} must contain a JSON object")
+        config = read_json_object(file.parent / "tokenizer_config.json")
         self.eos_token = self._resolve(config, "eos_token", _EOS_CANDIDATES)
         self.pad_token = self._resolve(config, "pad_token", ()) or self.eos_token
         self.bos_token = self._resolve(config, "bos_token", ())
