@@ -72,6 +72,8 @@ def materialize(
     shape = tuple(sl.stop - sl.start for sl in index)
     if torch.device(device or "cpu").type == "meta":
         return torch.empty(shape, device="meta", dtype=dtype)
+    # Values are drawn on the CPU (seeded CPU generators, so init is identical on every device and mesh) and moved
+    # to ``device`` at the end: these CPU tensors never reach a collective.
     if info.init == "zeros":
         t = torch.zeros(shape, dtype=torch.float32)
     elif info.init == "ones":

@@ -28,6 +28,7 @@ network with cycle walking: no permutation array, constant memory). Everything i
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import math
@@ -139,18 +140,19 @@ def feistel_permute(idx: np.ndarray, n: int, key: int | np.ndarray, rounds: int 
 # ---- row sources ----------------------------------------------------------------------------------------------------
 
 
-class RowSource:
+class RowSource(abc.ABC):
     """Rows ``[start, stop)`` of something that yields packed rows: ``rows(indices)`` -> int64 ``{input_ids,
-    labels, doc_ids}: [len(indices), seq_len]`` (indices relative to ``start``)."""
+    labels, doc_ids}: [len(indices), seq_len]`` (indices relative to ``start``). Abstract: ``PackedRows``
+    (tokenized JSONL), ``ShardRows`` (prepared shards) and slices of them implement it."""
 
     name: str
     seq_len: int
 
-    def __len__(self) -> int:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def __len__(self) -> int: ...
 
-    def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]: ...
 
     def split(self, eval_fraction: float) -> tuple["RowSource", "RowSource"]:
         """(train, eval): the eval part is the last ``ceil(fraction * rows)`` rows."""
