@@ -129,7 +129,7 @@ class Gradients:
 
     @property
     def mtp_losses(self) -> tuple:
-        return tuple(v for k, v in self.terms.items() if k.startswith("mtp_") and not k.endswith("_tokens"))
+        return tuple(v for k, v in self.terms.items() if k.startswith("mtp_"))
 
     @property
     def aux_loss(self) -> Tensor:
