@@ -2,8 +2,9 @@
 
 Memory: the predicted peak per rank (q38/parallel/budget.py, pure arithmetic) within 15 % of the measured peak of
 live tensor storage (tests/mem_utils.py: a dispatch mode that counts every storage an aten op returns until Python
-frees it, plus the train state alive before the step), for the tiny and a small preset, one process and 2–4 gloo
-processes, recompute off and on. Communication: the predicted FSDP all-gather and reduce-scatter bytes equal the
+frees it, plus the train state alive before the step), for the tiny and a small preset (and the small one with
+128-wide GDN heads), one process and 2–4 gloo processes, recompute off and on; the GDN core backward's working-set
+formula against the same count on that backward alone. Communication: the predicted FSDP all-gather and reduce-scatter bytes equal the
 bytes benchmarks/comm.py counts on the wrapped torch.distributed calls.
 """
 
@@ -22,12 +23,15 @@ TOL = 0.15
 SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
              num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=96)
+# "wide": the small preset with the 2.4T model's GDN head dims (128), where the GDN backward's peak moves from its
+# in-chunk matrices to its per-token column blocks (budget.gdn_backward_working, case 2)
+WIDE = dict(SMALL, linear_key_head_dim=128, linear_value_head_dim=128)
 ROWS, SEQ = 8, 128
 
 
 def _cfg(preset: str) -> ModelConfig:
     cfg = ModelConfig.preset("tiny").replace(use_grouped_expert_matmul=True)
-    return cfg.replace(**SMALL) if preset == "small" else cfg
+    return cfg.replace(**{"small": SMALL, "wide": WIDE}[preset]) if preset != "tiny" else cfg
 
 
 def _measure(rank, world, preset, layout_name, mesh_sizes, recompute):
@@ -74,6 +78,8 @@ CASES = [
         ("tiny", "fsdp", {}, 2, "full"),
         ("tiny", "fsdp_cp", {"fsdp": 1, "cp": 2}, 2, "none"),
         ("small", "fsdp_ep", {"fsdp": 2, "ep": 2}, 4, "full"),
+        ("wide", "single", {}, 1, "full"),
+        ("wide", "single", {}, 1, "none"),
     ]
 ]
 
