@@ -11,7 +11,9 @@ formulas written from what each layer saves for backward.
   the tensors autograd saves (per layer kind, per the recompute mode), the gathered compute-form parameters that
   stay alive (without recompute ``F.linear`` saves the gathered weight of every layer until its backward; with
   recompute only the layer being recomputed and the prefetched next one), the loss workspace, EP receive buffers
-  and duplicated experts, CP key/value buffers, and the backward working set of one layer;
+  and duplicated experts, CP key/value buffers, and the backward working set of one layer (the larger of its
+  start, all its recomputed tensors, and its torch GDN core's own backward, which rebuilds the in-chunk factors:
+  ``gdn_backward_working``);
 - *optimizer*: the functional AdamW builds new parameter and moment tensors while the old ones are alive, with
   fp32 (clipped) gradient copies and, on the foreach path, a ``sqrt(exp_avg_sq)`` temporary per parameter.
 
