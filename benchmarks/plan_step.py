@@ -38,9 +38,11 @@ def main():
     a = ap.parse_args()
 
     from q38.config import ModelConfig
+    from q38.kernels import KernelConfig, use_kernels
     from q38.parallel.budget import Hardware, estimate
     from q38.parallel.layout import Layout
     from q38.train.config import TrainConfig
+    from q38.train.optim import default_impl
     from q38.train.state import init_state
     from q38.train.step import train_step
 
@@ -50,8 +52,9 @@ def main():
         linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=a.experts,
         num_experts_per_tok=a.top_k, moe_intermediate_size=a.hidden // 2,
         shared_expert_intermediate_size=a.hidden // 2, mtp_num_layers=1, use_grouped_expert_matmul=True,
-        gdn_implementation=a.gdn,
     )
+    # kernels are a run setting (q38.kernels), not a model field: the GDN core from --gdn, the rest torch / SDPA
+    kernels = KernelConfig(gdn=a.gdn, causal_conv1d="torch", attention="sdpa")
     tc = TrainConfig(loss_chunk_size=1024, recompute=a.recompute)
     dtype = getattr(torch, a.dtype)
     state = init_state(cfg, tc, seed=0, device=a.device, dtype=dtype)
@@ -63,7 +66,11 @@ def main():
         if a.device.startswith("cuda"):
             torch.cuda.synchronize()
 
-    train_step(state, batch)  # warm-up
+    def step_once():
+        with use_kernels(kernels):
+            return train_step(state, batch)
+
+    step_once()  # warm-up
     sync()
     if a.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -72,7 +79,7 @@ def main():
     for _ in range(a.repeats):
         sync()
         t = time.perf_counter()
-        train_step(state, batch)
+        step_once()
         sync()
         times.append(time.perf_counter() - t)
     step = statistics.median(times)
@@ -83,13 +90,14 @@ def main():
         from tests.mem_utils import PeakMemory
 
         with PeakMemory(state) as pm:
-            train_step(state, batch)
+            step_once()
         peak = pm.peak
     name = {"bfloat16": "bf16", "float16": "fp16"}.get(a.dtype, "fp32")
     hw = Hardware.load(a.hardware)
     b = estimate(cfg, Layout.preset("single"), 1, seq_len=a.seq, rows_per_rank=a.batch,
                  recompute="full" if a.recompute else "none", param_dtype=name, reduce_dtype=name, master_dtype=name,
-                 loss_chunk_tokens=1024, aux_global=False, hardware=hw, gdn_kernel=a.gdn != "torch")
+                 loss_chunk_tokens=1024, aux_global=False, hardware=hw, gdn_kernel=a.gdn != "torch",
+                 adamw_impl=default_impl(torch.device(a.device)))
     dev = torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu"
     print(f"one-device step on {dev}: {a.layers} layers, d {a.hidden}, {a.experts} experts top-{a.top_k}, "
           f"{a.batch}×{a.seq} tokens, {a.dtype}, gdn {a.gdn}, recompute {a.recompute}; profile {hw.name}")

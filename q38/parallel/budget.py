@@ -11,8 +11,11 @@ formulas written from what each layer saves for backward.
   the tensors autograd saves (per layer kind, per the recompute mode), the gathered compute-form parameters that
   stay alive (without recompute ``F.linear`` saves the gathered weight of every layer until its backward; with
   recompute only the layer being recomputed and the prefetched next one), the loss workspace, EP receive buffers
-  and duplicated experts, CP key/value buffers, and the backward working set of one layer;
-- *optimizer*: the functional AdamW builds new parameter and moment tensors while the old ones are alive.
+  and duplicated experts, CP key/value buffers, and the backward working set of one layer (the larger of its
+  start, all its recomputed tensors, and its torch GDN core's own backward, which rebuilds the in-chunk factors:
+  ``gdn_backward_working``);
+- *optimizer*: the functional AdamW builds new parameter and moment tensors while the old ones are alive, with
+  fp32 (clipped) gradient copies and, on the foreach path, a ``sqrt(exp_avg_sq)`` temporary per parameter.
 
 Activation formulas exist for two implementations: the pure-torch reference (``gdn_implementation: torch``,
 SDPA on CPU; checked against a live-storage measurement in tests/test_plan_budget.py) and the accelerator kernels
@@ -126,6 +129,9 @@ class LayerActivations:
     rest: float
     widest: float
     kept: float = 0.0
+    # bytes alive at the peak of the mixer core's own backward: the layer's saved tensors still needed then plus the
+    # working set of that backward (0: not modelled; the layer total + ``widest`` bound applies alone)
+    mixer_backward: float = 0.0
 
     @property
     def total(self) -> float:
@@ -156,8 +162,39 @@ def _attention_saved(cfg: ModelConfig, n: float | int, act: int, cp: int, kernel
     return core, rest, n * h * c * cp * act
 
 
-def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int, kernel: bool) -> tuple[float, float, float]:
-    """(core, rest, widest) bytes of a Gated DeltaNet layer's mixer. ``kernel=False``: the chunked torch
+def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int = 1) -> float:
+    """Bytes the torch GDN core's backward (``_ChunkGatedDeltaRule.backward``, q38/layers/gdn.py) allocates at its
+    peak on top of what its forward saved (inputs and one fp32 state per chunk), including the incoming ``d_o``.
+
+    Everything in it is fp32 over ``N = rows·H·j`` chunks (``j = ⌈seq/C⌉``) of ``C`` tokens, in units of one
+    ``[N, C, C]`` matrix (``C²``), one ``[N, C, a]`` / ``[N, C, p]`` column block (``Ca`` / ``Cp``; ``p`` = value
+    columns, ``+a`` under CP, which runs the identity initial state as extra columns), ``[N, a, p]`` and ``[N, C]``.
+    Alive throughout (Python names hold them to the return): the recomputed factors ``Gam, L, T`` and ``P = QKᵀ⊙Γ``
+    (4 C²); ``q, k, kb, kd, qd`` (5 Ca), ``vb, vnew, dv_base, dvnew, d_o`` (5 Cp), ``uw = [U | W]`` (Ca + Cp);
+    ``ds_base, dS_after`` (2 ap); ``E, Ec, dgam, y`` (4 C); per row and head the reverse recurrence's last ``dS``
+    and ``dvn`` (``ap + Cp``). Two candidate peaks, whichever is larger:
+
+    1. ``dL = −(dVβ Uᵀ + dX Wᵀ)``: also ``x = dP⊙P``, ``dP`` and the two products and their sum (5 C²);
+       ``dkd, dk, dqd, dq, dW`` and ``dvx = [dVβ | dX]`` (6 Ca + Cp) → ``9 C² + C(12a + 7p)``;
+    2. the L2-norm backward of ``dq`` / ``dk`` at the end: ``x`` and ``dL`` replace the five (``7 C²`` in all), with
+       ``dkb, xe`` and the norm backward's two temporaries (4 Ca) and ``dv`` (Cp) → ``7 C² + C(16a + 8p)``.
+
+    (1) wins for small head dims (tiny: ``a = p = 16 < C = 64``), (2) for the 2.4T model's ``a = p = 128``. With a
+    16-bit activation dtype the fp32 copies ``qf, kf, v`` (``C(2a + p)``) and of ``β`` (C) are alive too. Packed rows
+    (document masks) add the masked ``W`` (Ca), left out. Not the fla kernel, whose backward is not modelled here.
+    """
+    H, a, p = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    C = cfg.gdn_chunk_size
+    pe = p + (a if cp > 1 else 0)
+    N = rows * H * math.ceil(seq / C)
+    per_chunk = max(9 * C * C + C * (12 * a + 7 * pe), 7 * C * C + C * (16 * a + 8 * pe)) + 2 * a * pe + 4 * C
+    if act < 4:
+        per_chunk += C * (2 * a + pe) + C
+    return float((N * per_chunk + rows * H * (a * pe + C * pe)) * 4)
+
+
+def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int, kernel: bool) -> tuple[float, float, float, float]:
+    """(core, rest, widest, pre) bytes of a Gated DeltaNet layer's mixer. ``kernel=False``: the chunked torch
     reference with its own backward (inputs q, k, v, g, beta in the activation dtype and one fp32 state per chunk;
     backward recomputes the in-chunk factors); ``kernel=True``: fla's chunk kernel, which
     saves its inputs (q, k, v, g, beta), the per-chunk ``A`` matrix and the output."""
@@ -170,7 +207,8 @@ def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int,
     j = math.ceil(seq / C)
     pe = p + (a if cp > 1 else 0)
     # projections, conv, gates, gated norm, output projection input (activation dtype)
-    rest = (rows * (seq + K - 1) * conv + n * conv + 3 * n * H + n * H + 5 * n * H * p + n * H * p) * act
+    pre = (rows * (seq + K - 1) * conv + n * conv + 3 * n * H + n * H) * act  # saved before the core
+    rest = pre + (5 * n * H * p + n * H * p) * act
     if kernel:
         core = n * H * (2 * a + pe + 2) * act + n * H * C * 4 + n * H * pe * act
         widest = n * H * C * 4
@@ -178,7 +216,7 @@ def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int,
         f32 = 4
         core = n * H * (2 * a + pe + 2) * act + rows * H * j * a * pe * f32
         widest = S * H * C * f32
-    return core, rest, widest
+    return core, rest, widest, pre
 
 
 def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, *, act_bytes: int, cp: int = 1,
@@ -187,16 +225,24 @@ def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, 
     ``seq`` local tokens. Norms and residual stream included."""
     n = rows * seq
     d = cfg.hidden_size
+    mixer_backward = 0.0
     kernel_gdn = getattr(cfg, "gdn_implementation", "torch") != "torch" if gdn_kernel is None else gdn_kernel
     if kind == "full_attention":
         core, rest, widest = _attention_saved(cfg, n, act_bytes, cp, kernel=True)
         kept = n * cfg.num_attention_heads * (cfg.head_dim * act_bytes + 4)  # SDPA is one op: out + logsumexp
     else:
-        core, rest, widest = _gdn_saved(cfg, rows, seq, act_bytes, cp, kernel=kernel_gdn)
+        core, rest, widest, pre = _gdn_saved(cfg, rows, seq, act_bytes, cp, kernel=kernel_gdn)
         kept = core if not kernel_gdn else n * cfg.linear_value_dim * act_bytes
+        if not kernel_gdn:
+            # at the core's backward the MoE, output projection and gated norm have run their backward: alive are
+            # the core's saved inputs and states, what was saved before it (conv, gates), the input norm's input,
+            # output and rsqrt, the gradient of the norm's gate z, and the core backward's own working set
+            mixer_backward = (core + pre + (2 * n * d + n * cfg.linear_value_dim) * act_bytes + n * 4
+                              + gdn_backward_working(cfg, rows, seq, act_bytes, cp))
     moe, moe_w = _moe_saved(cfg, n, act_bytes, ep, ep_balance)
     common = (6 * n * d) * act_bytes + 2 * n * 4  # norm outputs, residual stream, rsqrt
-    return LayerActivations(core=core, rest=rest + moe + common, widest=max(widest, moe_w), kept=kept)
+    return LayerActivations(core=core, rest=rest + moe + common, widest=max(widest, moe_w), kept=kept,
+                            mixer_backward=mixer_backward)
 
 
 # ---- the budget -------------------------------------------------------------------------------------------------
@@ -410,11 +456,16 @@ def estimate(
     model_name: str | None = None,
     placements=None,
     gdn_kernel: bool | None = None,
+    grad_clip: bool = True,
+    adamw_impl: str | None = None,
 ) -> Budget:
     """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
     data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
     ``reduce_dtype``: gradients; ``master_dtype``: stored weights (AdamW moments are fp32). ``gdn_kernel``: True
-    for fla's GDN kernel, False for the torch reference; None: the model config's ``gdn_implementation``."""
+    for fla's GDN kernel, False for the torch reference; None: the model config's ``gdn_implementation``.
+    ``grad_clip``: the run clips gradients (``train.grad_clip``, on by default). ``adamw_impl``: ``foreach`` |
+    ``fused`` (q38.train.optim); None: ``fused`` with a hardware profile (an accelerator), ``foreach`` without
+    (CPU), as ``optim.default_impl`` picks."""
     from q38.model import abstract_params
 
     if recompute not in RECOMPUTE_MODES:
@@ -445,15 +496,32 @@ def estimate(
                               gdn_kernel=gdn_kernel) for k in kinds]
     keep_attn = recompute in ("selective_attention", "selective_both")
     keep_gdn = recompute in ("selective_gdn", "selective_both")
+    # The "layer" transient group below also holds the EP receive buffers / duplicated experts and the CP k/v
+    # buffers; those belong to the MoE and the attention, freed (or not yet made) when a GDN core runs its backward.
+    not_at_mixer = 0.0
+    if ep > 1:
+        not_at_mixer += n_mb * cfg.num_experts_per_tok * d * act * 2
+        if ep_balance:
+            not_at_mixer += max_dup_experts * 3 * d * cfg.moe_intermediate_size * cbytes * 2
+    if cp > 1:
+        not_at_mixer += 2 * n_mb * cp * cfg.num_key_value_heads * cfg.head_dim * act * 2
     if recompute == "none":
         saved = sum(a.total for a in acts)
         working = max(a.widest for a in acts) * 2 + 2 * n_mb * d * act
+        # at a mixer core's backward the later layers' saved tensors (and this layer's MoE part) are already freed
+        later = 0.0
+        for a in reversed(acts):
+            if a.mixer_backward:
+                working = max(working, a.mixer_backward - a.total - later - not_at_mixer + 2 * n_mb * d * act)
+            later += a.total
         saved_note = f"{len(kinds)} layers × saved tensors"
     else:
         kept = sum(a.kept for a, k in zip(acts, kinds)
                    if (k == "full_attention" and keep_attn) or (k == "linear_attention" and keep_gdn))
         saved = len(kinds) * n_mb * d * act + kept
-        working = max(a.total + a.widest for a in acts) + 2 * n_mb * d * act
+        # the layer in backward: its recomputed saved tensors at the start (MoE backward), or, later, the mixer
+        # core's backward (torch GDN: its own working set, gdn_backward_working)
+        working = max(max(a.total + a.widest, a.mixer_backward - not_at_mixer) for a in acts) + 2 * n_mb * d * act
         saved_note = f"{len(kinds)} layer inputs" + (" + kept kernel outputs" if kept else "")
     depths = cfg.mtp_num_layers
     v = cfg.vocab_size
@@ -511,14 +579,25 @@ def estimate(
         memory.append(Item("CP buffers", 2 * n_mb * cp * cfg.num_key_value_heads * cfg.head_dim * act * 2,
                            "gathered keys/values of the layer in flight (+ gradient)", "layer"))
 
+    # q38.train.optim.adamw_step as it runs: the old state and the gradients stay alive while it updates fp32
+    # copies of weights and moments; the gradients it updates with are fp32 copies when they are scaled by the
+    # clipping factor (``_foreach_mul`` returns new tensors) or stored in another dtype; torch's foreach AdamW
+    # divides by ``_foreach_sqrt(exp_avg_sq)``, a new tensor per parameter of the group (≈ all of them), the fused
+    # kernel updates in place.
+    impl = adamw_impl or ("fused" if hardware is not None else "foreach")
+    if impl not in ("foreach", "fused"):
+        raise ConfigError(f"adamw_impl must be 'foreach' or 'fused', got {impl!r}")
     opt = [
         Item("master weights", numel * mst),
         Item("optimizer moments", numel * 8),
         Item("gradients", numel * red),
-        Item("new weights and moments", numel * (mst + 8), "the functional AdamW returns new tensors"),
-        Item("update temporaries", ps.largest_shard * 4 * 4,
-             "per-parameter fp32 temporaries of the largest shard"),
+        Item("new weights and moments", numel * (4 + 8), "fp32 copies the functional AdamW updates and returns"),
     ]
+    if grad_clip or red != 4:
+        opt.append(Item("fp32 gradients for the update", numel * 4,
+                        "scaled by the clipping factor" if grad_clip else f"{reduce_dtype} gradients cast to fp32"))
+    if impl == "foreach":
+        opt.append(Item("update temporaries", numel * 4, "foreach AdamW: sqrt(exp_avg_sq) of every parameter"))
 
     # ---- FLOPs and time --------------------------------------------------------------------------------------
     fl = step_flops(cfg, rows_per_rank, seq, cp=cp, recompute=recompute, micro_batches=micro_batches,

@@ -259,7 +259,8 @@ def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
               max_dup_experts=int(train.get("max_dup_experts_num", 2)),
               loss_chunk_tokens=train.get("loss_chunk_size", 1024),
               loss_chunk_budget_bytes=train.get("loss_chunk_budget_bytes") if train.get("dynamic_chunk_loss") else None,
-              offload_activations=bool(train.get("offload_activations", False)))
+              offload_activations=bool(train.get("offload_activations", False)),
+              grad_clip=train.get("grad_clip", 1.0) is not None)
     shipped = None
     global_batch = ns.global_batch
     if layout is not None:
