@@ -22,7 +22,6 @@ def bench_config(args) -> q38.ModelConfig:
         linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64, num_experts=args.experts,
         num_experts_per_tok=args.top_k, moe_intermediate_size=args.hidden // 2,
         shared_expert_intermediate_size=args.hidden // 2, mtp_num_layers=0,
-        use_grouped_expert_matmul=args.grouped,
     )
 
 
@@ -53,14 +52,17 @@ def main():
     ap.add_argument("--experts", type=int, default=32)
     ap.add_argument("--num-layers", type=int, default=4, help="every 4th layer is full attention, the rest GDN")
     ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--grouped", action="store_true", help="use_grouped_expert_matmul")
+    ap.add_argument("--experts-kernel", default="auto", help="kernels.experts (auto | grouped_mm | batched)")
     ap.add_argument("--gdn", default="torch", help="kernels.gdn (torch | fla)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", action="store_true", help="also time each layer family on the same input")
     args = ap.parse_args()
-    from q38.kernels import KernelConfig, use_kernels
+    from q38.kernels import KernelConfig, resolve_kernels, use_kernels
 
-    with use_kernels(KernelConfig(gdn=args.gdn, causal_conv1d="torch", attention="sdpa")):
+    kernels = resolve_kernels(KernelConfig(gdn=args.gdn, causal_conv1d="torch", attention="sdpa",
+                                           experts=args.experts_kernel), device=args.device, dtype=args.dtype)
+    print(f"kernels: {kernels.to_dict()}")
+    with use_kernels(kernels):
         run(args)
 
 

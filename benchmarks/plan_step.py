@@ -38,7 +38,7 @@ def main():
     a = ap.parse_args()
 
     from q38.config import ModelConfig
-    from q38.kernels import KernelConfig, use_kernels
+    from q38.kernels import KernelConfig, resolve_kernels, use_kernels
     from q38.parallel.budget import Hardware, estimate
     from q38.parallel.layout import Layout
     from q38.train.config import TrainConfig
@@ -51,10 +51,11 @@ def main():
         num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=4,
         linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=a.experts,
         num_experts_per_tok=a.top_k, moe_intermediate_size=a.hidden // 2,
-        shared_expert_intermediate_size=a.hidden // 2, mtp_num_layers=1, use_grouped_expert_matmul=True,
+        shared_expert_intermediate_size=a.hidden // 2, mtp_num_layers=1,
     )
     # kernels are a run setting (q38.kernels), not a model field: the GDN core from --gdn, the rest torch / SDPA
-    kernels = KernelConfig(gdn=a.gdn, causal_conv1d="torch", attention="sdpa")
+    kernels = resolve_kernels(KernelConfig(gdn=a.gdn, causal_conv1d="torch", attention="sdpa"), device=a.device,
+                              dtype=a.dtype)
     tc = TrainConfig(loss_chunk_size=1024, recompute=a.recompute)
     dtype = getattr(torch, a.dtype)
     state = init_state(cfg, tc, seed=0, device=a.device, dtype=dtype)

@@ -63,7 +63,6 @@ def main():
         linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, num_experts=args.experts,
         num_experts_per_tok=args.top_k, moe_intermediate_size=args.hidden // 4,
         shared_expert_intermediate_size=args.hidden // 4, mtp_num_layers=0,
-        use_grouped_expert_matmul=dev.startswith("cuda"),
     )
     tokens = args.batch * args.seq
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=dev)
@@ -78,7 +77,7 @@ def main():
     state = init_state(cfg, tc, seed=0, device=dev, dtype=dtype)
     for gdn in ("torch", "fla"):
         try:
-            kern = resolve_kernels(KernelConfig(gdn=gdn), device=dev)
+            kern = resolve_kernels(KernelConfig(gdn=gdn), device=dev, dtype=args.dtype)
         except q38.ConfigError as e:
             rows.append((f"q38 train_step, gdn={gdn}", None, f"refused: {e}"))
             continue

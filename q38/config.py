@@ -113,8 +113,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    # numerics-neutral compute switches (kernel implementations live in q38.kernels.KernelConfig, a run setting)
-    use_grouped_expert_matmul: bool = False
+    # numerics-neutral compute switch (kernel implementations, e.g. grouped-GEMM experts, live in
+    # q38.kernels.KernelConfig, a run setting)
     gdn_chunk_size: int = 64
 
     def __attrs_post_init__(self) -> None:

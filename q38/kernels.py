@@ -2,7 +2,7 @@
 every implementation needs and supports, ``auto`` resolution, and the up-front check of a run's combination.
 
 Ops: ``gdn`` (the gated delta rule core), ``causal_conv1d`` (the GDN depthwise conv), ``attention`` (the full
-attention core). Layers read the active choice with ``active_kernels()``; a run enters ``use_kernels(resolved)``
+attention core), ``experts`` (the routed experts' SwiGLU over slots sorted by expert). Layers read the active choice with ``active_kernels()``; a run enters ``use_kernels(resolved)``
 around its steps. The torch paths are the oracle and run everywhere.
 
 Model configs from before this split (``gdn_implementation`` / ``causal_conv1d_implementation`` /
@@ -21,12 +21,13 @@ import attrs
 
 from q38.config import ConfigError, check_keys
 
-OPS = ("gdn", "causal_conv1d", "attention")
+OPS = ("gdn", "causal_conv1d", "attention", "experts")
 # legacy ModelConfig field → KernelConfig field
 LEGACY_KEYS = {
     "gdn_implementation": "gdn",
     "causal_conv1d_implementation": "causal_conv1d",
     "attention_implementation": "attention",
+    "use_grouped_expert_matmul": "experts",  # a bool: true → grouped_mm, false → batched
 }
 
 
@@ -60,6 +61,15 @@ def _fla_problem() -> str | None:
     return None
 
 
+def _grouped_mm_problem() -> str | None:
+    import torch
+    import torch.nn.functional as F
+
+    if not hasattr(F, "grouped_mm"):
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm (torch >= 2.9 has it)"
+    return None
+
+
 def _import_problem(module: str, pip: str) -> Callable[[], str | None]:
     def check() -> str | None:
         try:
@@ -79,6 +89,8 @@ class KernelImpl:
     cp: bool  # works with context parallelism (the sequence split over ranks)
     packed: bool  # works with packed rows (several documents in one row)
     backward: bool  # has a (correct) backward, so it can train
+    dtypes: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)  # per device type, the compute dtypes it takes (absent: any)
+    min_capability: tuple[int, int] | None = None  # CUDA compute capability it needs (checked on a CUDA device)
     problem: Callable[[], str | None] = lambda: None  # why it cannot run in this environment (None: it can)
     note: str = ""
 
@@ -106,6 +118,13 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
         "eager": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
                             note="explicit fp32 softmax(QKᵀ)V; the reference"),
     },
+    "experts": {
+        "grouped_mm": KernelImpl(devices=("cpu", "cuda", "meta"), cp=True, packed=True, backward=True,
+                                 dtypes={"cuda": ("bfloat16",), "meta": ("bfloat16",)}, min_capability=(8, 0), problem=_grouped_mm_problem,
+                                 note="F.grouped_mm over the slots sorted by expert: no padding, no per-expert Python"),
+        "batched": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+                              note="slots scattered into [experts, capacity, d] and one padded bmm per projection"),
+    },
 }
 
 
@@ -122,6 +141,7 @@ class KernelConfig:
     gdn: str = "auto"
     causal_conv1d: str = "auto"
     attention: str = "auto"
+    experts: str = "auto"
 
     def __attrs_post_init__(self) -> None:
         for op in OPS:
@@ -156,6 +176,11 @@ def legacy_kernel_keys(
     for old, new in LEGACY_KEYS.items():
         if old in rest:
             kern[new] = rest.pop(old)
+    if "experts" in kern:  # use_grouped_expert_matmul was a bool; false was the default (no note)
+        if kern["experts"] is True:
+            kern["experts"] = "grouped_mm"
+        else:
+            kern.pop("experts")
     moved = {k: v for k, v in kern.items() if v not in ("torch", "sdpa")}
     if moved:
         olds = {n: o for o, n in LEGACY_KEYS.items()}
@@ -168,10 +193,25 @@ def legacy_kernel_keys(
     return rest, kern
 
 
-def _unsupported(op: str, name: str, impl: KernelImpl, device: str, cp: bool, packed: bool, train: bool) -> str | None:
+def _cuda_capability() -> tuple[int, int] | None:
+    import torch
+
+    return torch.cuda.get_device_capability() if torch.cuda.is_available() else None
+
+
+def _unsupported(
+    op: str, name: str, impl: KernelImpl, device: str, cp: bool, packed: bool, train: bool, dtype: str | None = None
+) -> str | None:
     """Why ``impl`` cannot serve this run (None if it can)."""
     if device not in impl.devices:
         return f"runs on {'/'.join(impl.devices)} only, not on {device!r}"
+    allowed = impl.dtypes.get(device)
+    if dtype is not None and allowed is not None and dtype not in allowed:
+        return f"takes {'/'.join(allowed)} on {device}, not {dtype} (train.param_dtype)"
+    if device == "cuda" and impl.min_capability is not None:
+        cap = _cuda_capability()
+        if cap is not None and cap < impl.min_capability:
+            return f"needs CUDA compute capability >= {impl.min_capability}, this GPU has {cap}"
     if cp and not impl.cp:
         return "does not support context parallelism (a `cp` mesh dim > 1)"
     if packed and not impl.packed:
@@ -182,11 +222,13 @@ def _unsupported(op: str, name: str, impl: KernelImpl, device: str, cp: bool, pa
 
 
 def resolve_kernels(
-    kc: KernelConfig | None, *, device: str = "cpu", cp: bool = False, packed: bool = True, train: bool = True
+    kc: KernelConfig | None, *, device: str = "cpu", cp: bool = False, packed: bool = True, train: bool = True,
+    dtype: str | None = None,
 ) -> KernelConfig:
     """Every op's implementation for this run: explicit choices are checked (one ``ConfigError`` naming the op, the
     implementation, what it lacks and the fix); ``auto`` takes the first implementation in registry order that
-    supports the run. ``packed``: rows may hold several documents (the default: the data pipeline packs)."""
+    supports the run. ``packed``: rows may hold several documents (the default: the data pipeline packs).
+    ``dtype``: the compute dtype (``train.param_dtype``; None: not checked)."""
     kc = kc or KernelConfig()
     dev = str(device).split(":")[0]
     out = {}
@@ -194,11 +236,12 @@ def resolve_kernels(
         want = getattr(kc, op)
         impls = REGISTRY[op]
         if want == "auto":
-            out[op] = next(n for n, i in impls.items() if _unsupported(op, n, i, dev, cp, packed, train) is None)
+            out[op] = next(n for n, i in impls.items()
+                           if _unsupported(op, n, i, dev, cp, packed, train, dtype) is None)
             continue
-        why = _unsupported(op, want, impls[want], dev, cp, packed, train)
+        why = _unsupported(op, want, impls[want], dev, cp, packed, train, dtype)
         if why is not None:
-            ok = [n for n, i in impls.items() if _unsupported(op, n, i, dev, cp, packed, train) is None]
+            ok = [n for n, i in impls.items() if _unsupported(op, n, i, dev, cp, packed, train, dtype) is None]
             raise ConfigError(
                 f"kernels.{op}: {want} {why}; use kernels.{op}: auto (picks {ok[0]} here) or one of {ok}"
             )
@@ -210,11 +253,12 @@ def resolve_kernels(
 
 # Process-wide, not thread-local: autograd runs backward (and so activation recompute) on its own threads.
 _ACTIVE: dict[str, KernelConfig | None] = {"kernels": None}
-DEFAULT_KERNELS = KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa")
+DEFAULT_KERNELS = KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa", experts="batched")
 
 
 def active_kernels() -> KernelConfig:
-    """What the layers run now: the innermost ``use_kernels``, else the torch paths (``sdpa`` attention)."""
+    """What the layers run now: the innermost ``use_kernels``, else the paths that run everywhere (torch GDN and
+    conv, ``sdpa`` attention, ``batched`` experts)."""
     return _ACTIVE["kernels"] or DEFAULT_KERNELS
 
 

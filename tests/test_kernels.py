@@ -35,6 +35,9 @@ def fla_ok(monkeypatch):
          "kernels.causal_conv1d: cuda does not support context parallelism"),
         ({"causal_conv1d": "cuda"}, {"device": "cuda"}, "kernels.causal_conv1d: cuda does not support packed rows"),
         ({"causal_conv1d": "npu"}, {"device": "npu", "packed": False}, "kernels.causal_conv1d: npu has no backward"),
+        ({"experts": "grouped_mm"}, {"device": "npu"}, "kernels.experts: grouped_mm runs on cpu/cuda/meta only"),
+        ({"experts": "grouped_mm"}, {"device": "cuda", "dtype": "float32"},
+         r"kernels.experts: grouped_mm takes bfloat16 on cuda, not float32 \(train.param_dtype\)"),
     ],
 )
 def test_registry_refuses_unsupported_combinations(fla_ok, kernels, where, message):
@@ -66,10 +69,14 @@ def test_fla_gate(monkeypatch, versions, problem):
 
 def test_auto_picks_per_device_and_cp(fla_ok):
     assert resolve_kernels(KernelConfig(), device="cpu") == KernelConfig(gdn="torch", causal_conv1d="torch",
-                                                                         attention="sdpa")
+                                                                         attention="sdpa", experts="grouped_mm")
     assert resolve_kernels(KernelConfig(), device="cuda").gdn == "fla"
     assert resolve_kernels(KernelConfig(), device="cuda", cp=True).gdn == "torch"  # FLA has no CP path
     assert resolve_kernels(KernelConfig(), device="cuda").causal_conv1d == "torch"  # cuda conv: no packed rows
+    # grouped-GEMM experts where F.grouped_mm takes the run's dtype (CUDA: bf16 only), padded bmm elsewhere
+    assert resolve_kernels(KernelConfig(), device="cuda", dtype="bfloat16").experts == "grouped_mm"
+    assert resolve_kernels(KernelConfig(), device="cuda", dtype="float32").experts == "batched"
+    assert resolve_kernels(KernelConfig(), device="npu", packed=False).experts == "batched"
 
 
 def test_auto_without_fla_is_torch_on_cuda():
@@ -81,6 +88,19 @@ def test_bad_kernel_names_are_refused():
         KernelConfig(gdn="triton")
     with pytest.raises(ConfigError, match="unknown kernel key.*did you mean 'attention'"):
         KernelConfig.from_dict({"attn": "sdpa"})
+
+
+def test_old_grouped_expert_flag_is_mapped_onto_kernels_experts():
+    d = ModelConfig.preset("tiny").to_dict()
+    out = {}
+    with pytest.warns(UserWarning, match=r"use_grouped_expert_matmul: grouped_mm is a run setting now"):
+        cfg = ModelConfig.from_dict(dict(d, use_grouped_expert_matmul=True), kernels_out=out)
+    assert cfg == ModelConfig.preset("tiny") and out == {"experts": "grouped_mm"}
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # false was the old default: dropped without a note
+        assert ModelConfig.from_dict(dict(d, use_grouped_expert_matmul=False), kernels_out=out) == cfg
+    assert out == {}
 
 
 def test_old_model_keys_are_mapped_onto_kernels_with_a_note(tmp_path):
@@ -107,7 +127,7 @@ def test_checkpoint_made_with_one_kernel_setting_resumes_with_another(tmp_path, 
     assert "kernels: gdn=torch (auto), causal_conv1d=torch (auto), attention=eager" in said
     path = out / "checkpoints" / "step_000001"
     meta = ck.read_meta(path)
-    assert meta["kernels"] == {"gdn": "torch", "causal_conv1d": "torch", "attention": "eager"}
+    assert meta["kernels"] == {"gdn": "torch", "causal_conv1d": "torch", "attention": "eager", "experts": "grouped_mm"}
     assert "attention_implementation" not in meta["model_config"]
     # An older checkpoint's meta.json carried the kernel keys inside the model config: still the same model.
     meta["model_config"] = dict(meta["model_config"], gdn_implementation="torch", attention_implementation="eager")

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 import q38
 from q38.layers.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
+from q38.kernels import DEFAULT_KERNELS, use_kernels
 from q38.layers.moe import MoEParams, moe_apply
 from q38.layers.norm import rms_norm
 from q38.model import init_params
@@ -75,6 +76,10 @@ def test_rms_norm_zero_centred(gen):
     assert (rms_norm(x, w, 1e-6) - ref).abs().max() <= TOL
 
 
+def _experts(grouped: bool):
+    return DEFAULT_KERNELS.replace(experts="grouped_mm" if grouped else "batched")
+
+
 def _moe_cfg(**kw):
     base = dict(hidden_size=16, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8,
                 shared_expert_intermediate_size=8, num_hidden_layers=1, layer_types=["full_attention"],
@@ -103,14 +108,15 @@ def _naive_moe(p: MoEParams, x, cfg):
 @pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("top_k", [1, 2, 6])
 def test_moe_matches_naive_and_is_permutation_invariant(gen, grouped, top_k):
-    cfg = _moe_cfg(use_grouped_expert_matmul=grouped, num_experts_per_tok=top_k, initializer_range=0.3)
+    cfg = _moe_cfg(num_experts_per_tok=top_k, initializer_range=0.3)
     p = init_params(cfg, seed=1).layers[0].moe
     x = torch.randn(1, 23, 16, generator=gen)
-    y, logits = moe_apply(p, x, cfg)
-    assert logits.shape == (23, 6)
-    assert (y[0] - _naive_moe(p, x[0], cfg)).abs().max() <= TOL
-    perm = torch.randperm(23, generator=gen)
-    y_perm, _ = moe_apply(p, x[:, perm], cfg)
+    with use_kernels(_experts(grouped)):
+        y, logits = moe_apply(p, x, cfg)
+        assert logits.shape == (23, 6)
+        assert (y[0] - _naive_moe(p, x[0], cfg)).abs().max() <= TOL
+        perm = torch.randperm(23, generator=gen)
+        y_perm, _ = moe_apply(p, x[:, perm], cfg)
     assert (y_perm - y[:, perm]).abs().max() <= TOL
 
 
@@ -118,10 +124,11 @@ def test_moe_grads_grouped_vs_batched(gen):
     x = torch.randn(1, 19, 16, generator=gen)
     grads = []
     for grouped in (False, True):
-        cfg = _moe_cfg(use_grouped_expert_matmul=grouped, initializer_range=0.3)
+        cfg = _moe_cfg(initializer_range=0.3)
         p = init_params(cfg, seed=1).layers[0].moe
         leaves = [p.we_gate_up.requires_grad_(), p.we_down.requires_grad_(), p.w_router.requires_grad_()]
-        y, _ = moe_apply(p, x, cfg)
+        with use_kernels(_experts(grouped)):
+            y, _ = moe_apply(p, x, cfg)
         grads.append(torch.autograd.grad((y * torch.linspace(-1, 1, 16)).sum(), leaves))
     for a, b in zip(*grads):
         assert (a - b).abs().max() <= TOL

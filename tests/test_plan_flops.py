@@ -12,6 +12,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_backward_flop_count, sdpa_flop_count
 
 from q38.config import ModelConfig
+from q38.kernels import DEFAULT_KERNELS, use_kernels
 from q38.flops import step_flops
 from q38.train.config import TrainConfig
 from q38.train.state import init_state
@@ -60,10 +61,13 @@ MAPPING = {
 }
 
 
+GROUPED = DEFAULT_KERNELS.replace(experts="grouped_mm")  # the experts as the CPU run picks them (kernels: auto)
+
+
 def _measure(cfg, tc, b, s):
     state = init_state(cfg, tc, seed=0)
     ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-    with FlopCounterMode(display=False, custom_mapping=MAPPING) as fc:
+    with FlopCounterMode(display=False, custom_mapping=MAPPING) as fc, use_kernels(GROUPED):
         train_step(state, {"input_ids": ids, "labels": ids})
     return fc.get_total_flops(), fc.get_flop_counts()["Global"]
 
@@ -80,7 +84,7 @@ SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_ke
     pytest.param("small", "none", 1, marks=pytest.mark.slow),
 ])
 def test_step_flops_match_flop_counter(preset, recompute, mb):
-    cfg = ModelConfig.preset("tiny").replace(use_grouped_expert_matmul=True)
+    cfg = ModelConfig.preset("tiny")
     if preset == "small":
         cfg = cfg.replace(**SMALL)
     tc = TrainConfig(loss_chunk_size=256, micro_batches=mb, recompute=recompute != "none",

@@ -77,20 +77,47 @@ def causal_conv1d(
     if halo is None:
         halo = x.new_zeros(b, kw - 1, ch)
     xp = torch.cat([halo, x], dim=1)  # [b, s+K-1, ch]
+    keep = None
     if doc_ids is not None:
         if halo_doc is None:
             halo_doc = torch.full((b, kw - 1), -2, dtype=doc_ids.dtype, device=doc_ids.device)
         dp = torch.cat([halo_doc, doc_ids], dim=1)
-    # One fused multiply-add per tap over the contiguous [b, s, ch] layout. On CPU this is ~2x faster forward and
-    # backward than F.conv1d, whose [b, ch, s] layout costs a transpose copy in and a strided output (SiLU and its
-    # backward over that output ran several times slower).
-    y = xp[:, kw - 1 :] * w[:, kw - 1]
-    for j in range(kw - 1):
-        tap = xp[:, j : j + s]
-        if doc_ids is not None:
-            tap = tap * (dp[:, j : j + s] == doc_ids).unsqueeze(-1).to(tap.dtype)
-        y = torch.addcmul(y, tap, w[:, j])
-    return y
+        # keep[:, t, j]: tap j of position t reads the same document (the last tap, t itself, always does)
+        keep = torch.stack([dp[:, j : j + s] == doc_ids for j in range(kw - 1)], dim=-1).to(x.dtype)
+    return _CausalConv.apply(xp, w, keep)
+
+
+class _CausalConv(torch.autograd.Function):
+    """``y[t] = Σ_j w[:, j] · xp[t + j] (· keep[t, j])`` over a left-padded ``xp [b, s + K - 1, ch]``: one fused
+    multiply-add per tap on the contiguous ``[b, s, ch]`` layout, and a backward that accumulates every tap's input
+    gradient into one buffer. On CPU about 2x faster forward and backward than ``F.conv1d`` (whose ``[b, ch, s]``
+    layout costs a transpose copy in and leaves a strided output, over which SiLU and its backward ran several times
+    slower) and than autograd through the taps (a zero-filled ``slice_backward`` buffer per tap, then their sum)."""
+
+    @staticmethod
+    def forward(ctx, xp, w, keep):
+        kw = w.shape[1]
+        s = xp.shape[1] - kw + 1
+        y = xp[:, kw - 1 :] * w[:, kw - 1]
+        for j in range(kw - 1):
+            tap = xp[:, j : j + s] if keep is None else xp[:, j : j + s] * keep[..., j, None]
+            y = torch.addcmul(y, tap, w[:, j])
+        ctx.save_for_backward(xp, w, keep)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xp, w, keep = ctx.saved_tensors
+        kw = w.shape[1]
+        s = xp.shape[1] - kw + 1
+        dy = dy.contiguous()
+        dxp = torch.zeros_like(xp)
+        dw = torch.empty_like(w)
+        for j in range(kw):
+            g = dy if (keep is None or j == kw - 1) else dy * keep[..., j, None]
+            dxp[:, j : j + s].addcmul_(g, w[:, j])
+            dw[:, j] = (xp[:, j : j + s] * g).sum((0, 1))
+        return dxp, dw, None
 
 
 def _conv(x: Tensor, w: Tensor, cfg: ModelConfig, info: SeqInfo) -> Tensor:
@@ -264,10 +291,11 @@ _EXP_FLOOR = -64.0
 
 def _exp_ftz(x: Tensor, keep: Tensor | None = None) -> Tensor:
     """``exp(x)`` with ``exp(x) = 0`` where ``x ≤ _EXP_FLOOR`` (or where ``keep`` is False)."""
+    # out of place throughout: selective recompute caches op outputs and refuses their mutation
     x = F.threshold(x, _EXP_FLOOR, float("-inf"))
     if keep is not None:
-        x = x.masked_fill_(~keep, float("-inf"))
-    return x.exp_()
+        x = x.masked_fill(~keep, float("-inf"))
+    return x.exp()
 
 
 def _flush_tiny(x: Tensor) -> Tensor:

@@ -13,6 +13,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from q38.config import ModelConfig
+from q38.kernels import active_kernels
 from q38.layers.common import ParamInfo
 from q38.pytree import pytree_node
 
@@ -100,6 +101,11 @@ def swiglu_grouped(
     return y_eqd.reshape(e * cap, -1).index_select(0, flat)
 
 
+def grouped_experts() -> bool:
+    """Whether the active kernels run the experts as grouped GEMMs (``kernels.experts: grouped_mm``)."""
+    return active_kernels().experts == "grouped_mm"
+
+
 class _GradContiguous(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous (CPU grouped_mm backward needs it)."""
 
@@ -124,7 +130,7 @@ def local_experts(x_md: Tensor, expert_m: Tensor, p: MoEParams, cfg: ModelConfig
     """Every expert is on this device: sort slots by expert, one grouped matmul, unsort."""
     order = torch.argsort(expert_m, stable=True)
     counts_e = torch.bincount(expert_m, minlength=cfg.num_experts)
-    y_sorted = swiglu_grouped(x_md[order], counts_e, p.we_gate_up, p.we_down, cfg.use_grouped_expert_matmul)
+    y_sorted = swiglu_grouped(x_md[order], counts_e, p.we_gate_up, p.we_down, grouped_experts())
     return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
 
 
@@ -142,7 +148,7 @@ def _local_routed(
     counts_e = torch.bincount(flat, minlength=cfg.num_experts)
     token_sorted = order // k
     y_sorted = swiglu_grouped(x_nd.index_select(0, token_sorted), counts_e, p.we_gate_up, p.we_down,
-                              cfg.use_grouped_expert_matmul)
+                              grouped_experts())
     return torch.zeros_like(x_nd).index_add(0, token_sorted, y_sorted * w_nk.reshape(-1, 1)[order])
 
 

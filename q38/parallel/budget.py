@@ -179,8 +179,10 @@ def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int
     2. the L2-norm backward of ``dq`` / ``dk`` at the end: ``x`` and ``dL`` replace the five (``7 C²`` in all), with
        ``dkb, xe`` and the norm backward's two temporaries (4 Ca) and ``dv`` (Cp) → ``7 C² + C(16a + 8p)``.
 
-    (1) wins for small head dims (tiny: ``a = p = 16 < C = 64``), (2) for the 2.4T model's ``a = p = 128``. With a
-    16-bit activation dtype the fp32 copies ``qf, kf, v`` (``C(2a + p)``) and of ``β`` (C) are alive too. Packed rows
+    (1) wins for small head dims (tiny: ``a = p = 16 < C = 64``), (2) for the 2.4T model's ``a = p = 128``. The
+    contiguous fp32 copies ``qf, kf, v`` (``C(2a + p)``) and of ``g, β`` (2 C) are alive too, whatever the input
+    dtype (the inputs are strided views of the projections; one copy serves every product), and a contiguous copy
+    of ``d_o`` (Cp), which arrives as a strided view of the layer's ``[b, s, h, p]`` gradient. Packed rows
     (document masks) add the masked ``W`` (Ca), left out. Not the fla kernel, whose backward is not modelled here.
     """
     H, a, p = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -188,8 +190,8 @@ def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int
     pe = p + (a if cp > 1 else 0)
     N = rows * H * math.ceil(seq / C)
     per_chunk = max(9 * C * C + C * (12 * a + 7 * pe), 7 * C * C + C * (16 * a + 8 * pe)) + 2 * a * pe + 4 * C
-    if act < 4:
-        per_chunk += C * (2 * a + pe) + C
+    per_chunk += C * (2 * a + pe) + 2 * C  # the contiguous fp32 copies of q, k, v, g, β (any input dtype)
+    per_chunk += C * pe  # the contiguous copy of d_o (it arrives as a strided view of the [b s h p] gradient)
     return float((N * per_chunk + rows * H * (a * pe + C * pe)) * 4)
 
 

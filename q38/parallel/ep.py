@@ -4,7 +4,7 @@
 import torch
 import torch.distributed as dist
 
-from q38.layers.moe import swiglu_grouped
+from q38.layers.moe import grouped_experts, swiglu_grouped
 
 from q38.parallel.collectives import _AllGather, _AllToAll
 
@@ -80,7 +80,7 @@ class EPDispatch:
         dist.all_to_all_single(e_recv, local_idx[order].contiguous(), recv_l, send_l, group=self.group)
         o = torch.argsort(e_recv, stable=True)
         counts = torch.bincount(e_recv, minlength=w_gu.shape[0])
-        y = swiglu_grouped(x_recv[o], counts, w_gu, w_dn, cfg.use_grouped_expert_matmul)
+        y = swiglu_grouped(x_recv[o], counts, w_gu, w_dn, grouped_experts())
         y_recv = torch.empty_like(y).index_copy(0, o, y)
         y_sorted = _AllToAll.apply(y_recv, send_l, recv_l, self.group)
         return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)

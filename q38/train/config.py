@@ -165,7 +165,8 @@ def validate_run(
     depth. Returns the resolved kernels (``auto`` replaced by the implementation this run uses)."""
     from q38.kernels import resolve_kernels
 
-    resolved = resolve_kernels(kernels, device=device, cp=cp_size > 1)  # one ConfigError per unsupported choice
+    # one ConfigError per unsupported choice
+    resolved = resolve_kernels(kernels, device=device, cp=cp_size > 1, dtype=train.param_dtype)
     if train.enable_ep_balance and ep_size <= 1:
         raise ConfigError(
             "enable_ep_balance: true needs expert parallelism (a layout with an `ep` mesh dim > 1); "
