@@ -53,7 +53,7 @@ def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, 
     """``o_proj(attn(q, k, v) * sigmoid(gate))`` with causal, per-document masking."""
     h, g, c = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qg_bshc = rearrange(F.linear(x, p.w_q), "b s (h c2) -> b s h c2", h=h)
-    q_bshc, gate_bshc = qg_bshc[..., :c], qg_bshc[..., c:]
+    q_bshc, gate_bshc = qg_bshc.chunk(2, dim=-1)  # one cat in backward, not two zero-filled slice grads
     q_bshc = rms_norm(q_bshc, p.q_norm, cfg.rms_norm_eps)
     k_bsgc = rms_norm(rearrange(F.linear(x, p.w_k), "b s (g c) -> b s g c", g=g), p.k_norm, cfg.rms_norm_eps)
     v_bsgc = rearrange(F.linear(x, p.w_v), "b s (g c) -> b s g c", g=g)

@@ -83,7 +83,7 @@ def causal_conv1d(
             halo_doc = torch.full((b, kw - 1), -2, dtype=doc_ids.dtype, device=doc_ids.device)
         dp = torch.cat([halo_doc, doc_ids], dim=1)
         # keep[:, t, j]: tap j of position t reads the same document (the last tap, t itself, always does)
-        keep = torch.stack([dp[:, j : j + s] == doc_ids for j in range(kw - 1)], dim=-1).to(x.dtype)
+        keep = torch.stack([dp[:, j : j + s] == doc_ids for j in range(kw - 1)], dim=-1).float()
     return _CausalConv.apply(xp, w, keep)
 
 
@@ -96,28 +96,30 @@ class _CausalConv(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xp, w, keep):
+        ctx.save_for_backward(xp, w, keep)
         kw = w.shape[1]
         s = xp.shape[1] - kw + 1
-        y = xp[:, kw - 1 :] * w[:, kw - 1]
+        # the taps accumulate in fp32 whatever the input dtype (as a conv kernel does), rounded once at the end
+        xf, wf = xp.float(), w.float()
+        y = xf[:, kw - 1 :] * wf[:, kw - 1]
         for j in range(kw - 1):
-            tap = xp[:, j : j + s] if keep is None else xp[:, j : j + s] * keep[..., j, None]
-            y = torch.addcmul(y, tap, w[:, j])
-        ctx.save_for_backward(xp, w, keep)
-        return y
+            tap = xf[:, j : j + s] if keep is None else xf[:, j : j + s] * keep[..., j, None]
+            y = torch.addcmul(y, tap, wf[:, j])
+        return y.to(xp.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         xp, w, keep = ctx.saved_tensors
         kw = w.shape[1]
         s = xp.shape[1] - kw + 1
-        dy = dy.contiguous()
-        dxp = torch.zeros_like(xp)
-        dw = torch.empty_like(w)
+        xf, wf, dy = xp.float(), w.float(), dy.float().contiguous()
+        dxp = torch.zeros_like(xf)
+        dw = torch.empty_like(wf)
         for j in range(kw):
             g = dy if (keep is None or j == kw - 1) else dy * keep[..., j, None]
-            dxp[:, j : j + s].addcmul_(g, w[:, j])
-            dw[:, j] = (xp[:, j : j + s] * g).sum((0, 1))
-        return dxp, dw, None
+            dxp[:, j : j + s].addcmul_(g, wf[:, j])
+            dw[:, j] = (xf[:, j : j + s] * g).sum((0, 1))
+        return dxp.to(xp.dtype), dw.to(w.dtype), None
 
 
 def _conv(x: Tensor, w: Tensor, cfg: ModelConfig, info: SeqInfo) -> Tensor:
@@ -451,7 +453,9 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         # U = T Vβ, W_raw = T X with T = L⁻¹: [dVβ | dX] = Tᵀ [dU | dW]; dL = −strict(dVβ Uᵀ + dX W_rawᵀ)
         dvx = T.transpose(-1, -2) @ torch.cat([dvnew, dW], dim=-1)
         dvb, dx = dvx[..., :p], dvx[..., p:]
-        dL = -(dvb @ U.transpose(-1, -2) + dx @ W_raw.transpose(-1, -2)).tril(-1)
+        dL = dvb @ U.transpose(-1, -2)
+        dL.view(-1, C, C).baddbmm_(dx.reshape(-1, C, a), W_raw.reshape(-1, C, a).transpose(-1, -2))
+        dL = dL.tril_(-1).neg_()
         x = dL * L
         dgam += x.sum(-1) - x.sum(-2)
         dL = dL * Gam

@@ -78,11 +78,10 @@ def swiglu_grouped(
     grouped_mm: bool,
 ) -> Float[Tensor, "m d"]:
     """SwiGLU of rows already sorted by expert (``counts_e`` rows for expert 0, then expert 1, ...)."""
-    f = we_down.shape[-1]
     if grouped_mm:
         offs = torch.cumsum(counts_e, 0).to(torch.int32)
-        h_mf = F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs)
-        a_mf = F.silu(h_mf[:, :f]) * h_mf[:, f:]
+        gate_mf, up_mf = F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        a_mf = F.silu(gate_mf) * up_mf  # chunk, not two slices: one cat in backward instead of two zero-filled grads
         return _GradContiguous.apply(F.grouped_mm(a_mf, we_down.transpose(-2, -1), offs=offs))
     # Padded batched matmul: scatter rows into [e, capacity, d], one bmm per projection.
     e = counts_e.shape[0]
@@ -95,8 +94,8 @@ def swiglu_grouped(
     slot_m = torch.arange(m, device=x_md.device) - starts[expert_m]
     flat = expert_m * cap + slot_m
     x_eqd = x_md.new_zeros(e * cap, x_md.shape[1]).index_copy(0, flat, x_md).view(e, cap, -1)
-    h_eqf = torch.bmm(x_eqd, we_gate_up.transpose(-2, -1))
-    a_eqf = F.silu(h_eqf[..., :f]) * h_eqf[..., f:]
+    gate_eqf, up_eqf = torch.bmm(x_eqd, we_gate_up.transpose(-2, -1)).chunk(2, dim=-1)
+    a_eqf = F.silu(gate_eqf) * up_eqf
     y_eqd = torch.bmm(a_eqf, we_down.transpose(-2, -1))
     return y_eqd.reshape(e * cap, -1).index_select(0, flat)
 
