@@ -345,7 +345,7 @@ def _chunk_factors(k, v, g, beta, doc):
     A_in = A if masks is None else A.masked_fill(~supp, 0.0)
     S = torch.linalg.solve_triangular(A_in, eye, upper=False, unitriangular=True)
     T = _flush_tiny(Gam * S)
-    U, W_raw = T @ vb, E[..., None] * (S @ kb)
+    U, W_raw = T @ vb, _flush_tiny(E[..., None] * (S @ kb))
     E_q, Ec_k, W = E, Ec, W_raw
     if masks is not None:
         _, cont, last_same = masks
