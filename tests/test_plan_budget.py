@@ -24,8 +24,8 @@ TOL = 0.15
 SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
              num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=96)
-# "wide": the small preset with the 2.4T model's GDN head dims (128), where the GDN backward's peak moves from its
-# in-chunk matrices to its per-token column blocks (budget.gdn_backward_working, case 2)
+# "wide": the small preset with the 2.4T model's GDN head dims (128), where the GDN backward's per-token column
+# blocks outweigh its in-chunk matrices (budget.gdn_backward_working)
 WIDE = dict(SMALL, linear_key_head_dim=128, linear_value_head_dim=128)
 ROWS, SEQ = 8, 128
 
@@ -107,9 +107,9 @@ def test_recompute_changes_the_prediction_like_the_measurement():
 
 
 @pytest.mark.parametrize("rows,seq,heads,a,p,chunk,dtype", [
-    (2, 128, 4, 16, 16, 64, torch.float32),  # small head dims: the peak is at dL (gdn_backward_working's case 1)
-    (1, 128, 2, 128, 128, 64, torch.float32),  # the 2.4T head dims: the peak is in the L2-norm backward (case 2)
-    (1, 128, 2, 128, 128, 64, torch.bfloat16),  # 16-bit inputs: fp32 copies of q, k, v alive too
+    (2, 128, 4, 16, 16, 64, torch.float32),  # small head dims (the dL line comes close: 7 C² there too)
+    (1, 128, 2, 128, 128, 64, torch.float32),  # the 2.4T head dims: the peak is in the L2-norm backward
+    (1, 128, 2, 128, 128, 64, torch.bfloat16),  # 16-bit inputs (the fp32 copies of q, k, v: as for fp32)
     (2, 100, 2, 32, 48, 32, torch.bfloat16),  # a != p, a padded last chunk
 ])
 def test_gdn_backward_working_set_matches_a_measurement(rows, seq, heads, a, p, chunk, dtype):

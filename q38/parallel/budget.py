@@ -170,26 +170,23 @@ def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int
     ``[N, C, C]`` matrix (``C²``), one ``[N, C, a]`` / ``[N, C, p]`` column block (``Ca`` / ``Cp``; ``p`` = value
     columns, ``+a`` under CP, which runs the identity initial state as extra columns), ``[N, a, p]`` and ``[N, C]``.
     Alive throughout (Python names hold them to the return): the recomputed factors ``Gam, L, T`` and ``P = QKᵀ⊙Γ``
-    (4 C²); ``q, k, kb, kd, qd`` (5 Ca), ``vb, vnew, dv_base, dvnew, d_o`` (5 Cp), ``uw = [U | W]`` (Ca + Cp);
+    (4 C²); ``q, k, kb, kd, qd`` (5 Ca), ``vb, vnew, dv_base, dvnew, d_o`` (5 Cp), ``U, W`` (Ca + Cp);
     ``ds_base, dS_after`` (2 ap); ``E, Ec, dgam, y`` (4 C); per row and head the reverse recurrence's last ``dS``
-    and ``dvn`` (``ap + Cp``). Two candidate peaks, whichever is larger:
-
-    1. ``dL = −(dVβ Uᵀ + dX Wᵀ)``: also ``x = dP⊙P``, ``dP`` and the two products and their sum (5 C²);
-       ``dkd, dk, dqd, dq, dW`` and ``dvx = [dVβ | dX]`` (6 Ca + Cp) → ``9 C² + C(12a + 7p)``;
-    2. the L2-norm backward of ``dq`` / ``dk`` at the end: ``x`` and ``dL`` replace the five (``7 C²`` in all), with
-       ``dkb, xe`` and the norm backward's two temporaries (4 Ca) and ``dv`` (Cp) → ``7 C² + C(16a + 8p)``.
-
-    (1) wins for small head dims (tiny: ``a = p = 16 < C = 64``), (2) for the 2.4T model's ``a = p = 128``. The
-    contiguous fp32 copies ``qf, kf, v`` (``C(2a + p)``) and of ``g, β`` (2 C) are alive too, whatever the input
-    dtype (the inputs are strided views of the projections; one copy serves every product), and a contiguous copy
-    of ``d_o`` (Cp), which arrives as a strided view of the layer's ``[b, s, h, p]`` gradient. Packed rows
-    (document masks) add the masked ``W`` (Ca), left out. Not the fla kernel, whose backward is not modelled here.
+    and ``dvn`` (``ap + Cp``). The peak is the L2-norm backward of ``dq`` / ``dk`` at the end: ``x`` and ``dL``
+    (``7 C²`` in all) with ``dkb, xe``, the norm backward's two temporaries (4 Ca) and ``dv`` (Cp) →
+    ``7 C² + C(16a + 8p)``. (The other candidate, at ``dL = −strict(dVβ Uᵀ + dX Wᵀ)``, holds ``x = dP⊙P``, ``dP`` and
+    ``dL`` — one buffer, accumulated in place: ``7 C²`` too — with ``dkd, dk, dqd, dq, dW`` and ``dvx`` (6 Ca + Cp):
+    ``7 C² + C(12a + 7p)``, never larger.) The contiguous fp32 copies ``qf, kf, v`` (``C(2a + p)``) and of ``g, β``
+    (2 C) are alive too, whatever the input dtype (the inputs are strided views of the projections; one copy serves
+    every product), and a contiguous copy of ``d_o`` (Cp), which arrives as a strided view of the layer's
+    ``[b, s, h, p]`` gradient. Packed rows (document masks) add the masked ``W`` (Ca), left out. Not the fla kernel,
+    whose backward is not modelled here.
     """
     H, a, p = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     C = cfg.gdn_chunk_size
     pe = p + (a if cp > 1 else 0)
     N = rows * H * math.ceil(seq / C)
-    per_chunk = max(9 * C * C + C * (12 * a + 7 * pe), 7 * C * C + C * (16 * a + 8 * pe)) + 2 * a * pe + 4 * C
+    per_chunk = 7 * C * C + C * (16 * a + 8 * pe) + 2 * a * pe + 4 * C
     per_chunk += C * (2 * a + pe) + 2 * C  # the contiguous fp32 copies of q, k, v, g, β (any input dtype)
     per_chunk += C * pe  # the contiguous copy of d_o (it arrives as a strided view of the [b s h p] gradient)
     return float((N * per_chunk + rows * H * (a * pe + C * pe)) * 4)
