@@ -363,10 +363,21 @@ def _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw):
     return qf, kf, q, k, vf, g_raw.float().contiguous(), beta_raw.float().contiguous()
 
 
+def _acc_matmul(out: Tensor, x: Tensor, y: Tensor) -> Tensor:
+    """``out += x @ y`` in place over the leading dims (``out`` contiguous): no temporary for the product. The
+    backward accumulates its gradients this way; on CPU every fresh buffer costs page faults (there is no caching
+    allocator), which were about a third of the backward's time."""
+    out.view(-1, *out.shape[-2:]).baddbmm_(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:]))
+    return out
+
+
 def _l2norm_backward(x: Tensor, dy: Tensor, scale: float, eps: float = 1e-6) -> Tensor:
     """Gradient through ``y = scale · x / sqrt(‖x‖² + eps)``: ``scale · r · (dy − r² x (x·dy))``."""
     r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-    return scale * r * (dy - r * r * x * (x * dy).sum(-1, keepdim=True))
+    xdy = (x * dy).sum(-1, keepdim=True)
+    # the same products in the same order as scale·r·(dy − r·r·x·xdy), in one buffer
+    t = (r * r * x).mul_(xdy)
+    return t.neg_().add_(dy).mul_(scale * r)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
@@ -443,13 +454,13 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dP = d_o @ vnew.transpose(-1, -2)
         x = dP * P
         dgam += x.sum(-1) - x.sum(-2)
-        dP = dP * Gam
-        dq = dq + dP @ k
-        dk = dk + dP.transpose(-1, -2) @ q
+        dP.mul_(Gam)
+        _acc_matmul(dq, dP, k)
+        _acc_matmul(dk, dP.transpose(-1, -2), q)
         # Vnew = U − W S  (W = W_raw ⊙ cont)
-        dW = -(dvnew @ st_t)
+        dW = (dvnew @ st_t).neg_()
         if masks is not None:
-            dW = dW * masks[1][..., None]
+            dW.mul_(masks[1][..., None])
         # U = T Vβ, W_raw = T X with T = L⁻¹: [dVβ | dX] = Tᵀ [dU | dW]; dL = −strict(dVβ Uᵀ + dX W_rawᵀ)
         dvx = T.transpose(-1, -2) @ torch.cat([dvnew, dW], dim=-1)
         dvb, dx = dvx[..., :p], dvx[..., p:]
@@ -458,16 +469,16 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dL = dL.tril_(-1).neg_()
         x = dL * L
         dgam += x.sum(-1) - x.sum(-2)
-        dL = dL * Gam
+        dL.mul_(Gam)
         dkb = dL @ k
-        dk = dk + dL.transpose(-1, -2) @ kb
+        _acc_matmul(dk, dL.transpose(-1, -2), kb)
         # X = Kβ ⊙ exp γ
         xe = dx * E[..., None]
-        dkb = dkb + xe
+        dkb.add_(xe)
         dgam += (xe * kb).sum(-1)
         dv = dvb * beta[..., None]
         dbeta = (dvb * v).sum(-1) + (dkb * k).sum(-1)
-        dk = dk + dkb * beta[..., None]
+        dk.addcmul_(dkb, beta[..., None])
         dg = dgam.flip(-1).cumsum(-1).flip(-1)
         dq = _l2norm_backward(qf, dq, a**-0.5)
         dk = _l2norm_backward(kf, dk, 1.0)

@@ -173,8 +173,8 @@ def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int
     (4 C²); ``q, k, kb, kd, qd`` (5 Ca), ``vb, vnew, dv_base, dvnew, d_o`` (5 Cp), ``U, W`` (Ca + Cp);
     ``ds_base, dS_after`` (2 ap); ``E, Ec, dgam, y`` (4 C); per row and head the reverse recurrence's last ``dS``
     and ``dvn`` (``ap + Cp``). The peak is the L2-norm backward of ``dq`` / ``dk`` at the end: ``x`` and ``dL``
-    (``7 C²`` in all) with ``dkb, xe``, the norm backward's two temporaries (4 Ca) and ``dv`` (Cp) →
-    ``7 C² + C(16a + 8p)``. (The other candidate, at ``dL = −strict(dVβ Uᵀ + dX Wᵀ)``, holds ``x = dP⊙P``, ``dP`` and
+    (``7 C²`` in all) with ``dkb, xe``, the norm backward's one temporary (3 Ca) and ``dv`` (Cp) →
+    ``7 C² + C(15a + 8p)``; with 16-bit inputs the casts of the returned gradients come within ~2 % of it. (The other candidate, at ``dL = −strict(dVβ Uᵀ + dX Wᵀ)``, holds ``x = dP⊙P``, ``dP`` and
     ``dL`` — one buffer, accumulated in place: ``7 C²`` too — with ``dkd, dk, dqd, dq, dW`` and ``dvx`` (6 Ca + Cp):
     ``7 C² + C(12a + 7p)``, never larger.) The contiguous fp32 copies ``qf, kf, v`` (``C(2a + p)``) and of ``g, β``
     (2 C) are alive too, whatever the input dtype (the inputs are strided views of the projections; one copy serves
@@ -186,7 +186,7 @@ def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int
     C = cfg.gdn_chunk_size
     pe = p + (a if cp > 1 else 0)
     N = rows * H * math.ceil(seq / C)
-    per_chunk = 7 * C * C + C * (16 * a + 8 * pe) + 2 * a * pe + 4 * C
+    per_chunk = 7 * C * C + C * (15 * a + 8 * pe) + 2 * a * pe + 4 * C
     per_chunk += C * (2 * a + pe) + 2 * C  # the contiguous fp32 copies of q, k, v, g, β (any input dtype)
     per_chunk += C * pe  # the contiguous copy of d_o (it arrives as a strided view of the [b s h p] gradient)
     return float((N * per_chunk + rows * H * (a * pe + C * pe)) * 4)
