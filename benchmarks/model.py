@@ -3,6 +3,7 @@
     python benchmarks/model.py [--device cpu|cuda] [--dtype float32|bfloat16] [--seq 512] [--batch 2] [--repeats 3]
 
 Prints a table of both timings and the ratio q38 / transformers (goal: ≤ 0.5). Never asserted in tests.
+``--malloc tuned`` applies the CPU allocator setting ``q38 train`` uses (process-wide: both sides get it).
 """
 
 import argparse
@@ -55,9 +56,16 @@ def main():
     ap.add_argument("--experts-kernel", default="auto", help="kernels.experts (auto | grouped_mm | batched)")
     ap.add_argument("--gdn", default="torch", help="kernels.gdn (torch | fla)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--malloc", choices=("default", "tuned"), default="default",
+                    help="tuned: glibc mallopt as `q38 train` sets it on CPU (q38.train.launch.tune_cpu_allocator), "
+                         "for both sides alike")
     ap.add_argument("--layers", action="store_true", help="also time each layer family on the same input")
     args = ap.parse_args()
     from q38.kernels import KernelConfig, resolve_kernels, use_kernels
+    from q38.train.launch import tune_cpu_allocator
+
+    if args.malloc == "tuned":
+        print(tune_cpu_allocator() or "malloc: not glibc, left as it is")
 
     kernels = resolve_kernels(KernelConfig(gdn=args.gdn, causal_conv1d="torch", attention="sdpa",
                                            experts=args.experts_kernel), device=args.device, dtype=args.dtype)

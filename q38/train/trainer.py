@@ -19,6 +19,7 @@ from q38.kernels import OPS as KERNEL_OPS, use_kernels
 
 from q38.train.launch import (  # noqa: F401  (re-exported: the run's pieces by role)
     RunPlan, WorldInfo, _init_process_group, abstract_params_of, check_run, pick_backend, pick_device,
+    tune_cpu_allocator,
 )
 from q38.train.metrics import (  # noqa: F401
     Throughput, _truncate_metrics, flops_per_token, format_metrics, isfinite, known_peak_flops, read_metrics,
@@ -280,6 +281,9 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     log = bar.write if lead else (lambda s: None)
     if start and lead:
         log(f"resumed from {latest} (step {start})")
+    tuned = tune_cpu_allocator() if device == "cpu" else None
+    if lead and tuned:
+        log(tuned)
     if lead:
         log("kernels: " + ", ".join(f"{op}={getattr(plan.kernels, op)}" + (" (auto)" if getattr(cfg.kernels, op) == "auto"
                                                                              else "") for op in KERNEL_OPS))
