@@ -125,12 +125,15 @@ def test_two_concurrent_runs_the_second_refuses_and_the_first_finishes(tmp_path,
 
 @pytest.mark.slow
 def test_two_concurrent_runs_as_processes(tmp_path):
-    """Two real processes: the second, started while the first runs, refuses naming the first's PID."""
+    """Two real processes: the second, started while the first runs, refuses naming the first's PID. The first is
+    given far more steps than it can run meanwhile (a short run can finish before the second process has imported
+    torch) and is stopped with SIGTERM once the second has answered."""
+    import signal
     import subprocess
     import sys
     import time
 
-    cfg = _cfg(tmp_path, steps=20, save_every=10)
+    cfg = _cfg(tmp_path, steps=100_000, save_every=10)
     holder = tmp_path / "out" / ".q38.lock.holder"
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     first = subprocess.Popen([sys.executable, "-m", "q38.cli", "train", cfg], env=env, stdout=subprocess.PIPE,
@@ -139,10 +142,13 @@ def test_two_concurrent_runs_as_processes(tmp_path):
     while not holder.exists() and time.time() < deadline:
         time.sleep(0.05)
     r = q38("train", cfg)
+    assert first.poll() is None, "the first run ended before the second one started: the test proves nothing"
+    first.send_signal(signal.SIGTERM)  # a graceful stop: checkpoint, then exit 0
     _, err1 = first.communicate(timeout=300)
     assert first.returncode == 0, err1
     assert r.returncode == 2 and f"pid {first.pid}" in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    assert _steps(tmp_path / "out") == list(range(1, 21))
+    steps = _steps(tmp_path / "out")
+    assert steps and steps == list(range(1, len(steps) + 1))  # the first run's metrics, untouched by the second
 
 
 def test_a_stale_lock_is_taken_over_with_a_note(tmp_path, capsys):
