@@ -2,8 +2,9 @@
 every implementation needs and supports, ``auto`` resolution, and the up-front check of a run's combination.
 
 Ops: ``gdn`` (the gated delta rule core), ``causal_conv1d`` (the GDN depthwise conv), ``attention`` (the full
-attention core), ``experts`` (the routed experts' SwiGLU over slots sorted by expert). Layers read the active choice with ``active_kernels()``; a run enters ``use_kernels(resolved)``
-around its steps. The torch paths are the oracle and run everywhere.
+attention core), ``experts`` (the routed experts' SwiGLU over slots sorted by expert). Layers read the active
+choice with ``active_kernels()``; a run enters ``use_kernels(resolved)`` around its steps. The torch paths are the
+oracle and run everywhere.
 
 Model configs from before this split (``gdn_implementation`` / ``causal_conv1d_implementation`` /
 ``attention_implementation`` in a model YAML, a run config's ``model`` mapping or a checkpoint's ``meta.json``) are
@@ -89,7 +90,8 @@ class KernelImpl:
     cp: bool  # works with context parallelism (the sequence split over ranks)
     packed: bool  # works with packed rows (several documents in one row)
     backward: bool  # has a (correct) backward, so it can train
-    dtypes: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)  # per device type, the compute dtypes it takes (absent: any)
+    # per device type, the compute dtypes it takes (a device not listed: any)
+    dtypes: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
     min_capability: tuple[int, int] | None = None  # CUDA compute capability it needs (checked on a CUDA device)
     problem: Callable[[], str | None] = lambda: None  # why it cannot run in this environment (None: it can)
     note: str = ""
@@ -120,7 +122,8 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
     },
     "experts": {
         "grouped_mm": KernelImpl(devices=("cpu", "cuda", "meta"), cp=True, packed=True, backward=True,
-                                 dtypes={"cuda": ("bfloat16",), "meta": ("bfloat16",)}, min_capability=(8, 0), problem=_grouped_mm_problem,
+                                 dtypes={"cuda": ("bfloat16",), "meta": ("bfloat16",)}, min_capability=(8, 0),
+                                 problem=_grouped_mm_problem,
                                  note="F.grouped_mm over the slots sorted by expert: no padding, no per-expert Python"),
         "batched": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
                               note="slots scattered into [experts, capacity, d] and one padded bmm per projection"),
