@@ -137,3 +137,39 @@ def test_custom_saves_inputs_and_chunk_states_only(gen):
     ins16 = [t.detach().bfloat16().requires_grad_() for t in ins[:3]] + ins[3:]
     n16, _ = _saved_bytes(lambda: gated_delta_rule_chunked(*ins16, chunk_size=C))
     assert n16 == core - 2 * b * h * s * (2 * a + p), (n16, core)
+
+
+def _denormal_count(t: torch.Tensor) -> int:
+    a = t.abs()
+    return int(((a > 0) & (a < torch.finfo(t.dtype).tiny)).sum())
+
+
+def test_exp_ftz_and_flush_tiny_drop_only_what_is_below_the_floor():
+    from q38.layers.gdn import _EXP_FLOOR, _exp_ftz, _flush_tiny
+
+    x = torch.tensor([0.0, -1.0, -63.9, _EXP_FLOOR - 1e-3, -87.0, -103.0, -1e4, 5.0])
+    keep = torch.tensor([True, True, True, True, True, True, True, False])
+    ref = x.double().exp()
+    got = _exp_ftz(x, keep)
+    above = (x >= _EXP_FLOOR) & keep
+    assert torch.equal(got[above], x[above].exp())  # bit-identical where kept
+    assert (got[~above] == 0).all()  # exactly 0 (no denormal, no +inf from the masked entry)
+    assert (ref[~above & keep] < torch.tensor(_EXP_FLOOR, dtype=torch.float64).exp()).all()  # dropped: < e^floor
+    y = torch.tensor([1.0, -1e-20, 1e-27, 1e-29, -1e-40, 0.0])
+    assert torch.equal(_flush_tiny(y), torch.tensor([1.0, -1e-20, 1e-27, 0.0, 0.0, 0.0]))
+
+
+def test_chunk_factors_hold_no_denormals_under_production_gates(gen):
+    """The CPU speed of the core rests on this: a denormal operand costs a microcode assist per element (a bmm with
+    a few denormal rows ran 10x slower). With |γ| ~ 10³ per chunk the plain exps and the decayed WY inverse have a
+    band of them; the factors the core multiplies must have none."""
+    from q38.layers.gdn import _chunk_factors, _prepared
+
+    q, k, v, g, beta = (t.detach() for t in _inputs(gen, b=2, s=128, h=4, a=16, p=16, a_log_max=2.7726))
+    raw = [t.transpose(1, 2).reshape(2, 4, 2, 64, *t.shape[3:]) for t in (q, k, v, g, beta)]
+    _, _, _, kn, vf, gf, bf = _prepared(*raw)
+    plain = (gf.double().cumsum(-1)[..., :, None] - gf.double().cumsum(-1)[..., None, :]).float().tril().exp()
+    assert _denormal_count(plain) > 0  # the inputs do reach the denormal band
+    kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, _ = _chunk_factors(kn, vf, gf, bf, None)
+    for name, t in dict(L=L, T=T, Gam=Gam, E=E, Ec_k=Ec_k, decay=decay, U=U, W=W).items():
+        assert _denormal_count(t) == 0, name
