@@ -54,8 +54,11 @@ def main():
         doc = torch.zeros(1, s, dtype=torch.long, device=dev)
         doc[:, s // 3 :] = 1  # two documents (a boundary inside a chunk)
         info = SeqInfo(doc, torch.arange(s, device=dev)[None], torch.arange(s, device=dev)[None], True)
-        nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        core_in = [torch.randn(1, s, nv, c, device=dev, dtype=dtype, requires_grad=True) for c in (dk, dk, dv)]
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        # as the layer calls it: q, k per key head, v (and g, β) per value head
+        core_in = [torch.randn(1, s, h, c, device=dev, dtype=dtype, requires_grad=True)
+                   for h, c in ((nk, dk), (nk, dk), (nv, dv))]
         core_in += [torch.randn(1, s, nv, device=dev, dtype=torch.float32, requires_grad=True) for _ in range(2)]
         from q38.layers.gdn import gated_delta_rule_chunked
 

@@ -173,3 +173,28 @@ def test_chunk_factors_hold_no_denormals_under_production_gates(gen):
     kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, _ = _chunk_factors(kn, vf, gf, bf, None)
     for name, t in dict(L=L, T=T, Gam=Gam, E=E, Ec_k=Ec_k, decay=decay, U=U, W=W).items():
         assert _denormal_count(t) == 0, name
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["one_doc", "packed"])
+def test_key_heads_shared_by_value_heads(gen, masked):
+    """q, k with fewer heads than v (value head i reads key head i // r, as in Qwen3.5's GDN) go into the custom
+    function per key head; it equals autograd through the chunked rule on q, k repeated to the value heads, and the
+    q / k gradients are those of the repeat (summed over each key head's value heads)."""
+    b, s, hk, r, a, p = 2, 150, 2, 3, 8, 6
+    q = torch.randn(b, s, hk, a, generator=gen).requires_grad_()
+    k = torch.randn(b, s, hk, a, generator=gen).requires_grad_()
+    v = torch.randn(b, s, hk * r, p, generator=gen).requires_grad_()
+    g = (-torch.linspace(0.0, 2.7726, hk * r).exp() * F.softplus(torch.randn(b, s, hk * r, generator=gen) + 1.0))
+    g = g.requires_grad_()
+    beta = torch.rand(b, s, hk * r, generator=gen).requires_grad_()
+    doc = torch.tensor(DOCS) if masked else None
+    s0 = torch.randn(b, hk * r, a, p, generator=gen).requires_grad_()
+    ins = [q, k, v, g, beta]
+    custom = _run(gated_delta_rule_chunked, ins, doc, s0, chunk_size=64)
+
+    def repeated(q, k, *rest, **kw):
+        return gated_delta_rule_chunked(q.repeat_interleave(r, 2), k.repeat_interleave(r, 2), *rest, **kw)
+
+    ref = _run(repeated, ins, doc, s0, chunk_size=64, backward="autograd")
+    for name, x, y in zip(NAMES, custom, ref):
+        assert x.shape == y.shape and _close(x, y), (name, (x - y).abs().max().item())

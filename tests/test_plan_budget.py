@@ -106,23 +106,26 @@ def test_recompute_changes_the_prediction_like_the_measurement():
     assert abs((off / on) / (54_542_864 / 25_802_508) - 1) <= TOL, off / on
 
 
-@pytest.mark.parametrize("rows,seq,heads,a,p,chunk,dtype", [
-    (2, 128, 4, 16, 16, 64, torch.float32),  # small head dims (the dL line comes close: 7 C² there too)
-    (1, 128, 2, 128, 128, 64, torch.float32),  # the 2.4T head dims: the peak is in the L2-norm backward
-    (1, 128, 2, 128, 128, 64, torch.bfloat16),  # 16-bit inputs (the fp32 copies of q, k, v: as for fp32)
-    (2, 100, 2, 32, 48, 32, torch.bfloat16),  # a != p, a padded last chunk
+@pytest.mark.parametrize("rows,seq,heads,a,p,chunk,dtype,r", [
+    (2, 128, 4, 16, 16, 64, torch.float32, 1),  # small head dims (the dL line comes close: 7 C² there too)
+    (1, 128, 2, 128, 128, 64, torch.float32, 1),  # the 2.4T head dims: the peak is in the L2-norm backward
+    (1, 128, 2, 128, 128, 64, torch.bfloat16, 1),  # 16-bit inputs (the fp32 copies of q, k, v: as for fp32)
+    (2, 100, 2, 32, 48, 32, torch.bfloat16, 1),  # a != p, a padded last chunk
+    (2, 128, 4, 16, 16, 64, torch.float32, 2),  # two value heads per key head: q, k per key head
+    (1, 128, 2, 128, 128, 64, torch.float32, 2),
 ])
-def test_gdn_backward_working_set_matches_a_measurement(rows, seq, heads, a, p, chunk, dtype):
+def test_gdn_backward_working_set_matches_a_measurement(rows, seq, heads, a, p, chunk, dtype, r):
     """The formula for the torch GDN core's backward working set against the live storage its backward allocates
-    (tests/mem_utils.py), measured on the custom autograd function alone; within 2 %."""
+    (tests/mem_utils.py), measured on the custom autograd function alone; within 2 % (3 % with r = 2 value heads
+    per key head, where the formula keeps the r = 1 peak's shape)."""
     from q38.layers.gdn import gated_delta_rule_chunked
     from q38.parallel.budget import gdn_backward_working
     from tests.mem_utils import PeakMemory
 
-    cfg = ModelConfig.preset("tiny").replace(linear_num_value_heads=heads, linear_num_key_heads=heads,
+    cfg = ModelConfig.preset("tiny").replace(linear_num_value_heads=heads, linear_num_key_heads=heads // r,
                                              linear_key_head_dim=a, linear_value_head_dim=p, gdn_chunk_size=chunk)
     gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(rows, seq, heads, a, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    q, k = (torch.randn(rows, seq, heads // r, a, generator=gen).to(dtype).requires_grad_() for _ in range(2))
     v = torch.randn(rows, seq, heads, p, generator=gen).to(dtype).requires_grad_()
     g = (-torch.rand(rows, seq, heads, generator=gen)).requires_grad_()
     beta = torch.rand(rows, seq, heads, generator=gen).to(dtype).requires_grad_()
@@ -136,4 +139,4 @@ def test_gdn_backward_working_set_matches_a_measurement(rows, seq, heads, a, p, 
     # before `before`); with 16-bit inputs autograd makes the fp32 copy inside the measured span
     measured = pm.peak - before + (d_o.numel() * 4 if dtype == torch.float32 else 0)
     predicted = gdn_backward_working(cfg, rows, seq, 4 if dtype == torch.float32 else 2)
-    assert abs(predicted / measured - 1) <= 0.02, (predicted, measured)
+    assert abs(predicted / measured - 1) <= (0.02 if r == 1 else 0.03), (predicted, measured)

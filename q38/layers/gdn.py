@@ -223,8 +223,8 @@ def gdn_backward(mode: str):
 
 
 def gated_delta_rule_chunked(
-    q: Float[Tensor, "b s h a"],
-    k: Float[Tensor, "b s h a"],
+    q: Float[Tensor, "b s hk a"],
+    k: Float[Tensor, "b s hk a"],
     v: Float[Tensor, "b s h p"],
     g: Float[Tensor, "b s h"],
     beta: Float[Tensor, "b s h"],
@@ -236,7 +236,9 @@ def gated_delta_rule_chunked(
     """Chunked (WY/UT) gated delta rule in fp32 (architecture.md §5.5), document-masked.
 
     ``initial_state`` belongs to the document of the first token (``doc_ids[:, 0]``). Returns the outputs and the
-    state after the last token (for the document the row ends in).
+    state after the last token (for the document the row ends in). ``q`` / ``k`` may have fewer heads than ``v``
+    (``h / hk`` value heads per key head, value head ``i`` reading key head ``i // (h / hk)``): the custom function
+    normalises and saves them per key head and expands them inside.
 
     ``backward="custom"`` (default) runs the core as ``_ChunkGatedDeltaRule``: forward saves only its inputs and the
     state at the start of every chunk, backward recomputes the in-chunk WY factors and runs the reverse chunk
@@ -245,6 +247,7 @@ def gated_delta_rule_chunked(
     """
     backward = backward or _BACKWARD["mode"]
     if backward == "autograd":
+        q, k = _repeat_kv_heads(q, k, v.shape[2])
         return gated_delta_rule_chunked_autograd(q, k, v, g, beta, doc_ids, initial_state, chunk_size)
     if backward != "custom":
         raise ValueError(f"backward must be one of {GDN_BACKWARDS}, got {backward!r}")
@@ -268,6 +271,12 @@ def gated_delta_rule_chunked(
     o, state = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, doc, s0)
     o = rearrange(o, "b h j u p -> b (j u) h p")[:, :s]
     return o.to(dtype), state
+
+
+def _repeat_kv_heads(q: Tensor, k: Tensor, h: int) -> tuple[Tensor, Tensor]:
+    """``q, k [b s hk c]`` repeated to ``h`` heads (value head ``i`` reads key head ``i // (h / hk)``)."""
+    r = h // q.shape[2]
+    return (q, k) if r == 1 else (q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2))
 
 
 def _doc_masks(doc: Tensor, C: int):
@@ -355,11 +364,15 @@ def _chunk_factors(k, v, g, beta, doc):
 
 
 def _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw):
-    """fp32 inputs with L2-normalised q/k and q scaled by dk^-0.5 (as ``_prep``), plus ``1/‖q‖``, ``1/‖k‖``."""
+    """fp32 inputs with L2-normalised q/k and q scaled by dk^-0.5 (as ``_prep``), q/k expanded from their key heads
+    to the value heads; plus the fp32 q/k per key head (``qf``, ``kf``) for the L2-norm backward."""
     # Contiguous [b h j u c] once here: the raw inputs are views of the [b s h c] projections, and a matmul over
     # non-contiguous 5-d operands copies them again at every product.
     qf, kf, vf = (t.float().contiguous() for t in (q_raw, k_raw, v_raw))
     q, k = l2norm(qf) * qf.shape[-1] ** -0.5, l2norm(kf)
+    r = vf.shape[1] // qf.shape[1]  # value heads per key head: normalised once per key head, then expanded
+    if r > 1:
+        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
     return qf, kf, q, k, vf, g_raw.float().contiguous(), beta_raw.float().contiguous()
 
 
@@ -480,6 +493,9 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dbeta = (dvb * v).sum(-1) + (dkb * k).sum(-1)
         dk.addcmul_(dkb, beta[..., None])
         dg = dgam.flip(-1).cumsum(-1).flip(-1)
+        hk = qf.shape[1]
+        if hk < h:  # q/k were expanded from hk key heads: their gradients sum over the value heads of each
+            dq, dk = (t.view(b, hk, h // hk, n, C, a).sum(2) for t in (dq, dk))
         dq = _l2norm_backward(qf, dq, a**-0.5)
         dk = _l2norm_backward(kf, dk, 1.0)
         return (dq.to(q_raw.dtype), dk.to(k_raw.dtype), dv.to(v_raw.dtype), dg.to(g_raw.dtype),
@@ -573,7 +589,7 @@ def _gdn_core(q, k, v, g, beta, cfg: ModelConfig, info: SeqInfo) -> Tensor:
     doc_ids = info.doc_ids if (info.packed or not local) else None
     impl = active_kernels().gdn
     if impl == "fla":
-        return _fla_gdn(q, k, v, g, beta, info)
+        return _fla_gdn(*_repeat_kv_heads(q, k, v.shape[2]), v, g, beta, info)
     if impl == "npu":
         raise NotImplementedError(
             "kernels.gdn: npu is not available in q38 yet (it needs MindSpeed's Ascend GDN kernels); "
@@ -584,7 +600,7 @@ def _gdn_core(q, k, v, g, beta, cfg: ModelConfig, info: SeqInfo) -> Tensor:
     # Context parallel: the output and final state are affine in the initial state S0. Running extra value columns
     # (zero values, identity initial state) gives the response to S0 in the same pass; the comm then composes the
     # ranks' (final state, transition) pairs into this rank's true S0 (architecture of fla's KCP, exact in fp32).
-    b, s, h, a = q.shape
+    b, s, h, a = v.shape[0], v.shape[1], v.shape[2], q.shape[-1]
     pv = v.shape[-1]
     v_aug = torch.cat([v, v.new_zeros(b, s, h, a)], dim=-1)
     eye = torch.eye(a, dtype=torch.float32, device=v.device).expand(b, h, a, a)
@@ -635,9 +651,7 @@ def gdn_apply(p: GDNParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, info: S
     z = rearrange(F.linear(x, p.w_z), "b s (h c) -> b s h c", h=nv)
     beta = torch.sigmoid(F.linear(x, p.w_b))
     g = -p.A_log.float().exp() * F.softplus(F.linear(x, p.w_a).float() + p.dt_bias)  # fp32 log-decay ≤ 0
-    r = nv // nk
-    if r > 1:  # value head i reads key head i // r
-        q, k = q.repeat_interleave(r, dim=2), k.repeat_interleave(r, dim=2)
+    # q, k stay per key head (value head i reads key head i // (nv / nk)): the core expands them
     with kernel_region("gdn"):
         o = _gdn_core(q, k, v, g, beta, cfg, info)
     o = gated_rms_norm(o, z, p.norm_w, cfg.rms_norm_eps)

@@ -182,24 +182,29 @@ def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int
     every product), and a contiguous copy of ``d_o`` (Cp), which arrives as a strided view of the layer's
     ``[b, s, h, p]`` gradient. Packed rows (document masks) add the masked ``W`` (Ca), left out. Not the fla kernel,
     whose backward is not modelled here.
+
+    With ``r = H / Hk > 1`` value heads per key head, ``qf, kf`` are per key head (``2Ca / r``) and the peak moves to
+    the ``dβ`` line, a little below the ``r = 1`` shape used here (measured: within 3 %, over).
     """
     H, a, p = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = H // cfg.linear_num_key_heads
     C = cfg.gdn_chunk_size
     pe = p + (a if cp > 1 else 0)
     N = rows * H * math.ceil(seq / C)
     per_chunk = 7 * C * C + C * (15 * a + 8 * pe) + 2 * a * pe + 4 * C
-    per_chunk += C * (2 * a + pe) + 2 * C  # the contiguous fp32 copies of q, k, v, g, β (any input dtype)
+    per_chunk += C * (2 * a / r + pe) + 2 * C  # contiguous fp32 copies: q, k per key head; v, g, β (any dtype)
     per_chunk += C * pe  # the contiguous copy of d_o (it arrives as a strided view of the [b s h p] gradient)
     return float((N * per_chunk + rows * H * (a * pe + C * pe)) * 4)
 
 
 def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int, kernel: bool) -> tuple[float, float, float, float]:
     """(core, rest, widest, pre) bytes of a Gated DeltaNet layer's mixer. ``kernel=False``: the chunked torch
-    reference with its own backward (inputs q, k, v, g, beta in the activation dtype and one fp32 state per chunk;
-    backward recomputes the in-chunk factors); ``kernel=True``: fla's chunk kernel, which
-    saves its inputs (q, k, v, g, beta), the per-chunk ``A`` matrix and the output."""
+    reference with its own backward (inputs q, k per key head, v, g, beta in the activation dtype and one fp32 state
+    per chunk; backward recomputes the in-chunk factors); ``kernel=True``: fla's chunk kernel, which saves its inputs
+    (q, k, v, g, beta), the per-chunk ``A`` matrix and the output."""
     H, a, p, K = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                   cfg.linear_conv_kernel_dim)
+    Hk = cfg.linear_num_key_heads
     conv = cfg.linear_conv_dim
     C = cfg.gdn_chunk_size
     n = rows * seq
@@ -214,7 +219,8 @@ def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int,
         widest = n * H * C * 4
     else:  # q38's chunked rule with its own backward (gdn.py): saves its inputs and one fp32 state per chunk
         f32 = 4
-        core = n * H * (2 * a + pe + 2) * act + rows * H * j * a * pe * f32
+        # q, k per key head (the core expands them inside), v, g, β per value head
+        core = n * (2 * Hk * a + H * (pe + 2)) * act + rows * H * j * a * pe * f32
         widest = S * H * C * f32
     return core, rest, widest, pre
 
