@@ -8,6 +8,7 @@ Extra dims: ``u`` = position inside a chunk, ``j`` = chunk index, ``a``/``p`` = 
 """
 
 import contextlib
+import math
 
 import attrs
 import torch
@@ -318,7 +319,7 @@ def _flush_tiny(x: Tensor) -> Tensor:
     return F.hardshrink(x, _TINY)
 
 
-_TINY = float(torch.tensor(_EXP_FLOOR).exp())
+_TINY = math.exp(_EXP_FLOOR)
 
 
 def _chunk_factors(k, v, g, beta, doc):

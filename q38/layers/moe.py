@@ -121,15 +121,27 @@ ExpertFn = Callable[[Tensor, Tensor], Tensor]
 
 
 # How routed slots reach their experts: ``(x_md, expert_m, params, cfg) -> y_md``. ``local_experts`` runs every
-# expert here; expert parallelism (q38.parallel) sends the slots to the ranks that own their experts and back.
+# expert here (the reference for the contract; ``moe_apply`` without a dispatch fuses it with the token gather and
+# scatter, ``_local_routed``); expert parallelism (q38.parallel) sends the slots to the ranks that own their experts
+# and back.
 ExpertDispatch = Callable[[Tensor, Tensor, MoEParams, ModelConfig], Tensor]
+
+
+def _sorted_swiglu(
+    rows: Tensor, expert_m: Tensor, row_of_slot: Callable[[Tensor], Tensor], p: MoEParams, cfg: ModelConfig
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Slots sorted by expert, each reading row ``row_of_slot(slot)`` of ``rows``, through one grouped matmul.
+    Returns ``(y_sorted, order, row_sorted)``: the outputs in sorted order, the sort, and the rows they read."""
+    order = torch.argsort(expert_m, stable=True)
+    counts_e = torch.bincount(expert_m, minlength=cfg.num_experts)
+    row_sorted = row_of_slot(order)
+    y_sorted = swiglu_grouped(rows.index_select(0, row_sorted), counts_e, p.we_gate_up, p.we_down, grouped_experts())
+    return y_sorted, order, row_sorted
 
 
 def local_experts(x_md: Tensor, expert_m: Tensor, p: MoEParams, cfg: ModelConfig) -> Tensor:
     """Every expert is on this device: sort slots by expert, one grouped matmul, unsort."""
-    order = torch.argsort(expert_m, stable=True)
-    counts_e = torch.bincount(expert_m, minlength=cfg.num_experts)
-    y_sorted = swiglu_grouped(x_md[order], counts_e, p.we_gate_up, p.we_down, grouped_experts())
+    y_sorted, order, _ = _sorted_swiglu(x_md, expert_m, lambda slot: slot, p, cfg)
     return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
 
 
@@ -142,12 +154,7 @@ def _local_routed(
     and their backward scatters). The gate weight multiplies the expert output as in the dispatched path, so both
     round alike (layouts are compared with one process at ~1e-5)."""
     k = idx_nk.shape[1]
-    flat = idx_nk.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts_e = torch.bincount(flat, minlength=cfg.num_experts)
-    token_sorted = order // k
-    y_sorted = swiglu_grouped(x_nd.index_select(0, token_sorted), counts_e, p.we_gate_up, p.we_down,
-                              grouped_experts())
+    y_sorted, order, token_sorted = _sorted_swiglu(x_nd, idx_nk.reshape(-1), lambda slot: slot // k, p, cfg)
     return torch.zeros_like(x_nd).index_add(0, token_sorted, y_sorted * w_nk.reshape(-1, 1)[order])
 
 
