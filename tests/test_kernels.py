@@ -3,6 +3,7 @@ per device / CP, FLA is gated on known-good versions, old model-config keys are 
 made under one kernel setting resumes under another."""
 
 import json
+import sys
 import warnings
 
 import attrs
@@ -83,6 +84,22 @@ def test_auto_without_fla_is_torch_on_cuda():
     assert resolve_kernels(KernelConfig(), device="cuda").gdn == "torch"
 
 
+def test_grouped_experts_need_the_capability_and_a_torch_that_has_them(monkeypatch):
+    bf16 = {"device": "cuda", "dtype": "bfloat16"}
+    monkeypatch.setattr(K, "_cuda_capability", lambda: (7, 5))  # pre-Ampere GPU
+    assert resolve_kernels(KernelConfig(), **bf16).experts == "batched"
+    with pytest.raises(ConfigError, match=r"kernels.experts: grouped_mm needs CUDA compute capability >= \(8, 0\)"):
+        resolve_kernels(KernelConfig(experts="grouped_mm"), **bf16)
+    monkeypatch.setattr(K, "_cuda_capability", lambda: (9, 0))
+    assert resolve_kernels(KernelConfig(), **bf16).experts == "grouped_mm"
+    import torch.nn.functional as F
+
+    monkeypatch.delattr(F, "grouped_mm")  # an older torch
+    assert resolve_kernels(KernelConfig(), device="cpu").experts == "batched"
+    with pytest.raises(ConfigError, match="has no torch.nn.functional.grouped_mm"):
+        resolve_kernels(KernelConfig(experts="grouped_mm"), device="cpu")
+
+
 def test_bad_kernel_names_are_refused():
     with pytest.raises(ConfigError, match=r"kernels.gdn must be one of \('fla', 'npu', 'torch', 'auto'\)"):
         KernelConfig(gdn="triton")
@@ -125,6 +142,8 @@ def test_checkpoint_made_with_one_kernel_setting_resumes_with_another(tmp_path, 
     first = train(run_config(out, steps=1, kernels={"attention": "eager"}))
     said = capsys.readouterr().out
     assert "kernels: gdn=torch (auto), causal_conv1d=torch (auto), attention=eager" in said
+    if sys.platform.startswith("linux"):  # the CPU allocator setting is made and logged (glibc)
+        assert "glibc malloc: mmap threshold 32 MiB, trim threshold 1 GiB" in said
     path = out / "checkpoints" / "step_000001"
     meta = ck.read_meta(path)
     assert meta["kernels"] == {"gdn": "torch", "causal_conv1d": "torch", "attention": "eager", "experts": "grouped_mm"}
