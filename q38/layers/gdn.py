@@ -91,9 +91,10 @@ def causal_conv1d(
 class _CausalConv(torch.autograd.Function):
     """``y[t] = Σ_j w[:, j] · xp[t + j] (· keep[t, j])`` over a left-padded ``xp [b, s + K - 1, ch]``: one fused
     multiply-add per tap on the contiguous ``[b, s, ch]`` layout, and a backward that accumulates every tap's input
-    gradient into one buffer. On CPU about 2x faster forward and backward than ``F.conv1d`` (whose ``[b, ch, s]``
-    layout costs a transpose copy in and leaves a strided output, over which SiLU and its backward ran several times
-    slower) and than autograd through the taps (a zero-filled ``slice_backward`` buffer per tap, then their sum)."""
+    gradient into one buffer. With SiLU, forward+backward takes 0.63x the time of ``F.conv1d`` on CPU
+    (``benchmarks/cpu_effects.py``): that one's ``[b, ch, s]`` layout costs a transpose copy in and leaves a strided
+    output, over which SiLU and its backward ran several times slower; autograd through the taps would allocate a
+    zero-filled ``slice_backward`` buffer per tap, then sum them."""
 
     @staticmethod
     def forward(ctx, xp, w, keep):
@@ -295,8 +296,8 @@ def _doc_masks(doc: Tensor, C: int):
 
 # Decay factors below exp(-64) ≈ 1.6e-28 are set to exactly 0. With production gates |γ| reaches ~10³ inside a
 # chunk, so a band of exp(γ_r − γ_s) would otherwise land in (or, multiplied by O(1e-10) values, reach) fp32's
-# denormal range (< 1.2e-38), where x86 CPUs take a microcode assist per operation: the matmuls over those factors
-# ran ~3x slower. What is dropped is ≥ 20 orders of magnitude below fp32 resolution (accelerators flush denormals
+# denormal range (< 1.2e-38), where x86 CPUs take a microcode assist per operation: a matmul with a few denormal
+# rows runs 8x slower (benchmarks/cpu_effects.py). What is dropped is ≥ 20 orders of magnitude below fp32 resolution (accelerators flush denormals
 # in their kernels anyway); the autograd reference keeps exact exps and the tests compare the two.
 _EXP_FLOOR = -64.0
 
@@ -305,7 +306,7 @@ def _exp_ftz(x: Tensor, keep: Tensor | None = None) -> Tensor:
     """``exp(x)`` with ``exp(x) = 0`` where ``x < _EXP_FLOOR`` (or where ``keep`` is False).
 
     The dropped entries are set to 0 before the exp (not to -inf): CPU exp takes a slow path for -inf and for
-    inputs whose result underflows (10x and 60x slower per element than in the normal range)."""
+    inputs whose result underflows (11x and 85x slower per element than in the normal range; cpu_effects.py)."""
     drop = x < _EXP_FLOOR
     if keep is not None:
         drop = drop | ~keep
@@ -349,7 +350,7 @@ def _chunk_factors(k, v, g, beta, doc):
     # T = L⁻¹ explicitly (one solve against a contiguous I, then matmuls; backward reuses T for the transposed
     # products instead of a second solve). The decays factor out of the inverse: with D = diag(exp γ),
     # strict(A ⊙ Γ) = D·strict(A)·D⁻¹, so T = Γ ⊙ S for S = (I + strict(A))⁻¹ (document-masked). The solve then runs
-    # on O(1) entries (with the decays inside, its substitution produced denormals and ran ~3x slower on CPU), and
+    # on O(1) entries (with the decays inside, its substitution produced denormals and ran several times slower), and
     # W = T·(Kβ ⊙ exp γ) = exp γ ⊙ (S·Kβ) needs no products of two tiny factors.
     eye = torch.eye(C, dtype=L.dtype, device=L.device).expand_as(L).contiguous()
     A_in = A if masks is None else A.masked_fill(~supp, 0.0)

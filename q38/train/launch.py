@@ -47,8 +47,8 @@ def tune_cpu_allocator() -> str | None:
     ``mmap`` pages, and the heap is not trimmed back to the OS after every step.
 
     PyTorch has no caching allocator on CPU, so every activation-sized tensor otherwise costs page faults when first
-    written (measured: a third of the torch GDN core's fwd+bwd time, 140 → 82 ms per call); the price is that the
-    resident size stays at the step's peak. Returns what was set (for the run log), or None where it does not apply."""
+    written (the torch GDN core's fwd+bwd takes 0.69x the time with this setting: benchmarks/cpu_effects.py); the
+    price is that the resident size stays at the step's peak. Returns what was set (for the run log), or None where it does not apply."""
     if not sys.platform.startswith("linux"):
         return None
     try:
