@@ -331,7 +331,6 @@ def _chunk_factors(k, v, g, beta, doc):
     ``E_q`` / ``Ec_k`` the masked ``exp(γ)`` / ``exp(γ_C − γ)``, ``decay`` the masked ``exp(γ_C)``.
     """
     C = k.shape[-2]
-    p = v.shape[-1]
     kb, vb = k * beta[..., None], v * beta[..., None]
     # γ and its pairwise differences in fp64 (|γ| reaches ~10³ with A_log up to log 16), then back to fp32.
     gam64 = g.double().cumsum(-1)
