@@ -170,8 +170,8 @@ def test_chunk_factors_hold_no_denormals_under_production_gates(gen):
     _, _, _, kn, vf, gf, bf = _prepared(*raw)
     plain = (gf.double().cumsum(-1)[..., :, None] - gf.double().cumsum(-1)[..., None, :]).float().tril().exp()
     assert _denormal_count(plain) > 0  # the inputs do reach the denormal band
-    kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, _ = _chunk_factors(kn, vf, gf, bf, None)
-    for name, t in dict(L=L, T=T, Gam=Gam, E=E, Ec_k=Ec_k, decay=decay, U=U, W=W).items():
+    kb, vb, A, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, _ = _chunk_factors(kn, vf, gf, bf, None)
+    for name, t in dict(L=A * Gam, T=T, Gam=Gam, E=E, Ec_k=Ec_k, decay=decay, U=U, W=W).items():
         assert _denormal_count(t) == 0, name
 
 

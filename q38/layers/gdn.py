@@ -326,9 +326,10 @@ _TINY = math.exp(_EXP_FLOOR)
 def _chunk_factors(k, v, g, beta, doc):
     """Everything the chunk recurrence needs that depends on one chunk only (forward and recomputed in backward).
 
-    Returns ``(kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks)`` with document masks applied: ``L`` the unit-lower
-    matrix whose inverse is the WY factor ``T`` (its diagonal is ignored; ``T`` its unit-lower inverse), ``Gam`` the masked ``exp(γ_r − γ_s)``,
-    ``E_q`` / ``Ec_k`` the masked ``exp(γ)`` / ``exp(γ_C − γ)``, ``decay`` the masked ``exp(γ_C)``.
+    Returns ``(kb, vb, A, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks)`` with document masks applied: ``A = Kβ Kᵀ``,
+    whose product ``L = A ⊙ Gam`` is the unit-lower matrix (its diagonal ignored) with the WY factor ``T = L⁻¹``;
+    ``Gam`` the masked ``exp(γ_r − γ_s)``, ``E_q`` / ``Ec_k`` the masked ``exp(γ)`` / ``exp(γ_C − γ)``, ``decay``
+    the masked ``exp(γ_C)``.
     """
     C = k.shape[-2]
     kb, vb = k * beta[..., None], v * beta[..., None]
@@ -345,13 +346,12 @@ def _chunk_factors(k, v, g, beta, doc):
     Ec = _exp_ftz((gam64[..., -1:] - gam64).float())
     decay = E[..., -1]
     A = kb @ k.transpose(-1, -2)
-    L = A * Gam
-    # T = L⁻¹ explicitly (one solve against a contiguous I, then matmuls; backward reuses T for the transposed
+    # T = L⁻¹ for L = A ⊙ Γ (its diagonal ignored), explicitly (one solve against a contiguous I, then matmuls; backward reuses T for the transposed
     # products instead of a second solve). The decays factor out of the inverse: with D = diag(exp γ),
     # strict(A ⊙ Γ) = D·strict(A)·D⁻¹, so T = Γ ⊙ S for S = (I + strict(A))⁻¹ (document-masked). The solve then runs
     # on O(1) entries (with the decays inside, its substitution produced denormals and ran several times slower), and
     # W = T·(Kβ ⊙ exp γ) = exp γ ⊙ (S·Kβ) needs no products of two tiny factors.
-    eye = torch.eye(C, dtype=L.dtype, device=L.device).expand_as(L).contiguous()
+    eye = torch.eye(C, dtype=A.dtype, device=A.device).expand_as(A).contiguous()
     A_in = A if masks is None else A.masked_fill(~supp, 0.0)
     S = torch.linalg.solve_triangular(A_in, eye, upper=False, unitriangular=True)
     T = _flush_tiny(Gam * S)
@@ -361,7 +361,7 @@ def _chunk_factors(k, v, g, beta, doc):
         _, cont, last_same = masks
         E_q, Ec_k, W = E * cont, Ec * last_same, W_raw * cont[..., None]
         decay = decay * cont[..., -1]
-    return kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks
+    return kb, vb, A, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks
 
 
 def _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw):
@@ -432,7 +432,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         qf, kf, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
         b, h, n, C, a = k.shape
         p = v.shape[-1]
-        kb, vb, L, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks = _chunk_factors(k, v, g, beta, doc)
+        kb, vb, A, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks = _chunk_factors(k, v, g, beta, doc)
         kd = k * Ec_k[..., None]
         qd = q * E_q[..., None]
         P = (q @ k.transpose(-1, -2)) * Gam
@@ -481,7 +481,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dL = dvb @ U.transpose(-1, -2)
         dL.view(-1, C, C).baddbmm_(dx.reshape(-1, C, a), W_raw.reshape(-1, C, a).transpose(-1, -2))
         dL = dL.tril_(-1).neg_()
-        x = dL * L
+        x = dL * A.mul_(Gam)  # A ⊙ Γ = L (formed here only: the forward does not need it)
         dgam += x.sum(-1) - x.sum(-2)
         dL.mul_(Gam)
         dkb = dL @ k
