@@ -211,8 +211,9 @@ def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int,
     S = rows * math.ceil(seq / C) * C  # padded tokens
     j = math.ceil(seq / C)
     pe = p + (a if cp > 1 else 0)
-    # projections, conv, gates, gated norm, output projection input (activation dtype)
-    pre = (rows * (seq + K - 1) * conv + n * conv + 3 * n * H + n * H) * act  # saved before the core
+    # projections, conv, gates, gated norm, output projection input (activation dtype); the conv saves its input
+    # (the projection's output) and the K - 1 halo rows, not a padded copy
+    pre = (n * conv + rows * (K - 1) * conv * (cp > 1) + n * conv + 3 * n * H + n * H) * act  # saved before the core
     rest = pre + (5 * n * H * p + n * H * p) * act
     if kernel:
         core = n * H * (2 * a + pe + 2) * act + n * H * C * 4 + n * H * pe * act
