@@ -413,7 +413,11 @@ def test_checkpoint_errors(tmp_path):
 
 
 # ---- (v) training gradients and the aux loss with padding, against transformers ----------------------------------
-GRAD_RTOL = 1e-4  # per tensor: max |Δ grad| ≤ GRAD_RTOL · max |grad_HF| (fp32; worst measured 4.4e-5, over 90 tensors)
+# Per tensor, against transformers in fp64 (the exact gradient to ~1e-12): max |Δ grad| / max |grad| of q38 (fp32) within
+# the larger of GRAD_RTOL and twice transformers' own fp32 error. The A_log gradients are sums of many cancelling
+# products: transformers' fp32 run is up to 9.3e-5 from its fp64 one there (measured), so no fixed fp32 bound
+# near 1e-4 separates rounding from a bug for them; everything else is within 4.4e-5.
+GRAD_RTOL = 1e-4
 
 
 def test_training_gradients_and_real_token_aux_match_transformers(tmp_path):
@@ -454,19 +458,28 @@ def test_training_gradients_and_real_token_aux_match_transformers(tmp_path):
                            {"input_ids": ids, "labels": labels, "attention_mask": mask})
     assert abs(float(r_lab.aux_loss) - ref_aux.item()) > 100 * LOSS_TOL
 
-    grads_hf = {n: p.grad.detach().contiguous() for n, p in hf.named_parameters() if p.grad is not None}
-    (tmp_path / "grads").mkdir()
-    save_file(grads_hf, str(tmp_path / "grads" / "model.safetensors"), metadata={"format": "pt"})
-    (tmp_path / "grads" / "config.json").write_text((tmp_path / "ckpt" / "config.json").read_text())
-    _, g_hf = load_hf(tmp_path / "grads")
-    ref = dict(named_leaves(g_hf))
+    # the exact gradients: transformers in fp64 (its eager experts: grouped_mm has no fp64)
+    _, model_cls = _hf_classes(cfg)
+    hf64 = model_cls.from_pretrained(tmp_path / "ckpt", dtype=torch.float32, attn_implementation="eager",
+                                     experts_implementation="eager").eval().double()
+    hf64(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=True).loss.backward()
+
+    def hf_grads(model, name):
+        grads = {n: p.grad.detach().float().contiguous() for n, p in model.named_parameters() if p.grad is not None}
+        (tmp_path / name).mkdir()
+        save_file(grads, str(tmp_path / name / "model.safetensors"), metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text((tmp_path / "ckpt" / "config.json").read_text())
+        return dict(named_leaves(load_hf(tmp_path / name)[1]))
+
+    ref32, ref64 = hf_grads(hf, "grads32"), hf_grads(hf64, "grads64")
     ours = dict(zip([n for n, _ in named_leaves(params)], r.grads))
-    assert ref.keys() == ours.keys()
+    assert ref64.keys() == ours.keys()
     worst = 0.0
-    for name, g in ref.items():
+    for name, g in ref64.items():
         scale = float(g.abs().max())
         assert scale > 0, f"{name}: zero HF gradient (the comparison would not test it)"
         rel = float((ours[name] - g).abs().max()) / scale
+        rel_hf = float((ref32[name] - g).abs().max()) / scale
         worst = max(worst, rel)
-        assert rel <= GRAD_RTOL, f"{name}: max |Δ grad| / max |grad| = {rel:.2e}"
-    print(f"\nq38 vs transformers gradients: {len(ref)} tensors, worst max|Δ|/max|g| = {worst:.2e}")
+        assert rel <= max(GRAD_RTOL, 2 * rel_hf), f"{name}: max |Δ grad| / max |grad| = {rel:.2e} (HF fp32: {rel_hf:.2e})"
+    print(f"\nq38 vs transformers fp64 gradients: {len(ref64)} tensors, worst max|Δ|/max|g| = {worst:.2e}")

@@ -8,7 +8,7 @@ import q38
 from q38.layers.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
 from q38.kernels import DEFAULT_KERNELS, use_kernels
 from q38.layers.moe import MoEParams, moe_apply
-from q38.layers.norm import rms_norm
+from q38.layers.norm import gated_rms_norm, rms_norm
 from q38.model import init_params
 
 TOL = 1e-5  # fp32 tolerance for reference comparisons
@@ -107,6 +107,49 @@ def test_causal_conv_backward_matches_autograd(gen, s, with_halo):
         want = torch.autograd.grad(y_ref, wrt, dy)
         for g1, g2 in zip(got, want):
             assert (g1 - g2).abs().max() <= 1e-12
+
+
+def _rms_ref(x, w, eps):
+    """architecture.md §3.1 written out (autograd differentiates it)."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.to(xf.dtype))).to(x.dtype)
+
+
+def _gated_ref(x, z, w, eps):
+    """architecture.md §3.2 written out: the fp32 norm, cast to the input dtype, times w, times silu(z) in fp32."""
+    dt = x.dtype
+    xf = x.float() if dt != torch.float64 else x
+    y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    return (y * F.silu(z.to(xf.dtype))).to(dt)
+
+
+def test_norm_backwards_match_autograd(gen):
+    """The hand-written norm backwards against autograd through the reference expressions: fp64 (the functions
+    compute in fp32, so 1e-6 relative), every input gradient, a leading batch of several dims."""
+    x = torch.randn(3, 5, 4, 16, generator=gen, dtype=torch.float64) * 3
+    z = torch.randn(3, 5, 4, 16, generator=gen, dtype=torch.float64) * 2
+    w = torch.randn(16, generator=gen, dtype=torch.float64)
+    dy = torch.randn(3, 5, 4, 16, generator=gen, dtype=torch.float64)
+    for fn, ref, args in ((rms_norm, _rms_ref, (x, w)), (gated_rms_norm, _gated_ref, (x, z, w))):
+        ins = [a.clone().requires_grad_() for a in args]
+        y = fn(*ins, 1e-6)
+        y_ref = ref(*ins, 1e-6)
+        assert (y - y_ref).abs().max() <= 1e-6 * y_ref.abs().max()
+        got = torch.autograd.grad(y, ins, dy)
+        want = torch.autograd.grad(y_ref, ins, dy)
+        for g1, g2 in zip(got, want):
+            assert (g1 - g2).abs().max() <= 1e-6 * g2.abs().max(), fn.__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_forwards_equal_the_reference_expressions(gen, dtype):
+    """The forward is the reference expression op for op: bit-identical in fp32 and bf16 (the bf16 casts where
+    the reference (HF) puts them)."""
+    x = torch.randn(4, 7, 32, generator=gen).to(dtype)
+    z = torch.randn(4, 7, 32, generator=gen).to(dtype)
+    w = torch.randn(32, generator=gen).to(dtype)
+    assert torch.equal(rms_norm(x, w, 1e-6), _rms_ref(x, w, 1e-6))
+    assert torch.equal(gated_rms_norm(x, z, w, 1e-6), _gated_ref(x, z, w, 1e-6))
 
 
 def test_rms_norm_zero_centred(gen):

@@ -155,13 +155,14 @@ def _dispatch_fn(rank, world, balance):
     x = torch.randn(200, cfg.hidden_size, generator=gx, requires_grad=True)
     hot = torch.rand(200, generator=gx) < 0.85  # 85% of slots go to experts 0 and 1, both on EP rank 0
     expert = torch.where(hot, torch.randint(0, 2, (200,), generator=gx), torch.randint(0, 8, (200,), generator=gx))
+    gate_w = torch.rand(200, generator=gx, requires_grad=True)
     p = MoEParams(None, gu_l, dn_l, None, None, None, None)
     disp = EPDispatch(torch.distributed.group.WORLD, rank, world, balance=balance, max_dup=2)
-    y = disp(x, expert, p, cfg)
+    y = disp(x, gate_w, expert, p, cfg)
     w = torch.randn(y.shape, generator=gx)
-    gxs = torch.autograd.grad((y * w).sum(), [x, gu_l, dn_l])
+    gxs = torch.autograd.grad((y * w).sum(), [x, gate_w, gu_l, dn_l])
     # the dense reference on this rank's slots (all experts local)
-    ref = local_experts(x, expert, MoEParams(None, gu, dn, None, None, None, None), cfg)
+    ref = local_experts(x, gate_w, expert, MoEParams(None, gu, dn, None, None, None, None), cfg)
     return {"y": y.detach(), "ref": ref.detach(), "grads": [t.detach() for t in gxs], "loads": disp.loads}
 
 

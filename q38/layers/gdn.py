@@ -55,8 +55,9 @@ def abstract_gdn(cfg: ModelConfig) -> GDNParams:
     )
 
 
-def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+def l2norm(x: Tensor, eps: float = 1e-6, scale: float = 1.0) -> Tensor:
+    """``scale · x / sqrt(‖x‖² + eps)`` (the scale applied to the per-row factor: one pass over ``x``)."""
+    return x * (torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * scale)
 
 
 # ---- causal depthwise conv ------------------------------------------------------------------------------
@@ -333,11 +334,11 @@ def _exp_ftz(x: Tensor, keep: Tensor | None = None) -> Tensor:
 
     The dropped entries are set to 0 before the exp (not to -inf): CPU exp takes a slow path for -inf and for
     inputs whose result underflows (11x and 85x slower per element than in the normal range; cpu_effects.py)."""
-    drop = x < _EXP_FLOOR
+    ok = x >= _EXP_FLOOR
     if keep is not None:
-        drop = drop | ~keep
+        ok = ok & keep
     # out of place throughout: selective recompute caches op outputs and refuses their mutation
-    return x.masked_fill(drop, 0.0).exp().masked_fill(drop, 0.0)
+    return torch.where(ok, torch.where(ok, x, 0.0).exp(), 0.0)
 
 
 def _flush_tiny(x: Tensor) -> Tensor:
@@ -396,7 +397,7 @@ def _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw):
     # Contiguous [b h j u c] once here: the raw inputs are views of the [b s h c] projections, and a matmul over
     # non-contiguous 5-d operands copies them again at every product.
     qf, kf, vf = (t.float().contiguous() for t in (q_raw, k_raw, v_raw))
-    q, k = l2norm(qf) * qf.shape[-1] ** -0.5, l2norm(kf)
+    q, k = l2norm(qf, scale=qf.shape[-1] ** -0.5), l2norm(kf)
     r = vf.shape[1] // qf.shape[1]  # value heads per key head: normalised once per key head, then expanded
     if r > 1:
         q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)

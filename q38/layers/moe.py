@@ -76,12 +76,13 @@ def swiglu_grouped(
     we_gate_up: Float[Tensor, "e f2 d"],
     we_down: Float[Tensor, "e d f"],
     grouped_mm: bool,
+    w_m: Float[Tensor, " m"] | None = None,
 ) -> Float[Tensor, "m d"]:
-    """SwiGLU of rows already sorted by expert (``counts_e`` rows for expert 0, then expert 1, ...)."""
+    """SwiGLU of rows already sorted by expert (``counts_e`` rows for expert 0, then expert 1, ...), each row's
+    activation scaled by its gate weight ``w_m`` (if given) before the down projection."""
     if grouped_mm:
         offs = torch.cumsum(counts_e, 0).to(torch.int32)
-        gate_mf, up_mf = F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-        a_mf = F.silu(gate_mf) * up_mf  # chunk, not two slices: one cat in backward instead of two zero-filled grads
+        a_mf = _swiglu(F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs), w_m)
         return _GradContiguous.apply(F.grouped_mm(a_mf, we_down.transpose(-2, -1), offs=offs))
     # Padded batched matmul: scatter rows into [e, capacity, d], one bmm per projection.
     e = counts_e.shape[0]
@@ -94,10 +95,51 @@ def swiglu_grouped(
     slot_m = torch.arange(m, device=x_md.device) - starts[expert_m]
     flat = expert_m * cap + slot_m
     x_eqd = x_md.new_zeros(e * cap, x_md.shape[1]).index_copy(0, flat, x_md).view(e, cap, -1)
-    gate_eqf, up_eqf = torch.bmm(x_eqd, we_gate_up.transpose(-2, -1)).chunk(2, dim=-1)
-    a_eqf = F.silu(gate_eqf) * up_eqf
+    h_qf2 = torch.bmm(x_eqd, we_gate_up.transpose(-2, -1)).reshape(e * cap, -1)
+    w_q = None if w_m is None else w_m.new_zeros(e * cap).index_copy(0, flat, w_m)  # padding rows: weight 0
+    a_eqf = _swiglu(h_qf2, w_q).view(e, cap, -1)
     y_eqd = torch.bmm(a_eqf, we_down.transpose(-2, -1))
     return y_eqd.reshape(e * cap, -1).index_select(0, flat)
+
+
+def _swiglu(h_mf2: Tensor, w_m: Tensor | None) -> Tensor:
+    """``silu(gate) ⊙ up (⊙ w)`` of ``h = [gate | up]``."""
+    if w_m is None:
+        gate_mf, up_mf = h_mf2.chunk(2, dim=-1)
+        return F.silu(gate_mf) * up_mf
+    return _WeightedSwiGLU.apply(h_mf2, w_m)
+
+
+class _WeightedSwiGLU(torch.autograd.Function):
+    """``a = silu(gate) ⊙ up ⊙ w`` of ``h = [gate | up]`` ``[m, 2f]`` and per-row gate weights ``w`` ``[m]``.
+
+    Forward is the reference expression, op for op, into one buffer. Backward (in at least fp32) writes ``dgate`` and
+    ``dup`` into the two halves of one ``[m, 2f]`` gradient (autograd would make two and concatenate them):
+    ``dup = da ⊙ w ⊙ silu(gate)``, ``dgate = da ⊙ w ⊙ up ⊙ σ(gate)(1 + gate(1 − σ(gate)))``,
+    ``dw = Σ_f da ⊙ silu(gate) ⊙ up``. The gate weight scales the ``[m, f]`` activation rather than the ``[m, d]``
+    output: the same product, on the narrower tensor (Qwen3.5: f = d / 4 ... d / 2)."""
+
+    @staticmethod
+    def forward(ctx, h, w):
+        gate, up = h.chunk(2, dim=-1)
+        ctx.save_for_backward(h, w)
+        return F.silu(gate).mul_(up).mul_(w[:, None])
+
+    @staticmethod
+    def backward(ctx, da):
+        h, w = ctx.saved_tensors
+        acc = torch.promote_types(h.dtype, torch.float32)
+        hf, daf, wf = h.to(acc), da.to(acc), w.to(acc)[:, None]
+        gate, up = hf.chunk(2, dim=-1)
+        f = gate.shape[-1]
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        dw = (daf * silu * up).sum(-1).to(w.dtype) if ctx.needs_input_grad[1] else None
+        dh = torch.empty_like(hf)
+        daw = daf * wf
+        torch.mul(daw, silu, out=dh[:, f:])
+        torch.sub(1.0, sig, out=dh[:, :f]).mul_(gate).add_(1.0).mul_(sig).mul_(up).mul_(daw)
+        return dh.to(h.dtype), dw
 
 
 def grouped_experts() -> bool:
@@ -117,31 +159,32 @@ class _GradContiguous(torch.autograd.Function):
         return g.contiguous()
 
 
-ExpertFn = Callable[[Tensor, Tensor], Tensor]
-
-
-# How routed slots reach their experts: ``(x_md, expert_m, params, cfg) -> y_md``. ``local_experts`` runs every
-# expert here (the reference for the contract; ``moe_apply`` without a dispatch fuses it with the token gather and
-# scatter, ``_local_routed``); expert parallelism (q38.parallel) sends the slots to the ranks that own their experts
-# and back.
-ExpertDispatch = Callable[[Tensor, Tensor, MoEParams, ModelConfig], Tensor]
+# How routed slots reach their experts: ``(x_md, w_m, expert_m, params, cfg) -> y_md``, ``y`` already scaled by the
+# slot's gate weight ``w_m`` (applied to the activation, ``_WeightedSwiGLU``). ``local_experts`` runs every expert here
+# (the reference for the contract; ``moe_apply`` without a dispatch fuses it with the token gather and scatter,
+# ``_local_routed``); expert parallelism (q38.parallel) sends the slots and their weights to the ranks that own their
+# experts and back.
+ExpertDispatch = Callable[[Tensor, Tensor, Tensor, MoEParams, ModelConfig], Tensor]
 
 
 def _sorted_swiglu(
-    rows: Tensor, expert_m: Tensor, row_of_slot: Callable[[Tensor], Tensor], p: MoEParams, cfg: ModelConfig
+    rows: Tensor, w_m: Tensor, expert_m: Tensor, row_of_slot: Callable[[Tensor], Tensor], p: MoEParams,
+    cfg: ModelConfig,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Slots sorted by expert, each reading row ``row_of_slot(slot)`` of ``rows``, through one grouped matmul.
-    Returns ``(y_sorted, order, row_sorted)``: the outputs in sorted order, the sort, and the rows they read."""
+    """Slots sorted by expert, each reading row ``row_of_slot(slot)`` of ``rows`` and scaled by its weight, through one
+    grouped matmul. Returns ``(y_sorted, order, row_sorted)``: the outputs in sorted order, the sort, and the rows
+    they read."""
     order = torch.argsort(expert_m, stable=True)
     counts_e = torch.bincount(expert_m, minlength=cfg.num_experts)
     row_sorted = row_of_slot(order)
-    y_sorted = swiglu_grouped(rows.index_select(0, row_sorted), counts_e, p.we_gate_up, p.we_down, grouped_experts())
+    y_sorted = swiglu_grouped(rows.index_select(0, row_sorted), counts_e, p.we_gate_up, p.we_down, grouped_experts(),
+                              w_m[order])
     return y_sorted, order, row_sorted
 
 
-def local_experts(x_md: Tensor, expert_m: Tensor, p: MoEParams, cfg: ModelConfig) -> Tensor:
+def local_experts(x_md: Tensor, w_m: Tensor, expert_m: Tensor, p: MoEParams, cfg: ModelConfig) -> Tensor:
     """Every expert is on this device: sort slots by expert, one grouped matmul, unsort."""
-    y_sorted, order, _ = _sorted_swiglu(x_md, expert_m, lambda slot: slot, p, cfg)
+    y_sorted, order, _ = _sorted_swiglu(x_md, w_m, expert_m, lambda slot: slot, p, cfg)
     return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
 
 
@@ -149,13 +192,14 @@ def _local_routed(
     x_nd: Float[Tensor, "n d"], w_nk: Float[Tensor, "n k"], idx_nk: Int[Tensor, "n k"], p: MoEParams, cfg: ModelConfig
 ) -> Float[Tensor, "n d"]:
     """The routed experts with every expert on this device, in one gather and one scatter-add: slots sorted by expert
-    read their token's row directly (``order // k``) and add their gated output straight back into it (equal to
-    ``local_experts`` on ``x[token_m]`` followed by the weighted ``index_add``, without the two extra permutations
-    and their backward scatters). The gate weight multiplies the expert output as in the dispatched path, so both
-    round alike (layouts are compared with one process at ~1e-5)."""
+    read their token's row directly (``order // k``) and add their weighted output straight back into it (equal to
+    ``local_experts`` on ``x[token_m]`` followed by the ``index_add``, without the two extra permutations and their
+    backward scatters; the same expert arithmetic as the dispatched path, so both round alike: layouts are compared
+    with one process at ~1e-5)."""
     k = idx_nk.shape[1]
-    y_sorted, order, token_sorted = _sorted_swiglu(x_nd, idx_nk.reshape(-1), lambda slot: slot // k, p, cfg)
-    return torch.zeros_like(x_nd).index_add(0, token_sorted, y_sorted * w_nk.reshape(-1, 1)[order])
+    y_sorted, _, token_sorted = _sorted_swiglu(x_nd, w_nk.reshape(-1), idx_nk.reshape(-1), lambda slot: slot // k, p,
+                                               cfg)
+    return torch.zeros_like(x_nd).index_add(0, token_sorted, y_sorted)
 
 
 def moe_apply(
@@ -177,8 +221,8 @@ def moe_apply(
         routed_nd = _local_routed(x_nd, w_nk, idx_nk, p, cfg)
     else:
         token_m = torch.arange(x_nd.shape[0], device=x.device).repeat_interleave(k)
-        y_md = dispatch(x_nd[token_m], idx_nk.reshape(-1), p, cfg)
-        routed_nd = torch.zeros_like(x_nd).index_add(0, token_m, y_md * w_nk.reshape(-1, 1))
+        y_md = dispatch(x_nd[token_m], w_nk.reshape(-1), idx_nk.reshape(-1), p, cfg)
+        routed_nd = torch.zeros_like(x_nd).index_add(0, token_m, y_md)
     shared_nd = F.linear(F.silu(F.linear(x_nd, p.ws_gate)) * F.linear(x_nd, p.ws_up), p.ws_down)
     shared_nd = torch.sigmoid(F.linear(x_nd, p.w_shared_gate)) * shared_nd
     return (routed_nd + shared_nd).reshape(b, s, d), logits_ne

@@ -143,7 +143,9 @@ def _moe_saved(cfg: ModelConfig, n: float | int, act: int, ep: int, ep_balance: 
     d, e, k, f, fs = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
                       cfg.shared_expert_intermediate_size)
     m = n * k
-    elems = n * e + 2 * n + n * k + 4 * m * d + m * 2 * f + 2 * m * f + m + 4 * n * fs
+    # the gate weight scales the [m, f] activation inside the fused SwiGLU (moe.py: _WeightedSwiGLU), which saves
+    # h = [gate | up] and the weights: no [m, d] weighted output, no separate silu(gate)
+    elems = n * e + 2 * n + n * k + 3 * m * d + m * 2 * f + m * f + m + 4 * n * fs
     ints = n * k * 8 + 2 * m * 8
     if ep > 1:  # the receive buffer of the dispatch and the combine's return, saved for the expert matmuls
         elems += 2 * m * d
@@ -155,7 +157,8 @@ def _attention_saved(cfg: ModelConfig, n: float | int, act: int, cp: int, kernel
     flash op); k and v are repeated to all query heads before the call (as the layer does)."""
     h, g, c, rd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
     core = (n * h * c * (1 + 2 * cp + 1)) * act + n * h * 4  # q, k and v over the whole row, out; lse fp32
-    rest = n * (2 * h * c + h + h * c + 2 * g * c + g + 2 * rd + h * c + h * c) * act
+    # q|gate and k projections with their QK-norm rsqrts (the norms save their inputs), rope cos/sin, the output gate
+    rest = n * (2 * h * c + h + g * c + g + 2 * rd + h * c + h * c) * act
     if cp > 1:  # gathered k and v before the repeat
         rest += 2 * n * cp * g * c * act
     del kernel
@@ -214,7 +217,8 @@ def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int,
     # projections, conv, gates, gated norm, output projection input (activation dtype); the conv saves its input
     # (the projection's output) and the K - 1 halo rows, not a padded copy
     pre = (n * conv + rows * (K - 1) * conv * (cp > 1) + n * conv + 3 * n * H + n * H) * act  # saved before the core
-    rest = pre + (5 * n * H * p + n * H * p) * act
+    # gated norm (its own backward: saves its inputs o and z and the rsqrt) and the output projection's input
+    rest = pre + (2 * n * H * p + n * H * p) * act + n * H * 4
     if kernel:
         core = n * H * (2 * a + pe + 2) * act + n * H * C * 4 + n * H * pe * act
         widest = n * H * C * 4
@@ -247,7 +251,7 @@ def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, 
             mixer_backward = (core + pre + (2 * n * d + n * cfg.linear_value_dim) * act_bytes + n * 4
                               + gdn_backward_working(cfg, rows, seq, act_bytes, cp))
     moe, moe_w = _moe_saved(cfg, n, act_bytes, ep, ep_balance)
-    common = (6 * n * d) * act_bytes + 2 * n * 4  # norm outputs, residual stream, rsqrt
+    common = (4 * n * d) * act_bytes + 2 * n * 4  # the two norms' inputs (residual stream) and outputs, rsqrt
     return LayerActivations(core=core, rest=rest + moe + common, widest=max(widest, moe_w), kept=kept,
                             mixer_backward=mixer_backward)
 
@@ -634,9 +638,10 @@ def estimate(
         add("all-reduce grads", n, allreduce_dim[n] * red * micro_batches)
     if ep > 1:
         n_moe = len(kinds)
-        off = n_mb * cfg.num_experts_per_tok * (ep - 1) / ep * d * act  # uniform routing
+        off = n_mb * cfg.num_experts_per_tok * (ep - 1) / ep * act  # slots leaving a rank, uniform routing
         calls = 2 if recompute != "none" else 1
-        add("all-to-all tokens", "ep", off * n_moe * micro_batches * (2 * calls + 2))
+        # each call: dispatch (d + 1: the row and its gate weight), combine (d); backward: the reverse of both
+        add("all-to-all tokens", "ep", off * (2 * d + 1) * n_moe * micro_batches * (calls + 1))
     if cp > 1:
         n_attn = sum(1 for k in kinds if k == "full_attention")
         kv = 2 * n_mb * (cp - 1) * cfg.num_key_value_heads * cfg.head_dim * act

@@ -60,7 +60,7 @@ class EPDispatch:
         self.loads: list[int] = []  # max per-rank received slots, one entry per call (for reports and tests)
         self.copies: list[int] = []  # with balance: expert copies the plan made, one entry per call
 
-    def __call__(self, x_md, expert_m, p, cfg):
+    def __call__(self, x_md, w_m, expert_m, p, cfg):
         e_local = p.we_gate_up.shape[0]
         w_gu, w_dn = p.we_gate_up, p.we_down
         dest = torch.div(expert_m, e_local, rounding_mode="floor")
@@ -76,11 +76,12 @@ class EPDispatch:
         dist.all_reduce(load, op=dist.ReduceOp.MAX, group=self.group)
         self.loads.append(int(load))
         x_recv = _AllToAll.apply(x_md[order], recv_l, send_l, self.group)
+        w_recv = _AllToAll.apply(w_m[order], recv_l, send_l, self.group)  # gate weights travel with their slots
         e_recv = torch.empty(sum(recv_l), dtype=expert_m.dtype, device=expert_m.device)
         dist.all_to_all_single(e_recv, local_idx[order].contiguous(), recv_l, send_l, group=self.group)
         o = torch.argsort(e_recv, stable=True)
         counts = torch.bincount(e_recv, minlength=w_gu.shape[0])
-        y = swiglu_grouped(x_recv[o], counts, w_gu, w_dn, grouped_experts())
+        y = swiglu_grouped(x_recv[o], counts, w_gu, w_dn, grouped_experts(), w_recv[o])
         y_recv = torch.empty_like(y).index_copy(0, o, y)
         y_sorted = _AllToAll.apply(y_recv, send_l, recv_l, self.group)
         return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
