@@ -404,6 +404,15 @@ def _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw):
     return qf, kf, q, k, vf, g_raw.float().contiguous(), beta_raw.float().contiguous()
 
 
+def _bmm5(x: Tensor, y: Tensor, add: Tensor, alpha: float = 1.0) -> Tensor:
+    """``add + alpha · x @ y`` over the leading dims in one fused (out-of-place) batched matmul."""
+    lead = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
+    x3, y3 = x.expand(*lead, *x.shape[-2:]), y.expand(*lead, *y.shape[-2:])
+    out = torch.baddbmm(add.reshape(-1, *add.shape[-2:]), x3.reshape(-1, *x.shape[-2:]), y3.reshape(-1, *y.shape[-2:]),
+                        alpha=alpha)
+    return out.view(*lead, *out.shape[-2:])
+
+
 def _acc_matmul(out: Tensor, x: Tensor, y: Tensor) -> Tensor:
     """``out += x @ y`` in place over the leading dims (``out`` contiguous): no temporary for the product. The
     backward accumulates its gradients this way; on CPU every fresh buffer costs page faults (there is no caching
@@ -450,7 +459,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         ctx.save_for_backward(q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0, states)
         ctx.set_materialize_grads(False)
         # the outputs of every chunk at once: O = (Q ⊙ exp γ) S_j + (Q Kᵀ ⊙ Γ) Vnew
-        o = (q * E_q[..., None]) @ states + ((q @ k.transpose(-1, -2)) * Gam) @ vnew
+        o = _bmm5(((q @ k.transpose(-1, -2)) * Gam), vnew, (q * E_q[..., None]) @ states)
         return o, S
 
     @staticmethod
@@ -463,7 +472,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         kd = k * Ec_k[..., None]
         qd = q * E_q[..., None]
         P = (q @ k.transpose(-1, -2)) * Gam
-        vnew = U - W @ states
+        vnew = _bmm5(W, states, U, alpha=-1.0)  # U − W·S
         # contiguous once: the incoming gradient is a view of the [b s h p] output, and four products read it
         d_o = torch.zeros_like(vnew) if d_o is None else d_o.contiguous()
         # The reverse state recurrence: dS' (gradient of the state after chunk j) → dVnew_j and dS_j.
@@ -508,9 +517,9 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dL = dvb @ U.transpose(-1, -2)
         dL.view(-1, C, C).baddbmm_(dx.reshape(-1, C, a), W_raw.reshape(-1, C, a).transpose(-1, -2))
         dL = dL.tril_(-1).neg_()
-        x = dL * A.mul_(Gam)  # A ⊙ Γ = L (formed here only: the forward does not need it)
-        dgam += x.sum(-1) - x.sum(-2)
         dL.mul_(Gam)
+        x = dL * A  # (dL ⊙ Γ) ⊙ A = dL ⊙ L: L = A ⊙ Γ is never formed
+        dgam += x.sum(-1) - x.sum(-2)
         dkb = dL @ k
         _acc_matmul(dk, dL.transpose(-1, -2), kb)
         # X = Kβ ⊙ exp γ
