@@ -172,8 +172,8 @@ def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int
     Everything in it is fp32 over ``N = rows·H·j`` chunks (``j = ⌈seq/C⌉``) of ``C`` tokens, in units of one
     ``[N, C, C]`` matrix (``C²``), one ``[N, C, a]`` / ``[N, C, p]`` column block (``Ca`` / ``Cp``; ``p`` = value
     columns, ``+a`` under CP, which runs the identity initial state as extra columns), ``[N, a, p]`` and ``[N, C]``.
-    Alive throughout (Python names hold them to the return): the recomputed factors ``Gam``, ``A`` (made
-    ``L = A⊙Γ`` in place), ``T`` and ``P = QKᵀ⊙Γ`` (4 C²); ``q, k, kb, kd, qd`` (5 Ca), ``vb, vnew, dv_base, dvnew, d_o`` (5 Cp), ``U, W`` (Ca + Cp);
+    Alive throughout (Python names hold them to the return): the recomputed factors ``Gam``, ``A`` (``dL ⊙ L``
+    is taken as ``(dL⊙Γ)⊙A``), ``T`` and ``P = QKᵀ⊙Γ`` (4 C²); ``q, k, kb, kd, qd`` (5 Ca), ``vb, vnew, dv_base, dvnew, d_o`` (5 Cp), ``U, W`` (Ca + Cp);
     ``ds_base, dS_after`` (2 ap); ``E, Ec, dgam, y`` (4 C); per row and head the reverse recurrence's last ``dS``
     and ``dvn`` (``ap + Cp``). The peak is the L2-norm backward of ``dq`` / ``dk`` at the end: ``x`` and ``dL``
     (``7 C²`` in all) with ``dkb, xe``, the norm backward's one temporary (3 Ca) and ``dv`` (Cp) →
