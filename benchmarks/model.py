@@ -1,6 +1,7 @@
 """Forward+backward time of q38 vs the transformers reference on the same config and weights, side by side.
 
     python benchmarks/model.py [--device cpu|cuda] [--dtype float32|bfloat16] [--seq 512] [--batch 2] [--repeats 3]
+                               [--rounds 1] [--layers]
 
 Prints a table of both timings and the ratio q38 / transformers (goal: ≤ 0.5). Never asserted in tests.
 ``--malloc tuned`` applies the CPU allocator setting ``q38 train`` uses (process-wide: both sides get it).
@@ -56,6 +57,9 @@ def main():
     ap.add_argument("--experts-kernel", default="auto", help="kernels.experts (auto | grouped_mm | batched)")
     ap.add_argument("--gdn", default="torch", help="kernels.gdn (torch | fla)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="repeat the whole-model comparison this many times in the same process and print each "
+                         "round's ratio with their median and range (the machine's drift shows as spread)")
     ap.add_argument("--malloc", choices=("default", "tuned"), default="default",
                     help="tuned: glibc mallopt as `q38 train` sets it on CPU (q38.train.launch.tune_cpu_allocator), "
                          "for both sides alike")
@@ -97,7 +101,8 @@ def run(args):
         loss = (out.last_hidden_state.float() ** 2).mean()
         torch.autograd.grad(loss, [p for p in hf.model.parameters()], allow_unused=True)
 
-    t_q, t_h = timeit_pair(run_q38, run_hf, args.repeats, args.device)
+    rounds = [timeit_pair(run_q38, run_hf, args.repeats, args.device) for _ in range(args.rounds)]
+    t_q, t_h = sorted(rounds, key=lambda r: r[0] / r[1])[len(rounds) // 2]  # the median round
     print(f"config: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} "
           f"({cfg.layer_types.count('linear_attention')} GDN + {cfg.layer_types.count('full_attention')} attn), experts "
           f"{cfg.num_experts} top-{cfg.num_experts_per_tok}, batch {args.batch} × seq {args.seq}, {args.device}/{args.dtype}")
@@ -105,6 +110,10 @@ def run(args):
     print(f"{'q38':<28}{t_q:>14.4f}")
     print(f"{'transformers (reference)':<28}{t_h:>14.4f}")
     print(f"{'ratio q38 / transformers':<28}{t_q / t_h:>14.3f}")
+    if len(rounds) > 1:
+        ratios = [q / h for q, h in rounds]
+        print(f"rounds: {', '.join(f'{r:.3f}' for r in ratios)} (median {sorted(ratios)[len(ratios) // 2]:.3f}, "
+              f"range {min(ratios):.3f}–{max(ratios):.3f}; the table above is the median round)")
     if args.layers:
         per_layer(args, cfg, params, hf, dtype)
 
