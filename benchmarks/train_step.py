@@ -56,6 +56,9 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
+    if args.layers < 4:  # every 4th layer is full attention
+        ap.error("--layers must be at least 4: with no full-attention layer transformers' forward fails in its cache "
+                 "(get_seq_length), so there would be no reference to compare with")
     dev, dtype = args.device, getattr(torch, args.dtype)
     cfg = q38.ModelConfig(
         model_type="qwen3_5_moe", vocab_size=32768, hidden_size=args.hidden, num_hidden_layers=args.layers,
