@@ -405,12 +405,10 @@ def _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw):
 
 
 def _bmm5(x: Tensor, y: Tensor, add: Tensor, alpha: float = 1.0) -> Tensor:
-    """``add + alpha · x @ y`` over the leading dims in one fused (out-of-place) batched matmul."""
-    lead = torch.broadcast_shapes(x.shape[:-2], y.shape[:-2])
-    x3, y3 = x.expand(*lead, *x.shape[-2:]), y.expand(*lead, *y.shape[-2:])
-    out = torch.baddbmm(add.reshape(-1, *add.shape[-2:]), x3.reshape(-1, *x.shape[-2:]), y3.reshape(-1, *y.shape[-2:]),
+    """``add + alpha · x @ y`` over the (equal) leading dims in one fused, out-of-place batched matmul."""
+    out = torch.baddbmm(add.reshape(-1, *add.shape[-2:]), x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:]),
                         alpha=alpha)
-    return out.view(*lead, *out.shape[-2:])
+    return out.view(*add.shape)
 
 
 def _acc_matmul(out: Tensor, x: Tensor, y: Tensor) -> Tensor:

@@ -76,13 +76,13 @@ def swiglu_grouped(
     we_gate_up: Float[Tensor, "e f2 d"],
     we_down: Float[Tensor, "e d f"],
     grouped_mm: bool,
-    w_m: Float[Tensor, " m"] | None = None,
+    w_m: Float[Tensor, " m"],
 ) -> Float[Tensor, "m d"]:
     """SwiGLU of rows already sorted by expert (``counts_e`` rows for expert 0, then expert 1, ...), each row's
-    activation scaled by its gate weight ``w_m`` (if given) before the down projection."""
+    activation scaled by its gate weight ``w_m`` before the down projection."""
     if grouped_mm:
         offs = torch.cumsum(counts_e, 0).to(torch.int32)
-        a_mf = _swiglu(F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs), w_m)
+        a_mf = _WeightedSwiGLU.apply(F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs), w_m)
         return _GradContiguous.apply(F.grouped_mm(a_mf, we_down.transpose(-2, -1), offs=offs))
     # Padded batched matmul: scatter rows into [e, capacity, d], one bmm per projection.
     e = counts_e.shape[0]
@@ -96,18 +96,10 @@ def swiglu_grouped(
     flat = expert_m * cap + slot_m
     x_eqd = x_md.new_zeros(e * cap, x_md.shape[1]).index_copy(0, flat, x_md).view(e, cap, -1)
     h_qf2 = torch.bmm(x_eqd, we_gate_up.transpose(-2, -1)).reshape(e * cap, -1)
-    w_q = None if w_m is None else w_m.new_zeros(e * cap).index_copy(0, flat, w_m)  # padding rows: weight 0
-    a_eqf = _swiglu(h_qf2, w_q).view(e, cap, -1)
+    w_q = w_m.new_zeros(e * cap).index_copy(0, flat, w_m)  # padding rows: weight 0
+    a_eqf = _WeightedSwiGLU.apply(h_qf2, w_q).view(e, cap, -1)
     y_eqd = torch.bmm(a_eqf, we_down.transpose(-2, -1))
     return y_eqd.reshape(e * cap, -1).index_select(0, flat)
-
-
-def _swiglu(h_mf2: Tensor, w_m: Tensor | None) -> Tensor:
-    """``silu(gate) ⊙ up (⊙ w)`` of ``h = [gate | up]``."""
-    if w_m is None:
-        gate_mf, up_mf = h_mf2.chunk(2, dim=-1)
-        return F.silu(gate_mf) * up_mf
-    return _WeightedSwiGLU.apply(h_mf2, w_m)
 
 
 class _WeightedSwiGLU(torch.autograd.Function):
@@ -117,7 +109,7 @@ class _WeightedSwiGLU(torch.autograd.Function):
     ``dup`` into the two halves of one ``[m, 2f]`` gradient (autograd would make two and concatenate them):
     ``dup = da ⊙ w ⊙ silu(gate)``, ``dgate = da ⊙ w ⊙ up ⊙ σ(gate)(1 + gate(1 − σ(gate)))``,
     ``dw = Σ_f da ⊙ silu(gate) ⊙ up``. The gate weight scales the ``[m, f]`` activation rather than the ``[m, d]``
-    output: the same product, on the narrower tensor (Qwen3.5: f = d / 4 ... d / 2)."""
+    output: the same product, on the narrower tensor whenever f < d."""
 
     @staticmethod
     def forward(ctx, h, w):
