@@ -382,3 +382,29 @@ def test_gdn_chunked_gradients_match_recurrent_with_production_gates(gen):
     g_r = torch.autograd.grad((gated_delta_rule_recurrent(*ins)[0] * w).sum(), ins)
     for name, x, y in zip("q k v g beta".split(), g_c, g_r):
         assert (x - y).abs().max() <= TOL, name
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_grouped_kv_heads_match_eager(packed):
+    """The SDPA path (k, v with their own heads via ``enable_gqa`` when unmasked, repeated when masked) against the
+    eager einsum-softmax reference with k, v repeated to the query heads: output and every gradient, fp32, 1e-5."""
+    from q38.layers.attention import _native_gqa, attention_apply
+    from q38.layers.context import seq_info
+
+    cfg = q38.ModelConfig.preset("tiny").replace(num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
+    p = init_params(cfg, seed=0).layers[cfg.layer_types.index("full_attention")].mixer
+    leaves = [t.requires_grad_() for t in torch.utils._pytree.tree_leaves(p)]
+    x = torch.randn(2, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    doc = torch.tensor([[0] * 10 + [1] * 14, [0] * 24]) if packed else None
+    info = seq_info(doc, 2, 24, "cpu")
+    assert info.packed == packed and _native_gqa(x, None if not packed else x) == (not packed)
+    dy = torch.randn(2, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+
+    def run(kernels):
+        with use_kernels(kernels):
+            y = attention_apply(p, x, cfg, info)
+        return [y, *torch.autograd.grad(y, [x, *leaves], dy)]
+
+    got, want = run(DEFAULT_KERNELS), run(DEFAULT_KERNELS.replace(attention="eager"))
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= 1e-5 * max(1.0, w.abs().max()), (g - w).abs().max()

@@ -61,7 +61,8 @@ def _predict(preset, layout_name, mesh_sizes, world, recompute):
     mesh = layout.resolve_mesh(world)
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
     b = estimate(_cfg(preset), layout, world, seq_len=SEQ, rows_per_rank=ROWS * world // dp, recompute=recompute,
-                 param_dtype="fp32", reduce_dtype="fp32", loss_chunk_tokens=256, aux_global=False, prefetch=False)
+                 param_dtype="fp32", reduce_dtype="fp32", loss_chunk_tokens=256, aux_global=False, prefetch=False,
+                 packed_rows=False)  # _measure's rows are one document each
     return b.peak_bytes
 
 
@@ -100,10 +101,10 @@ def test_peak_memory_within_15_percent(preset, layout_name, mesh_sizes, world, r
 
 def test_recompute_changes_the_prediction_like_the_measurement():
     """The prediction moves with the recompute mode the way the measurement does (not a constant): the slow cases
-    above measure 40,346,384 B without and 25,069,068 B with full recompute (tiny, one process; ratio 1.61, the
+    above measure 39,822,096 B without and 25,069,068 B with full recompute (tiny, one process; ratio 1.59, the
     PeakMemory count is deterministic); the predicted ratio is within TOL of it."""
     off, on = _predict("tiny", "single", {}, 1, "none"), _predict("tiny", "single", {}, 1, "full")
-    assert abs((off / on) / (40_346_384 / 25_069_068) - 1) <= TOL, off / on
+    assert abs((off / on) / (39_822_096 / 25_069_068) - 1) <= TOL, off / on
 
 
 @pytest.mark.parametrize("rows,seq,heads,a,p,chunk,dtype,r", [

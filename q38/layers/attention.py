@@ -71,16 +71,32 @@ def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, 
         mask = _attention_mask(info, seq_idx_k, doc_k)
 
     q_bhsc = rearrange(q_bshc, "b s h c -> b h s c")
-    k_bhtc = rearrange(k_btgc, "b t g c -> b g t c").repeat_interleave(h // g, dim=1)
-    v_bhtc = rearrange(v_btgc, "b t g c -> b g t c").repeat_interleave(h // g, dim=1)
+    k_bgtc, v_bgtc = rearrange(k_btgc, "b t g c -> b g t c"), rearrange(v_btgc, "b t g c -> b g t c")
     with kernel_region("attention"):
-        o_bhsc = _attend(q_bhsc, k_bhtc, v_bhtc, mask, cfg, c)
+        o_bhsc = _attend(q_bhsc, k_bgtc, v_bgtc, mask, cfg, c)
     o_bsd = rearrange(o_bhsc, "b h s c -> b s (h c)") * torch.sigmoid(rearrange(gate_bshc, "b s h c -> b s (h c)"))
     return F.linear(o_bsd, p.w_o)
 
 
-def _attend(q_bhsc: Tensor, k_bhtc: Tensor, v_bhtc: Tensor, mask: Tensor | None, cfg: ModelConfig, c: int) -> Tensor:
-    if active_kernels().attention == "eager":
+def _native_gqa(q_bhsc: Tensor, mask: Tensor | None) -> bool:
+    """Whether SDPA takes the kv heads as they are (``enable_gqa``) instead of copies repeated to the query heads.
+
+    Only where the kernel SDPA then picks handles grouped heads itself: the causal (mask-free) case on CPU (its flash
+    kernel: fwd+bwd 0.9x of the repeated copies at 8 query / 2 kv heads, and no ``[b, h, t, c]`` copies or their
+    summed gradients) and on CUDA in 16-bit (flash). Elsewhere (an explicit mask, fp32 on CUDA: memory-efficient
+    attention, NPU) ``enable_gqa`` could fall back to the O(s²)-memory math kernel, so the kv heads are repeated."""
+    dev, dt = q_bhsc.device.type, q_bhsc.dtype
+    return mask is None and (dev == "cpu" or (dev == "cuda" and dt in (torch.float16, torch.bfloat16)))
+
+
+def _attend(q_bhsc: Tensor, k_bgtc: Tensor, v_bgtc: Tensor, mask: Tensor | None, cfg: ModelConfig, c: int) -> Tensor:
+    """Attention of ``h`` query heads over ``g`` kv heads (query head ``i`` reads kv head ``i // (h / g)``)."""
+    r = q_bhsc.shape[1] // k_bgtc.shape[1]
+    sdpa = active_kernels().attention != "eager"
+    if sdpa and r > 1 and _native_gqa(q_bhsc, mask):
+        return F.scaled_dot_product_attention(q_bhsc, k_bgtc, v_bgtc, is_causal=True, scale=c**-0.5, enable_gqa=True)
+    k_bhtc, v_bhtc = k_bgtc.repeat_interleave(r, dim=1), v_bgtc.repeat_interleave(r, dim=1)
+    if not sdpa:
         scores = torch.einsum("bhsc,bhtc->bhst", q_bhsc.float(), k_bhtc.float()) * c**-0.5
         if mask is None:
             s, t = scores.shape[-2:]

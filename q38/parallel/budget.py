@@ -152,16 +152,17 @@ def _moe_saved(cfg: ModelConfig, n: float | int, act: int, ep: int, ep_balance: 
     return elems * act + ints, m * 2 * f * act
 
 
-def _attention_saved(cfg: ModelConfig, n: float | int, act: int, cp: int, kernel: bool) -> tuple[float, float, float]:
-    """(core, rest, widest) bytes. ``kernel``: flash SDPA saves q, k, v, out and the logsumexp (same set as the CPU
-    flash op); k and v are repeated to all query heads before the call (as the layer does)."""
+def _attention_saved(cfg: ModelConfig, n: float | int, act: int, cp: int, kv_native: bool) -> tuple[float, float, float]:
+    """(core, rest, widest) bytes. Flash SDPA saves q, k, v, out and the logsumexp (same set as the CPU flash op);
+    ``kv_native``: k and v go in with their own ``g`` heads (``enable_gqa``: the causal, unmasked case, see
+    ``attention._native_gqa``), else repeated to all ``h`` query heads before the call (as the layer does then)."""
     h, g, c, rd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
-    core = (n * h * c * (1 + 2 * cp + 1)) * act + n * h * 4  # q, k and v over the whole row, out; lse fp32
+    kv_heads = g if kv_native else h
+    core = n * c * (2 * h + 2 * cp * kv_heads) * act + n * h * 4  # q, k and v over the whole row, out; lse fp32
     # q|gate and k projections with their QK-norm rsqrts (the norms save their inputs), rope cos/sin, the output gate
     rest = n * (2 * h * c + h + g * c + g + 2 * rd + h * c + h * c) * act
     if cp > 1:  # gathered k and v before the repeat
         rest += 2 * n * cp * g * c * act
-    del kernel
     return core, rest, n * h * c * cp * act
 
 
@@ -231,15 +232,17 @@ def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int,
 
 
 def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, *, act_bytes: int, cp: int = 1,
-                      ep: int = 1, ep_balance: bool = False, gdn_kernel: bool | None = None) -> LayerActivations:
+                      ep: int = 1, ep_balance: bool = False, gdn_kernel: bool | None = None,
+                      kv_native: bool = False) -> LayerActivations:
     """Saved bytes of one decoder layer (``kind``: ``full_attention`` | ``linear_attention``) for ``rows`` rows of
-    ``seq`` local tokens. Norms and residual stream included."""
+    ``seq`` local tokens. Norms and residual stream included. ``kv_native``: attention takes k, v with their own
+    heads (unpacked rows, no CP; see ``estimate``'s ``packed_rows``)."""
     n = rows * seq
     d = cfg.hidden_size
     mixer_backward = 0.0
     kernel_gdn = getattr(cfg, "gdn_implementation", "torch") != "torch" if gdn_kernel is None else gdn_kernel
     if kind == "full_attention":
-        core, rest, widest = _attention_saved(cfg, n, act_bytes, cp, kernel=True)
+        core, rest, widest = _attention_saved(cfg, n, act_bytes, cp, kv_native)
         kept = n * cfg.num_attention_heads * (cfg.head_dim * act_bytes + 4)  # SDPA is one op: out + logsumexp
     else:
         core, rest, widest, pre = _gdn_saved(cfg, rows, seq, act_bytes, cp, kernel=kernel_gdn)
@@ -469,6 +472,7 @@ def estimate(
     gdn_kernel: bool | None = None,
     grad_clip: bool = True,
     adamw_impl: str | None = None,
+    packed_rows: bool = True,
 ) -> Budget:
     """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
     data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
@@ -476,7 +480,9 @@ def estimate(
     for fla's GDN kernel, False for the torch reference; None: the model config's ``gdn_implementation``.
     ``grad_clip``: the run clips gradients (``train.grad_clip``, on by default). ``adamw_impl``: ``foreach`` |
     ``fused`` (q38.train.optim); None: ``fused`` with a hardware profile (an accelerator), ``foreach`` without
-    (CPU), as ``optim.default_impl`` picks."""
+    (CPU), as ``optim.default_impl`` picks. ``packed_rows``: rows hold several documents (pretraining data), so
+    attention runs with a document mask and k, v repeated to the query heads; False: one document per row, where
+    16-bit accelerator runs and CPU runs hand SDPA the kv heads as they are (``attention._native_gqa``)."""
     from q38.model import abstract_params
 
     if recompute not in RECOMPUTE_MODES:
@@ -503,8 +509,9 @@ def estimate(
     n_mb = rows_mb * seq
     d = cfg.hidden_size
     kinds = list(cfg.layer_types) + ["full_attention"] * cfg.mtp_num_layers
+    kv_native = not packed_rows and cp == 1 and (hardware is None or act == 2)
     acts = [layer_activations(cfg, k, rows_mb, seq, act_bytes=act, cp=cp, ep=ep, ep_balance=ep_balance,
-                              gdn_kernel=gdn_kernel) for k in kinds]
+                              gdn_kernel=gdn_kernel, kv_native=kv_native) for k in kinds]
     keep_attn = recompute in ("selective_attention", "selective_both")
     keep_gdn = recompute in ("selective_gdn", "selective_both")
     # The "layer" transient group below also holds the EP receive buffers / duplicated experts and the CP k/v
