@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared device check (H200): FLA kernel parity vs the torch reference, then the bf16 benchmarks.
 # Usage (from the repo root, with the flash-linear-attention wheels in .whl/): bash benchmarks/gpu.sh OUT_DIR
-# Every step has its own time limit (seconds) so that one hang cannot eat the device session (~8 min in all);
+# Every step has its own time limit (seconds) so that one hang cannot eat the device session (~9 min in all);
 # a failed or timed-out step is recorded in OUT_DIR/failures.txt and the next one runs.
 set -euo pipefail
 out="${1:?usage: benchmarks/gpu.sh OUT_DIR}"
@@ -17,7 +17,8 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, output to OUT_D
 }
 
 step gdn_kernel 60 python3 benchmarks/gdn_kernel.py
-step loss 60 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320
+# chunked loss vs unchunked, eager and compiled block epilogues (kernels.loss: torch / compiled; goal ≤ 1.2)
+step loss 90 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320 --compiled
 # q38 vs transformers fwd+bwd (kernels: auto → experts grouped_mm on bf16 CUDA); torch GDN, then FLA GDN
 step model_torch_gdn 60 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --layers
 step model_fla_gdn 45 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --gdn fla

@@ -1,7 +1,10 @@
 """Forward+backward time and peak memory of ``chunked_lm_loss`` vs ``unchunked_lm_loss``, side by side.
 
     python benchmarks/loss.py [--tokens 4096 --hidden 2048 --vocab 248320 --chunk 1024 --repeats 2]
-                              [--device cpu|cuda] [--dtype float32|bfloat16]
+                              [--device cpu|cuda] [--dtype float32|bfloat16] [--compiled]
+
+``--compiled`` adds a third column: the chunked loss with ``kernels.loss: compiled`` (its block epilogues as
+``torch.compile``'d kernels; built in the untimed warm-up).
 
 Each variant runs in a fresh subprocess of this script (``--variant``), so the peaks do not mix. CPU peak memory is
 ``ru_maxrss`` (peak RSS) of that subprocess; the delta subtracts the RSS measured after the inputs were created.
@@ -52,9 +55,14 @@ def run_variant(args) -> dict:
     normalizer = (targets != -100).sum()
     hidden.requires_grad_(True)
     w_head.requires_grad_(True)
-    if args.variant == "chunked":
+    if args.variant in ("chunked", "compiled"):
+        from q38.kernels import DEFAULT_KERNELS, use_kernels
+
+        kernels = DEFAULT_KERNELS.replace(loss="torch" if args.variant == "chunked" else "compiled")
+
         def loss_fn():
-            return chunked_lm_loss(hidden, w_head, targets, normalizer=normalizer, chunk_size=args.chunk)
+            with use_kernels(kernels):
+                return chunked_lm_loss(hidden, w_head, targets, normalizer=normalizer, chunk_size=args.chunk)
     else:
         def loss_fn():
             return unchunked_lm_loss(hidden, w_head, targets, normalizer=normalizer)
@@ -70,6 +78,10 @@ def run_variant(args) -> dict:
     else:
         base = _rss_bytes()
     times = []
+    for _ in range(args.warmup):  # untimed (the compiled variant builds its kernels here)
+        loss_fn().backward()
+    hidden.grad = None
+    w_head.grad = None
     for _ in range(args.repeats):
         hidden.grad = None
         w_head.grad = None
@@ -103,7 +115,11 @@ def main():
     p.add_argument("--rounds", type=int, default=1, help="subprocess pairs, alternating the variants")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--variant", choices=["chunked", "unchunked"], help="internal: run one variant and print JSON")
+    p.add_argument("--warmup", type=int, default=1, help="untimed fwd+bwd per subprocess before the timed ones")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time the chunked loss with kernels.loss: compiled (torch.compile'd block epilogues)")
+    p.add_argument("--variant", choices=["chunked", "unchunked", "compiled"],
+                   help="internal: run one variant and print JSON")
     args = p.parse_args()
 
     if args.variant:
@@ -112,9 +128,10 @@ def main():
 
     # rounds alternate the two subprocesses, so a slow phase of a shared machine hits both variants
     results = {}
+    variants = ("unchunked", "chunked", "compiled") if args.compiled else ("unchunked", "chunked")
     for _ in range(args.rounds):
-        for variant in ("unchunked", "chunked"):
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
+        for variant in variants:
+            cmd = [sys.executable, __file__, *[a for a in sys.argv[1:] if a != "--compiled"], "--variant", variant]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 sys.exit(f"{variant} failed (rc={proc.returncode}):\n{proc.stderr}")
@@ -142,13 +159,16 @@ def main():
         ("|dhidden|", lambda r: r["dx_norm"], "{:.6f}"),
         ("|dw_head|", lambda r: r["dw_norm"], "{:.6f}"),
     ]
-    header = f"| {'metric':<34} | {'unchunked':>10} | {'chunked':>10} | {'chunked/unchunked':>17} |"
+    others = variants[1:]
+    header = (f"| {'metric':<34} | " + " | ".join(f"{v:>10}" for v in variants) + " | "
+              + " | ".join(f"{v + '/unchunked':>19}" for v in others) + " |")
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
     for name, get, fmt in rows:
-        u, c = get(results["unchunked"]), get(results["chunked"])
-        ratio = f"{c / u:.3f}" if u else "-"
-        print(f"| {name:<34} | {fmt.format(u):>10} | {fmt.format(c):>10} | {ratio:>17} |")
+        vals = {v: get(results[v]) for v in variants}
+        u = vals["unchunked"]
+        ratios = " | ".join(f"{(f'{vals[v] / u:.3f}' if u else '-'):>19}" for v in others)
+        print(f"| {name:<34} | " + " | ".join(f"{fmt.format(vals[v]):>10}" for v in variants) + f" | {ratios} |")
     print("per-repeat times [s]: " + ", ".join(f"{v}: {[round(t, 3) for t in results[v]['times']]}" for v in results))
 
 

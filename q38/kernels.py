@@ -2,7 +2,8 @@
 every implementation needs and supports, ``auto`` resolution, and the up-front check of a run's combination.
 
 Ops: ``gdn`` (the gated delta rule core), ``causal_conv1d`` (the GDN depthwise conv), ``attention`` (the full
-attention core), ``experts`` (the routed experts' SwiGLU over slots sorted by expert). Layers read the active
+attention core), ``experts`` (the routed experts' SwiGLU over slots sorted by expert), ``loss`` (the chunked LM
+loss's per-block epilogues). Layers read the active
 choice with ``active_kernels()``; a run enters ``use_kernels(resolved)`` around its steps. The torch paths are the
 oracle and run everywhere.
 
@@ -22,7 +23,7 @@ import attrs
 
 from q38.config import ConfigError, check_keys
 
-OPS = ("gdn", "causal_conv1d", "attention", "experts")
+OPS = ("gdn", "causal_conv1d", "attention", "experts", "loss")
 # legacy ModelConfig field → KernelConfig field
 LEGACY_KEYS = {
     "gdn_implementation": "gdn",
@@ -71,6 +72,20 @@ def _grouped_mm_problem() -> str | None:
     return None
 
 
+def _compile_problem() -> str | None:
+    """Why ``torch.compile`` cannot build kernels here: Triton for a CUDA device, a C++ compiler for the CPU."""
+    import importlib.util
+    import os
+    import shutil
+
+    import torch
+
+    if torch.cuda.is_available():
+        return None if importlib.util.find_spec("triton") else "torch.compile needs Triton on CUDA (pip install triton)"
+    cxx = os.environ.get("CXX", "c++")
+    return None if shutil.which(cxx) else f"torch.compile on CPU needs a C++ compiler ({cxx!r} not found)"
+
+
 def _import_problem(module: str, pip: str) -> Callable[[], str | None]:
     def check() -> str | None:
         try:
@@ -94,6 +109,7 @@ class KernelImpl:
     dtypes: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
     min_capability: tuple[int, int] | None = None  # CUDA compute capability it needs (checked on a CUDA device)
     problem: Callable[[], str | None] = lambda: None  # why it cannot run in this environment (None: it can)
+    auto: bool = True  # ``auto`` may pick it (False: only when named, e.g. until measured faster on a device)
     note: str = ""
 
 
@@ -128,6 +144,15 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
         "batched": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
                               note="slots scattered into [experts, capacity, d] and one padded bmm per projection"),
     },
+    "loss": {
+        "compiled": KernelImpl(devices=("cpu", "cuda"), cp=True, packed=True, backward=True, auto=False,
+                               problem=_compile_problem,
+                               note="torch.compile'd block epilogues: one pass per logits block in forward and in "
+                                    "backward instead of five and four; auto does not pick it until a device run "
+                                    "measures it faster (benchmarks/gpu.sh)"),
+        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+                            note="eager passes over fp32 copies of each logits block"),
+    },
 }
 
 
@@ -145,6 +170,7 @@ class KernelConfig:
     causal_conv1d: str = "auto"
     attention: str = "auto"
     experts: str = "auto"
+    loss: str = "auto"
 
     def __attrs_post_init__(self) -> None:
         for op in OPS:
@@ -240,13 +266,14 @@ def resolve_kernels(
         impls = REGISTRY[op]
         if want == "auto":
             out[op] = next(n for n, i in impls.items()
-                           if _unsupported(op, n, i, dev, cp, packed, train, dtype) is None)
+                           if i.auto and _unsupported(op, n, i, dev, cp, packed, train, dtype) is None)
             continue
         why = _unsupported(op, want, impls[want], dev, cp, packed, train, dtype)
         if why is not None:
             ok = [n for n, i in impls.items() if _unsupported(op, n, i, dev, cp, packed, train, dtype) is None]
+            pick = next(n for n in ok if impls[n].auto)
             raise ConfigError(
-                f"kernels.{op}: {want} {why}; use kernels.{op}: auto (picks {ok[0]} here) or one of {ok}"
+                f"kernels.{op}: {want} {why}; use kernels.{op}: auto (picks {pick} here) or one of {ok}"
             )
         out[op] = want
     return KernelConfig(**out)
@@ -256,12 +283,12 @@ def resolve_kernels(
 
 # Process-wide, not thread-local: autograd runs backward (and so activation recompute) on its own threads.
 _ACTIVE: dict[str, KernelConfig | None] = {"kernels": None}
-DEFAULT_KERNELS = KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa", experts="batched")
+DEFAULT_KERNELS = KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa", experts="batched", loss="torch")
 
 
 def active_kernels() -> KernelConfig:
     """What the layers run now: the innermost ``use_kernels``, else the paths that run everywhere (torch GDN and
-    conv, ``sdpa`` attention, ``batched`` experts)."""
+    conv, ``sdpa`` attention, ``batched`` experts, the eager loss)."""
     return _ACTIVE["kernels"] or DEFAULT_KERNELS
 
 

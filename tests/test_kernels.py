@@ -70,7 +70,9 @@ def test_fla_gate(monkeypatch, versions, problem):
 
 def test_auto_picks_per_device_and_cp(fla_ok):
     assert resolve_kernels(KernelConfig(), device="cpu") == KernelConfig(gdn="torch", causal_conv1d="torch",
-                                                                         attention="sdpa", experts="grouped_mm")
+                                                                         attention="sdpa", experts="grouped_mm",
+                                                                         loss="torch")
+    assert resolve_kernels(KernelConfig(), device="cuda", dtype="bfloat16").loss == "torch"  # compiled: auto=False
     assert resolve_kernels(KernelConfig(), device="cuda").gdn == "fla"
     assert resolve_kernels(KernelConfig(), device="cuda", cp=True).gdn == "torch"  # FLA has no CP path
     assert resolve_kernels(KernelConfig(), device="cuda").causal_conv1d == "torch"  # cuda conv: no packed rows
@@ -146,7 +148,8 @@ def test_checkpoint_made_with_one_kernel_setting_resumes_with_another(tmp_path, 
         assert "glibc malloc: mmap threshold 32 MiB, trim threshold 1 GiB" in said
     path = out / "checkpoints" / "step_000001"
     meta = ck.read_meta(path)
-    assert meta["kernels"] == {"gdn": "torch", "causal_conv1d": "torch", "attention": "eager", "experts": "grouped_mm"}
+    assert meta["kernels"] == {"gdn": "torch", "causal_conv1d": "torch", "attention": "eager", "experts": "grouped_mm",
+                              "loss": "torch"}
     assert "attention_implementation" not in meta["model_config"]
     # An older checkpoint's meta.json carried the kernel keys inside the model config: still the same model.
     meta["model_config"] = dict(meta["model_config"], gdn_implementation="torch", attention_implementation="eager")

@@ -78,6 +78,45 @@ def _view(flat: Tensor | None, n: int, b: int) -> Tensor | None:
     return None if flat is None else flat[: n * b].view(n, b)
 
 
+# ---- the fused block epilogues (kernels.loss: compiled) ----------------------------------------------------------
+# Each is one elementwise / row-reduction pass over a block of logits in the matmul dtype, where the eager loop makes
+# five (forward: max, shift, exp, sum) or four (backward: shift, exp, one-hot, cast) passes over fp32 copies. On an
+# accelerator those passes are memory-bound and are what the chunked loss pays on top of its matmuls; fused, the
+# block is read once in forward and read and written once in backward. Same math: the upcast to the compute dtype,
+# exp(logit − shift) and the one-hot in the compute dtype, one rounding to the matmul dtype.
+
+
+def _block_lse(logits_nb: Tensor, compute_dtype: torch.dtype) -> Tensor:
+    """Per-row logsumexp of one block, in the compute dtype."""
+    return torch.logsumexp(logits_nb.to(compute_dtype), dim=1)
+
+
+def _block_grad_(logits_nb: Tensor, shift_n: Tensor, col_n: Tensor, onehot_n: Tensor) -> Tensor:
+    """``exp(logit − shift) + onehot·[column = col]`` per row (``col`` −1: none), in ``shift``'s dtype, rounded once
+    to the logits' dtype and written over them (in place: no second block-sized buffer)."""
+    g = torch.exp(logits_nb.to(shift_n.dtype) - shift_n[:, None])
+    cols = torch.arange(logits_nb.shape[1], device=logits_nb.device)
+    g = g + torch.where(cols[None, :] == col_n[:, None], onehot_n[:, None], 0.0)
+    return logits_nb.copy_(g)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """``torch.compile`` of one epilogue, made on first use (dynamic shapes: one compile serves every block width
+    and token count)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _COMPILED[fn]
+
+
+def _fused_epilogue() -> bool:
+    from q38.kernels import active_kernels
+
+    return active_kernels().loss == "compiled"
+
+
 class _ChunkedLMLossSum(torch.autograd.Function):
     """Sum over valid tokens of ``logsumexp(logits_t) - logits_t[target_t]``, one vocab block at a time.
 
@@ -95,12 +134,16 @@ class _ChunkedLMLossSum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, w_head, targets, chunk, ignore_index):
+    def forward(ctx, hidden, w_head, targets, chunk, ignore_index, fused):
         n, v = hidden.shape[0], w_head.shape[0]
         mm_dtype, compute_dtype = _dtypes(hidden, w_head)
         x_nd, w_vd = hidden.to(mm_dtype), w_head.to(mm_dtype)
         valid_n = targets != ignore_index
         cols = _block_cols(chunk, n, v)
+        ctx.chunk, ctx.ignore_index, ctx.fused = chunk, ignore_index, fused
+        if fused:
+            return _ChunkedLMLossSum._forward_fused(ctx, hidden, w_head, targets, x_nd, w_vd, valid_n, cols,
+                                                    mm_dtype, compute_dtype)
         buf, low = _buffers(n, cols, mm_dtype, compute_dtype, hidden.device)
         max_n = torch.full((n,), -torch.inf, dtype=compute_dtype, device=hidden.device)
         sumexp_n = torch.zeros(n, dtype=compute_dtype, device=hidden.device)
@@ -121,8 +164,25 @@ class _ChunkedLMLossSum(torch.autograd.Function):
         lse_n = max_n + torch.log(sumexp_n)
         loss = torch.where(valid_n, lse_n - target_logit_n, 0.0).sum()
         ctx.save_for_backward(hidden, w_head, targets, lse_n)
-        ctx.chunk = chunk
-        ctx.ignore_index = ignore_index
+        return loss
+
+    @staticmethod
+    def _forward_fused(ctx, hidden, w_head, targets, x_nd, w_vd, valid_n, cols, mm_dtype, compute_dtype):
+        """The forward with one fused logsumexp per block (``_block_lse``), combined across blocks by logaddexp."""
+        n, v = x_nd.shape[0], w_vd.shape[0]
+        out = torch.empty(n * cols, dtype=mm_dtype, device=hidden.device)
+        block_lse = _compiled(_block_lse)
+        lse_n = torch.full((n,), -torch.inf, dtype=compute_dtype, device=hidden.device)
+        target_logit_n = torch.zeros(n, dtype=compute_dtype, device=hidden.device)
+        for v0 in range(0, v, cols):
+            v1 = min(v0 + cols, v)
+            logits_nb = torch.mm(x_nd, w_vd[v0:v1].T, out=_view(out, n, v1 - v0))
+            in_block_n = valid_n & (targets >= v0) & (targets < v1)
+            picked_n = logits_nb.gather(1, torch.where(in_block_n, targets - v0, 0)[:, None]).squeeze(1)
+            target_logit_n += torch.where(in_block_n, picked_n.to(compute_dtype), 0.0)
+            lse_n = torch.logaddexp(lse_n, block_lse(logits_nb, compute_dtype))
+        loss = torch.where(valid_n, lse_n - target_logit_n, 0.0).sum()
+        ctx.save_for_backward(hidden, w_head, targets, lse_n)
         return loss
 
     @staticmethod
@@ -141,10 +201,12 @@ class _ChunkedLMLossSum(torch.autograd.Function):
         shift_n = torch.where(valid_n, lse_n - torch.log(abs_grad), torch.inf)
         onehot_scale_n = torch.where(valid_n, -abs_grad, 0.0)
 
-        buf, low = _buffers(n, cols, mm_dtype, compute_dtype, hidden.device)
+        fused = ctx.fused
+        buf, low = _buffers(n, cols, mm_dtype, compute_dtype if not fused else mm_dtype, hidden.device)
+        block_grad_ = _compiled(_block_grad_) if fused else None
         dx_acc = torch.zeros(hidden.shape, dtype=compute_dtype, device=hidden.device) if need_dx else None
         dx_tmp = None
-        if need_dx and low is not None:
+        if need_dx and mm_dtype != compute_dtype:
             dx_tmp = torch.empty(hidden.shape, dtype=mm_dtype, device=hidden.device)
         grad_w = torch.empty_like(w_head) if need_dw else None
         x_signed_nd = x_nd * sign.to(mm_dtype) if need_dw else None
@@ -153,12 +215,15 @@ class _ChunkedLMLossSum(torch.autograd.Function):
             w_bd = w_vd[v0:v1]
             buf_nb, low_nb = _view(buf, n, v1 - v0), _view(low, n, v1 - v0)
             logits_nb = _block_logits(x_nd, w_bd, buf_nb, low_nb)
-            g_nb = torch.sub(logits_nb, shift_n[:, None], out=buf_nb).exp_()  # |g| * softmax
             in_block_n = (targets >= v0) & (targets < v1)
-            col_n = torch.where(in_block_n, targets - v0, 0)
-            g_nb.scatter_add_(1, col_n[:, None], torch.where(in_block_n, onehot_scale_n, 0.0)[:, None])
-            if low_nb is not None:  # the gradient matmuls run in the matmul dtype, like the reference's backward
-                g_nb = low_nb.copy_(g_nb)
+            if fused:  # one pass: |g| * softmax, the one-hot, rounded once to the matmul dtype
+                g_nb = block_grad_(logits_nb, shift_n, torch.where(in_block_n, targets - v0, -1), onehot_scale_n)
+            else:
+                g_nb = torch.sub(logits_nb, shift_n[:, None], out=buf_nb).exp_()  # |g| * softmax
+                col_n = torch.where(in_block_n, targets - v0, 0)
+                g_nb.scatter_add_(1, col_n[:, None], torch.where(in_block_n, onehot_scale_n, 0.0)[:, None])
+                if low_nb is not None:  # the gradient matmuls run in the matmul dtype, like the reference's backward
+                    g_nb = low_nb.copy_(g_nb)
             if need_dw:
                 if grad_w.dtype == mm_dtype:
                     torch.mm(g_nb.T, x_signed_nd, out=grad_w[v0:v1])
@@ -170,7 +235,7 @@ class _ChunkedLMLossSum(torch.autograd.Function):
                 else:
                     dx_acc += torch.mm(g_nb, w_bd, out=dx_tmp)
         grad_hidden = dx_acc.mul_(sign).to(hidden.dtype) if need_dx else None
-        return grad_hidden, grad_w, None, None, None
+        return grad_hidden, grad_w, None, None, None, None
 
 
 def chunked_lm_loss(
@@ -215,5 +280,5 @@ def chunked_lm_loss(
         chunk_size = dynamic_chunk_size(hidden.shape[0], w_head.shape[0], chunk_budget_bytes)
     elif chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    loss_sum = _ChunkedLMLossSum.apply(hidden, w_head, targets.long(), chunk_size, ignore_index)
+    loss_sum = _ChunkedLMLossSum.apply(hidden, w_head, targets.long(), chunk_size, ignore_index, _fused_epilogue())
     return loss_sum / normalizer
