@@ -393,15 +393,23 @@ def _chunk_factors(k, v, g, beta, doc):
 
 def _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw):
     """fp32 inputs with L2-normalised q/k and q scaled by dk^-0.5 (as ``_prep``), q/k expanded from their key heads
-    to the value heads; plus the fp32 q/k per key head (``qf``, ``kf``) for the L2-norm backward."""
+    to the value heads; plus the fp32 q/k per key head (``qf``, ``kf``) for the L2-norm backward and the normalised
+    ones per key head (``qn``, ``kn``: ``Q Kᵀ`` does not depend on the value head)."""
     # Contiguous [b h j u c] once here: the raw inputs are views of the [b s h c] projections, and a matmul over
     # non-contiguous 5-d operands copies them again at every product.
     qf, kf, vf = (t.float().contiguous() for t in (q_raw, k_raw, v_raw))
-    q, k = l2norm(qf, scale=qf.shape[-1] ** -0.5), l2norm(kf)
+    qn, kn = l2norm(qf, scale=qf.shape[-1] ** -0.5), l2norm(kf)
     r = vf.shape[1] // qf.shape[1]  # value heads per key head: normalised once per key head, then expanded
-    if r > 1:
-        q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
-    return qf, kf, q, k, vf, g_raw.float().contiguous(), beta_raw.float().contiguous()
+    q, k = (qn.repeat_interleave(r, dim=1), kn.repeat_interleave(r, dim=1)) if r > 1 else (qn, kn)
+    return qf, kf, qn, kn, q, k, vf, g_raw.float().contiguous(), beta_raw.float().contiguous()
+
+
+def _masked_qk(qn: Tensor, kn: Tensor, Gam: Tensor) -> Tensor:
+    """``P = Q Kᵀ ⊙ Γ`` per value head, with ``Q Kᵀ`` taken once per key head (``qn, kn`` [b hk j u a]) and broadcast
+    over the ``h / hk`` value heads of each by the product with ``Γ`` [b h j u u]."""
+    b, hk = qn.shape[:2]
+    qk = (qn @ kn.transpose(-1, -2))[:, :, None]
+    return (qk * Gam.view(b, hk, -1, *Gam.shape[2:])).view(Gam.shape)
 
 
 def _bmm5(x: Tensor, y: Tensor, add: Tensor, alpha: float = 1.0) -> Tensor:
@@ -439,7 +447,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0):
-        _, _, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
+        _, _, qn, kn, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
         b, h, n, C, a = k.shape
         p = v.shape[-1]
         _, _, _, _, Gam, _, E_q, Ec_k, decay, U, _, W, _ = _chunk_factors(k, v, g, beta, doc)
@@ -457,19 +465,19 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         ctx.save_for_backward(q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0, states)
         ctx.set_materialize_grads(False)
         # the outputs of every chunk at once: O = (Q ⊙ exp γ) S_j + (Q Kᵀ ⊙ Γ) Vnew
-        o = _bmm5(((q @ k.transpose(-1, -2)) * Gam), vnew, (q * E_q[..., None]) @ states)
+        o = _bmm5(_masked_qk(qn, kn, Gam), vnew, (q * E_q[..., None]) @ states)
         return o, S
 
     @staticmethod
     def backward(ctx, d_o, d_sfin):
         q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0, states = ctx.saved_tensors
-        qf, kf, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
+        qf, kf, qn, kn, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
         b, h, n, C, a = k.shape
         p = v.shape[-1]
         kb, vb, A, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks = _chunk_factors(k, v, g, beta, doc)
         kd = k * Ec_k[..., None]
         qd = q * E_q[..., None]
-        P = (q @ k.transpose(-1, -2)) * Gam
+        P = _masked_qk(qn, kn, Gam)
         vnew = _bmm5(W, states, U, alpha=-1.0)  # U − W·S
         # contiguous once: the incoming gradient is a view of the [b s h p] output, and four products read it
         d_o = torch.zeros_like(vnew) if d_o is None else d_o.contiguous()
@@ -503,8 +511,12 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         x = dP * P
         dgam += x.sum(-1) - x.sum(-2)
         dP.mul_(Gam)
-        _acc_matmul(dq, dP, k)
-        _acc_matmul(dk, dP.transpose(-1, -2), q)
+        hk = qf.shape[1]
+        if hk == h:
+            _acc_matmul(dq, dP, k)
+            _acc_matmul(dk, dP.transpose(-1, -2), q)
+        else:  # Q Kᵀ is per key head: its gradient sums over the value heads first, then one product per key head
+            dP = dP.view(b, hk, h // hk, n, C, C).sum(2)
         # Vnew = U − W S  (W = W_raw ⊙ cont)
         dW = (dvnew @ st_t).neg_()
         if masks is not None:
@@ -528,9 +540,10 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dbeta = (dvb * v).sum(-1) + (dkb * k).sum(-1)
         dk.addcmul_(dkb, beta[..., None])
         dg = dgam.flip(-1).cumsum(-1).flip(-1)
-        hk = qf.shape[1]
         if hk < h:  # q/k were expanded from hk key heads: their gradients sum over the value heads of each
             dq, dk = (t.view(b, hk, h // hk, n, C, a).sum(2) for t in (dq, dk))
+            _acc_matmul(dq, dP, kn)
+            _acc_matmul(dk, dP.transpose(-1, -2), qn)
         dq = _l2norm_backward(qf, dq, a**-0.5)
         dk = _l2norm_backward(kf, dk, 1.0)
         return (dq.to(q_raw.dtype), dk.to(k_raw.dtype), dv.to(v_raw.dtype), dg.to(g_raw.dtype),
