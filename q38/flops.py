@@ -71,10 +71,16 @@ def _layer_forward(cfg: ModelConfig, kind: str, tokens: int, rows: int, seq: int
         C = cfg.gdn_chunk_size
         chunks = rows * math.ceil(seq / C)
         pe = p + (a if cp > 1 else 0)  # CP runs extra value columns for the state response
-        per = 4 * C * C * a + 2 * C * C * pe + 6 * C * a * pe
-        out["gdn_core"] += chunks * nv * per
-        out["solve"] += chunks * nv * C * C * (pe + a)
-        del nk
+        r = nk / nv  # q·kᵀ is taken once per key head (gdn.py `_masked_qk`); the rest per value head
+        # The products of gdn.py's `_ChunkGatedDeltaRule`, per chunk and value head, counted from the code.
+        # forward: A = Kβ Kᵀ, S·Kβ, q·kᵀ (C²a); U = T·Vβ, P·Vnew (C²p); W·S, Kdᵀ·Vnew, (Q⊙E)·S (Cap); T by one
+        # triangular solve against I (C³)
+        out["gdn_core"] += chunks * nv * (2 * C * C * a * (2 + r) + 4 * C * C * pe + 6 * C * a * pe)
+        out["solve"] += chunks * nv * C**3
+        # backward (executed): the factors again (A, S·Kβ, q·kᵀ, U, the solve), Vnew, Pᵀ·dO, (Q⊙E)ᵀ·dO, the reverse
+        # recurrence (Kd·dS, Wᵀ·dVnew), dKd, dQd, dP, dq/dk from dP (per key head), dW, Tᵀ·[dVnew | dW], dL (two),
+        # dKβ = dL·K and dk += dLᵀ·Kβ
+        out["gdn_backward"] = chunks * nv * (2 * C * C * a * (7 + 3 * r) + 10 * C * C * pe + 14 * C * a * pe + C**3)
     e, k, f, fs = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     out["dense"] += 2 * tokens * d * e + 2 * tokens * (3 * d * fs) + 2 * tokens * d
     out["experts"] += 2 * tokens * k * 3 * d * f
@@ -96,14 +102,14 @@ def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute:
     keep_gdn = recompute in ("selective_gdn", "selective_both")
     for kind in kinds:
         lf = _layer_forward(cfg, kind, tokens, rows, seq, causal_skip=causal_skip, cp=cp)
+        # q38's GDN backward rebuilds each chunk's factors instead of saving them: what it executes beyond the
+        # model's 2 × forward is counted like activation recompute
+        recomputed += lf.pop("gdn_backward", 0.0) - 2 * (lf["gdn_core"] + lf["solve"])
         for key, v in lf.items():
             fwd[key] += v
         if recompute != "none":
             kept = (lf["attention"] if keep_attn else 0.0) + (lf["gdn_core"] + lf["solve"] if keep_gdn else 0.0)
             recomputed += sum(lf.values()) - kept
-    # q38's GDN backward (gdn.py) rebuilds each chunk's factors (k·kᵀ, q·kᵀ, decays, WY products) instead of saving
-    # them: executed work beyond the model's FLOPs, like activation recompute; calibrated against FlopCounterMode.
-    recomputed += 2 * fwd["gdn_core"]
     d, v = cfg.hidden_size, cfg.vocab_size
     fwd["dense"] += cfg.mtp_num_layers * 2 * tokens * 2 * d * d  # MTP fc
     if valid_targets is None:
@@ -116,7 +122,7 @@ def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute:
         dense=3 * fwd["dense"],
         experts=3 * fwd["experts"],
         attention=3 * fwd["attention"],
-        gdn_core=3 * fwd["gdn_core"] + 4 * fwd["solve"],
+        gdn_core=3 * (fwd["gdn_core"] + fwd["solve"]),
         head=4 * head_fwd,
         recompute=recomputed,
         aux_forward=model_fwd_no_head if (aux_global and micro_batches > 1) else 0.0,

@@ -1,15 +1,17 @@
 """Predicted step FLOPs (q38/flops.py, the formula MFU and ``q38 plan`` share) against torch's FlopCounterMode on a
 real ``train_step`` (tolerance 5 %).
 
-FlopCounterMode needs three additions to count what this model runs on CPU, each independent of q38's formula:
-its grouped-convolution backward ignores ``groups`` (a depthwise conv's weight gradient is counted ``channels``
-times too large), and it has no entries for the triangular solve, the CPU flash SDPA op, or ``_grouped_mm``. Its
-SDPA formula counts every score (no causal skip), so the prediction is asked for ``causal_skip=False``.
+FlopCounterMode needs additions to count what this model runs on CPU, each independent of q38's formula: its
+grouped-convolution backward ignores ``groups`` (a depthwise conv's weight gradient is counted ``channels`` times
+too large), and it has no entries for the in-place ``baddbmm_`` / ``addmm_`` (the GDN backward and the chunked
+loss accumulate gradients with them), the triangular solve, the CPU flash SDPA op, or ``_grouped_mm``. Its SDPA
+formula counts every score (no causal skip), so the prediction is asked for ``causal_skip=False``.
 """
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, conv_flop_count, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (FlopCounterMode, bmm_flop, conv_flop_count, mm_flop, sdpa_backward_flop_count,
+                                      sdpa_flop_count)
 
 from q38.config import ModelConfig
 from q38.kernels import DEFAULT_KERNELS, use_kernels
@@ -52,7 +54,17 @@ def _sdpa_cpu_bwd(grad_out, q, k, v, *args, out_shape=None, **kw):
     return sdpa_backward_flop_count(grad_out, q, k, v)
 
 
+def _baddbmm_(self_shape, a_shape, b_shape, *args, out_shape=None, **kw):
+    return bmm_flop(a_shape, b_shape)
+
+
+def _addmm_(self_shape, a_shape, b_shape, *args, out_shape=None, **kw):
+    return mm_flop(a_shape, b_shape)
+
+
 MAPPING = {
+    aten.baddbmm_: _baddbmm_,
+    aten.addmm_: _addmm_,
     aten.convolution_backward: _conv_bwd,
     aten.linalg_solve_triangular: _solve,
     aten._grouped_mm: _grouped_mm,
