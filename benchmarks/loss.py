@@ -128,13 +128,18 @@ def main():
 
     # rounds alternate the two subprocesses, so a slow phase of a shared machine hits both variants
     results = {}
-    variants = ("unchunked", "chunked", "compiled") if args.compiled else ("unchunked", "chunked")
+    variants = ["unchunked", "chunked", "compiled"] if args.compiled else ["unchunked", "chunked"]
     for _ in range(args.rounds):
-        for variant in variants:
+        for variant in list(variants):
             cmd = [sys.executable, __file__, *[a for a in sys.argv[1:] if a != "--compiled"], "--variant", variant]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
-                sys.exit(f"{variant} failed (rc={proc.returncode}):\n{proc.stderr}")
+                if variant != "compiled":
+                    sys.exit(f"{variant} failed (rc={proc.returncode}):\n{proc.stderr}")
+                # the optional column: report why and keep the others' table (one device run measures them all)
+                print(f"compiled failed (rc={proc.returncode}); its column is left out:\n{proc.stderr[-4000:]}")
+                variants.remove("compiled")
+                continue
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             if variant in results:  # merge: all times, the worst peak
                 prev = results[variant]
