@@ -269,3 +269,33 @@ def test_compiled_loss_is_never_picked_by_auto():
     assert resolve_kernels(KernelConfig(), device="cpu").loss == "torch"
     if REGISTRY["loss"]["compiled"].problem() is None:
         assert resolve_kernels(KernelConfig(loss="compiled"), device="cpu").loss == "compiled"
+
+
+def test_compiled_epilogues_run_from_another_thread():
+    """On CUDA autograd runs backward on a device thread, so the compiled backward epilogue is called from a thread
+    other than the one that built it: equal there to the eager expression (bf16, within one ulp: Inductor's exp
+    may round differently from ATen's), new shapes included."""
+    import threading
+
+    from q38.kernels import REGISTRY
+    from q38.train.loss import _block_grad_, _compiled
+
+    if REGISTRY["loss"]["compiled"].problem() is not None:
+        pytest.skip(REGISTRY["loss"]["compiled"].problem())
+    gen = torch.Generator().manual_seed(0)
+
+    def check(n, b):
+        x = torch.randn(n, b, generator=gen).bfloat16()
+        shift, onehot = torch.randn(n, generator=gen), -torch.rand(n, generator=gen)
+        col = torch.randint(-1, b, (n,), generator=gen)
+        want = (torch.exp(x.float() - shift[:, None]) + torch.where(torch.arange(b)[None] == col[:, None],
+                                                                     onehot[:, None], 0.0)).bfloat16()
+        got = _compiled(_block_grad_)(x.clone(), shift, col, onehot).float()
+        return bool(((got - want.float()).abs() <= want.float().abs() * 2**-7).all())  # within one bf16 ulp
+
+    assert check(16, 100)
+    got = []
+    worker = threading.Thread(target=lambda: got.extend([check(16, 100), check(24, 77)]))
+    worker.start()
+    worker.join()
+    assert got == [True, True]
