@@ -3,9 +3,8 @@ every implementation needs and supports, ``auto`` resolution, and the up-front c
 
 Ops: ``gdn`` (the gated delta rule core), ``causal_conv1d`` (the GDN depthwise conv), ``attention`` (the full
 attention core), ``experts`` (the routed experts' SwiGLU over slots sorted by expert), ``loss`` (the chunked LM
-loss's per-block epilogues). Layers read the active
-choice with ``active_kernels()``; a run enters ``use_kernels(resolved)`` around its steps. The torch paths are the
-oracle and run everywhere.
+loss's per-block epilogues). Layers read the active choice with ``active_kernels()``; a run enters
+``use_kernels(resolved)`` around its steps. The torch paths are the oracle and run everywhere.
 
 Model configs from before this split (``gdn_implementation`` / ``causal_conv1d_implementation`` /
 ``attention_implementation`` in a model YAML, a run config's ``model`` mapping or a checkpoint's ``meta.json``) are
