@@ -122,7 +122,7 @@ class _ChunkedLMLossSum(torch.autograd.Function):
 
     Both passes walk the vocab in blocks of ``b`` columns and compute ``[n, b]`` logits per block (``b`` chosen so
     that ``[n, b]`` holds as many logits as a ``[chunk, v]`` token chunk). Forward keeps an online logsumexp per
-    token; backward recomputes the same blocks with the same matmul shapes (so the logits match the forward ones
+    token (``kernels.loss: compiled``: one fused logsumexp per block, combined by logaddexp); backward recomputes the same blocks with the same matmul shapes (so the logits match the forward ones
     bit for bit on a deterministic BLAS), writes each ``dw_head`` block once, directly in its final dtype, and
     accumulates ``dhidden`` ``[n, d]`` in the compute dtype. Splitting the vocab rather than the tokens keeps the
     accumulator at ``[n, d]`` instead of ``[v, d]`` (no fp32 copy of the head gradient for bf16 heads, no
@@ -141,11 +141,11 @@ class _ChunkedLMLossSum(torch.autograd.Function):
         valid_n = targets != ignore_index
         cols = _block_cols(chunk, n, v)
         ctx.chunk, ctx.ignore_index, ctx.fused = chunk, ignore_index, fused
-        if fused:
-            return _ChunkedLMLossSum._forward_fused(ctx, hidden, w_head, targets, x_nd, w_vd, valid_n, cols,
-                                                    mm_dtype, compute_dtype)
-        buf, low = _buffers(n, cols, mm_dtype, compute_dtype, hidden.device)
+        # fused: the block stays in the matmul dtype and one compiled pass gives its logsumexp
+        buf, low = _buffers(n, cols, mm_dtype, mm_dtype if fused else compute_dtype, hidden.device)
+        block_lse = _compiled(_block_lse) if fused else None
         max_n = torch.full((n,), -torch.inf, dtype=compute_dtype, device=hidden.device)
+        lse_n = max_n.clone()  # fused: the running logsumexp
         sumexp_n = torch.zeros(n, dtype=compute_dtype, device=hidden.device)
         target_logit_n = torch.zeros(n, dtype=compute_dtype, device=hidden.device)
         for v0 in range(0, v, cols):
@@ -156,31 +156,16 @@ class _ChunkedLMLossSum(torch.autograd.Function):
             col_n = torch.where(in_block_n, targets - v0, 0)
             picked_n = logits_nb.gather(1, col_n[:, None]).squeeze(1).to(compute_dtype)
             target_logit_n += torch.where(in_block_n, picked_n, 0.0)
+            if fused:  # blocks' logsumexps combined by logaddexp
+                lse_n = torch.logaddexp(lse_n, block_lse(logits_nb, compute_dtype))
+                continue
             # online logsumexp; the (upcast) shifted logits go to the compute-dtype buffer, in place when fp32
             new_max_n = torch.maximum(max_n, logits_nb.amax(dim=1).to(compute_dtype))
             shifted_nb = torch.sub(logits_nb, new_max_n[:, None], out=buf_nb)
             sumexp_n = sumexp_n * torch.exp(max_n - new_max_n) + shifted_nb.exp_().sum(dim=1)
             max_n = new_max_n
-        lse_n = max_n + torch.log(sumexp_n)
-        loss = torch.where(valid_n, lse_n - target_logit_n, 0.0).sum()
-        ctx.save_for_backward(hidden, w_head, targets, lse_n)
-        return loss
-
-    @staticmethod
-    def _forward_fused(ctx, hidden, w_head, targets, x_nd, w_vd, valid_n, cols, mm_dtype, compute_dtype):
-        """The forward with one fused logsumexp per block (``_block_lse``), combined across blocks by logaddexp."""
-        n, v = x_nd.shape[0], w_vd.shape[0]
-        out = torch.empty(n * cols, dtype=mm_dtype, device=hidden.device)
-        block_lse = _compiled(_block_lse)
-        lse_n = torch.full((n,), -torch.inf, dtype=compute_dtype, device=hidden.device)
-        target_logit_n = torch.zeros(n, dtype=compute_dtype, device=hidden.device)
-        for v0 in range(0, v, cols):
-            v1 = min(v0 + cols, v)
-            logits_nb = torch.mm(x_nd, w_vd[v0:v1].T, out=_view(out, n, v1 - v0))
-            in_block_n = valid_n & (targets >= v0) & (targets < v1)
-            picked_n = logits_nb.gather(1, torch.where(in_block_n, targets - v0, 0)[:, None]).squeeze(1)
-            target_logit_n += torch.where(in_block_n, picked_n.to(compute_dtype), 0.0)
-            lse_n = torch.logaddexp(lse_n, block_lse(logits_nb, compute_dtype))
+        if not fused:
+            lse_n = max_n + torch.log(sumexp_n)
         loss = torch.where(valid_n, lse_n - target_logit_n, 0.0).sum()
         ctx.save_for_backward(hidden, w_head, targets, lse_n)
         return loss
