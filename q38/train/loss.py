@@ -122,8 +122,9 @@ class _ChunkedLMLossSum(torch.autograd.Function):
 
     Both passes walk the vocab in blocks of ``b`` columns and compute ``[n, b]`` logits per block (``b`` chosen so
     that ``[n, b]`` holds as many logits as a ``[chunk, v]`` token chunk). Forward keeps an online logsumexp per
-    token (``kernels.loss: compiled``: one fused logsumexp per block, combined by logaddexp); backward recomputes the same blocks with the same matmul shapes (so the logits match the forward ones
-    bit for bit on a deterministic BLAS), writes each ``dw_head`` block once, directly in its final dtype, and
+    token (``kernels.loss: compiled``: one fused logsumexp per block, combined by logaddexp); backward recomputes
+    the same blocks with the same matmul shapes (so the logits match the forward ones bit for bit on a
+    deterministic BLAS), writes each ``dw_head`` block once, directly in its final dtype, and
     accumulates ``dhidden`` ``[n, d]`` in the compute dtype. Splitting the vocab rather than the tokens keeps the
     accumulator at ``[n, d]`` instead of ``[v, d]`` (no fp32 copy of the head gradient for bf16 heads, no
     read-modify-write of ``[v, d]`` per chunk).
