@@ -5,7 +5,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from q38.kernels import DEFAULT_KERNELS, REGISTRY, KernelConfig, resolve_kernels, use_kernels
 from q38.train.loss import chunked_lm_loss, dynamic_chunk_size, unchunked_lm_loss
+
+_NO_COMPILE = REGISTRY["loss"]["compiled"].problem()  # kernels.loss: compiled needs torch.compile to work here
+needs_compile = pytest.mark.skipif(_NO_COMPILE is not None, reason=str(_NO_COMPILE))
 
 N, D, V = 50, 32, 1000
 ATOL = 1e-6
@@ -233,16 +237,13 @@ def test_signatures_typecheck():
         checked(hidden, w_head[:, :-1], targets, normalizer=46.0, chunk_size=8)
 
 
+@needs_compile
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_epilogues_match_eager(dtype):
     """``kernels.loss: compiled`` (the torch.compile'd block epilogues; on CPU through Inductor's C++ backend) against
     the eager loop and the unchunked reference: loss and both gradients, with a partial last block, ignored rows and
     a negative loss scale (sign handling). fp32 within 1e-6 (the blocks' logsumexp is combined by logaddexp instead
     of the online max); bf16 within the eager path's own distance from the reference, plus one bf16 ulp."""
-    from q38.kernels import DEFAULT_KERNELS, REGISTRY, use_kernels
-
-    if REGISTRY["loss"]["compiled"].problem() is not None:
-        pytest.skip(REGISTRY["loss"]["compiled"].problem())
     hidden, w_head, targets = _inputs(dtype=dtype)
     norm = float(_normalizer(targets))
     kw = dict(normalizer=norm, chunk_size=7, scale=-3.0)  # 7 * 1000 // 50 = 140 columns: a partial last block
@@ -262,26 +263,20 @@ def test_fused_epilogues_match_eager(dtype):
 
 def test_compiled_loss_is_never_picked_by_auto():
     """Not measured faster on a device yet: ``auto`` takes the eager epilogues; naming it works."""
-    from q38.kernels import KernelConfig, resolve_kernels
-
-    from q38.kernels import REGISTRY
-
     assert resolve_kernels(KernelConfig(), device="cpu").loss == "torch"
-    if REGISTRY["loss"]["compiled"].problem() is None:
+    if _NO_COMPILE is None:
         assert resolve_kernels(KernelConfig(loss="compiled"), device="cpu").loss == "compiled"
 
 
+@needs_compile
 def test_compiled_epilogues_run_from_another_thread():
     """On CUDA autograd runs backward on a device thread, so the compiled backward epilogue is called from a thread
     other than the one that built it: equal there to the eager expression (bf16, within one ulp: Inductor's exp
     may round differently from ATen's), new shapes included."""
     import threading
 
-    from q38.kernels import REGISTRY
     from q38.train.loss import _block_grad_, _compiled
 
-    if REGISTRY["loss"]["compiled"].problem() is not None:
-        pytest.skip(REGISTRY["loss"]["compiled"].problem())
     gen = torch.Generator().manual_seed(0)
 
     def check(n, b):
