@@ -18,7 +18,7 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, output to OUT_D
 
 step gdn_kernel 60 python3 benchmarks/gdn_kernel.py
 # chunked loss vs unchunked, eager and compiled block epilogues (kernels.loss: torch / compiled; goal ≤ 1.2)
-step loss 90 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320 --compiled
+step loss 120 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320 --compiled
 # q38 vs transformers fwd+bwd (kernels: auto → experts grouped_mm on bf16 CUDA); torch GDN, then FLA GDN
 step model_torch_gdn 60 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --layers
 step model_fla_gdn 45 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --gdn fla
