@@ -17,6 +17,7 @@ from q38.layers.context import SeqInfo
 from q38.layers.gdn import gdn_apply, gdn_backward
 from q38.model import abstract_params
 from q38.layers.common import materialize
+from q38.kernels import GDN_CHUNK  # what gdn_apply runs outside use_kernels (DEFAULT_KERNELS)
 
 
 def saved_bytes(fn) -> int:
@@ -46,7 +47,7 @@ def main():
     p = torch.utils._pytree.tree_map(lambda info: materialize(info, "gdn", seed=0, device=dev, dtype=dtype)
                                      .requires_grad_(), abstract)
     print(f"model {args.model}: hidden {cfg.hidden_size}, GDN {cfg.linear_num_key_heads} key / "
-          f"{cfg.linear_num_value_heads} value heads × {cfg.linear_key_head_dim}, chunk {cfg.gdn_chunk_size}, "
+          f"{cfg.linear_num_value_heads} value heads × {cfg.linear_key_head_dim}, chunk {GDN_CHUNK}, "
           f"{args.dtype} activations (the core runs in fp32), batch 1, packed row, device {dev}")
     print(f"\n{'seq':>7} {'what':<22}{'autograd (MiB)':>16}{'custom (MiB)':>14}{'custom/autograd':>17}")
     for s in args.seqs:
@@ -63,7 +64,7 @@ def main():
         from q38.layers.gdn import gated_delta_rule_chunked
 
         rows = [("whole GDN layer", lambda: gdn_apply(p, x, cfg, info)),
-                ("gated delta rule", lambda: gated_delta_rule_chunked(*core_in, doc, chunk_size=cfg.gdn_chunk_size))]
+                ("gated delta rule", lambda: gated_delta_rule_chunked(*core_in, doc, chunk_size=GDN_CHUNK))]
         for name, fn in rows:
             n = {}
             for mode in ("autograd", "custom"):

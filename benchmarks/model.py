@@ -56,6 +56,8 @@ def main():
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--experts-kernel", default="auto", help="kernels.experts (auto | grouped_mm | batched)")
     ap.add_argument("--gdn", default="torch", help="kernels.gdn (torch | fla)")
+    ap.add_argument("--gdn-chunk", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="kernels.gdn_chunk_size (auto: 32 on CPU at these head dims, 64 elsewhere)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1,
                     help="repeat the whole-model comparison this many times in the same process and print each "
@@ -72,7 +74,8 @@ def main():
         print(tune_cpu_allocator() or "malloc: not glibc, left as it is")
 
     kernels = resolve_kernels(KernelConfig(gdn=args.gdn, causal_conv1d="torch", attention="sdpa",
-                                           experts=args.experts_kernel), device=args.device, dtype=args.dtype)
+                                           experts=args.experts_kernel, gdn_chunk_size=args.gdn_chunk),
+                               device=args.device, dtype=args.dtype, model=bench_config(args))
     print(f"kernels: {kernels.to_dict()}")
     with use_kernels(kernels):
         run(args)

@@ -113,9 +113,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
-    # numerics-neutral compute switch (kernel implementations, e.g. grouped-GEMM experts, live in
-    # q38.kernels.KernelConfig, a run setting)
-    gdn_chunk_size: int = 64
+    # Kernel choices and the torch GDN core's chunk length are run settings (q38.kernels.KernelConfig), not fields here.
 
     def __attrs_post_init__(self) -> None:
         if self.layer_types is None:
@@ -133,7 +131,7 @@ class ModelConfig:
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
             "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
-            "moe_intermediate_size", "gdn_chunk_size",
+            "moe_intermediate_size",
         ):
             need(int(getattr(self, name)) > 0, f"{name} must be a positive integer, got {getattr(self, name)!r}")
         need(self.shared_expert_intermediate_size >= 0, "shared_expert_intermediate_size must be >= 0")

@@ -22,6 +22,7 @@ import math
 import attrs
 
 from q38.config import ModelConfig
+from q38.kernels import GDN_CHUNK
 
 
 @attrs.frozen
@@ -48,9 +49,9 @@ class StepFlops:
 
 
 def _layer_forward(cfg: ModelConfig, kind: str, tokens: int, rows: int, seq: int, *, causal_skip: bool,
-                   cp: int = 1) -> dict[str, float]:
+                   cp: int = 1, gdn_chunk: int = GDN_CHUNK) -> dict[str, float]:
     """Forward matmul FLOPs of one decoder layer over ``tokens`` = ``rows`` × ``seq`` local tokens (``seq`` local
-    to this CP rank; attention keys span ``seq × cp``)."""
+    to this CP rank; attention keys span ``seq × cp``; the GDN core in chunks of ``gdn_chunk``)."""
     d = cfg.hidden_size
     out = {"dense": 0.0, "experts": 0.0, "attention": 0.0, "gdn_core": 0.0, "solve": 0.0}
     if kind == "full_attention":
@@ -68,7 +69,7 @@ def _layer_forward(cfg: ModelConfig, kind: str, tokens: int, rows: int, seq: int
         conv = cfg.linear_conv_dim
         out["dense"] += 2 * tokens * d * (conv + nv * p + 2 * nv) + 2 * tokens * nv * p * d
         out["dense"] += 2 * tokens * conv * kw  # depthwise causal conv
-        C = cfg.gdn_chunk_size
+        C = gdn_chunk
         chunks = rows * math.ceil(seq / C)
         pe = p + (a if cp > 1 else 0)  # CP runs extra value columns for the state response
         r = nk / nv  # q·kᵀ is taken once per key head (gdn.py `_masked_qk`); the rest per value head
@@ -89,11 +90,13 @@ def _layer_forward(cfg: ModelConfig, kind: str, tokens: int, rows: int, seq: int
 
 def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute: str = "none",
                micro_batches: int = 1, aux_global: bool = False, causal_skip: bool = True,
-               valid_targets: tuple[float, ...] | None = None) -> StepFlops:
+               valid_targets: tuple[float, ...] | None = None, gdn_chunk: int = GDN_CHUNK) -> StepFlops:
     """FLOPs of one step over ``rows`` rows of ``seq`` local tokens (this rank's share of the step, all
     micro-batches together). ``recompute``: ``none`` | ``full`` | ``selective_attention`` | ``selective_gdn`` |
     ``selective_both`` (kept kernels are not recomputed). ``valid_targets``: rows' valid targets per depth (main,
-    MTP 1, ...); default every token minus the shifted-out tail of each row (unpacked rows, CP rank-agnostic)."""
+    MTP 1, ...); default every token minus the shifted-out tail of each row (unpacked rows, CP rank-agnostic).
+    ``gdn_chunk``: the torch GDN core's chunk length (``kernels.gdn_chunk_size``); MFU's model FLOPs
+    (``train_flops_per_token``) take the accelerator one, ``GDN_CHUNK``, whatever the run uses."""
     tokens = rows * seq
     kinds = list(cfg.layer_types) + ["full_attention"] * cfg.mtp_num_layers
     fwd = {"dense": 0.0, "experts": 0.0, "attention": 0.0, "gdn_core": 0.0, "solve": 0.0}
@@ -101,7 +104,7 @@ def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute:
     keep_attn = recompute in ("selective_attention", "selective_both")
     keep_gdn = recompute in ("selective_gdn", "selective_both")
     for kind in kinds:
-        lf = _layer_forward(cfg, kind, tokens, rows, seq, causal_skip=causal_skip, cp=cp)
+        lf = _layer_forward(cfg, kind, tokens, rows, seq, causal_skip=causal_skip, cp=cp, gdn_chunk=gdn_chunk)
         # q38's GDN backward rebuilds each chunk's factors instead of saving them: what it executes beyond the
         # model's 2 × forward is counted like activation recompute
         recomputed += lf.pop("gdn_backward", 0.0) - 2 * (lf["gdn_core"] + lf["solve"])

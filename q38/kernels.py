@@ -6,9 +6,14 @@ attention core), ``experts`` (the routed experts' SwiGLU over slots sorted by ex
 loss's per-block epilogues). Layers read the active choice with ``active_kernels()``; a run enters
 ``use_kernels(resolved)`` around its steps. The torch paths are the oracle and run everywhere.
 
+One tuning knob rides along: ``gdn_chunk_size``, the chunk length of the torch GDN core (the result is the same
+up to rounding for any chunk; only speed and memory change). ``auto`` takes ``GDN_CHUNK`` (64, FLA's chunk and the
+one ``q38 plan`` models) except on CPU with head dims ≤ 64, where 32 is faster (``auto_gdn_chunk``).
+
 Model configs from before this split (``gdn_implementation`` / ``causal_conv1d_implementation`` /
-``attention_implementation`` in a model YAML, a run config's ``model`` mapping or a checkpoint's ``meta.json``) are
-accepted: the keys are mapped onto ``kernels`` with a note (``legacy_kernel_keys``), never onto model identity.
+``attention_implementation`` / ``gdn_chunk_size`` in a model YAML, a run config's ``model`` mapping or a checkpoint's
+``meta.json``) are accepted: the keys are mapped onto ``kernels`` with a note (``legacy_kernel_keys``), never onto
+model identity.
 """
 
 from __future__ import annotations
@@ -29,7 +34,23 @@ LEGACY_KEYS = {
     "causal_conv1d_implementation": "causal_conv1d",
     "attention_implementation": "attention",
     "use_grouped_expert_matmul": "experts",  # a bool: true → grouped_mm, false → batched
+    "gdn_chunk_size": "gdn_chunk_size",  # was a ModelConfig field (default 64)
 }
+# what each legacy key meant when left at its default: mapped without a note
+_LEGACY_DEFAULTS = {"gdn": "torch", "causal_conv1d": "torch", "attention": "sdpa", "gdn_chunk_size": 64}
+GDN_CHUNK = 64  # the torch GDN core's chunk on accelerators (FLA's), and the one q38 plan and the FLOP count model
+
+
+def auto_gdn_chunk(device: str, key_head_dim: int | None = None, value_head_dim: int | None = None) -> int:
+    """The torch GDN core's chunk length for ``auto``: ``GDN_CHUNK`` except on CPU with head dims ≤ 64 (not known:
+    ``GDN_CHUNK``).
+
+    Per chunk the core does ``C²(a + p)`` intra-chunk work and ``C·a·p`` state work, so the best chunk grows with the
+    head dims. On CPU (2 cores, fp32) the ``[C, C]`` factors are memory-bound: at a = p = 64, C = 32 runs the whole
+    benchmark model 3-4 % faster than 64 (benchmarks/README.md), at a = p = 128 C = 64 is as fast or faster."""
+    if str(device).split(":")[0] == "cpu" and key_head_dim is not None and max(key_head_dim, value_head_dim) <= 64:
+        return 32
+    return GDN_CHUNK
 
 
 def _version(pkg: str) -> tuple[int, ...] | None:
@@ -170,31 +191,36 @@ class KernelConfig:
     attention: str = "auto"
     experts: str = "auto"
     loss: str = "auto"
+    gdn_chunk_size: int | str = "auto"  # the torch GDN core's chunk length (auto: ``auto_gdn_chunk``)
 
     def __attrs_post_init__(self) -> None:
         for op in OPS:
             _check_choice(op, getattr(self, op))
+        c = self.gdn_chunk_size
+        if c != "auto" and (isinstance(c, bool) or not isinstance(c, int) or c <= 0):
+            raise ConfigError(f"kernels.gdn_chunk_size must be a positive integer or auto, got {c!r} "
+                              f"(auto: {GDN_CHUNK}, or 32 on CPU with head dims <= 64)")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, *, source: str = "kernels") -> "KernelConfig":
         d = dict(d or {})
-        check_keys(d, OPS, f"{source}: unknown kernel key(s)")
+        check_keys(d, (*OPS, "gdn_chunk_size"), f"{source}: unknown kernel key(s)")
         return cls(**d)
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict[str, str | int]:
         return attrs.asdict(self)
 
-    def replace(self, **changes: str) -> "KernelConfig":
+    def replace(self, **changes: str | int) -> "KernelConfig":
         return attrs.evolve(self, **changes)
 
     @property
     def resolved(self) -> bool:
-        return all(getattr(self, op) != "auto" for op in OPS)
+        return all(getattr(self, op) != "auto" for op in (*OPS, "gdn_chunk_size"))
 
 
 def legacy_kernel_keys(
     d: Mapping[str, Any], *, source: str = "model config", mapped: bool = True
-) -> tuple[dict, dict[str, str]]:
+) -> tuple[dict, dict[str, Any]]:
     """Split a model-config mapping into ``(model keys, kernel keys)``: the pre-``KernelConfig`` keys
     ``gdn_implementation`` / ``causal_conv1d_implementation`` / ``attention_implementation`` become ``kernels``
     entries. A non-default value gets a ``UserWarning`` note saying where it went (``mapped``: into this run's
@@ -209,7 +235,7 @@ def legacy_kernel_keys(
             kern["experts"] = "grouped_mm"
         else:
             kern.pop("experts")
-    moved = {k: v for k, v in kern.items() if v not in ("torch", "sdpa")}
+    moved = {k: v for k, v in kern.items() if v != _LEGACY_DEFAULTS.get(k)}
     if moved:
         olds = {n: o for o, n in LEGACY_KEYS.items()}
         what = ", ".join(f"{olds[k]}: {v}" for k, v in moved.items())
@@ -251,15 +277,18 @@ def _unsupported(
 
 def resolve_kernels(
     kc: KernelConfig | None, *, device: str = "cpu", cp: bool = False, packed: bool = True, train: bool = True,
-    dtype: str | None = None,
+    dtype: str | None = None, model=None,
 ) -> KernelConfig:
     """Every op's implementation for this run: explicit choices are checked (one ``ConfigError`` naming the op, the
     implementation, what it lacks and the fix); ``auto`` takes the first implementation in registry order that
     supports the run. ``packed``: rows may hold several documents (the default: the data pipeline packs).
-    ``dtype``: the compute dtype (``train.param_dtype``; None: not checked)."""
+    ``dtype``: the compute dtype (``train.param_dtype``; None: not checked). ``model`` (a ``ModelConfig``, or None):
+    its GDN head dims pick the ``auto`` chunk length (``auto_gdn_chunk``)."""
     kc = kc or KernelConfig()
     dev = str(device).split(":")[0]
-    out = {}
+    out: dict[str, str | int] = {}
+    out["gdn_chunk_size"] = kc.gdn_chunk_size if kc.gdn_chunk_size != "auto" else auto_gdn_chunk(
+        dev, *((model.linear_key_head_dim, model.linear_value_head_dim) if model is not None else ()))
     for op in OPS:
         want = getattr(kc, op)
         impls = REGISTRY[op]
@@ -282,12 +311,13 @@ def resolve_kernels(
 
 # Process-wide, not thread-local: autograd runs backward (and so activation recompute) on its own threads.
 _ACTIVE: dict[str, KernelConfig | None] = {"kernels": None}
-DEFAULT_KERNELS = KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa", experts="batched", loss="torch")
+DEFAULT_KERNELS = KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa", experts="batched", loss="torch",
+                               gdn_chunk_size=GDN_CHUNK)
 
 
 def active_kernels() -> KernelConfig:
     """What the layers run now: the innermost ``use_kernels``, else the paths that run everywhere (torch GDN and
-    conv, ``sdpa`` attention, ``batched`` experts, the eager loss)."""
+    conv, ``sdpa`` attention, ``batched`` experts, the eager loss; GDN chunks of ``GDN_CHUNK``)."""
     return _ACTIVE["kernels"] or DEFAULT_KERNELS
 
 

@@ -71,7 +71,7 @@ def test_fla_gate(monkeypatch, versions, problem):
 def test_auto_picks_per_device_and_cp(fla_ok):
     assert resolve_kernels(KernelConfig(), device="cpu") == KernelConfig(gdn="torch", causal_conv1d="torch",
                                                                          attention="sdpa", experts="grouped_mm",
-                                                                         loss="torch")
+                                                                         loss="torch", gdn_chunk_size=64)
     assert resolve_kernels(KernelConfig(), device="cuda", dtype="bfloat16").loss == "torch"  # compiled: auto=False
     assert resolve_kernels(KernelConfig(), device="cuda").gdn == "fla"
     assert resolve_kernels(KernelConfig(), device="cuda", cp=True).gdn == "torch"  # FLA has no CP path
@@ -80,6 +80,24 @@ def test_auto_picks_per_device_and_cp(fla_ok):
     assert resolve_kernels(KernelConfig(), device="cuda", dtype="bfloat16").experts == "grouped_mm"
     assert resolve_kernels(KernelConfig(), device="cuda", dtype="float32").experts == "batched"
     assert resolve_kernels(KernelConfig(), device="npu", packed=False).experts == "batched"
+
+
+def test_gdn_chunk_is_a_kernel_setting_picked_per_device_and_head_dims():
+    small = ModelConfig.preset("tiny")  # GDN head dims <= 64
+    assert max(small.linear_key_head_dim, small.linear_value_head_dim) <= 64
+    big = attrs.evolve(small, linear_key_head_dim=128, linear_value_head_dim=128)
+    chunk = lambda **kw: resolve_kernels(KernelConfig(**kw.pop("kc", {})), **kw).gdn_chunk_size  # noqa: E731
+    assert chunk(device="cpu", model=small) == 32  # CPU, small heads: the [C, C] factors are what costs
+    assert chunk(device="cpu", model=big) == 64
+    assert chunk(device="cpu") == 64  # head dims not known: the accelerator chunk
+    assert chunk(device="cuda", model=small) == 64 == K.GDN_CHUNK
+    assert chunk(device="cpu", model=small, kc={"gdn_chunk_size": 48}) == 48  # an explicit value is kept
+    assert KernelConfig.from_dict({"gdn_chunk_size": 16}).gdn_chunk_size == 16
+    for bad in (0, -64, 32.0, "32", True):
+        with pytest.raises(ConfigError, match=r"kernels.gdn_chunk_size must be a positive integer or auto"):
+            KernelConfig(gdn_chunk_size=bad)
+    assert not KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa", experts="batched",
+                            loss="torch").resolved  # the chunk is still auto
 
 
 def test_auto_without_fla_is_torch_on_cuda():
@@ -129,6 +147,13 @@ def test_old_model_keys_are_mapped_onto_kernels_with_a_note(tmp_path):
         cfg = ModelConfig.from_dict(dict(d, gdn_implementation="fla", attention_implementation="sdpa"),
                                     kernels_out=out)
     assert cfg == ModelConfig.preset("tiny") and out == {"gdn": "fla", "attention": "sdpa"}
+    # the GDN chunk length was a model field (default 64): mapped onto kernels, with a note only when not 64
+    with pytest.warns(UserWarning, match=r"gdn_chunk_size: 16 is a run setting now.*kernels: \{gdn_chunk_size: 16\}"):
+        assert ModelConfig.from_dict(dict(d, gdn_chunk_size=16), kernels_out=(out := {})) == cfg
+    assert out == {"gdn_chunk_size": 16}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ModelConfig.from_dict(dict(d, gdn_chunk_size=64)) == cfg
     # in a run config: the old key lands in kernels, and the up-front check refuses it on this CPU run
     raw = run_dict(tmp_path, steps=1)
     raw["model"] = dict(raw["model"], gdn_implementation="fla")
@@ -149,16 +174,19 @@ def test_checkpoint_made_with_one_kernel_setting_resumes_with_another(tmp_path, 
     path = out / "checkpoints" / "step_000001"
     meta = ck.read_meta(path)
     assert meta["kernels"] == {"gdn": "torch", "causal_conv1d": "torch", "attention": "eager", "experts": "grouped_mm",
-                              "loss": "torch"}
+                              "loss": "torch", "gdn_chunk_size": 32}  # auto on CPU at the tiny model's head dims
     assert "attention_implementation" not in meta["model_config"]
-    # An older checkpoint's meta.json carried the kernel keys inside the model config: still the same model.
-    meta["model_config"] = dict(meta["model_config"], gdn_implementation="torch", attention_implementation="eager")
+    # An older checkpoint's meta.json carried the kernel keys (and the GDN chunk) inside the model config: still the
+    # same model.
+    meta["model_config"] = dict(meta["model_config"], gdn_implementation="torch", attention_implementation="eager",
+                                gdn_chunk_size=64)
     (path / "meta.json").write_text(json.dumps(meta))
     ck.write_manifest(path)  # as that older run's save would have sealed it
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        second = train(run_config(out, steps=2, kernels={"attention": "sdpa"}))
+        second = train(run_config(out, steps=2, kernels={"attention": "sdpa", "gdn_chunk_size": 16}))
     notes = [str(w.message) for w in caught if "is a run setting now" in str(w.message)]
     assert notes and all("attention_implementation: eager" in n and "gdn_implementation" not in n for n in notes)
     assert [r["step"] for r in first + second] == [1, 2]
-    assert "kernels.attention: 'eager' -> 'sdpa'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kernels.attention: 'eager' -> 'sdpa'" in err and "kernels.gdn_chunk_size: 32 -> 16" in err

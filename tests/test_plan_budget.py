@@ -124,7 +124,7 @@ def test_gdn_backward_working_set_matches_a_measurement(rows, seq, heads, a, p, 
     from tests.mem_utils import PeakMemory
 
     cfg = ModelConfig.preset("tiny").replace(linear_num_value_heads=heads, linear_num_key_heads=heads // r,
-                                             linear_key_head_dim=a, linear_value_head_dim=p, gdn_chunk_size=chunk)
+                                             linear_key_head_dim=a, linear_value_head_dim=p)
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(rows, seq, heads // r, a, generator=gen).to(dtype).requires_grad_() for _ in range(2))
     v = torch.randn(rows, seq, heads, p, generator=gen).to(dtype).requires_grad_()
@@ -139,5 +139,5 @@ def test_gdn_backward_working_set_matches_a_measurement(rows, seq, heads, a, p, 
     # the formula counts the fp32 gradient of the core's output: with fp32 inputs that is d_o itself (allocated
     # before `before`); with 16-bit inputs autograd makes the fp32 copy inside the measured span
     measured = pm.peak - before + (d_o.numel() * 4 if dtype == torch.float32 else 0)
-    predicted = gdn_backward_working(cfg, rows, seq, 4 if dtype == torch.float32 else 2)
+    predicted = gdn_backward_working(cfg, rows, seq, 4 if dtype == torch.float32 else 2, chunk=chunk)
     assert abs(predicted / measured - 1) <= (0.02 if r == 1 else 0.03), (predicted, measured)

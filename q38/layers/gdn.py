@@ -631,11 +631,12 @@ def gated_delta_rule_chunked_autograd(
     return o.to(dtype), S
 
 
-def _gdn_core(q, k, v, g, beta, cfg: ModelConfig, info: SeqInfo) -> Tensor:
+def _gdn_core(q, k, v, g, beta, info: SeqInfo) -> Tensor:
     comm = info.comm
     local = comm.is_local
     doc_ids = info.doc_ids if (info.packed or not local) else None
-    impl = active_kernels().gdn
+    kernels = active_kernels()
+    impl, chunk = kernels.gdn, kernels.gdn_chunk_size
     if impl == "fla":
         return _fla_gdn(*_repeat_kv_heads(q, k, v.shape[2]), v, g, beta, info)
     if impl == "npu":
@@ -644,7 +645,7 @@ def _gdn_core(q, k, v, g, beta, cfg: ModelConfig, info: SeqInfo) -> Tensor:
             "use kernels.gdn: torch"
         )
     if local:
-        return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size=cfg.gdn_chunk_size)[0]
+        return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size=chunk)[0]
     # Context parallel: the output and final state are affine in the initial state S0. Running extra value columns
     # (zero values, identity initial state) gives the response to S0 in the same pass; the comm then composes the
     # ranks' (final state, transition) pairs into this rank's true S0 (architecture of fla's KCP, exact in fp32).
@@ -653,7 +654,7 @@ def _gdn_core(q, k, v, g, beta, cfg: ModelConfig, info: SeqInfo) -> Tensor:
     v_aug = torch.cat([v, v.new_zeros(b, s, h, a)], dim=-1)
     eye = torch.eye(a, dtype=torch.float32, device=v.device).expand(b, h, a, a)
     s0 = torch.cat([torch.zeros(b, h, a, pv, dtype=torch.float32, device=v.device), eye], dim=-1)
-    o_aug, s_aug = gated_delta_rule_chunked(q, k, v_aug, g, beta, doc_ids, s0, chunk_size=cfg.gdn_chunk_size)
+    o_aug, s_aug = gated_delta_rule_chunked(q, k, v_aug, g, beta, doc_ids, s0, chunk_size=chunk)
     o_zero, o_resp = o_aug[..., :pv].float(), o_aug[..., pv:].float()  # [b s h p], [b s h a]
     s_zero, transition = s_aug[..., :pv], s_aug[..., pv:]  # [b h a p], [b h a a]
     init = comm.gdn_carry(s_zero, transition, info.doc_ids)  # [b h a p]
@@ -701,6 +702,6 @@ def gdn_apply(p: GDNParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, info: S
     g = -p.A_log.float().exp() * F.softplus(F.linear(x, p.w_a).float() + p.dt_bias)  # fp32 log-decay ≤ 0
     # q, k stay per key head (value head i reads key head i // (nv / nk)): the core expands them
     with kernel_region("gdn"):
-        o = _gdn_core(q, k, v, g, beta, cfg, info)
+        o = _gdn_core(q, k, v, g, beta, info)
     o = gated_rms_norm(o, z, p.norm_w, cfg.rms_norm_eps)
     return F.linear(rearrange(o, "b s h c -> b s (h c)"), p.w_out)

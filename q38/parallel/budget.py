@@ -36,6 +36,7 @@ import torch
 
 from q38.config import ConfigError, ModelConfig
 from q38.flops import StepFlops, step_flops
+from q38.kernels import GDN_CHUNK
 from q38.parallel.layout import Layout
 from q38.parallel.plan import local_numel_grid
 
@@ -166,11 +167,12 @@ def _attention_saved(cfg: ModelConfig, n: float | int, act: int, cp: int, kv_nat
     return core, rest, n * h * c * cp * act
 
 
-def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int = 1) -> float:
+def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int = 1,
+                         chunk: int = GDN_CHUNK) -> float:
     """Bytes the torch GDN core's backward (``_ChunkGatedDeltaRule.backward``, q38/layers/gdn.py) allocates at its
     peak on top of what its forward saved (inputs and one fp32 state per chunk), including the incoming ``d_o``.
 
-    Everything in it is fp32 over ``N = rows·H·j`` chunks (``j = ⌈seq/C⌉``) of ``C`` tokens, in units of one
+    Everything in it is fp32 over ``N = rows·H·j`` chunks (``j = ⌈seq/C⌉``) of ``C = chunk`` tokens, in units of one
     ``[N, C, C]`` matrix (``C²``), one ``[N, C, a]`` / ``[N, C, p]`` column block (``Ca`` / ``Cp``; ``p`` = value
     columns, ``+a`` under CP, which runs the identity initial state as extra columns), ``[N, a, p]`` and ``[N, C]``.
     Alive throughout (Python names hold them to the return): the recomputed factors ``Gam``, ``A`` (``dL ⊙ L``
@@ -192,7 +194,7 @@ def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int
     """
     H, a, p = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = H // cfg.linear_num_key_heads
-    C = cfg.gdn_chunk_size
+    C = chunk
     pe = p + (a if cp > 1 else 0)
     N = rows * H * math.ceil(seq / C)
     per_chunk = 7 * C * C + C * (15 * a + 8 * pe) + 2 * a * pe + 4 * C
@@ -201,7 +203,8 @@ def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int
     return float((N * per_chunk + rows * H * (a * pe + C * pe)) * 4)
 
 
-def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int, kernel: bool) -> tuple[float, float, float, float]:
+def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int, kernel: bool,
+               chunk: int = GDN_CHUNK) -> tuple[float, float, float, float]:
     """(core, rest, widest, pre) bytes of a Gated DeltaNet layer's mixer. ``kernel=False``: the chunked torch
     reference with its own backward (inputs q, k per key head, v, g, beta in the activation dtype and one fp32 state
     per chunk; backward recomputes the in-chunk factors); ``kernel=True``: fla's chunk kernel, which saves its inputs
@@ -210,7 +213,7 @@ def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int,
                   cfg.linear_conv_kernel_dim)
     Hk = cfg.linear_num_key_heads
     conv = cfg.linear_conv_dim
-    C = cfg.gdn_chunk_size
+    C = chunk
     n = rows * seq
     S = rows * math.ceil(seq / C) * C  # padded tokens
     j = math.ceil(seq / C)
@@ -232,27 +235,28 @@ def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int,
 
 
 def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, *, act_bytes: int, cp: int = 1,
-                      ep: int = 1, ep_balance: bool = False, gdn_kernel: bool | None = None,
-                      kv_native: bool = False) -> LayerActivations:
+                      ep: int = 1, ep_balance: bool = False, gdn_kernel: bool = False,
+                      kv_native: bool = False, gdn_chunk: int = GDN_CHUNK) -> LayerActivations:
     """Saved bytes of one decoder layer (``kind``: ``full_attention`` | ``linear_attention``) for ``rows`` rows of
     ``seq`` local tokens. Norms and residual stream included. ``kv_native``: attention takes k, v with their own
-    heads (unpacked rows, no CP; see ``estimate``'s ``packed_rows``)."""
+    heads (unpacked rows, no CP; see ``estimate``'s ``packed_rows``). ``gdn_kernel``: fla's GDN kernel (else the
+    torch core, in chunks of ``gdn_chunk``)."""
     n = rows * seq
     d = cfg.hidden_size
     mixer_backward = 0.0
-    kernel_gdn = getattr(cfg, "gdn_implementation", "torch") != "torch" if gdn_kernel is None else gdn_kernel
+    kernel_gdn = bool(gdn_kernel)
     if kind == "full_attention":
         core, rest, widest = _attention_saved(cfg, n, act_bytes, cp, kv_native)
         kept = n * cfg.num_attention_heads * (cfg.head_dim * act_bytes + 4)  # SDPA is one op: out + logsumexp
     else:
-        core, rest, widest, pre = _gdn_saved(cfg, rows, seq, act_bytes, cp, kernel=kernel_gdn)
+        core, rest, widest, pre = _gdn_saved(cfg, rows, seq, act_bytes, cp, kernel=kernel_gdn, chunk=gdn_chunk)
         kept = core if not kernel_gdn else n * cfg.linear_value_dim * act_bytes
         if not kernel_gdn:
             # at the core's backward the MoE, output projection and gated norm have run their backward: alive are
             # the core's saved inputs and states, what was saved before it (conv, gates), the input norm's input,
             # output and rsqrt, the gradient of the norm's gate z, and the core backward's own working set
             mixer_backward = (core + pre + (2 * n * d + n * cfg.linear_value_dim) * act_bytes + n * 4
-                              + gdn_backward_working(cfg, rows, seq, act_bytes, cp))
+                              + gdn_backward_working(cfg, rows, seq, act_bytes, cp, gdn_chunk))
     moe, moe_w = _moe_saved(cfg, n, act_bytes, ep, ep_balance)
     common = (4 * n * d) * act_bytes + 2 * n * 4  # the two norms' inputs (residual stream) and outputs, rsqrt
     return LayerActivations(core=core, rest=rest + moe + common, widest=max(widest, moe_w), kept=kept,
@@ -473,11 +477,13 @@ def estimate(
     grad_clip: bool = True,
     adamw_impl: str | None = None,
     packed_rows: bool = True,
+    gdn_chunk: int = GDN_CHUNK,
 ) -> Budget:
     """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
     data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
     ``reduce_dtype``: gradients; ``master_dtype``: stored weights (AdamW moments are fp32). ``gdn_kernel``: True
-    for fla's GDN kernel, False for the torch reference; None: the model config's ``gdn_implementation``.
+    for fla's GDN kernel, False or None for the torch core, whose chunk length is ``gdn_chunk`` (``kernels.
+    gdn_chunk_size``; the default is the accelerator one).
     ``grad_clip``: the run clips gradients (``train.grad_clip``, on by default). ``adamw_impl``: ``foreach`` |
     ``fused`` (q38.train.optim); None: ``fused`` with a hardware profile (an accelerator), ``foreach`` without
     (CPU), as ``optim.default_impl`` picks. ``packed_rows``: rows hold several documents (pretraining data), so
@@ -511,7 +517,7 @@ def estimate(
     kinds = list(cfg.layer_types) + ["full_attention"] * cfg.mtp_num_layers
     kv_native = not packed_rows and cp == 1 and (hardware is None or act == 2)
     acts = [layer_activations(cfg, k, rows_mb, seq, act_bytes=act, cp=cp, ep=ep, ep_balance=ep_balance,
-                              gdn_kernel=gdn_kernel, kv_native=kv_native) for k in kinds]
+                              gdn_kernel=bool(gdn_kernel), kv_native=kv_native, gdn_chunk=gdn_chunk) for k in kinds]
     keep_attn = recompute in ("selective_attention", "selective_both")
     keep_gdn = recompute in ("selective_gdn", "selective_both")
     # The "layer" transient group below also holds the EP receive buffers / duplicated experts and the CP k/v
@@ -618,7 +624,7 @@ def estimate(
         opt.append(Item("update temporaries", numel * 4, "foreach AdamW: sqrt(exp_avg_sq) of every parameter"))
 
     # ---- FLOPs and time --------------------------------------------------------------------------------------
-    fl = step_flops(cfg, rows_per_rank, seq, cp=cp, recompute=recompute, micro_batches=micro_batches,
+    fl = step_flops(cfg, rows_per_rank, seq, cp=cp, recompute=recompute, micro_batches=micro_batches, gdn_chunk=gdn_chunk,
                     aux_global=aux_global, causal_skip=True)
     comm: list[CommTerm] = []
     hw = hardware

@@ -166,7 +166,7 @@ def validate_run(
     from q38.kernels import resolve_kernels
 
     # one ConfigError per unsupported choice
-    resolved = resolve_kernels(kernels, device=device, cp=cp_size > 1, dtype=train.param_dtype)
+    resolved = resolve_kernels(kernels, device=device, cp=cp_size > 1, dtype=train.param_dtype, model=model)
     if train.enable_ep_balance and ep_size <= 1:
         raise ConfigError(
             "enable_ep_balance: true needs expert parallelism (a layout with an `ep` mesh dim > 1); "
