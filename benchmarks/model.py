@@ -27,13 +27,15 @@ def bench_config(args) -> q38.ModelConfig:
     )
 
 
-def timeit_pair(fa, fb, repeats, device):
-    """Median seconds of ``fa`` and of ``fb``, called alternately (A, B, A, B, ...) so that load on a shared
-    machine hits both sides alike; one warm-up call each."""
-    fa(), fb()
-    times = ([], [])
+def timeit_pair(fa, fb, repeats, device, *more):
+    """Median seconds of ``fa``, of ``fb`` (and of each of ``more``), called in turn (A, B, A, B, ...) so that load
+    on a shared machine hits every side alike; one warm-up call each."""
+    fns = (fa, fb, *more)
+    for fn in fns:
+        fn()
+    times = tuple([] for _ in fns)
     for _ in range(repeats):
-        for fn, out in ((fa, times[0]), (fb, times[1])):
+        for fn, out in zip(fns, times):
             if device == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -41,7 +43,7 @@ def timeit_pair(fa, fb, repeats, device):
             if device == "cuda":
                 torch.cuda.synchronize()
             out.append(time.perf_counter() - t)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return tuple(statistics.median(t) for t in times)
 
 
 def main():
@@ -66,6 +68,9 @@ def main():
                     help="tuned: glibc mallopt as `q38 train` sets it on CPU (q38.train.launch.tune_cpu_allocator), "
                          "for both sides alike")
     ap.add_argument("--layers", action="store_true", help="also time each layer family on the same input")
+    ap.add_argument("--vs-gdn-chunk", type=int, default=None,
+                    help="also time q38 with this kernels.gdn_chunk_size in the same interleaved loop (an A/B of the "
+                         "chunk length; printed as its own row)")
     args = ap.parse_args()
     from q38.kernels import KernelConfig, resolve_kernels, use_kernels
     from q38.train.launch import tune_cpu_allocator
@@ -78,10 +83,10 @@ def main():
                                device=args.device, dtype=args.dtype, model=bench_config(args))
     print(f"kernels: {kernels.to_dict()}")
     with use_kernels(kernels):
-        run(args)
+        run(args, None if args.vs_gdn_chunk is None else kernels.replace(gdn_chunk_size=args.vs_gdn_chunk))
 
 
-def run(args):
+def run(args, other_kernels=None):
     from transformers import Qwen3_5MoeForCausalLM
 
     dtype = getattr(torch, args.dtype)
@@ -104,8 +109,15 @@ def run(args):
         loss = (out.last_hidden_state.float() ** 2).mean()
         torch.autograd.grad(loss, [p for p in hf.model.parameters()], allow_unused=True)
 
-    rounds = [timeit_pair(run_q38, run_hf, args.repeats, args.device) for _ in range(args.rounds)]
-    t_q, t_h = sorted(rounds, key=lambda r: r[0] / r[1])[len(rounds) // 2]  # the median round
+    def run_other():
+        from q38.kernels import use_kernels
+
+        with use_kernels(other_kernels):
+            run_q38()
+
+    more = () if other_kernels is None else (run_other,)
+    rounds = [timeit_pair(run_q38, run_hf, args.repeats, args.device, *more) for _ in range(args.rounds)]
+    t_q, t_h, *t_o = sorted(rounds, key=lambda r: r[0] / r[1])[len(rounds) // 2]  # the median round
     print(f"config: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} "
           f"({cfg.layer_types.count('linear_attention')} GDN + {cfg.layer_types.count('full_attention')} attn), experts "
           f"{cfg.num_experts} top-{cfg.num_experts_per_tok}, batch {args.batch} × seq {args.seq}, {args.device}/{args.dtype}")
@@ -113,10 +125,17 @@ def run(args):
     print(f"{'q38':<28}{t_q:>14.4f}")
     print(f"{'transformers (reference)':<28}{t_h:>14.4f}")
     print(f"{'ratio q38 / transformers':<28}{t_q / t_h:>14.3f}")
+    if t_o:
+        other = f"q38, gdn_chunk_size {other_kernels.gdn_chunk_size}"
+        print(f"{other:<28}{t_o[0]:>14.4f}   ratio {t_o[0] / t_h:.3f}; q38 / this: {t_q / t_o[0]:.3f}")
     if len(rounds) > 1:
-        ratios = [q / h for q, h in rounds]
+        ratios = [r[0] / r[1] for r in rounds]
         print(f"rounds: {', '.join(f'{r:.3f}' for r in ratios)} (median {sorted(ratios)[len(ratios) // 2]:.3f}, "
               f"range {min(ratios):.3f}–{max(ratios):.3f}; the table above is the median round)")
+        if other_kernels is not None:
+            vs = sorted(r[0] / r[2] for r in rounds)
+            print(f"rounds, q38 / q38 with gdn_chunk_size {other_kernels.gdn_chunk_size}: "
+                  f"{', '.join(f'{r[0] / r[2]:.3f}' for r in rounds)} (median {vs[len(vs) // 2]:.3f})")
     if args.layers:
         per_layer(args, cfg, params, hf, dtype)
 
