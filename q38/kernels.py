@@ -46,8 +46,9 @@ def auto_gdn_chunk(device: str, key_head_dim: int | None = None, value_head_dim:
     ``GDN_CHUNK``).
 
     Per chunk the core does ``C²(a + p)`` intra-chunk work and ``C·a·p`` state work, so the best chunk grows with the
-    head dims. On CPU (2 cores, fp32) the ``[C, C]`` factors are memory-bound: at a = p = 64, C = 32 runs the whole
-    benchmark model 3-4 % faster than 64 (benchmarks/README.md), at a = p = 128 C = 64 is as fast or faster."""
+    head dims. On CPU (2 cores, fp32) the ``[C, C]`` factors are memory-bound: at a = p = 64, C = 32 runs the
+    default benchmark model 2-5 % faster than 64 (benchmarks/README.md); at a = p = 128 C = 64 is as fast or
+    faster (the core alone)."""
     if str(device).split(":")[0] == "cpu" and key_head_dim is not None and max(key_head_dim, value_head_dim) <= 64:
         return 32
     return GDN_CHUNK
