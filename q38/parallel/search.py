@@ -15,6 +15,7 @@ import attrs
 import yaml
 
 from q38.config import ConfigError, ModelConfig
+from q38.kernels import KernelConfig, auto_gdn_chunk
 from q38.parallel.budget import GIB, RECOMPUTE_MODES, Budget, Hardware, estimate
 from q38.parallel.layout import Layout, LayoutError
 
@@ -173,7 +174,7 @@ def format_search(cands: list[Candidate], cap: float | int, shipped: Budget | No
     return "\n".join(lines)
 
 
-def shipped_budget(cfg: ModelConfig, layout: Layout, world: int, hardware: Hardware, *, seq_len: int,
+def shipped_budget(cfg: ModelConfig, layout: Layout, world: int, hardware: Hardware | None, *, seq_len: int,
                    global_batch: int, recompute: str, micro_batches: int, **kw) -> Budget:
     mesh = layout.resolve_mesh(world)
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
@@ -200,7 +201,8 @@ def add_budget_args(ap) -> None:
     ap.add_argument("--reduce-dtype", choices=("bf16", "fp32"),
                     help="gradient reduce dtype (default: the run config's train.reduce_dtype, else fp32)")
     ap.add_argument("--gdn-kernel", choices=("fla", "torch"), help="GDN implementation to plan activations for "
-                                                                   "(default: the model config's)")
+                                                                   "(default: the run config's kernels.gdn when it "
+                                                                   "names one, else torch)")
     ap.add_argument("--search", action="store_true", help="search layouts for --world ranks of --hardware")
     ap.add_argument("--memory-cap", type=float, help="GiB per device (default: 90%% of the hardware's HBM)")
     ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config")
@@ -252,9 +254,14 @@ def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
         recompute = "none" if src is not None or not ns.search else "full"
     micro = ns.micro_batches or int(train.get("micro_batches", 1))
     hw = Hardware.load(ns.hardware) if ns.hardware else None
+    kernels = KernelConfig.from_dict(raw.get("kernels"), source=f"{src or 'q38 plan'}: kernels")
+    gdn = ns.gdn_kernel or kernels.gdn
+    # the torch core's chunk as the run would resolve it (an accelerator with a hardware profile, else the CPU)
+    chunk = kernels.gdn_chunk_size if kernels.gdn_chunk_size != "auto" else auto_gdn_chunk(
+        "cuda" if hw is not None else "cpu", cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     kw = dict(param_dtype=_dtype_name(ns.param_dtype or train.get("param_dtype") or "bf16"),
               reduce_dtype=_dtype_name(ns.reduce_dtype or train.get("reduce_dtype") or "fp32"),
-              gdn_kernel=None if ns.gdn_kernel is None else ns.gdn_kernel == "fla",
+              gdn_kernel=gdn == "fla", gdn_chunk=chunk,
               ep_balance=bool(train.get("enable_ep_balance", False)),
               max_dup_experts=int(train.get("max_dup_experts_num", 2)),
               loss_chunk_tokens=train.get("loss_chunk_size", 1024),
