@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
-from q38.config import ConfigError, check_keys
+from q38.config import ConfigError, ModelConfig, check_keys
 
 OPS = ("gdn", "causal_conv1d", "attention", "experts", "loss")
 # legacy ModelConfig field → KernelConfig field
@@ -278,7 +278,7 @@ def _unsupported(
 
 def resolve_kernels(
     kc: KernelConfig | None, *, device: str = "cpu", cp: bool = False, packed: bool = True, train: bool = True,
-    dtype: str | None = None, model=None,
+    dtype: str | None = None, model: ModelConfig | None = None,
 ) -> KernelConfig:
     """Every op's implementation for this run: explicit choices are checked (one ``ConfigError`` naming the op, the
     implementation, what it lacks and the fix); ``auto`` takes the first implementation in registry order that
