@@ -19,8 +19,9 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, output to OUT_D
 step gdn_kernel 60 python3 benchmarks/gdn_kernel.py
 # chunked loss vs unchunked, eager and compiled block epilogues (kernels.loss: torch / compiled; goal ≤ 1.2)
 step loss 120 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320 --compiled
-# q38 vs transformers fwd+bwd (kernels: auto → experts grouped_mm on bf16 CUDA); torch GDN, then FLA GDN
-step model_torch_gdn 60 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --layers
+# q38 vs transformers fwd+bwd (kernels: auto → experts grouped_mm on bf16 CUDA); torch GDN (auto chunk 64, and 128 in
+# the same interleaved loop: kernels.gdn_chunk_size's accelerator default is not measured yet), then FLA GDN
+step model_torch_gdn 60 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --layers --vs-gdn-chunk 128
 step model_fla_gdn 45 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --gdn fla
 # whole train_step, tokens/s + MFU (bf16, hidden 2048, 8 layers, 64 experts top-8, 2 × 4096): torch GDN, FLA GDN where
 # the kernel registry allows it (FLA >= 0.5.2 with Triton >= 3.7.1 or TileLang), transformers
