@@ -305,6 +305,11 @@ def resolve_kernels(
                 f"kernels.{op}: {want} {why}; use kernels.{op}: auto (picks {pick} here) or one of {ok}"
             )
         out[op] = want
+    if out["gdn"] != "torch" and kc.gdn_chunk_size not in ("auto", GDN_CHUNK):
+        raise ConfigError(
+            f"kernels.gdn_chunk_size: {kc.gdn_chunk_size} sets the torch GDN core's chunk, but kernels.gdn is "
+            f"{out['gdn']} here (its kernels use chunks of {GDN_CHUNK}); drop gdn_chunk_size or set kernels.gdn: torch"
+        )
     return KernelConfig(**out)
 
 

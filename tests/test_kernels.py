@@ -100,6 +100,15 @@ def test_gdn_chunk_is_a_kernel_setting_picked_per_device_and_head_dims():
                             loss="torch").resolved  # the chunk is still auto
 
 
+def test_gdn_chunk_is_refused_where_the_torch_core_does_not_run(fla_ok):
+    # FLA's chunk kernels have their own chunk (64): another explicit value would be silently ignored
+    with pytest.raises(ConfigError, match=r"kernels.gdn_chunk_size: 32 sets the torch GDN core's chunk, but "
+                                          r"kernels.gdn is fla here .*set kernels.gdn: torch"):
+        resolve_kernels(KernelConfig(gdn_chunk_size=32), device="cuda")  # auto picks fla here
+    assert resolve_kernels(KernelConfig(gdn_chunk_size=64), device="cuda").gdn == "fla"
+    assert resolve_kernels(KernelConfig(gdn_chunk_size=32), device="cuda", cp=True).gdn == "torch"  # FLA: no CP
+
+
 def test_auto_without_fla_is_torch_on_cuda():
     assert resolve_kernels(KernelConfig(), device="cuda").gdn == "torch"
 
