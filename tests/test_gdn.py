@@ -167,7 +167,7 @@ def test_chunk_factors_hold_no_denormals_under_production_gates(gen):
 
     q, k, v, g, beta = (t.detach() for t in _inputs(gen, b=2, s=128, h=4, a=16, p=16, a_log_max=2.7726))
     raw = [t.transpose(1, 2).reshape(2, 4, 2, 64, *t.shape[3:]) for t in (q, k, v, g, beta)]
-    _, _, _, _, _, kn, vf, gf, bf = _prepared(*raw)
+    *_, kn, vf, gf, bf = _prepared(*raw)
     plain = (gf.double().cumsum(-1)[..., :, None] - gf.double().cumsum(-1)[..., None, :]).float().tril().exp()
     assert _denormal_count(plain) > 0  # the inputs do reach the denormal band
     kb, vb, A, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, _ = _chunk_factors(kn, vf, gf, bf, None)

@@ -55,9 +55,14 @@ def abstract_gdn(cfg: ModelConfig) -> GDNParams:
     )
 
 
+def _l2_factor(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """The L2 norm's per-row factor ``1 / sqrt(‖x‖² + eps)`` (``[..., 1]``)."""
+    return torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
 def l2norm(x: Tensor, eps: float = 1e-6, scale: float = 1.0) -> Tensor:
     """``scale · x / sqrt(‖x‖² + eps)`` (the scale applied to the per-row factor: one pass over ``x``)."""
-    return x * (torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps) * scale)
+    return x * (_l2_factor(x, eps) * scale)
 
 
 # ---- causal depthwise conv ------------------------------------------------------------------------------
@@ -393,15 +398,17 @@ def _chunk_factors(k, v, g, beta, doc):
 
 def _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw):
     """fp32 inputs with L2-normalised q/k and q scaled by dk^-0.5 (as ``_prep``), q/k expanded from their key heads
-    to the value heads; plus the fp32 q/k per key head (``qf``, ``kf``) for the L2-norm backward and the normalised
-    ones per key head (``qn``, ``kn``: ``Q Kᵀ`` does not depend on the value head)."""
+    to the value heads; plus the fp32 q/k per key head (``qf``, ``kf``) and their norm factors (``rq``, ``rk``) for
+    the L2-norm backward, and the normalised ones per key head (``qn``, ``kn``: ``Q Kᵀ`` does not depend on the value
+    head)."""
     # Contiguous [b h j u c] once here: the raw inputs are views of the [b s h c] projections, and a matmul over
     # non-contiguous 5-d operands copies them again at every product.
     qf, kf, vf = (t.float().contiguous() for t in (q_raw, k_raw, v_raw))
-    qn, kn = l2norm(qf, scale=qf.shape[-1] ** -0.5), l2norm(kf)
+    rq, rk = _l2_factor(qf), _l2_factor(kf)
+    qn, kn = qf * (rq * qf.shape[-1] ** -0.5), kf * rk  # l2norm(qf, scale=a^-½), l2norm(kf)
     r = vf.shape[1] // qf.shape[1]  # value heads per key head: normalised once per key head, then expanded
     q, k = (qn.repeat_interleave(r, dim=1), kn.repeat_interleave(r, dim=1)) if r > 1 else (qn, kn)
-    return qf, kf, qn, kn, q, k, vf, g_raw.float().contiguous(), beta_raw.float().contiguous()
+    return qf, kf, rq, rk, qn, kn, q, k, vf, g_raw.float().contiguous(), beta_raw.float().contiguous()
 
 
 def _masked_qk(qn: Tensor, kn: Tensor, Gam: Tensor) -> Tensor:
@@ -427,13 +434,12 @@ def _acc_matmul(out: Tensor, x: Tensor, y: Tensor) -> Tensor:
     return out
 
 
-def _l2norm_backward(x: Tensor, dy: Tensor, scale: float, eps: float = 1e-6) -> Tensor:
-    """Gradient through ``y = scale · x / sqrt(‖x‖² + eps)``: ``scale · r · (dy − r² x (x·dy))``."""
-    r = torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+def _l2norm_backward(x: Tensor, dy: Tensor, r: Tensor, scale: float) -> Tensor:
+    """Gradient through ``y = scale · x · r``, ``r = 1 / sqrt(‖x‖² + eps)`` (``_l2_factor``, given):
+    ``scale · r · (dy − x · r² (x·dy))``, the row factor ``r² (x·dy)`` taken first: two passes over ``x`` after the
+    dot product."""
     xdy = (x * dy).sum(-1, keepdim=True)
-    # the same products in the same order as scale·r·(dy − r·r·x·xdy), in one buffer
-    t = (r * r * x).mul_(xdy)
-    return t.neg_().add_(dy).mul_(scale * r)
+    return torch.addcmul(dy, x, r * r * xdy, value=-1.0).mul_(scale * r)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
@@ -447,7 +453,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0):
-        _, _, qn, kn, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
+        _, _, _, _, qn, kn, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
         b, h, n, C, a = k.shape
         p = v.shape[-1]
         _, _, _, _, Gam, _, E_q, Ec_k, decay, U, _, W, _ = _chunk_factors(k, v, g, beta, doc)
@@ -471,7 +477,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o, d_sfin):
         q_raw, k_raw, v_raw, g_raw, beta_raw, doc, s0, states = ctx.saved_tensors
-        qf, kf, qn, kn, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
+        qf, kf, rq, rk, qn, kn, q, k, v, g, beta = _prepared(q_raw, k_raw, v_raw, g_raw, beta_raw)
         b, h, n, C, a = k.shape
         p = v.shape[-1]
         kb, vb, A, T, Gam, E, E_q, Ec_k, decay, U, W_raw, W, masks = _chunk_factors(k, v, g, beta, doc)
@@ -544,8 +550,8 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             dq, dk = (t.view(b, hk, h // hk, n, C, a).sum(2) for t in (dq, dk))
             _acc_matmul(dq, dP, kn)
             _acc_matmul(dk, dP.transpose(-1, -2), qn)
-        dq = _l2norm_backward(qf, dq, a**-0.5)
-        dk = _l2norm_backward(kf, dk, 1.0)
+        dq = _l2norm_backward(qf, dq, rq, a**-0.5)
+        dk = _l2norm_backward(kf, dk, rk, 1.0)
         return (dq.to(q_raw.dtype), dk.to(k_raw.dtype), dv.to(v_raw.dtype), dg.to(g_raw.dtype),
                 dbeta.to(beta_raw.dtype), None, (d_s0 if s0 is not None else None))
 
