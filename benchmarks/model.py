@@ -27,9 +27,10 @@ def bench_config(args) -> q38.ModelConfig:
     )
 
 
-def timeit_pair(fa, fb, repeats, device, *more):
+def timeit_pair(fa, fb, repeats, device, *more, pairs: list | None = None):
     """Median seconds of ``fa``, of ``fb`` (and of each of ``more``), called in turn (A, B, A, B, ...) so that load
-    on a shared machine hits every side alike; one warm-up call each."""
+    on a shared machine hits every side alike; one warm-up call each. ``pairs`` (a list) receives ``fa``'s time over
+    the ``fb`` call right after it, per repeat."""
     fns = (fa, fb, *more)
     for fn in fns:
         fn()
@@ -43,6 +44,8 @@ def timeit_pair(fa, fb, repeats, device, *more):
             if device == "cuda":
                 torch.cuda.synchronize()
             out.append(time.perf_counter() - t)
+        if pairs is not None:
+            pairs.append(times[0][-1] / times[1][-1])
     return tuple(statistics.median(t) for t in times)
 
 
@@ -116,7 +119,8 @@ def run(args, other_kernels=None):
             run_q38()
 
     more = () if other_kernels is None else (run_other,)
-    rounds = [timeit_pair(run_q38, run_hf, args.repeats, args.device, *more) for _ in range(args.rounds)]
+    pairs: list[float] = []
+    rounds = [timeit_pair(run_q38, run_hf, args.repeats, args.device, *more, pairs=pairs) for _ in range(args.rounds)]
     t_q, t_h, *t_o = sorted(rounds, key=lambda r: r[0] / r[1])[len(rounds) // 2]  # the median round
     print(f"config: hidden {cfg.hidden_size}, layers {cfg.num_hidden_layers} "
           f"({cfg.layer_types.count('linear_attention')} GDN + {cfg.layer_types.count('full_attention')} attn), experts "
@@ -136,6 +140,9 @@ def run(args, other_kernels=None):
             vs = sorted(r[0] / r[2] for r in rounds)
             print(f"rounds, q38 / q38 with gdn_chunk_size {other_kernels.gdn_chunk_size}: "
                   f"{', '.join(f'{r[0] / r[2]:.3f}' for r in rounds)} (median {vs[len(vs) // 2]:.3f})")
+    qs = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else [pairs[0]] * 3
+    print(f"paired: each q38 call / the transformers call right after it, over all {len(pairs)} pairs: median "
+          f"{qs[1]:.3f} (quartiles {qs[0]:.3f}–{qs[2]:.3f}; slow drift of the machine's load cancels in each pair)")
     if args.layers:
         per_layer(args, cfg, params, hf, dtype)
 
