@@ -182,7 +182,7 @@ def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int
     (``7 C²`` in all) with ``dkb, xe``, the norm backward's one temporary (3 Ca) and ``dv`` (Cp) →
     ``7 C² + C(15a + 8p)``; with 16-bit inputs the casts of the returned gradients come within ~2 % of it. (The
     other candidate, at ``dL = −strict(dVβ Uᵀ + dX Wᵀ)``, holds ``x = dP⊙P``, ``dP`` and ``dL`` — one buffer,
-    accumulated in place: ``7 C²`` too — with ``dkd, dk, dqd, dq, dW`` and ``dvx`` (6 Ca + Cp):
+    accumulated in place: ``7 C²`` too — with ``dkd, dk, dqd, dq, dW`` and ``dvb, dx`` (6 Ca + Cp):
     ``7 C² + C(12a + 7p)``, never larger.) The contiguous fp32 copies ``qf, kf, v`` (``C(2a + p)``) and of ``g, β``
     (2 C) are alive too, whatever the input dtype (the inputs are strided views of the projections; one copy serves
     every product), and a contiguous copy of ``d_o`` (Cp), which arrives as a strided view of the layer's
