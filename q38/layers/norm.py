@@ -64,12 +64,11 @@ class _GatedRMSNorm(torch.autograd.Function):
         x, z, w, r = ctx.saved_tensors
         zf, dyf, wf = z.float(), dy.float(), w.float()
         xhat = x.float() * r
-        sig = torch.sigmoid(zf)
         q = dyf * xhat
-        silu = zf * sig
+        silu = F.silu(zf)
         dw = _rows(q * silu).sum(0).to(w.dtype) if ctx.needs_input_grad[2] else None
-        # dz = dy ⊙ x̂ ⊙ w ⊙ σ(z)(1 + z(1 − σ(z)))
-        dz = torch.sub(1.0, sig).mul_(zf).add_(1.0).mul_(sig).mul_(q).mul_(wf).to(z.dtype) if ctx.needs_input_grad[1] else None
+        # dz = silu'(z) ⊙ (dy ⊙ x̂ ⊙ w), by the fused kernel autograd runs for F.silu (q is not needed after this)
+        dz = torch.ops.aten.silu_backward(q.mul_(wf), zf).to(z.dtype) if ctx.needs_input_grad[1] else None
         dx = _dx_(silu.mul_(dyf).mul_(wf), xhat, r).to(x.dtype) if ctx.needs_input_grad[0] else None
         return dx, dz, dw, None
 
