@@ -181,17 +181,18 @@ def local_experts(x_md: Tensor, w_m: Tensor, expert_m: Tensor, p: MoEParams, cfg
 
 
 def _local_routed(
-    x_nd: Float[Tensor, "n d"], w_nk: Float[Tensor, "n k"], idx_nk: Int[Tensor, "n k"], p: MoEParams, cfg: ModelConfig
+    x_nd: Float[Tensor, "n d"], w_nk: Float[Tensor, "n k"], idx_nk: Int[Tensor, "n k"], p: MoEParams, cfg: ModelConfig,
+    base_nd: Float[Tensor, "n d"],
 ) -> Float[Tensor, "n d"]:
-    """The routed experts with every expert on this device, in one gather and one scatter-add: slots sorted by expert
-    read their token's row directly (``order // k``) and add their weighted output straight back into it (equal to
-    ``local_experts`` on ``x[token_m]`` followed by the ``index_add``, without the two extra permutations and their
-    backward scatters; the same expert arithmetic as the dispatched path, so both round alike: layouts are compared
-    with one process at ~1e-5)."""
+    """``base_nd`` plus the routed experts with every expert on this device, in one gather and one scatter-add: slots
+    sorted by expert read their token's row directly (``order // k``) and add their weighted output straight into
+    it (equal to ``local_experts`` on ``x[token_m]`` followed by the ``index_add``, without the two extra permutations
+    and their backward scatters; the same expert arithmetic as the dispatched path, so both round alike: layouts are
+    compared with one process at ~1e-5)."""
     k = idx_nk.shape[1]
     y_sorted, _, token_sorted = _sorted_swiglu(x_nd, w_nk.reshape(-1), idx_nk.reshape(-1), lambda slot: slot // k, p,
                                                cfg)
-    return torch.zeros_like(x_nd).index_add(0, token_sorted, y_sorted)
+    return base_nd.index_add(0, token_sorted, y_sorted)
 
 
 def moe_apply(
@@ -209,12 +210,13 @@ def moe_apply(
     logits_ne = F.linear(x_nd, p.w_router)
     w_nk, idx_nk = route(logits_ne, cfg.num_experts_per_tok, cfg.norm_topk_prob, router_bias)
     k = idx_nk.shape[1]
+    shared_nd = F.linear(F.silu(F.linear(x_nd, p.ws_gate)) * F.linear(x_nd, p.ws_up), p.ws_down)
+    shared_nd = torch.sigmoid(F.linear(x_nd, p.w_shared_gate)) * shared_nd
+    # the routed outputs are added into the shared expert's output (no zero-filled buffer and no separate sum)
     if dispatch is None:
-        routed_nd = _local_routed(x_nd, w_nk, idx_nk, p, cfg)
+        out_nd = _local_routed(x_nd, w_nk, idx_nk, p, cfg, shared_nd)
     else:
         token_m = torch.arange(x_nd.shape[0], device=x.device).repeat_interleave(k)
         y_md = dispatch(x_nd[token_m], w_nk.reshape(-1), idx_nk.reshape(-1), p, cfg)
-        routed_nd = torch.zeros_like(x_nd).index_add(0, token_m, y_md)
-    shared_nd = F.linear(F.silu(F.linear(x_nd, p.ws_gate)) * F.linear(x_nd, p.ws_up), p.ws_down)
-    shared_nd = torch.sigmoid(F.linear(x_nd, p.w_shared_gate)) * shared_nd
-    return (routed_nd + shared_nd).reshape(b, s, d), logits_ne
+        out_nd = shared_nd.index_add(0, token_m, y_md)
+    return out_nd.reshape(b, s, d), logits_ne
