@@ -74,7 +74,9 @@ def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, 
     k_bgtc, v_bgtc = rearrange(k_btgc, "b t g c -> b g t c"), rearrange(v_btgc, "b t g c -> b g t c")
     with kernel_region("attention"):
         o_bhsc = _attend(q_bhsc, k_bgtc, v_bgtc, mask, cfg, c)
-    o_bsd = rearrange(o_bhsc, "b h s c -> b s (h c)") * torch.sigmoid(rearrange(gate_bshc, "b s h c -> b s (h c)"))
+    # sigmoid before the merge of (h c): the gate is a strided half of the projection, whose merge would copy it;
+    # the sigmoid's output is contiguous, so the merge is a view
+    o_bsd = rearrange(o_bhsc, "b h s c -> b s (h c)") * rearrange(torch.sigmoid(gate_bshc), "b s h c -> b s (h c)")
     return F.linear(o_bsd, p.w_o)
 
 
