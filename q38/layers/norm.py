@@ -26,10 +26,10 @@ def _rows(t: Tensor) -> Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _dx_(g: Tensor, xhat: Tensor, r: Tensor) -> Tensor:
-    """``r·(g − x̂·mean(g ⊙ x̂))``, in place in ``g`` (``x̂`` is overwritten too)."""
-    m = (g * xhat).mean(-1, keepdim=True)
-    return g.sub_(xhat.mul_(m)).mul_(r)
+def _dx_(g: Tensor, xhat: Tensor, r: Tensor, gx: Tensor) -> Tensor:
+    """``r·(g − x̂·mean(g ⊙ x̂))`` in place in ``g``, given the row sums ``gx = Σ g ⊙ x̂`` (``[...]``; the caller takes
+    them as a matrix-vector product from a buffer it has anyway): two passes."""
+    return g.addcmul_(xhat, (gx / g.shape[-1]).unsqueeze(-1), value=-1.0).mul_(r)
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -43,9 +43,11 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, w, r = ctx.saved_tensors
-        xhat, dyf = x.float() * r, dy.float()
-        dw = _rows(dyf * xhat).sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
-        dx = _dx_(dyf * (1.0 + w.float()), xhat, r) if ctx.needs_input_grad[0] else None
+        xhat, dyf, u = x.float() * r, dy.float(), 1.0 + w.float()
+        p = dyf * xhat
+        dw = _rows(p).sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
+        # Σ g ⊙ x̂ for g = dy ⊙ u is (dy ⊙ x̂)·u: a matrix-vector product over the buffer dw was summed from
+        dx = _dx_(dyf * u, xhat, r, p @ u) if ctx.needs_input_grad[0] else None
         return (None if dx is None else dx.to(x.dtype)), dw, None
 
 
@@ -66,10 +68,12 @@ class _GatedRMSNorm(torch.autograd.Function):
         xhat = x.float() * r
         q = dyf * xhat
         silu = F.silu(zf)
-        dw = _rows(q * silu).sum(0).to(w.dtype) if ctx.needs_input_grad[2] else None
+        qs = q * silu  # dy ⊙ x̂ ⊙ silu(z): its row sums give dw, its product with w the row sums dx needs
+        dw = _rows(qs).sum(0).to(w.dtype) if ctx.needs_input_grad[2] else None
+        gx = qs @ wf  # Σ g ⊙ x̂ for g = dy ⊙ w ⊙ silu(z)
         # dz = silu'(z) ⊙ (dy ⊙ x̂ ⊙ w), by the fused kernel autograd runs for F.silu (q is not needed after this)
         dz = torch.ops.aten.silu_backward(q.mul_(wf), zf).to(z.dtype) if ctx.needs_input_grad[1] else None
-        dx = _dx_(silu.mul_(dyf).mul_(wf), xhat, r).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dx = _dx_(silu.mul_(dyf).mul_(wf), xhat, r, gx).to(x.dtype) if ctx.needs_input_grad[0] else None
         return dx, dz, dw, None
 
 
