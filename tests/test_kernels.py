@@ -199,3 +199,27 @@ def test_checkpoint_made_with_one_kernel_setting_resumes_with_another(tmp_path, 
     assert [r["step"] for r in first + second] == [1, 2]
     err = capsys.readouterr().err
     assert "kernels.attention: 'eager' -> 'sdpa'" in err and "kernels.gdn_chunk_size: 32 -> 16" in err
+
+
+def test_the_resolved_gdn_chunk_reaches_the_core_and_the_layer_is_chunk_agnostic(monkeypatch):
+    """The layer runs the torch core in chunks of the active ``kernels.gdn_chunk_size`` (spied), packed rows included,
+    and the output does not depend on the chunk beyond rounding (fp32, 1e-5 relative)."""
+    import torch
+
+    import q38.layers.gdn as gdn
+    from q38.layers.context import seq_info
+    from q38.model import init_params
+
+    cfg = ModelConfig.preset("tiny")
+    p = init_params(cfg, seed=0).layers[cfg.layer_types.index("linear_attention")].mixer
+    x = torch.randn(2, 40, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    doc = torch.tensor([[0] * 15 + [1] * 25, [0] * 40])
+    seen, real = [], gdn.gated_delta_rule_chunked
+    monkeypatch.setattr(gdn, "gated_delta_rule_chunked", lambda *a, **kw: seen.append(kw["chunk_size"]) or real(*a, **kw))
+    outs = {}
+    for chunk in (8, 16, 64):
+        with K.use_kernels(K.DEFAULT_KERNELS.replace(gdn_chunk_size=chunk)):
+            outs[chunk] = gdn.gdn_apply(p, x, cfg, seq_info(doc, 2, 40, "cpu"))
+    assert seen == [8, 16, 64]
+    for chunk in (8, 16):
+        assert (outs[chunk] - outs[64]).abs().max() <= 1e-5 * outs[64].abs().max()
