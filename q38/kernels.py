@@ -223,8 +223,8 @@ def legacy_kernel_keys(
     d: Mapping[str, Any], *, source: str = "model config", mapped: bool = True
 ) -> tuple[dict, dict[str, Any]]:
     """Split a model-config mapping into ``(model keys, kernel keys)``: the pre-``KernelConfig`` keys
-    ``gdn_implementation`` / ``causal_conv1d_implementation`` / ``attention_implementation`` become ``kernels``
-    entries. A non-default value gets a ``UserWarning`` note saying where it went (``mapped``: into this run's
+    (``LEGACY_KEYS``: ``gdn_implementation`` / ``causal_conv1d_implementation`` / ``attention_implementation`` /
+    ``use_grouped_expert_matmul`` / ``gdn_chunk_size``) become ``kernels`` entries. A non-default value gets a ``UserWarning`` note saying where it went (``mapped``: into this run's
     kernels; otherwise, e.g. from a checkpoint's metadata, it does not bind the run and is ignored)."""
     rest = dict(d)
     kern = {}

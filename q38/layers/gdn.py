@@ -530,7 +530,8 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         # U = T Vβ, W_raw = T X with T = L⁻¹: [dVβ | dX] = Tᵀ [dU | dW]; dL = −strict(dVβ Uᵀ + dX W_rawᵀ)
         # two products rather than one over [dU | dW]: the concatenation and the strided halves (which the batched
         # products below would copy again) cost more than the wider product saves
-        dvb, dx = T.transpose(-1, -2) @ dvnew, T.transpose(-1, -2) @ dW
+        Tt = T.transpose(-1, -2)
+        dvb, dx = Tt @ dvnew, Tt @ dW
         dL = dvb @ U.transpose(-1, -2)
         dL.view(-1, C, C).baddbmm_(dx.reshape(-1, C, a), W_raw.reshape(-1, C, a).transpose(-1, -2))
         dL = dL.tril_(-1).neg_()
