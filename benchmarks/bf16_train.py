@@ -21,7 +21,8 @@ def run(out: Path, device: str, dtype: str, steps: int) -> list[float]:
     cmd = [sys.executable, "-m", "q38.cli", "train", "--set", f"run.steps={steps}", "--set", f"run.device={device}",
            "--set", f"train.param_dtype={dtype}", "--set", f"run.out_dir={out}", "--set", "run.progress=false",
            "--set", "run.log_every=10", "--set", "run.resume=false"]
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # the repo first, then what the caller had (on the device: /tmp/site with the carried wheels, cattrs among them)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     subprocess.run(cmd, check=True, cwd=REPO, env=env)
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 

@@ -1,33 +1,89 @@
 #!/usr/bin/env bash
-# One prepared device check (H200): FLA kernel parity vs the torch reference, then the bf16 benchmarks.
-# Usage (from the repo root, with the flash-linear-attention wheels in .whl/): bash benchmarks/gpu.sh OUT_DIR
-# Every step has its own time limit (seconds) so that one hang cannot eat the device session (~9 min in all);
-# a failed or timed-out step is recorded in OUT_DIR/failures.txt and the next one runs.
+# One prepared device check (H200): the kernel table, FLA kernel parity vs the torch reference, then the bf16
+# benchmarks. Every step has its own time limit (seconds) so that one hang cannot eat the device session (~9 min in
+# all); a failed or timed-out step is recorded in OUT_DIR/failures.txt and the next one runs.
+#
+#   bash benchmarks/gpu_wheels.sh                  here, once: the wheels the device lacks, into .whl/ (~1.6 MB)
+#   bash benchmarks/gpu.sh OUT_DIR                 there (device tool: carry [".whl"], OUT_DIR "$OUT")
+#   Q38_GPU_SH=cpu bash benchmarks/gpu.sh OUT_DIR  here: every step at toy sizes on CPU in fp32 (the CUDA-only
+#                                                  steps skipped, each named): checks the script and what it calls,
+#                                                  measures nothing (tests/test_gpu_script.py)
 set -euo pipefail
 out="${1:?usage: benchmarks/gpu.sh OUT_DIR}"
+mode="${Q38_GPU_SH:-cuda}"
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
+export PYTHONUNBUFFERED=1
+case "$mode" in
+cuda)
+    shopt -s nullglob
+    wheels=(.whl/*.whl)
+    shopt -u nullglob
+    if ((${#wheels[@]} == 0)); then
+        echo "gpu.sh: no wheels in .whl/ (q38 needs cattrs there): run 'bash benchmarks/gpu_wheels.sh' here first" \
+            "and carry .whl" >&2
+        exit 2
+    fi
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}"
+    export PYTHONPATH="/tmp/site:$PWD"
+    nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$out/gpu.txt"
+    dev=(--device cuda --dtype bfloat16)
+    loss_size=(--tokens 16384 --hidden 4096 --vocab 248320)
+    model_size=(--seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5)
+    vs_chunk=128
+    step_size=(--hidden 2048 --layers 8 --experts 64 --top-k 8 --batch 2 --seq 4096 --steps 5)
+    plan_size=(--hardware h200 --repeats 5)
+    plan_gdn=fla
+    bf16_steps=50
+    ;;
+cpu)
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    dev=(--device cpu --dtype float32)
+    loss_size=(--tokens 256 --hidden 64 --vocab 1000 --chunk 128 --repeats 1)
+    model_size=(--seq 128 --batch 1 --hidden 64 --experts 4 --top-k 2 --repeats 1)
+    vs_chunk=16
+    step_size=(--hidden 64 --layers 4 --experts 4 --top-k 2 --batch 1 --seq 128 --steps 2)
+    plan_size=(--hardware h200 --repeats 1 --seq 128 --batch 1 --hidden 64 --layers 4 --experts 4 --top-k 2)
+    plan_gdn=torch
+    bf16_steps=3
+    ;;
+*)
+    echo "gpu.sh: Q38_GPU_SH must be cuda (the device run) or cpu (the dry run here), got '$mode'" >&2
+    exit 2
+    ;;
+esac
 
-step() {  # step NAME LIMIT_S CMD...: run CMD with a time limit, output to OUT_DIR/NAME.txt
+step() { # step NAME LIMIT_S CMD...: run CMD with a time limit, output to OUT_DIR/NAME.txt
     local name="$1" limit="$2"
     shift 2
     timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt" || echo "step $name failed or timed out (limit ${limit}s)" | tee -a "$out/failures.txt"
 }
+cuda_only() { # cuda_only NAME WHY: a step the CPU dry run cannot take, recorded as skipped
+    echo "step $1 skipped on CPU: $2" | tee -a "$out/skipped.txt"
+}
 
-step gdn_kernel 60 python3 benchmarks/gdn_kernel.py
+# first: q38 imports, the versions there, and what kernels.auto picks (and why FLA is or is not allowed); without
+# it nothing below can run, so a failure here ends the script
+python3 -m q38.cli kernels "${dev[@]}" 2>&1 | tee "$out/kernels.txt"
+if [[ $mode == cuda ]]; then
+    step gdn_kernel 60 python3 benchmarks/gdn_kernel.py
+else
+    cuda_only gdn_kernel "FLA's kernels need CUDA"
+fi
 # chunked loss vs unchunked, eager and compiled block epilogues (kernels.loss: torch / compiled; goal ≤ 1.2)
-step loss 120 python3 benchmarks/loss.py --device cuda --dtype bfloat16 --tokens 16384 --hidden 4096 --vocab 248320 --compiled
+step loss 120 python3 benchmarks/loss.py "${dev[@]}" "${loss_size[@]}" --compiled
 # q38 vs transformers fwd+bwd (kernels: auto → experts grouped_mm on bf16 CUDA); torch GDN (auto chunk 64, and 128 in
 # the same interleaved loop: kernels.gdn_chunk_size's accelerator default is not measured yet), then FLA GDN
-step model_torch_gdn 60 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --layers --vs-gdn-chunk 128
-step model_fla_gdn 45 python3 benchmarks/model.py --device cuda --dtype bfloat16 --seq 4096 --batch 2 --hidden 1024 --experts 64 --top-k 8 --repeats 5 --gdn fla
+step model_torch_gdn 60 python3 benchmarks/model.py "${dev[@]}" "${model_size[@]}" --layers --vs-gdn-chunk "$vs_chunk"
+if [[ $mode == cuda ]]; then
+    step model_fla_gdn 45 python3 benchmarks/model.py "${dev[@]}" "${model_size[@]}" --gdn fla
+else
+    cuda_only model_fla_gdn "kernels.gdn: fla runs on CUDA only"
+fi
 # whole train_step, tokens/s + MFU (bf16, hidden 2048, 8 layers, 64 experts top-8, 2 × 4096): torch GDN, FLA GDN where
 # the kernel registry allows it (FLA >= 0.5.2 with Triton >= 3.7.1 or TileLang), transformers
-step train_step 120 python3 benchmarks/train_step.py --device cuda --dtype bfloat16 --hidden 2048 --layers 8 --experts 64 --top-k 8 --batch 2 --seq 4096 --steps 5
+step train_step 120 python3 benchmarks/train_step.py "${dev[@]}" "${step_size[@]}"
 # q38 plan: predicted vs measured one-GPU step time and peak memory (issue 13)
-step plan_step 45 python3 benchmarks/plan_step.py --device cuda --dtype bfloat16 --hardware h200 --gdn fla --repeats 5
-step plan_step_recompute 45 python3 benchmarks/plan_step.py --device cuda --dtype bfloat16 --hardware h200 --gdn fla --recompute --repeats 5
-# bf16 mixed-precision policy: the tiny run on CUDA (bf16 compute, fp32 masters) vs the CPU fp32 losses, 50 steps
-step bf16_train 60 python3 benchmarks/bf16_train.py --device cuda --steps 50 --out "$out/bf16_train"
+step plan_step 45 python3 benchmarks/plan_step.py "${dev[@]}" "${plan_size[@]}" --gdn "$plan_gdn"
+step plan_step_recompute 45 python3 benchmarks/plan_step.py "${dev[@]}" "${plan_size[@]}" --gdn "$plan_gdn" --recompute
+# bf16 mixed-precision policy: the tiny run on the device (bf16 compute, fp32 masters) vs the CPU fp32 losses
+step bf16_train 60 python3 benchmarks/bf16_train.py --device "${dev[1]}" --steps "$bf16_steps" --out "$out/bf16_train"

@@ -1,4 +1,4 @@
-"""``q38`` command line: ``train``, ``plan``, ``convert``, ``init-hf``.
+"""``q38`` command line: ``train``, ``plan``, ``convert``, ``init-hf``, ``prepare-data``, ``kernels``.
 
 Bad input ends with a one-line error naming the problem and the fix (exit code 2), never a traceback.
 """
@@ -16,6 +16,7 @@ USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data} ...
   convert --to-hf RUN_DIR_OR_CHECKPOINT OUT_DIR [--drop-router-bias]  export a trained run's parameters as a Hugging Face checkpoint
   convert --from-hf HF_DIR OUT_CHECKPOINT           import a Hugging Face checkpoint as a q38 checkpoint
   init-hf --model PRESET OUT_DIR                    write a freshly initialised model as a Hugging Face checkpoint
+  kernels [--device D] [--dtype T] [--cp] [--unpacked]  what kernels.auto picks here, and why each other one is out
   --debug (any command; or Q38_DEBUG=1)             print the traceback of an error (for bug reports)"""
 
 
@@ -194,7 +195,44 @@ def _prepare_data(argv: list[str]) -> int:
     return prepare_cli(argv)
 
 
-COMMANDS = {"train": _train, "plan": _plan, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data}
+def _kernels(argv: list[str]) -> int:
+    p = _Parser(prog="q38 kernels", description="Every kernel implementation against this machine's packages and "
+                "device: the one kernels.auto picks per op, and why each other one cannot serve the run.")
+    p.add_argument("--device", default=None, help="cpu, cuda or npu (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", default=None, help="compute dtype (train.param_dtype), e.g. bfloat16")
+    p.add_argument("--cp", action="store_true", help="a run with context parallelism")
+    p.add_argument("--unpacked", action="store_true", help="rows hold one document each (the data is not packed)")
+    a = p.parse_args(argv)
+    import importlib.metadata
+    import platform
+
+    import torch
+
+    from q38.kernels import kernel_report
+
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = None if a.dtype is None else str(_dtype(a.dtype)).removeprefix("torch.")
+    found = []
+    for pkg in ("torch", "triton", "flash-linear-attention", "fla-core", "tilelang", "causal-conv1d", "torch_npu",
+                "transformers"):
+        try:
+            found.append(f"{pkg} {importlib.metadata.version(pkg)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{pkg} -")
+    print(f"python {platform.python_version()}; " + "; ".join(found))
+    if device.startswith("cuda") and torch.cuda.is_available():
+        print(f"device: {torch.cuda.get_device_name()} (compute capability "
+              f"{'.'.join(map(str, torch.cuda.get_device_capability()))})")
+    print(f"run: device {device}, dtype {dtype or 'any'}, cp {a.cp}, packed rows {not a.unpacked}")
+    rows = kernel_report(device=device, cp=a.cp, packed=not a.unpacked, dtype=dtype)
+    width = max(len(f"{op}.{name}") for op, name, _ in rows)
+    for op, name, status in rows:
+        print(f"  {op + '.' + name:<{width}}  {status}")
+    return 0
+
+
+COMMANDS = {"train": _train, "plan": _plan, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
+            "kernels": _kernels}
 
 
 def _one_line(e: BaseException) -> str:

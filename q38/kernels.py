@@ -293,16 +293,18 @@ def resolve_kernels(
     for op in OPS:
         want = getattr(kc, op)
         impls = REGISTRY[op]
+        whys = {n: _unsupported(op, n, i, dev, cp, packed, train, dtype) for n, i in impls.items()}
+        pick = next((n for n, i in impls.items() if i.auto and whys[n] is None), None)
+        if pick is None:
+            raise ConfigError(f"kernels.{op}: no implementation serves this run on device {dev!r} ("
+                              + "; ".join(f"{n}: {w}" for n, w in whys.items()) + ")")
         if want == "auto":
-            out[op] = next(n for n, i in impls.items()
-                           if i.auto and _unsupported(op, n, i, dev, cp, packed, train, dtype) is None)
+            out[op] = pick
             continue
-        why = _unsupported(op, want, impls[want], dev, cp, packed, train, dtype)
-        if why is not None:
-            ok = [n for n, i in impls.items() if _unsupported(op, n, i, dev, cp, packed, train, dtype) is None]
-            pick = next(n for n in ok if impls[n].auto)
+        if whys[want] is not None:
+            ok = [n for n, w in whys.items() if w is None]
             raise ConfigError(
-                f"kernels.{op}: {want} {why}; use kernels.{op}: auto (picks {pick} here) or one of {ok}"
+                f"kernels.{op}: {want} {whys[want]}; use kernels.{op}: auto (picks {pick} here) or one of {ok}"
             )
         out[op] = want
     if out["gdn"] != "torch" and kc.gdn_chunk_size not in ("auto", GDN_CHUNK):
@@ -311,6 +313,29 @@ def resolve_kernels(
             f"{out['gdn']} here (its kernels use chunks of {GDN_CHUNK}); drop gdn_chunk_size or set kernels.gdn: torch"
         )
     return KernelConfig(**out)
+
+
+def kernel_report(
+    *, device: str = "cpu", cp: bool = False, packed: bool = True, train: bool = True, dtype: str | None = None,
+) -> list[tuple[str, str, str]]:
+    """Every registered implementation against this environment and run shape, as ``(op, implementation, status)``
+    rows in registry order: ``auto`` for the one ``auto`` picks, ``usable`` (``auto`` skips it until measured) or
+    the reason it cannot serve the run (the same reasons ``resolve_kernels`` raises). ``q38 kernels`` prints it; the
+    device script runs it first, so a session sees what its environment allows before it spends time on it."""
+    dev = str(device).split(":")[0]
+    rows = []
+    picked = resolve_kernels(KernelConfig(), device=dev, cp=cp, packed=packed, train=train, dtype=dtype)
+    for op in OPS:
+        for name, impl in REGISTRY[op].items():
+            why = _unsupported(op, name, impl, dev, cp, packed, train, dtype)
+            if name == getattr(picked, op):
+                status = "auto"
+            elif why is None:
+                status = "usable" if impl.auto else "usable when named (auto does not pick it)"
+            else:
+                status = why
+            rows.append((op, name, status))
+    return rows
 
 
 # ---- the active choice -----------------------------------------------------------------------------------------

@@ -223,3 +223,39 @@ def test_the_resolved_gdn_chunk_reaches_the_core_and_the_layer_is_chunk_agnostic
     assert seen == [8, 16, 64]
     for chunk in (8, 16):
         assert (outs[chunk] - outs[64]).abs().max() <= 1e-5 * outs[64].abs().max()
+
+
+def test_kernel_report_names_the_pick_and_every_refusal(fla_ok, monkeypatch):
+    rows = {(op, name): status for op, name, status in K.kernel_report(device="cuda", dtype="bfloat16", cp=True)}
+    assert set(rows) == {(op, n) for op in K.OPS for n in K.REGISTRY[op]}  # every implementation, none left out
+    picked = resolve_kernels(KernelConfig(), device="cuda", dtype="bfloat16", cp=True)
+    assert {(op, n) for (op, n), s in rows.items() if s == "auto"} == {(op, getattr(picked, op)) for op in K.OPS}
+    assert rows[("gdn", "fla")] == "does not support context parallelism (a `cp` mesh dim > 1)"
+    assert rows[("loss", "compiled")] in ("usable when named (auto does not pick it)",
+                                          K._compile_problem())  # opt-in: never "auto"
+    assert rows[("attention", "eager")] == "usable"
+    # the environment's own reason, as resolve_kernels would raise it
+    monkeypatch.setitem(K.REGISTRY["gdn"], "fla", attrs.evolve(K.REGISTRY["gdn"]["fla"],
+                                                                 problem=lambda: "Triton 3.6.0 < 3.7.1 miscompiles"))
+    rows = {(op, name): status for op, name, status in K.kernel_report(device="cuda", dtype="bfloat16")}
+    assert rows[("gdn", "fla")] == "Triton 3.6.0 < 3.7.1 miscompiles" and rows[("gdn", "torch")] == "auto"
+
+
+def test_a_device_no_implementation_serves_is_one_error_naming_every_reason():
+    with pytest.raises(ConfigError, match=r"kernels.gdn: no implementation serves this run on device 'tpu' \(fla: "
+                                          r"runs on cuda only.*torch: runs on cpu/cuda/npu/meta only"):
+        resolve_kernels(KernelConfig(), device="tpu")
+
+
+def test_q38_kernels_prints_versions_and_the_table(capsys):
+    from q38.cli import main
+
+    assert main(["kernels", "--device", "cuda", "--dtype", "bf16", "--unpacked"]) == 0
+    out = capsys.readouterr().out
+    assert "torch " in out.splitlines()[0] and "flash-linear-attention" in out.splitlines()[0]
+    assert "run: device cuda, dtype bfloat16, cp False, packed rows False" in out
+    assert "  gdn.torch " in out and "  experts.grouped_mm " in out
+    # unpacked rows: the CUDA conv kernel is refused only for its missing package (packed rows would refuse it first)
+    assert "causal_conv1d.cuda   causal_conv1d is not installed" in out
+    assert main(["kernels", "--device", "tpu"]) == 2
+    assert "no implementation serves this run on device 'tpu'" in capsys.readouterr().err

@@ -1,0 +1,62 @@
+"""The prepared device script (benchmarks/gpu.sh) runs end to end before a device session spends time on it.
+
+A session is lent a GPU by chance and for 15 minutes; a script that breaks there (a renamed flag, a benchmark that
+no longer imports, a subprocess that loses the carried wheels) loses the whole measurement. Its CPU dry run takes
+every step at toy sizes on CPU in fp32 (measuring nothing) and skips, by name, the two that need CUDA."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "gpu.sh"
+
+
+def _gpu_sh(out: Path, mode: str | None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "Q38_GPU_SH"}
+    if mode is not None:
+        env["Q38_GPU_SH"] = mode
+    # the test's interpreter first on PATH: the script calls python3
+    env["PATH"] = os.pathsep.join((str(Path(sys.executable).parent), env.get("PATH", "")))
+    return subprocess.run(["bash", str(SCRIPT), str(out)], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.slow
+def test_every_step_of_the_device_script_runs_in_its_cpu_dry_run(tmp_path):
+    out = tmp_path / "out"
+    proc = _gpu_sh(out, "cpu")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    failures = out / "failures.txt"
+    assert not failures.exists(), failures.read_text() + proc.stdout[-6000:]
+    skipped = (out / "skipped.txt").read_text().splitlines()
+    assert [line.split()[1] for line in skipped] == ["gdn_kernel", "model_fla_gdn"]
+    # each step printed its table (a step whose benchmark printed nothing useful fails here)
+    expect = {
+        "kernels.txt": ["run: device cpu, dtype float32", "gdn.torch            auto"],
+        "loss.txt": ["chunked/unchunked", "compiled/unchunked", "| loss "],
+        "model_torch_gdn.txt": ["ratio q38 / transformers", "q38, gdn_chunk_size 16", "GDN layer", "MoE layer"],
+        "train_step.txt": ["q38 train_step, gdn=torch", "refused: kernels.gdn: fla runs on cuda only",
+                           "transformers fwd+bwd+AdamW"],
+        "plan_step.txt": ["| step time (s)", "recompute False"],
+        "plan_step_recompute.txt": ["| step time (s)", "recompute True"],
+        "bf16_train.txt": ["| step | cpu fp32 loss | cpu bf16 loss |", "| 1 | "],
+    }
+    for name, needles in expect.items():
+        text = (out / name).read_text()
+        for needle in needles:
+            assert needle in text, f"{name} lacks {needle!r}:\n{text[-2000:]}"
+
+
+def test_the_device_run_without_its_wheels_stops_at_once_and_says_how_to_fetch_them(tmp_path):
+    proc = _gpu_sh(tmp_path / "out", None, cwd=tmp_path)  # no .whl/ here
+    assert proc.returncode == 2
+    assert "no wheels in .whl/" in proc.stderr and "bash benchmarks/gpu_wheels.sh" in proc.stderr
+
+
+def test_an_unknown_mode_is_refused(tmp_path):
+    proc = _gpu_sh(tmp_path / "out", "tpu")
+    assert proc.returncode == 2 and "Q38_GPU_SH must be cuda" in proc.stderr
