@@ -230,11 +230,47 @@ def test_weighted_swiglu_backward_matches_autograd(gen):
     h = torch.randn(13, 10, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.rand(13, generator=gen, dtype=torch.float64, requires_grad=True)
     da = torch.randn(13, 5, generator=gen, dtype=torch.float64)
-    a = _WeightedSwiGLU.apply(h, w)
+    a = _WeightedSwiGLU.apply(w, h)
     ref = F.silu(h[:, :5]) * h[:, 5:] * w[:, None]
     assert (a - ref).abs().max() <= 1e-12
     for g1, g2 in zip(torch.autograd.grad(a, [h, w], da), torch.autograd.grad(ref, [h, w], da)):
         assert (g1 - g2).abs().max() <= 1e-12
+    # gate and up given apart (the shared expert's two projections): the same function and gradients
+    gate, up = (t.detach().clone().requires_grad_() for t in h.chunk(2, dim=-1))
+    a2 = _WeightedSwiGLU.apply(w, gate, up)
+    assert (a2 - ref).abs().max() <= 1e-12
+    dh, dw = torch.autograd.grad(F.silu(h[:, :5]) * h[:, 5:] * w[:, None], [h, w], da)
+    for g1, g2 in zip(torch.autograd.grad(a2, [gate, up, w], da), (*dh.chunk(2, dim=-1), dw)):
+        assert (g1 - g2).abs().max() <= 1e-12
+
+
+def test_shared_expert_equals_the_reference_expression_and_saves_no_output_sized_tensor(gen):
+    """The shared expert (sigmoid gate folded into the weighted SwiGLU) against ``sigmoid(x·w_g) ⊙ down(silu(x·Wgᵀ) ⊙
+    x·Wuᵀ)`` (Hugging Face's Qwen3.5-MoE expression): output and every gradient in fp64 within 1e-12; and what it saves
+    for backward is ``gate``, ``up``, the activation and the gate weights (3·n·fs + n elements beyond the input and
+    the parameters, as q38/parallel/budget.py counts), no ``[n, d]`` tensor."""
+    from q38.layers.moe import shared_expert
+
+    cfg = _moe_cfg(initializer_range=0.3)
+    p = init_params(cfg, seed=1, dtype=torch.float64).layers[0].moe
+    n, d, fs = 17, cfg.hidden_size, cfg.shared_expert_intermediate_size
+    x = torch.randn(n, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    leaves = [x] + [t.requires_grad_() for t in (p.ws_gate, p.ws_up, p.ws_down, p.w_shared_gate)]
+    saved = {}
+
+    def pack(t):  # storages other than the input's and the parameters' (which a saved view may share)
+        if t.untyped_storage().data_ptr() not in {leaf.untyped_storage().data_ptr() for leaf in leaves}:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = shared_expert(p, x)
+    ref = torch.sigmoid(x @ p.w_shared_gate.T) * ((F.silu(x @ p.ws_gate.T) * (x @ p.ws_up.T)) @ p.ws_down.T)
+    assert (y - ref).abs().max() <= 1e-12
+    dy = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    for g1, g2 in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(ref, leaves, dy)):
+        assert (g1 - g2).abs().max() <= 1e-12
+    assert sum(saved.values()) == 3 * n * fs + n and n * d not in saved.values()
 
 
 def test_moe_grads_grouped_vs_batched(gen):

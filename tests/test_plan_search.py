@@ -115,3 +115,25 @@ def test_plan_takes_the_gdn_kernel_and_chunk_from_the_run_config(tmp_path, capsy
     assert plan_cli(["--layout", "fsdp", "--world", "2", *TINY, "--train", str(tmp_path / "fla.yaml"),
                      "--gdn-kernel", "torch"]) == 0
     assert seen[-1]["gdn_kernel"] is False
+
+
+def test_the_plan_says_whether_the_peak_fits_the_hardware(capsys):
+    import attrs
+
+    from q38.parallel.budget import format_budget
+
+    rc = plan_cli(["--layout", "fsdp_ep", "--world", "4", "--hardware", "h200", *TINY])
+    out = capsys.readouterr().out
+    assert rc == 0 and "\nfits: peak " in out and "% of the h200's 131.32 GiB, cap 90 %" in out
+    assert plan_cli(["--layout", "fsdp_ep", "--world", "4", *TINY]) == 0  # no hardware: no verdict
+    assert "fits" not in capsys.readouterr().out
+    b = search(ModelConfig.preset("tiny"), 4, Hardware.load("h200"), seq_len=128, global_batch=8)[0][0].budget
+    largest = max(b.memory, key=lambda it: it.bytes).name.strip()
+    assert attrs.evolve(b, hbm_bytes=b.peak_bytes * 2).fit_line().startswith("fits: ")
+    assert " = 50 % of the h200" in attrs.evolve(b, hbm_bytes=b.peak_bytes * 2).fit_line()
+    over = attrs.evolve(b, hbm_bytes=b.peak_bytes / 0.95).fit_line()  # fits the device, not the 90 % cap
+    assert over.startswith("OVER THE CAP: ") and f"the largest item is {largest}" in over
+    short = attrs.evolve(b, hbm_bytes=b.peak_bytes / 2)
+    assert short.fit_line().startswith("DOES NOT FIT: ") and "--recompute full" in short.fit_line()
+    assert short.fit_line() in format_budget(short)
+    assert attrs.evolve(b, hbm_bytes=None).fit_line() is None

@@ -82,7 +82,7 @@ def swiglu_grouped(
     activation scaled by its gate weight ``w_m`` before the down projection."""
     if grouped_mm:
         offs = torch.cumsum(counts_e, 0).to(torch.int32)
-        a_mf = _WeightedSwiGLU.apply(F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs), w_m)
+        a_mf = _WeightedSwiGLU.apply(w_m, F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs))
         return _GradContiguous.apply(F.grouped_mm(a_mf, we_down.transpose(-2, -1), offs=offs))
     # Padded batched matmul: scatter rows into [e, capacity, d], one bmm per projection.
     e = counts_e.shape[0]
@@ -97,41 +97,47 @@ def swiglu_grouped(
     x_eqd = x_md.new_zeros(e * cap, x_md.shape[1]).index_copy(0, flat, x_md).view(e, cap, -1)
     h_qf2 = torch.bmm(x_eqd, we_gate_up.transpose(-2, -1)).reshape(e * cap, -1)
     w_q = w_m.new_zeros(e * cap).index_copy(0, flat, w_m)  # padding rows: weight 0
-    a_eqf = _WeightedSwiGLU.apply(h_qf2, w_q).view(e, cap, -1)
+    a_eqf = _WeightedSwiGLU.apply(w_q, h_qf2).view(e, cap, -1)
     y_eqd = torch.bmm(a_eqf, we_down.transpose(-2, -1))
     return y_eqd.reshape(e * cap, -1).index_select(0, flat)
 
 
 class _WeightedSwiGLU(torch.autograd.Function):
-    """``a = silu(gate) ⊙ up ⊙ w`` of ``h = [gate | up]`` ``[m, 2f]`` and per-row gate weights ``w`` ``[m]``.
+    """``a = silu(gate) ⊙ up ⊙ w`` with per-row gate weights ``w`` ``[m]``, of ``h = [gate | up]`` ``[m, 2f]`` (one
+    tensor: the experts' fused projection) or of ``gate`` and ``up`` given apart (the shared expert's two
+    projections). Called as ``apply(w, h)`` or ``apply(w, gate, up)``.
 
-    Forward is the reference expression, op for op, into one buffer. Backward (in at least fp32) writes ``dgate`` and
-    ``dup`` into the two halves of one ``[m, 2f]`` gradient (autograd would make two and concatenate them):
-    ``dup = da ⊙ w ⊙ silu(gate)``, ``dgate = silu'(gate) ⊙ (da ⊙ w ⊙ up)`` by the fused ``silu_backward`` kernel
-    (what autograd runs for ``F.silu``), ``dw = Σ_f da ⊙ silu(gate) ⊙ up``: seven passes over ``[m, f]`` where the
-    formula written out elementwise took thirteen. The gate weight scales the ``[m, f]`` activation rather than the
-    ``[m, d]`` output: the same product, on the narrower tensor whenever f < d."""
+    Forward is the reference expression, op for op, into one buffer; it saves its inputs only. Backward (in at least
+    fp32) writes the input gradients in the inputs' layout (for ``h``: the two halves of one ``[m, 2f]`` gradient,
+    where autograd would make two and concatenate them): ``dup = da ⊙ w ⊙ silu(gate)``, ``dgate = silu'(gate) ⊙
+    (da ⊙ w ⊙ up)`` by the fused ``silu_backward`` kernel (what autograd runs for ``F.silu``), ``dw = Σ_f da ⊙
+    silu(gate) ⊙ up``: seven passes over ``[m, f]`` where the formula written out elementwise took thirteen. The gate
+    weight scales the ``[m, f]`` activation rather than the ``[m, d]`` output: the same product, on the narrower
+    tensor whenever f < d, and no ``[m, d]`` tensor is saved for the weight's gradient."""
 
     @staticmethod
-    def forward(ctx, h, w):
-        gate, up = h.chunk(2, dim=-1)
-        ctx.save_for_backward(h, w)
+    def forward(ctx, w, *gate_up):
+        gate, up = gate_up[0].chunk(2, dim=-1) if len(gate_up) == 1 else gate_up
+        ctx.save_for_backward(w, *gate_up)
         return F.silu(gate).mul_(up).mul_(w[:, None])
 
     @staticmethod
     def backward(ctx, da):
-        h, w = ctx.saved_tensors
-        acc = torch.promote_types(h.dtype, torch.float32)
-        hf, daf, wf = h.to(acc), da.to(acc), w.to(acc)[:, None]
-        gate, up = hf.chunk(2, dim=-1)
-        f = gate.shape[-1]
+        w, *saved = ctx.saved_tensors
+        acc = torch.promote_types(saved[0].dtype, torch.float32)
+        gu, daf, wf = [t.to(acc) for t in saved], da.to(acc), w.to(acc)[:, None]
+        gate, up = gu[0].chunk(2, dim=-1) if len(gu) == 1 else gu
         silu = F.silu(gate)
-        dw = torch.linalg.vecdot(daf, silu * up).to(w.dtype) if ctx.needs_input_grad[1] else None
-        dh = torch.empty_like(hf)
+        dw = torch.linalg.vecdot(daf, silu * up).to(w.dtype) if ctx.needs_input_grad[0] else None
+        if len(gu) == 1:
+            grads = (torch.empty_like(gu[0]),)
+            dgate, dup = grads[0].chunk(2, dim=-1)
+        else:
+            grads = dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         daw = daf * wf
-        torch.mul(daw, silu, out=dh[:, f:])
-        torch.ops.aten.silu_backward.grad_input(daw.mul_(up), gate, grad_input=dh[:, :f])
-        return dh.to(h.dtype), dw
+        torch.mul(daw, silu, out=dup)
+        torch.ops.aten.silu_backward.grad_input(daw.mul_(up), gate, grad_input=dgate)
+        return (dw, *(g.to(t.dtype) for g, t in zip(grads, saved)))
 
 
 def grouped_experts() -> bool:
@@ -195,6 +201,17 @@ def _local_routed(
     return base_nd.index_add(0, token_sorted, y_sorted)
 
 
+def shared_expert(p: MoEParams, x_nd: Float[Tensor, "n d"]) -> Float[Tensor, "n d"]:
+    """``sigmoid(x·w_g) ⊙ down(silu(x·Wgᵀ) ⊙ x·Wuᵀ)`` with the sigmoid gate applied to the ``[n, fs]`` activation
+    inside the routed experts' weighted SwiGLU: the same product, without saving the ``[n, d]`` output for the
+    gate's gradient or a separate ``silu(gate)`` (saved: ``gate``, ``up``, the activation, the gate weights). The
+    gate and up projections stay two matmuls on the parameters themselves: a matmul over ``[Wg; Wu]`` would save the
+    concatenated weight for its backward in full, outside FSDP's reshard-after-forward."""
+    gate_n = torch.sigmoid(F.linear(x_nd, p.w_shared_gate)).squeeze(-1)
+    a = _WeightedSwiGLU.apply(gate_n, F.linear(x_nd, p.ws_gate), F.linear(x_nd, p.ws_up))
+    return F.linear(a, p.ws_down)
+
+
 def moe_apply(
     p: MoEParams,
     x: Float[Tensor, "b s d"],
@@ -210,8 +227,7 @@ def moe_apply(
     logits_ne = F.linear(x_nd, p.w_router)
     w_nk, idx_nk = route(logits_ne, cfg.num_experts_per_tok, cfg.norm_topk_prob, router_bias)
     k = idx_nk.shape[1]
-    shared_nd = F.linear(F.silu(F.linear(x_nd, p.ws_gate)) * F.linear(x_nd, p.ws_up), p.ws_down)
-    shared_nd = torch.sigmoid(F.linear(x_nd, p.w_shared_gate)) * shared_nd
+    shared_nd = shared_expert(p, x_nd)
     # the routed outputs are added into the shared expert's output (no zero-filled buffer and no separate sum)
     if dispatch is None:
         out_nd = _local_routed(x_nd, w_nk, idx_nk, p, cfg, shared_nd)

@@ -57,6 +57,10 @@ def recompute_mode(train_config) -> str:
             (True, True): "selective_both"}[(a, g)]
 
 
+# The share of a device's memory a plan may fill; the rest is for allocator fragmentation, the CUDA / CANN context
+# and collective buffers (q38 plan --search's default cap; the plain plan reports against it too).
+MEMORY_HEADROOM = 0.9
+
 # ---- hardware ---------------------------------------------------------------------------------------------------
 
 
@@ -145,8 +149,9 @@ def _moe_saved(cfg: ModelConfig, n: float | int, act: int, ep: int, ep_balance: 
                       cfg.shared_expert_intermediate_size)
     m = n * k
     # the gate weight scales the [m, f] activation inside the fused SwiGLU (moe.py: _WeightedSwiGLU), which saves
-    # h = [gate | up] and the weights: no [m, d] weighted output, no separate silu(gate)
-    elems = n * e + 2 * n + n * k + 3 * m * d + m * 2 * f + m * f + m + 4 * n * fs
+    # h = [gate | up] and the weights: no [m, d] weighted output, no separate silu(gate); the shared expert runs the
+    # same function (moe.py: shared_expert): its h [n, 2fs] and activation [n, fs]
+    elems = n * e + 2 * n + n * k + 3 * m * d + m * 2 * f + m * f + m + 3 * n * fs
     ints = n * k * 8 + 2 * m * 8
     if ep > 1:  # the receive buffer of the dispatch and the combine's return, saved for the expert matmuls
         elems += 2 * m * d
@@ -318,6 +323,22 @@ class Budget:
     hardware: str | None
     peak_flops: float | None
     global_tokens: int
+    hbm_bytes: float | None = None  # the hardware's device memory (None: no --hardware)
+
+    def fit_line(self) -> str | None:
+        """Whether the peak fits the hardware's memory under the cap ``q38 plan --search`` applies
+        (``MEMORY_HEADROOM`` of it); None without hardware."""
+        if not self.hbm_bytes:
+            return None
+        cap = MEMORY_HEADROOM * self.hbm_bytes
+        share = (f"peak {_fmt_bytes(self.peak_bytes)} = {100 * self.peak_bytes / self.hbm_bytes:.0f} % of the "
+                 f"{self.hardware}'s {_fmt_bytes(self.hbm_bytes)}, cap {100 * MEMORY_HEADROOM:.0f} %")
+        if self.peak_bytes <= cap:
+            return f"fits: {share}"
+        verdict = "DOES NOT FIT" if self.peak_bytes > self.hbm_bytes else "OVER THE CAP"
+        largest = max(self.memory, key=lambda it: it.bytes).name.strip()
+        return (f"{verdict}: {share}; the largest item is {largest}: try --recompute full, a fused GDN kernel "
+                f"(--gdn-kernel fla keeps 16-bit outputs, not fp32 per-chunk states), more ranks, or q38 plan --search")
 
     @property
     def peak_fwd_bwd(self) -> float:
@@ -673,6 +694,7 @@ def estimate(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory=tuple(memory), optimizer_phase=tuple(opt),
         flops=fl, comm=tuple(comm), compute_s=compute_s, optimizer_s=optimizer_s,
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
+        hbm_bytes=hw.hbm_bytes if hw else None,
     )
 
 
@@ -713,6 +735,9 @@ def format_budget(b: Budget) -> str:
     lines.append(f"  {'total':<32}{_fmt_bytes(b.peak_fwd_bwd):>14}   (persistent + the largest transient group)")
     lines.append(f"optimizer phase total {_fmt_bytes(b.peak_optimizer)}; peak {_fmt_bytes(b.peak_bytes)} "
                  f"in the {b.peak_phase}")
+    fit = b.fit_line()
+    if fit:
+        lines.append(fit)
     f = b.flops
     lines.append(f"FLOPs per rank and step: model {f.model:.3e} (dense {f.dense:.2e}, experts {f.experts:.2e}, "
                  f"attention {f.attention:.2e}, GDN {f.gdn_core:.2e}, head {f.head:.2e}); executed {f.executed:.3e} "

@@ -16,7 +16,7 @@ import yaml
 
 from q38.config import ConfigError, ModelConfig
 from q38.kernels import KernelConfig, auto_gdn_chunk
-from q38.parallel.budget import GIB, RECOMPUTE_MODES, Budget, Hardware, estimate
+from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate
 from q38.parallel.layout import Layout, LayoutError
 
 TEMPLATES = {(False, False): "fsdp", (True, False): "fsdp_cp", (False, True): "fsdp_ep", (True, True): "fsdp_ep_cp"}
@@ -86,7 +86,7 @@ def search(
     the world size has no valid factorisation or no candidate fits."""
     from q38.model import abstract_params
 
-    cap = float(memory_cap) if memory_cap is not None else 0.9 * hardware.hbm_bytes
+    cap = float(memory_cap) if memory_cap is not None else MEMORY_HEADROOM * hardware.hbm_bytes
     facts, why = factorisations(cfg, world, seq_len, global_batch)
     if not facts:
         shown = "; ".join(sorted(set(why))[:3]) or f"no cp ≤ {MAX_CP} divides seq_len {seq_len}"
