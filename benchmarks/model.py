@@ -159,7 +159,9 @@ def per_layer(args, cfg, params, hf, dtype):
     info = seq_info(None, b, s, args.device)
     gdn_i = cfg.layer_types.index("linear_attention")
     att_i = cfg.layer_types.index("full_attention")
-    pos = hf.model.rotary_emb(x, torch.arange(s, device=args.device)[None].expand(b, s))
+    # text positions as the (3, b, s) multimodal-RoPE ids transformers' Qwen3.5 rotary module takes (5.17 requires
+    # the 3-d form; 5.23 also takes (b, s) and expands it to the same)
+    pos = hf.model.rotary_emb(x, torch.arange(s, device=args.device)[None, None].expand(3, b, s))
 
     def fb(fn):
         return lambda: fn().float().sum().backward()
