@@ -29,7 +29,7 @@ runs synchronously on the compute stream. The optimizer step is bound by memory 
 """
 
 import math
-from typing import Mapping
+from typing import Any, Mapping
 
 import attrs
 import torch
@@ -48,11 +48,11 @@ def _nbytes(dtype: str) -> int:
     return {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}[dtype]
 
 
-def recompute_mode(train_config) -> str:
-    """The recompute mode of a ``TrainConfig``."""
-    if not train_config.recompute:
+def recompute_mode(train: Mapping[str, Any]) -> str:
+    """The recompute mode of a run config's ``train`` settings (the YAML mapping or ``TrainConfig.to_dict()``)."""
+    if not train.get("recompute"):
         return "none"
-    a, g = train_config.skip_flash_attn_recompute, train_config.skip_gdn_recompute
+    a, g = bool(train.get("skip_flash_attn_recompute")), bool(train.get("skip_gdn_recompute"))
     return {(False, False): "full", (True, False): "selective_attention", (False, True): "selective_gdn",
             (True, True): "selective_both"}[(a, g)]
 
@@ -325,9 +325,10 @@ class Budget:
     global_tokens: int
     hbm_bytes: float | None = None  # the hardware's device memory (None: no --hardware)
 
-    def fit_line(self) -> str | None:
+    def fit_line(self, fixes: str = "try --recompute full, a fused GDN kernel (--gdn-kernel fla keeps 16-bit outputs, "
+                                      "not fp32 per-chunk states), more ranks, or q38 plan --search") -> str | None:
         """Whether the peak fits the hardware's memory under the cap ``q38 plan --search`` applies
-        (``MEMORY_HEADROOM`` of it); None without hardware."""
+        (``MEMORY_HEADROOM`` of it), naming ``fixes`` when it does not; None without hardware."""
         if not self.hbm_bytes:
             return None
         cap = MEMORY_HEADROOM * self.hbm_bytes
@@ -337,8 +338,7 @@ class Budget:
             return f"fits: {share}"
         verdict = "DOES NOT FIT" if self.peak_bytes > self.hbm_bytes else "OVER THE CAP"
         largest = max(self.memory, key=lambda it: it.bytes).name.strip()
-        return (f"{verdict}: {share}; the largest item is {largest}: try --recompute full, a fused GDN kernel "
-                f"(--gdn-kernel fla keeps 16-bit outputs, not fp32 per-chunk states), more ranks, or q38 plan --search")
+        return f"{verdict}: {share}; the largest item is {largest}: {fixes}"
 
     @property
     def peak_fwd_bwd(self) -> float:

@@ -10,13 +10,14 @@ recompute modes. All arithmetic: no tensors, no processes.
 
 import math
 from pathlib import Path
+from typing import Any, Mapping
 
 import attrs
 import yaml
 
 from q38.config import ConfigError, ModelConfig
 from q38.kernels import KernelConfig, auto_gdn_chunk
-from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate
+from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate, recompute_mode
 from q38.parallel.layout import Layout, LayoutError
 
 TEMPLATES = {(False, False): "fsdp", (True, False): "fsdp_cp", (False, True): "fsdp_ep", (True, True): "fsdp_ep_cp"}
@@ -229,6 +230,21 @@ def _dtype_name(x: str) -> str:
     return names[str(x)]
 
 
+def budget_kwargs(train: Mapping[str, Any], *, gdn: str, chunk: int) -> dict[str, Any]:
+    """``estimate``'s settings from a run config's ``train`` section (the YAML mapping or ``TrainConfig.to_dict()``;
+    missing keys take ``TrainConfig``'s defaults) and the run's GDN kernel and chunk: what ``q38 plan --train`` and the
+    trainer's memory check (q38/train/launch.py: ``check_memory``) both predict from."""
+    return dict(param_dtype=_dtype_name(train.get("param_dtype") or "fp32"),
+                reduce_dtype=_dtype_name(train.get("reduce_dtype") or "fp32"),
+                gdn_kernel=gdn == "fla", gdn_chunk=chunk,
+                ep_balance=bool(train.get("enable_ep_balance", False)),
+                max_dup_experts=int(train.get("max_dup_experts_num", 2)),
+                loss_chunk_tokens=train.get("loss_chunk_size", 1024),
+                loss_chunk_budget_bytes=train.get("loss_chunk_budget_bytes") if train.get("dynamic_chunk_loss") else None,
+                offload_activations=bool(train.get("offload_activations", False)),
+                grad_clip=train.get("grad_clip", 1.0) is not None)
+
+
 def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
     """``q38 plan ... --hardware/--seq-len/--search``: the budget of a layout, or the search. Prints; returns 0."""
     import sys
@@ -247,9 +263,7 @@ def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
     if ns.recompute:
         recompute = ns.recompute
     elif train.get("recompute"):
-        recompute = {(False, False): "full", (True, False): "selective_attention", (False, True): "selective_gdn",
-                     (True, True): "selective_both"}[(bool(train.get("skip_flash_attn_recompute")),
-                                                      bool(train.get("skip_gdn_recompute")))]
+        recompute = recompute_mode(train)
     else:
         recompute = "none" if src is not None or not ns.search else "full"
     micro = ns.micro_batches or int(train.get("micro_batches", 1))
@@ -259,15 +273,8 @@ def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
     # the torch core's chunk as the run would resolve it (an accelerator with a hardware profile, else the CPU)
     chunk = kernels.gdn_chunk_size if kernels.gdn_chunk_size != "auto" else auto_gdn_chunk(
         "cuda" if hw is not None else "cpu", cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    kw = dict(param_dtype=_dtype_name(ns.param_dtype or train.get("param_dtype") or "bf16"),
-              reduce_dtype=_dtype_name(ns.reduce_dtype or train.get("reduce_dtype") or "fp32"),
-              gdn_kernel=gdn == "fla", gdn_chunk=chunk,
-              ep_balance=bool(train.get("enable_ep_balance", False)),
-              max_dup_experts=int(train.get("max_dup_experts_num", 2)),
-              loss_chunk_tokens=train.get("loss_chunk_size", 1024),
-              loss_chunk_budget_bytes=train.get("loss_chunk_budget_bytes") if train.get("dynamic_chunk_loss") else None,
-              offload_activations=bool(train.get("offload_activations", False)),
-              grad_clip=train.get("grad_clip", 1.0) is not None)
+    kw = budget_kwargs({**train, "param_dtype": ns.param_dtype or train.get("param_dtype") or "bf16",
+                        "reduce_dtype": ns.reduce_dtype or train.get("reduce_dtype") or "fp32"}, gdn=gdn, chunk=chunk)
     shipped = None
     global_batch = ns.global_batch
     if layout is not None:

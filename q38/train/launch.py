@@ -100,6 +100,7 @@ class RunPlan:
     ep_size: int
     cp_size: int
     kernels: KernelConfig = DEFAULT_KERNELS  # resolved: what this run's layers execute
+    memory: str | None = None  # on an accelerator: the predicted peak against the device's memory (check_memory)
 
 
 def check_run(cfg: RunConfig, world_size: int = 1, device: str = "cpu") -> RunPlan:
@@ -122,7 +123,46 @@ def check_run(cfg: RunConfig, world_size: int = 1, device: str = "cpu") -> RunPl
     _need(cfg.data.seq_len % cp == 0,
           f"data.seq_len {cfg.data.seq_len} must be divisible by the layout's cp size {cp} (the sequence is split "
           f"over cp ranks); change seq_len or the layout")
-    return RunPlan(layout, dict(sizes), dp, ep, cp, kernels)
+    plan = RunPlan(layout, dict(sizes), dp, ep, cp, kernels)
+    return attrs.evolve(plan, memory=check_memory(cfg, plan, world_size, device))
+
+
+def device_memory(device: str) -> tuple[str, int] | None:
+    """``(name, bytes)`` of the accelerator ``device`` (``cuda[:i]`` / ``npu[:i]``); None for the CPU and for a device
+    that is not there (``safety.check_device`` reports that one)."""
+    kind, _, index = str(device).partition(":")
+    mod = getattr(torch, kind, None) if kind in ("cuda", "npu") else None
+    if mod is None or not mod.is_available() or int(index or 0) >= mod.device_count():
+        return None
+    props = mod.get_device_properties(int(index or 0))
+    return props.name, int(props.total_memory)
+
+
+def check_memory(cfg: RunConfig, plan: RunPlan, world_size: int, device: str) -> str | None:
+    """On an accelerator: ``q38 plan``'s predicted per-rank peak of this run (q38/parallel/budget.py: the same
+    settings ``q38 plan --train`` reads, with the run's resolved GDN kernel and chunk) against the device's memory.
+    Raises ``ConfigError`` when the peak exceeds it (``run.memory_check: false`` starts anyway); returns the verdict
+    line for the run log (None on the CPU, whose memory the plan does not model)."""
+    dev = device_memory(device)
+    if dev is None:
+        return None
+    from q38.parallel.budget import estimate, recompute_mode
+    from q38.parallel.search import budget_kwargs
+    from q38.train.optim import default_impl
+
+    train = cfg.train.to_dict()
+    b = estimate(cfg.model, plan.layout, world_size, seq_len=cfg.data.seq_len, rows_per_rank=cfg.data.batch_size,
+                 micro_batches=cfg.train.micro_batches, recompute=recompute_mode(train), hardware=None,
+                 adamw_impl=default_impl(torch.device(device)),
+                 **budget_kwargs(train, gdn=plan.kernels.gdn, chunk=int(plan.kernels.gdn_chunk_size)))
+    b = attrs.evolve(b, hardware=dev[0], hbm_bytes=dev[1])
+    line = b.fit_line(fixes="set train.recompute: true (without skip_gdn_recompute on the torch GDN kernel), more "
+                            "ranks or a smaller data.batch_size / seq_len, or kernels.gdn: fla where it is allowed; "
+                            "`q38 plan --search` ranks the layouts that fit")
+    if b.peak_bytes > dev[1] and cfg.run.memory_check:
+        raise ConfigError(f"memory: {line}. The prediction is q38 plan's (within 15 % of measured peaks on CPU; "
+                          "tests/test_plan_budget.py); set run.memory_check: false to start anyway")
+    return f"memory (q38 plan): {line}"
 
 
 def abstract_params_of(model: ModelConfig):

@@ -81,6 +81,8 @@ class RunOptions:
     resume_from: str | None = None  # continue from this checkpoint (must verify); None: the newest in out_dir
     eval_every: int = 0  # steps between held-out evaluations (0: only after the last step, when there is eval data)
     eval_batches: int = 0  # global batches per evaluation (0: the whole eval split)
+    # on an accelerator: refuse to start when q38 plan's predicted per-rank peak exceeds the device's memory
+    memory_check: bool = True
 
     def __attrs_post_init__(self) -> None:
         for k in ("eval_every", "eval_batches"):

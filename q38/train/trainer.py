@@ -287,6 +287,8 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     if lead:
         log("kernels: " + ", ".join(f"{op}={getattr(plan.kernels, op)}" + (" (auto)" if getattr(cfg.kernels, op) == "auto"
                                                                              else "") for op in KERNEL_OPS))
+        if plan.memory:
+            log(plan.memory)
     saved_at = None
 
     def save() -> Path:
