@@ -8,7 +8,7 @@ import os
 import sys
 import traceback
 
-USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data} ...
+USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data,kernels} ...
   train [CONFIG] [--set SECTION.KEY=VALUE ...]
                    train or resume (no CONFIG: the embedded tiny run); torchrun --nproc_per_node N for N ranks
   prepare-data INPUT... --out DIR [--tokenizer T] [--workers N]   tokenize JSONL/Parquet into token shards
