@@ -338,6 +338,30 @@ def kernel_report(
     return rows
 
 
+def describe_kernels(
+    requested: KernelConfig, resolved: KernelConfig, *, device: str = "cpu", cp: bool = False, packed: bool = True,
+    train: bool = True, dtype: str | None = None,
+) -> str:
+    """The run log's ``kernels:`` line: each op's implementation, ``(auto)`` where ``auto`` chose it, and the
+    implementations ``auto`` preferred but passed over on this device, each with its reason (``gdn=torch (auto;
+    passed over fla: Triton 3.6.0 < 3.7.1 ...)``): an operator sees why the faster kernel is not running."""
+    dev = str(device).split(":")[0]
+    parts = []
+    for op in OPS:
+        picked = getattr(resolved, op)
+        if getattr(requested, op) != "auto":
+            parts.append(f"{op}={picked}")
+            continue
+        over = []
+        for name, impl in REGISTRY[op].items():
+            if name == picked:
+                break
+            if impl.auto and dev in impl.devices:  # one meant for this device: say why it is not running
+                over.append(f"{name}: {_unsupported(op, name, impl, dev, cp, packed, train, dtype)}")
+        parts.append(f"{op}={picked} (auto" + (f"; passed over {'; '.join(over)})" if over else ")"))
+    return "kernels: " + ", ".join(parts)
+
+
 # ---- the active choice -----------------------------------------------------------------------------------------
 
 # Process-wide, not thread-local: autograd runs backward (and so activation recompute) on its own threads.

@@ -259,3 +259,19 @@ def test_q38_kernels_prints_versions_and_the_table(capsys):
     assert "causal_conv1d.cuda   causal_conv1d is not installed" in out
     assert main(["kernels", "--device", "tpu"]) == 2
     assert "no implementation serves this run on device 'tpu'" in capsys.readouterr().err
+
+
+def test_the_run_log_line_says_what_auto_passed_over_and_why(monkeypatch):
+    monkeypatch.setitem(K.REGISTRY["gdn"], "fla", attrs.evolve(K.REGISTRY["gdn"]["fla"],
+                                                                 problem=lambda: "Triton 3.6.0 < 3.7.1 miscompiles"))
+    req = KernelConfig(attention="eager")
+    got = resolve_kernels(req, device="cuda", dtype="bfloat16")
+    line = K.describe_kernels(req, got, device="cuda:0", dtype="bfloat16")
+    assert line.startswith("kernels: gdn=torch (auto; passed over fla: Triton 3.6.0 < 3.7.1 miscompiles), ")
+    # the CUDA conv is meant for this device: its reason is named; npu kernels are not (another device)
+    assert "causal_conv1d=torch (auto; passed over cuda: does not support packed rows" in line and "npu" not in line
+    assert "attention=eager," in line  # named, not auto: no note
+    assert "experts=grouped_mm (auto)" in line and line.endswith("loss=torch (auto)")  # compiled is opt-in: not "passed"
+    # on the CPU nothing is passed over: every preferred implementation is for another device
+    cpu = K.describe_kernels(KernelConfig(), resolve_kernels(KernelConfig(), device="cpu"), device="cpu")
+    assert "passed over" not in cpu and cpu.startswith("kernels: gdn=torch (auto), causal_conv1d=torch (auto)")

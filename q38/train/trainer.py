@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from q38.config import ConfigError
-from q38.kernels import OPS as KERNEL_OPS, use_kernels
+from q38.kernels import describe_kernels, use_kernels
 
 from q38.train.launch import (  # noqa: F401  (re-exported: the run's pieces by role)
     RunPlan, WorldInfo, _init_process_group, abstract_params_of, check_run, pick_backend, pick_device,
@@ -285,8 +285,8 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     if lead and tuned:
         log(tuned)
     if lead:
-        log("kernels: " + ", ".join(f"{op}={getattr(plan.kernels, op)}" + (" (auto)" if getattr(cfg.kernels, op) == "auto"
-                                                                             else "") for op in KERNEL_OPS))
+        log(describe_kernels(cfg.kernels, plan.kernels, device=device, cp=plan.cp_size > 1,
+                             dtype=cfg.train.param_dtype))
         if plan.memory:
             log(plan.memory)
     saved_at = None
