@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One prepared device check (H200): the kernel table, FLA kernel parity vs the torch reference, then the bf16
-# benchmarks. Every step has its own time limit (seconds) so that one hang cannot eat the device session (~9 min in
-# all); a failed or timed-out step is recorded in OUT_DIR/failures.txt and the next one runs.
+# One prepared device check (H200): the kernel table, the device path's parity with the CPU fp32 reference
+# (tests/test_cuda.py), FLA kernel parity vs the torch reference, then the bf16 benchmarks. Every step has its
+# own time limit (seconds) so that one hang cannot eat the device session (at most ~9.5 min in all); a failed or
+# timed-out step is recorded in OUT_DIR/failures.txt and the next one runs.
 #
-#   bash benchmarks/gpu_wheels.sh                  here, once: the wheels the device lacks, into .whl/ (~1.6 MB)
+#   bash benchmarks/gpu_wheels.sh                  here, once: the wheels the device lacks, into .whl/ (~3 MB)
 #   bash benchmarks/gpu.sh OUT_DIR                 there (device tool: carry [".whl"], OUT_DIR "$OUT")
 #   Q38_GPU_SH=cpu bash benchmarks/gpu.sh OUT_DIR  here: every step at toy sizes on CPU in fp32 (the CUDA-only
 #                                                  steps skipped, each named): checks the script and what it calls,
@@ -34,6 +35,7 @@ cuda)
     plan_size=(--hardware h200 --repeats 5)
     plan_gdn=fla
     bf16_steps=50
+    test_device=cuda
     ;;
 cpu)
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -45,6 +47,7 @@ cpu)
     plan_size=(--hardware h200 --repeats 1 --seq 128 --batch 1 --hidden 64 --layers 4 --experts 4 --top-k 2)
     plan_gdn=torch
     bf16_steps=3
+    test_device=cpu
     ;;
 *)
     echo "gpu.sh: Q38_GPU_SH must be cuda (the device run) or cpu (the dry run here), got '$mode'" >&2
@@ -64,13 +67,16 @@ cuda_only() { # cuda_only NAME WHY: a step the CPU dry run cannot take, recorded
 # first: q38 imports, the versions there, and what kernels.auto picks (and why FLA is or is not allowed); without
 # it nothing below can run, so a failure here ends the script
 python3 -m q38.cli kernels "${dev[@]}" 2>&1 | tee "$out/kernels.txt"
+# the device path against the CPU fp32 reference: each layer family and a bf16 train_step (tests/test_cuda.py; a
+# UserWarning is reported there, not turned into a failure as in CI)
+step cuda_tests 60 env Q38_TEST_DEVICE="$test_device" python3 -m pytest -q -p no:cacheprovider -W default::UserWarning -rs tests/test_cuda.py
 if [[ $mode == cuda ]]; then
     step gdn_kernel 60 python3 benchmarks/gdn_kernel.py
 else
     cuda_only gdn_kernel "FLA's kernels need CUDA"
 fi
 # chunked loss vs unchunked, eager and compiled block epilogues (kernels.loss: torch / compiled; goal ≤ 1.2)
-step loss 120 python3 benchmarks/loss.py "${dev[@]}" "${loss_size[@]}" --compiled
+step loss 100 python3 benchmarks/loss.py "${dev[@]}" "${loss_size[@]}" --compiled
 # q38 vs transformers fwd+bwd (kernels: auto → experts grouped_mm on bf16 CUDA); torch GDN (auto chunk 64, and 128 in
 # the same interleaved loop: kernels.gdn_chunk_size's accelerator default is not measured yet), then FLA GDN
 step model_torch_gdn 60 python3 benchmarks/model.py "${dev[@]}" "${model_size[@]}" --layers --vs-gdn-chunk "$vs_chunk"
@@ -81,7 +87,7 @@ else
 fi
 # whole train_step, tokens/s + MFU (bf16, hidden 2048, 8 layers, 64 experts top-8, 2 × 4096): torch GDN, FLA GDN where
 # the kernel registry allows it (FLA >= 0.5.2 with Triton >= 3.7.1 or TileLang), transformers
-step train_step 120 python3 benchmarks/train_step.py "${dev[@]}" "${step_size[@]}"
+step train_step 100 python3 benchmarks/train_step.py "${dev[@]}" "${step_size[@]}"
 # q38 plan: predicted vs measured one-GPU step time and peak memory (issue 13)
 step plan_step 45 python3 benchmarks/plan_step.py "${dev[@]}" "${plan_size[@]}" --gdn "$plan_gdn"
 step plan_step_recompute 45 python3 benchmarks/plan_step.py "${dev[@]}" "${plan_size[@]}" --gdn "$plan_gdn" --recompute

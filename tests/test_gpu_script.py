@@ -37,6 +37,7 @@ def test_every_step_of_the_device_script_runs_in_its_cpu_dry_run(tmp_path):
     # each step printed its table (a step whose benchmark printed nothing useful fails here)
     expect = {
         "kernels.txt": ["run: device cpu, dtype float32", "gdn.torch            auto"],
+        "cuda_tests.txt": ["7 passed"],
         "loss.txt": ["chunked/unchunked", "compiled/unchunked", "| loss "],
         "model_torch_gdn.txt": ["ratio q38 / transformers", "q38, gdn_chunk_size 16", "GDN layer", "MoE layer"],
         "train_step.txt": ["q38 train_step, gdn=torch", "refused: kernels.gdn: fla runs on cuda only",
