@@ -101,29 +101,26 @@ def test_moe_layer_on_the_device_matches_cpu_fp32(experts):
 
 
 @pytest.mark.parametrize("packed", [False, True])
-def test_gdn_layer_on_the_device_matches_cpu_fp32(packed):
+@pytest.mark.parametrize("family", ["gdn", "attention"])
+def test_token_mixer_on_the_device_matches_cpu_fp32(family, packed):
+    """The GDN layer (torch core, fp32 and bf16 on the device) and the attention layer (SDPA in bf16 on the device,
+    against the explicit-softmax reference on the CPU), on plain and packed rows."""
+    from q38.layers.attention import attention_apply
     from q38.layers.gdn import gdn_apply
 
+    kind, apply, ref_kernels, dev_kernels, dtypes = {
+        "gdn": ("linear_attention", gdn_apply, KernelConfig(gdn="torch"), KernelConfig(gdn="torch"),
+                (torch.float32, torch.bfloat16)),
+        "attention": ("full_attention", attention_apply, KernelConfig(attention="eager"),
+                      KernelConfig(attention="sdpa"), (torch.bfloat16,)),
+    }[family]
     cfg = _cfg()
-    i = cfg.layer_types.index("linear_attention")
-    params = q38.init_params(cfg, seed=0).layers[i].mixer
-    ref = _layer_grads(gdn_apply, params, cfg, "cpu", torch.float32, KernelConfig(gdn="torch"), packed)
-    got = _layer_grads(gdn_apply, params, cfg, DEVICE, torch.float32, KernelConfig(gdn="torch"), packed)
-    _compare(got, ref, FP32_TOL, f"GDN (torch core), fp32 on {DEVICE}, packed={packed}")
-    got = _layer_grads(gdn_apply, params, cfg, DEVICE, torch.bfloat16, KernelConfig(gdn="torch"), packed)
-    _compare(got, ref, BF16_TOL, f"GDN (torch core), bf16 on {DEVICE}, packed={packed}")
-
-
-@pytest.mark.parametrize("packed", [False, True])
-def test_attention_layer_on_the_device_matches_cpu_fp32(packed):
-    from q38.layers.attention import attention_apply
-
-    cfg = _cfg()
-    i = cfg.layer_types.index("full_attention")
-    params = q38.init_params(cfg, seed=0).layers[i].mixer
-    ref = _layer_grads(attention_apply, params, cfg, "cpu", torch.float32, KernelConfig(attention="eager"), packed)
-    got = _layer_grads(attention_apply, params, cfg, DEVICE, torch.bfloat16, KernelConfig(attention="sdpa"), packed)
-    _compare(got, ref, BF16_TOL, f"attention (sdpa), bf16 on {DEVICE}, packed={packed}")
+    params = q38.init_params(cfg, seed=0).layers[cfg.layer_types.index(kind)].mixer
+    ref = _layer_grads(apply, params, cfg, "cpu", torch.float32, ref_kernels, packed)
+    for dtype in dtypes:
+        got = _layer_grads(apply, params, cfg, DEVICE, dtype, dev_kernels, packed)
+        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        _compare(got, ref, tol, f"{family} ({getattr(dev_kernels, family)}), {dtype} on {DEVICE}, packed={packed}")
 
 
 def test_a_bf16_train_step_on_the_device_tracks_cpu_fp32():
