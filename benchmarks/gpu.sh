@@ -67,9 +67,10 @@ cuda_only() { # cuda_only NAME WHY: a step the CPU dry run cannot take, recorded
 # first: q38 imports, the versions there, and what kernels.auto picks (and why FLA is or is not allowed); without
 # it nothing below can run, so a failure here ends the script
 python3 -m q38.cli kernels "${dev[@]}" 2>&1 | tee "$out/kernels.txt"
-# the device path against the CPU fp32 reference: each layer family and a bf16 train_step (tests/test_cuda.py; a
+# the device path against the CPU fp32 reference: each layer family and a bf16 train_step (tests/test_cuda.py,
+# -s: each case prints its measured relative errors for the record; a
 # UserWarning is reported there, not turned into a failure as in CI)
-step cuda_tests 60 env Q38_TEST_DEVICE="$test_device" python3 -m pytest -q -p no:cacheprovider -W default::UserWarning -rs tests/test_cuda.py
+step cuda_tests 60 env Q38_TEST_DEVICE="$test_device" python3 -m pytest -q -s -p no:cacheprovider -W default::UserWarning -rs tests/test_cuda.py
 if [[ $mode == cuda ]]; then
     step gdn_kernel 60 python3 benchmarks/gdn_kernel.py
 else

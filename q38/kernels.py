@@ -346,6 +346,8 @@ def describe_kernels(
     implementations ``auto`` preferred but passed over on this device, each with its reason (``gdn=torch (auto;
     passed over fla: Triton 3.6.0 < 3.7.1 ...)``): an operator sees why the faster kernel is not running."""
     dev = str(device).split(":")[0]
+    status = {(op, name): why for op, name, why in kernel_report(device=dev, cp=cp, packed=packed, train=train,
+                                                                   dtype=dtype)}
     parts = []
     for op in OPS:
         picked = getattr(resolved, op)
@@ -357,7 +359,7 @@ def describe_kernels(
             if name == picked:
                 break
             if impl.auto and dev in impl.devices:  # one meant for this device: say why it is not running
-                over.append(f"{name}: {_unsupported(op, name, impl, dev, cp, packed, train, dtype)}")
+                over.append(f"{name}: {status[(op, name)]}")
         parts.append(f"{op}={picked} (auto" + (f"; passed over {'; '.join(over)})" if over else ")"))
     return "kernels: " + ", ".join(parts)
 
