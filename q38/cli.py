@@ -90,20 +90,29 @@ def _convert(argv: list[str]) -> int:
                    help="--from-hf: override the MTP depth (0 for a checkpoint saved without mtp.* weights)")
     p.add_argument("--overwrite", action="store_true",
                    help="--to-hf: replace an existing non-empty OUT_DIR (never one equal to or inside the source)")
+    p.add_argument("--max-shard-bytes", type=int, default=None,
+                   help="--to-hf: largest safetensors file (default 5e9, as transformers writes)")
     a = p.parse_args(argv)
+    from q38.train.launch import cpu_process_group
+
+    with cpu_process_group() as world:  # under torchrun every rank writes its share of the output
+        return _convert_files(a, lead=world.rank == 0)
+
+
+def _convert_files(a, *, lead: bool) -> int:
     from pathlib import Path
 
-    from q38.train.checkpoint import load_params, resolve_checkpoint, write_checkpoint
+    from q38.hf import DEFAULT_MAX_SHARD_BYTES
+    from q38.train.checkpoint import read_meta, resolve_checkpoint
+    from q38.train.hf_io import export_checkpoint, import_hf
 
     dtype = _dtype(a.dtype)
     out = Path(a.out)
     if a.to_hf:
-        from q38.hf import save_hf
-
-        from q38.train.checkpoint import read_meta
-
-        ck = resolve_checkpoint(a.src, on_skip=lambda line: print(f"q38 convert: note: {line}", file=sys.stderr))
-        if (read_meta(ck).get("train_config") or {}).get("aux_loss_free") and not a.drop_router_bias:
+        say = (lambda line: print(f"q38 convert: note: {line}", file=sys.stderr)) if lead else None
+        ck = resolve_checkpoint(a.src, on_skip=say)
+        meta = read_meta(ck)
+        if (meta.get("train_config") or {}).get("aux_loss_free") and not a.drop_router_bias:
             raise ValueError(
                 f"{ck} was trained with aux_loss_free: its routing uses a per-expert router bias (train state), and "
                 "the Qwen3.5 / Qwen3-Next Hugging Face format has no router bias, so the exported "
@@ -111,18 +120,12 @@ def _convert(argv: list[str]) -> int:
             )
         _check_export_target(Path(a.src), ck, out, a.overwrite)
         if dtype is None:  # checkpoints hold fp32 masters; export in the dtype the run computes in
-            dtype = _dtype((read_meta(ck).get("train_config") or {}).get("param_dtype", "float32"))
-        cfg, params, meta = load_params(ck, dtype=dtype)
-        save_hf(out, cfg, params)
-        print(f"q38 convert: wrote {out} (Hugging Face safetensors, {cfg.model_type}, step {meta.get('step')} "
-              f"of {ck})")
+            dtype = _dtype((meta.get("train_config") or {}).get("param_dtype", "float32"))
+        export_checkpoint(ck, out, dtype=dtype, max_shard_bytes=a.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+        if lead:
+            print(f"q38 convert: wrote {out} (Hugging Face safetensors, {meta['model_config'].get('model_type')}, "
+                  f"step {meta.get('step')} of {ck})")
         return 0
-    import torch
-
-    from q38.hf import load_hf
-    from q38.train.config import TrainConfig
-    from q38.train.state import state_from_params
-
     src = Path(a.src)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src} is not a Hugging Face checkpoint directory (no config.json)")
@@ -131,19 +134,10 @@ def _convert(argv: list[str]) -> int:
     from q38.train.safety import check_safetensors_dir
 
     check_safetensors_dir(src, "convert --from-hf")
-    cfg, params = load_hf(src, dtype=dtype, mtp_num_layers=a.mtp_num_layers)
-    state = state_from_params(params, cfg, TrainConfig())
-    import q38
-    from q38.pytree import tree_leaves
-
-    leaf = tree_leaves(params)[0]
-
-    meta = {"step": 0, "model_config": cfg.to_dict(), "train_config": state.train_config.to_dict(),
-            "param_dtype": str(leaf.dtype).removeprefix("torch."), "source": str(src), "data": None,
-            "q38_version": q38.__version__, "torch_version": torch.__version__}
-    write_checkpoint(out, state, meta)
-    print(f"q38 convert: wrote {out} (q38 checkpoint, {cfg.model_type}, from {src}); "
-          f"start a run from it with `init_from: {out}`")
+    cfg, _ = import_hf(src, out, dtype=dtype, mtp_num_layers=a.mtp_num_layers)
+    if lead:
+        print(f"q38 convert: wrote {out} (q38 checkpoint, {cfg.model_type}, from {src}); "
+              f"start a run from it with `init_from: {out}`")
     return 0
 
 

@@ -35,7 +35,7 @@ from q38.config import ModelConfig
 from q38.model import ModelParams, abstract_params, is_param_info
 from q38.pytree import named_leaves, tree_map_with_path
 
-__all__ = ["CheckpointError", "load_hf", "save_hf", "DEFAULT_MAX_SHARD_BYTES"]
+__all__ = ["CheckpointError", "HFReader", "HFSource", "load_hf", "open_hf", "save_hf", "DEFAULT_MAX_SHARD_BYTES"]
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # transformers' "5GB"
 SINGLE_FILE = "model.safetensors"
@@ -106,7 +106,10 @@ class Rule:
     """q38 leaves ``q38`` ↔ HF tensors ``hf`` (shapes ``hf_shapes``).
 
     ``to_hf(*q38 tensors) -> tuple of HF tensors``; ``from_hf(load) -> tuple of q38 tensors`` where ``load(i)``
-    reads HF tensor ``i`` (already cast and moved).
+    reads HF tensor ``i`` (already cast and moved). ``block(read, which, index)``: only the block ``index`` (a tuple
+    of slices) of q38 leaf ``q38[which]``, where ``read(i, hf_index)`` reads that block of HF tensor ``i`` (``None``:
+    all of it). Rules whose q38 block is a block of HF tensors read only it; the default reads the rule's whole HF
+    tensors and keeps the block (the grouped Qwen3-Next projections).
     """
 
     q38: tuple[str, ...]
@@ -114,15 +117,28 @@ class Rule:
     hf_shapes: tuple[tuple[int, ...], ...]
     to_hf: Callable[..., tuple]
     from_hf: Callable[[Callable[[int], Tensor]], tuple]
+    block: Callable | None = None
+
+    def read_block(self, read: Callable, which: int, index: tuple[slice, ...]) -> Tensor:
+        if self.block is not None:
+            return self.block(read, which, index)
+        return self.from_hf(lambda i: read(i, None))[which][index].clone()  # clone: drop the rest of the tensor
 
 
 def _rename(q: str, h: str, shape: tuple[int, ...]) -> Rule:
-    return Rule((q,), (h,), (shape,), lambda t: (t,), lambda load: (load(0),))
+    return Rule((q,), (h,), (shape,), lambda t: (t,), lambda load: (load(0),),
+                lambda read, which, index: read(0, index))
 
 
 def _conv(q: str, h: str, shape: tuple[int, ...]) -> Rule:
     ch, w = shape
-    return Rule((q,), (h,), ((ch, 1, w),), lambda t: (t.unsqueeze(1),), lambda load: (load(0).reshape(ch, w),))
+
+    def block(read, which, index):
+        rows, cols = index
+        return read(0, (rows, slice(None), cols)).reshape(rows.stop - rows.start, cols.stop - cols.start)
+
+    return Rule((q,), (h,), ((ch, 1, w),), lambda t: (t.unsqueeze(1),), lambda load: (load(0).reshape(ch, w),),
+                block)
 
 
 def _per_expert(q_gate_up: str, q_down: str, hp: str, e: int, f: int, d: int) -> list[Rule]:
@@ -148,10 +164,39 @@ def _per_expert(q_gate_up: str, q_down: str, hp: str, e: int, f: int, d: int) ->
             out[i] = first if i == 0 else load(i)
         return (out,)
 
+    def gu_block(read, which, index):
+        ex, rows, cols = index
+
+        def parts():  # expert i's rows [0:f] are HF tensor 2i (gate), [f:2f] tensor 2i+1 (up)
+            for i in range(ex.start, ex.stop):
+                for j in range(2):
+                    lo, hi = max(rows.start, j * f), min(rows.stop, (j + 1) * f)
+                    if lo < hi:
+                        yield i - ex.start, lo - rows.start, read(2 * i + j, (slice(lo - j * f, hi - j * f), cols))
+
+        return _assemble(parts(), (ex.stop - ex.start, rows.stop - rows.start, cols.stop - cols.start))
+
+    def down_block(read, which, index):
+        ex, rows, cols = index
+        parts = ((i - ex.start, 0, read(i, (rows, cols))) for i in range(ex.start, ex.stop))
+        return _assemble(parts, (ex.stop - ex.start, rows.stop - rows.start, cols.stop - cols.start))
+
     return [
-        Rule((q_gate_up,), gu_keys, ((f, d),) * (2 * e), gu_to_hf, gu_from_hf),
-        Rule((q_down,), down_keys, ((d, f),) * e, lambda t: tuple(t[i] for i in range(e)), down_from_hf),
+        Rule((q_gate_up,), gu_keys, ((f, d),) * (2 * e), gu_to_hf, gu_from_hf, gu_block),
+        Rule((q_down,), down_keys, ((d, f),) * e, lambda t: tuple(t[i] for i in range(e)), down_from_hf, down_block),
     ]
+
+
+def _assemble(parts, shape: tuple[int, int, int]) -> Tensor:
+    """An ``[e, r, c]`` block from per-expert pieces ``(expert, first row, [rows, c] tensor)``, read one at a time."""
+    out = None
+    for i, r, t in parts:
+        if out is None:
+            out = torch.empty(shape, dtype=t.dtype, device=t.device)
+        out[i, r : r + t.shape[0]] = t
+    if out is None:  # an empty block (no experts on this rank)
+        raise AssertionError(f"empty expert block of shape {shape}")
+    return out
 
 
 def _grouped_qkvz(q_qkv: str, q_z: str, h: str, cfg: ModelConfig) -> Rule:
@@ -294,6 +339,128 @@ def _load_layout(cfg: ModelConfig, keys: set[str]) -> CheckpointLayout:
     return CheckpointLayout(prefix=prefix, gdn_grouped=grouped, fused_experts=fused)
 
 
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+@attrs.frozen
+class HFSource:
+    """A Hugging Face checkpoint directory opened and validated against its config (keys, shapes, dtypes from the
+    safetensors headers; no tensor is read): ``rules`` map it onto q38 leaves."""
+
+    path: Path
+    config: ModelConfig
+    index: dict  # HF key -> file name
+    layout: CheckpointLayout
+    rules: list
+
+    def leaf_rules(self) -> dict[str, tuple[Rule, int]]:
+        """``{q38 leaf: (its rule, which of the rule's q38 outputs)}``."""
+        return {q: (r, w) for r in self.rules for w, q in enumerate(r.q38)}
+
+
+def open_hf(path: str | os.PathLike, *, mtp_num_layers: int | None = None) -> HFSource:
+    """Open a HF checkpoint directory (``config.json`` + safetensors) and validate every key, shape and dtype the
+    model needs. ``mtp_num_layers``: override the config's MTP depth (see ``load_hf``). Raises ``CheckpointError``
+    naming every missing, unexpected, wrongly shaped or non-float key."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    cfg = ModelConfig.from_hf(path)
+    if mtp_num_layers is not None:
+        cfg = cfg.replace(mtp_num_layers=int(mtp_num_layers))
+    index = _checkpoint_index(path)
+    layout = _load_layout(cfg, set(index))
+    rules = _plan(cfg, layout)
+    expected = {k: s for r in rules for k, s in zip(r.hf, r.hf_shapes)}
+    missing = [k for k in expected if k not in index]
+    ignored = lambda k: (  # noqa: E731
+        bool(IGNORED_KEYS.match(k))
+        or (mtp_num_layers is not None and k.startswith("mtp."))
+        or (cfg.tie_word_embeddings and k == "lm_head.weight")
+    )
+    unexpected = sorted(k for k in index if k not in expected and not ignored(k))
+    bad_shapes, bad_dtypes = [], []
+    by_file: dict[str, list[str]] = {}
+    for k in expected:
+        if k in index:
+            by_file.setdefault(index[k], []).append(k)
+    for fn, keys in by_file.items():
+        with safe_open(str(path / fn), framework="pt") as fh:
+            for k in keys:
+                sl = fh.get_slice(k)
+                got = tuple(sl.get_shape())
+                if got != tuple(expected[k]):
+                    bad_shapes.append(f"{k}: checkpoint {list(got)}, expected {list(expected[k])}")
+                if sl.get_dtype() not in _FLOAT_DTYPES:
+                    bad_dtypes.append(f"{k}: {sl.get_dtype()}, expected a float dtype ({', '.join(sorted(_FLOAT_DTYPES))})")
+    if missing or unexpected or bad_shapes or bad_dtypes:
+        parts = [
+            f"checkpoint {path} does not match its config (model_type {cfg.model_type}, "
+            f"{cfg.num_hidden_layers} layers, mtp_num_layers {cfg.mtp_num_layers}, text prefix {layout.prefix!r}):"
+        ]
+        if missing:
+            parts.append(_fmt_list("missing keys", missing))
+        if unexpected:
+            parts.append(_fmt_list("unexpected keys", unexpected))
+        if bad_shapes:
+            parts.append(_fmt_list("shape mismatches", bad_shapes))
+        if bad_dtypes:
+            parts.append(_fmt_list("dtype mismatches", bad_dtypes))
+        if any(k.startswith("mtp.") for k in missing) and not any(k.startswith("mtp.") for k in index):
+            parts.append(
+                "  hint: the checkpoint has no mtp.* weights (transformers' save_pretrained drops them); "
+                "pass mtp_num_layers=0 to load it without MTP"
+            )
+        raise CheckpointError("\n".join(parts))
+    return HFSource(path, cfg, index, layout, rules)
+
+
+class HFReader:
+    """Reads blocks of q38 leaves from an opened HF checkpoint, each HF tensor sliced in the file (safetensors
+    ``get_slice``): a rank reads only the bytes of its shards, except for rules that need a whole HF tensor (the
+    grouped Qwen3-Next projections), which read that one tensor and keep the block. Use as a context manager."""
+
+    def __init__(self, src: HFSource, *, dtype=None, device=None):
+        self.src, self.dtype, self.device = src, dtype, device
+        self._rules = src.leaf_rules()
+        self._stack = ExitStack()
+        self._handles: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    def __enter__(self) -> "HFReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def _handle(self, fn: str):
+        from safetensors import safe_open
+
+        if fn not in self._handles:
+            self._handles[fn] = self._stack.enter_context(safe_open(str(self.src.path / fn), framework="pt"))
+        return self._handles[fn]
+
+    def _read(self, key: str, index: tuple[slice, ...] | None) -> Tensor:
+        fh = self._handle(self.src.index[key])
+        t = fh.get_tensor(key) if index is None else fh.get_slice(key)[index]
+        self.bytes_read += t.numel() * t.element_size()
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def block(self, leaf: str, index: tuple[slice, ...]) -> Tensor:
+        """The block ``index`` of q38 leaf ``leaf`` (contiguous, in the reader's dtype and device)."""
+        rule, which = self._rules[leaf]
+        shape = tuple(sl.stop - sl.start for sl in index)
+        if 0 in shape:
+            dt = self.dtype or _dtype_of(self._handle(self.src.index[rule.hf[0]]).get_slice(rule.hf[0]).get_dtype())
+            return torch.empty(shape, dtype=dt, device=self.device)
+        return rule.read_block(lambda i, hf_index: self._read(rule.hf[i], hf_index), which, index).contiguous()
+
+
+def _dtype_of(st_dtype: str) -> torch.dtype:
+    return {v: k for k, v in _ST_DTYPES.items()}[st_dtype]
+
+
 def load_hf(
     path: str | os.PathLike,
     *,
@@ -306,70 +473,16 @@ def load_hf(
     ``dtype``: cast every tensor (default: keep the stored dtypes). ``mtp_num_layers``: override the config's MTP
     depth, e.g. ``0`` for a checkpoint written by transformers' ``save_pretrained`` (which drops ``mtp.*``); with an
     override, ``mtp.*`` keys beyond that depth are ignored. Raises ``CheckpointError`` naming every missing,
-    unexpected or wrongly shaped key.
+    unexpected, wrongly shaped or non-float key. (Sharded: ``q38.train.hf_io.load_hf_sharded`` reads only a rank's
+    slices through the same ``HFReader``.)
     """
-    from safetensors import safe_open
-
-    path = Path(path)
-    cfg = ModelConfig.from_hf(path)
-    if mtp_num_layers is not None:
-        cfg = cfg.replace(mtp_num_layers=int(mtp_num_layers))
-    index = _checkpoint_index(path)
-    layout = _load_layout(cfg, set(index))
-    rules = _plan(cfg, layout)
-
-    with ExitStack() as stack:
-        handles: dict[str, Any] = {}
-
-        def handle(fn: str):
-            if fn not in handles:
-                handles[fn] = stack.enter_context(safe_open(str(path / fn), framework="pt"))
-            return handles[fn]
-
-        expected = {k: s for r in rules for k, s in zip(r.hf, r.hf_shapes)}
-        missing = [k for k in expected if k not in index]
-        ignored = lambda k: (  # noqa: E731
-            bool(IGNORED_KEYS.match(k))
-            or (mtp_num_layers is not None and k.startswith("mtp."))
-            or (cfg.tie_word_embeddings and k == "lm_head.weight")
+    src = open_hf(path, mtp_num_layers=mtp_num_layers)
+    with HFReader(src, dtype=dtype, device=device) as reader:
+        params = tree_map_with_path(
+            lambda p, info: None if info is None else reader.block(p, tuple(slice(0, n) for n in info.shape)),
+            abstract_params(src.config), is_leaf=is_param_info,
         )
-        unexpected = sorted(k for k in index if k not in expected and not ignored(k))
-        bad_shapes = []
-        for k, shape in expected.items():
-            if k in index:
-                got = tuple(handle(index[k]).get_slice(k).get_shape())
-                if got != tuple(shape):
-                    bad_shapes.append(f"{k}: checkpoint {list(got)}, expected {list(shape)}")
-        if missing or unexpected or bad_shapes:
-            parts = [
-                f"checkpoint {path} does not match its config (model_type {cfg.model_type}, "
-                f"{cfg.num_hidden_layers} layers, mtp_num_layers {cfg.mtp_num_layers}, text prefix {layout.prefix!r}):"
-            ]
-            if missing:
-                parts.append(_fmt_list("missing keys", missing))
-            if unexpected:
-                parts.append(_fmt_list("unexpected keys", unexpected))
-            if bad_shapes:
-                parts.append(_fmt_list("shape mismatches", bad_shapes))
-            if any(k.startswith("mtp.") for k in missing) and not any(k.startswith("mtp.") for k in index):
-                parts.append(
-                    "  hint: the checkpoint has no mtp.* weights (transformers' save_pretrained drops them); "
-                    "pass mtp_num_layers=0 to load it without MTP"
-                )
-            raise CheckpointError("\n".join(parts))
-
-        def load_key(key: str) -> Tensor:
-            return handle(index[key]).get_tensor(key).to(device=device, dtype=dtype)
-
-        loaded: dict[str, Tensor] = {}
-        for r in rules:
-            outs = r.from_hf(lambda i, r=r: load_key(r.hf[i]))
-            for q, t in zip(r.q38, outs):
-                loaded[q] = t.contiguous()
-    params = tree_map_with_path(
-        lambda p, info: None if info is None else loaded[p], abstract_params(cfg), is_leaf=is_param_info
-    )
-    return cfg, params
+    return src.config, params
 
 
 # ---- saving ---------------------------------------------------------------------------------------------------------
@@ -442,6 +555,103 @@ def _write_safetensors(file: Path, entries: list[_Entry], tensor: Callable[[_Ent
         os.fsync(fh.fileno())
 
 
+@attrs.frozen
+class HFExport:
+    """What a HF export writes, known before any tensor is produced: the rules, the output files (``files[i]``: its
+    name and entries, in order) and ``config.json``. Any process can write any file from it, so an export can be
+    split over ranks file by file (``q38.train.hf_io``) and is byte-identical however it is split."""
+
+    config: ModelConfig
+    rules: list
+    files: list  # [(file name, [_Entry, ...]), ...]
+    hf_config: dict
+
+    def leaves_of_file(self, i: int) -> list[str]:
+        """The q38 leaves whose conversions file ``i`` holds (in order)."""
+        seen: dict[str, None] = {}
+        for en in self.files[i][1]:
+            seen.update(dict.fromkeys(self.rules[en.rule].q38))
+        return list(seen)
+
+    def write_file(self, tmp: Path, i: int, leaves: Callable[[tuple[str, ...]], tuple]) -> None:
+        """Write file ``i`` into ``tmp``; ``leaves(names)`` gives a rule's q38 tensors (each rule converted once)."""
+        cache: dict[int, tuple] = {}
+
+        def tensor(en: _Entry) -> Tensor:
+            if en.rule not in cache:
+                cache.clear()  # one rule's tensors in flight
+                r = self.rules[en.rule]
+                with torch.no_grad():
+                    cache[en.rule] = r.to_hf(*leaves(r.q38))
+            return cache[en.rule][en.out]
+
+        name, entries = self.files[i]
+        _write_safetensors(tmp / name, entries, tensor)
+
+    def write_metadata(self, tmp: Path) -> None:
+        """``config.json`` and, for a sharded export, ``model.safetensors.index.json``."""
+        with open(tmp / "config.json", "w") as fh:
+            json.dump(self.hf_config, fh, indent=2, sort_keys=True)
+        if len(self.files) > 1:
+            entries = [en for _, ens in self.files for en in ens]
+            weight_map = {en.key: name for name, ens in self.files for en in ens}
+            index = {"metadata": {"total_size": sum(en.nbytes for en in entries)}, "weight_map": weight_map}
+            with open(tmp / INDEX_FILE, "w") as fh:
+                json.dump(index, fh, indent=2)
+
+
+def plan_export(config: ModelConfig, dtypes: Callable[[str], torch.dtype], *,
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> HFExport:
+    """The HF export of ``config`` whose q38 leaf ``q`` is written in ``dtypes(q)`` (see ``save_hf``)."""
+    hf_config = config.to_hf_dict()
+    next_layout = config.family.checkpoint_layout == "qwen3_next"
+    layout = CheckpointLayout(
+        prefix="model.",
+        gdn_grouped=next_layout,
+        fused_experts=lambda hp: not next_layout and not hp.startswith("mtp."),
+    )
+    rules = _plan(config, layout)
+    entries: list[_Entry] = []
+    for ri, r in enumerate(rules):
+        dtype = dtypes(r.q38[0])
+        entries += [_Entry(k, ri, oi, tuple(s), dtype) for oi, (k, s) in enumerate(zip(r.hf, r.hf_shapes))]
+    if len({en.key for en in entries}) != len(entries):
+        raise AssertionError("q38.hf plan produced duplicate HF keys")
+    hf_config.setdefault("dtype", str(dtypes("embed")).removeprefix("torch."))
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for en in entries:
+        if shards[-1] and size + en.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(en)
+        size += en.nbytes
+    if len(shards) == 1:
+        files = [(SINGLE_FILE, shards[0])]
+    else:
+        files = [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", sh) for i, sh in enumerate(shards)]
+    return HFExport(config, rules, files, hf_config)
+
+
+def export_tmp_dir(path: Path, token: str | None = None) -> Path:
+    """The temporary sibling an export of ``path`` is built in (renamed over ``path`` by ``publish_export``)."""
+    return path.parent / f".{path.name}.tmp-{token or uuid.uuid4().hex[:8]}"
+
+
+def publish_export(tmp: Path, path: Path) -> None:
+    """Rename the complete export ``tmp`` over ``path`` (an existing one is moved aside first, then removed)."""
+    if path.exists():
+        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+        path.rename(old)
+        tmp.rename(path)
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    else:
+        tmp.rename(path)
+
+
 def save_hf(
     path: str | os.PathLike,
     config: ModelConfig,
@@ -456,72 +666,20 @@ def save_hf(
     Qwen3-Next layout (per-expert experts, grouped ``in_proj_qkvz`` / ``in_proj_ba``). Shards above
     ``max_shard_bytes`` with a ``model.safetensors.index.json``. Atomic: built in a temporary sibling directory and
     renamed over ``path`` (an existing directory is replaced, other files in it included) only once complete.
+    (From a sharded run or a q38 checkpoint, ``q38.train.hf_io.export_checkpoint`` writes the same bytes with at
+    most a few tensors in memory, split over ranks.)
     """
     path = Path(path)
     leaves = _check_params(config, params)
-    hf_config = config.to_hf_dict()
-    next_layout = config.family.checkpoint_layout == "qwen3_next"
-    layout = CheckpointLayout(
-        prefix="model.",
-        gdn_grouped=next_layout,
-        fused_experts=lambda hp: not next_layout and not hp.startswith("mtp."),
-    )
-    rules = _plan(config, layout)
-    entries: list[_Entry] = []
-    for ri, r in enumerate(rules):
-        dtype = leaves[r.q38[0]].dtype
-        entries += [_Entry(k, ri, oi, tuple(s), dtype) for oi, (k, s) in enumerate(zip(r.hf, r.hf_shapes))]
-    if len({en.key for en in entries}) != len(entries):
-        raise AssertionError("q38.hf plan produced duplicate HF keys")
-    hf_config.setdefault("dtype", str(leaves["embed"].dtype).removeprefix("torch."))
-
-    shards: list[list[_Entry]] = [[]]
-    size = 0
-    for en in entries:
-        if shards[-1] and size + en.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(en)
-        size += en.nbytes
-
-    cache: dict[int, tuple] = {}  # the HF outputs of the rule being written (each rule converted once)
-
-    def tensor(en: _Entry) -> Tensor:
-        if en.rule not in cache:
-            cache.clear()
-            r = rules[en.rule]
-            with torch.no_grad():
-                cache[en.rule] = r.to_hf(*(leaves[q] for q in r.q38))
-        return cache[en.rule][en.out]
-
+    export = plan_export(config, lambda q: leaves[q].dtype, max_shard_bytes=max_shard_bytes)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = export_tmp_dir(path)
     tmp.mkdir()
     try:
-        with open(tmp / "config.json", "w") as fh:
-            json.dump(hf_config, fh, indent=2, sort_keys=True)
-        if len(shards) == 1:
-            _write_safetensors(tmp / SINGLE_FILE, shards[0], tensor)
-        else:
-            weight_map = {}
-            for si, shard in enumerate(shards):
-                name = f"model-{si + 1:05d}-of-{len(shards):05d}.safetensors"
-                _write_safetensors(tmp / name, shard, tensor)
-                weight_map.update({en.key: name for en in shard})
-            index = {"metadata": {"total_size": sum(en.nbytes for en in entries)}, "weight_map": weight_map}
-            with open(tmp / INDEX_FILE, "w") as fh:
-                json.dump(index, fh, indent=2)
-        cache.clear()
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-            path.rename(old)
-            tmp.rename(path)
-            if old.is_dir():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        else:
-            tmp.rename(path)
+        export.write_metadata(tmp)
+        for i in range(len(export.files)):
+            export.write_file(tmp, i, lambda names: tuple(leaves[q] for q in names))
+        publish_export(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -106,12 +106,19 @@ def shard(tree, mesh: Mesh, layout: Layout | None = None):
     return pytree.tree_unflatten(out, spec)
 
 
-def init_sharded(model_config, mesh: Mesh, *, seed: int = 0, device=None, dtype=None):
-    """Fresh parameters whose every rank materialises only its own shards (never the full model): values equal
-    ``shard(init_params(...))`` because initial values are drawn per parameter path and row block."""
+def local_index(shape, mesh: Mesh, placements) -> tuple[slice, ...]:
+    """The block of a tensor of global ``shape`` that this rank holds under DTensor ``placements`` on ``mesh``."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    from q38.layers.common import materialize
+    local, offset = compute_local_shape_and_global_offset(tuple(shape), mesh.device_mesh, placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, local))
+
+
+def build_sharded(model_config, mesh: Mesh, make_local):
+    """The model's parameters as DTensors whose every rank builds only its own shard: ``make_local(path, info,
+    index)`` returns the block ``index`` (a tuple of slices of ``info.shape``) of parameter ``path``. The full
+    parameter never exists on any rank; this is the one way fresh init, empty load targets and Hugging Face slices
+    are placed."""
     from q38.model import abstract_params, is_param_info
     from q38.pytree import tree_map_with_path
 
@@ -120,15 +127,32 @@ def init_sharded(model_config, mesh: Mesh, *, seed: int = 0, device=None, dtype=
 
     def make(path, info):
         placements = pl[path].dtensor_placements()
-        shape, offset = compute_local_shape_and_global_offset(info.shape, mesh.device_mesh, placements)
-        index = tuple(slice(o, o + n) for o, n in zip(offset, shape))
-        local = materialize(info, path, seed=seed, device=device, dtype=dtype, index=index)
+        index = local_index(info.shape, mesh, placements)
+        local = make_local(path, info, index)
+        want = tuple(sl.stop - sl.start for sl in index)
+        if tuple(local.shape) != want:
+            raise AssertionError(f"{path}: built a local block of shape {tuple(local.shape)}, expected {want}")
         return DTensor.from_local(
             local, mesh.device_mesh, placements, run_check=False, shape=torch.Size(info.shape),
             stride=torch.empty(info.shape, device="meta").stride(),
         )
 
     return tree_map_with_path(make, abstract, is_leaf=is_param_info)
+
+
+def init_sharded(model_config, mesh: Mesh, *, seed: int = 0, device=None, dtype=None):
+    """Fresh parameters whose every rank materialises only its own shards (never the full model): values equal
+    ``shard(init_params(...))`` because initial values are drawn per parameter path and row block."""
+    from q38.layers.common import materialize
+
+    return build_sharded(model_config, mesh, lambda path, info, index: materialize(
+        info, path, seed=seed, device=device, dtype=dtype, index=index))
+
+
+def empty_sharded(model_config, mesh: Mesh, *, device=None, dtype=None):
+    """Uninitialised sharded parameters (each rank allocates only its shards): the target a checkpoint loads into."""
+    return build_sharded(model_config, mesh, lambda path, info, index: torch.empty(
+        tuple(sl.stop - sl.start for sl in index), device=device, dtype=dtype or torch.float32))
 
 
 def unshard(tree):

@@ -238,20 +238,113 @@ def _broadcast(obj):
     return box[0]
 
 
-def _dcp_save(state_dict: dict, path: Path) -> None:
+def _dcp_save(state_dict: dict, path: Path, planner=None) -> None:
     import torch.distributed.checkpoint as dcp
 
     with warnings.catch_warnings():  # one process: DCP warns that it runs without a process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state_dict, checkpoint_id=str(path), no_dist=_dist() is None)
+        dcp.save(state_dict, checkpoint_id=str(path), no_dist=_dist() is None, planner=planner)
 
 
-def _dcp_load(state_dict: dict, path: Path) -> None:
+# ---- reading DCP metadata without running code from it --------------------------------------------------------
+# DCP stores its index (``.metadata``) as a pickle, and its reader unpickles it with ``pickle.load``: a crafted file
+# runs any code on load. The metadata is plain data (DCP's metadata dataclasses, torch dtypes and sizes, a path), so
+# q38 reads it with an unpickler that can build only those types, as ``torch.load(weights_only=True)`` does for
+# tensors. (torch's own weights-only unpickler cannot serve: it refuses pickle protocol 4, which DCP writes.)
+_METADATA_TYPES = {
+    ("torch.distributed.checkpoint.metadata", n) for n in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # called with a layout's name, e.g. "torch.strided"
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class UnsafeCheckpoint(CheckpointMismatch):
+    """A checkpoint's metadata asks to build a type that checkpoint metadata never holds (nothing of it was run)."""
+
+
+def _metadata_unpickler(f, where: str):
+    import importlib
+    import pickle
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            if (module, name) not in _METADATA_TYPES and not is_dtype:
+                raise UnsafeCheckpoint(
+                    f"{where}: refused: it asks to build {module}.{name}, which DCP checkpoint metadata never holds "
+                    "(a crafted or foreign file; nothing in it was run); load only checkpoints written by q38 or "
+                    "torch.distributed.checkpoint"
+                )
+            return getattr(importlib.import_module(module), name)
+
+    return Restricted(f)
+
+
+def _safe_reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class SafeReader(FileSystemReader):
+        """DCP's file-system reader with ``.metadata`` read by the restricted unpickler, once (cached)."""
+
+        _cached: "Metadata | None" = None
+
+        def read_metadata(self, *args, **kwargs) -> Metadata:
+            if self._cached is None:
+                path = self._get_metadata_path(kwargs.get("rank"))
+                import pickle
+
+                with self.fs.create_stream(path, "rb") as fh:
+                    try:
+                        md = _metadata_unpickler(fh, str(path)).load()
+                    except UnsafeCheckpoint:
+                        raise
+                    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+                        raise CheckpointMismatch(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: "
+                                                 f"{e}); the checkpoint is corrupt") from None
+                if not isinstance(md, Metadata):
+                    raise CheckpointMismatch(f"{path}: holds a {type(md).__name__}, not DCP checkpoint metadata")
+                if getattr(md, "storage_meta", None) is None:
+                    md.storage_meta = StorageMeta()
+                md.storage_meta.load_id = self.load_id
+                self._cached = md
+            return self._cached
+
+    return SafeReader
+
+
+def checkpoint_reader(path: str | os.PathLike):
+    """A DCP storage reader for the checkpoint at ``path`` whose metadata is read without arbitrary unpickling (and
+    checked at once: an unsafe or corrupt ``.metadata`` raises here, on every rank, before any collective)."""
+    reader = _safe_reader_class()(str(path))
+    reader.read_metadata()
+    return reader
+
+
+def _dcp_load(state_dict: dict, path: Path, reader=None, *, collective: bool = True) -> None:
+    """Load ``state_dict``'s tensors (DTensors: this rank's shards only) from the checkpoint at ``path``.
+    ``collective=False``: this process alone (each rank may then load different keys)."""
     import torch.distributed.checkpoint as dcp
 
+    reader = reader or checkpoint_reader(path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state_dict, checkpoint_id=str(path), no_dist=_dist() is None)
+        dcp.load(state_dict, storage_reader=reader, no_dist=_dist() is None or not collective)
+
+
+def saved_tensors(path: Path, reader=None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{key: (global shape, dtype)}`` of every tensor in the DCP checkpoint at ``path`` (from its metadata)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = (reader or checkpoint_reader(path)).read_metadata()
+    return {k: (tuple(m.size), m.properties.dtype) for k, m in md.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)}
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -295,9 +388,10 @@ def state_dict_of(tree) -> dict:
     return dict(named_leaves(tree))
 
 
-def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any]) -> Path:
-    """Write ``state`` (DCP shards, every rank) and ``meta`` (rank 0) into a temporary sibling of ``final``, then
-    rename it to ``final``. Collective when a process group is initialised."""
+def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any], *, planner=None) -> Path:
+    """Write ``state`` (a ``TrainState`` or a ``{key: tensor}`` dict; DCP shards, every rank) and ``meta`` (rank 0)
+    into a temporary sibling of ``final``, then rename it to ``final``. Collective when a process group is
+    initialised. ``planner``: a DCP save planner (``q38.train.hf_io`` streams an import through one)."""
     final = Path(final)
     parent = final.parent
     if not final.name:
@@ -311,7 +405,8 @@ def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any]) -
     _barrier()
     ok = False
     try:
-        _dcp_save(state_dict_of(state), tmp)
+        sd = state if isinstance(state, dict) else state_dict_of(state)
+        _dcp_save(sd, tmp) if planner is None else _dcp_save(sd, tmp, planner)
         (tmp / "rng").mkdir(exist_ok=True)
         torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         _barrier()
@@ -393,22 +488,28 @@ def load_checkpoint(path: str | os.PathLike, template) -> tuple[Any, dict]:
     return state, meta
 
 
-def empty_params(model: ModelConfig, *, device=None, dtype=None):
-    """Uninitialised parameter tensors of ``model`` (the targets a checkpoint loads into)."""
+def empty_params(model: ModelConfig, *, device=None, dtype=None, mesh=None):
+    """Uninitialised parameter tensors of ``model`` (the targets a checkpoint loads into); with ``mesh``, DTensors of
+    which each rank allocates only its own shards."""
+    if mesh is not None:
+        from q38.parallel.mesh import empty_sharded
+
+        return empty_sharded(model, mesh, device=device, dtype=dtype)
     from q38.model import init_params
 
     meta_params = init_params(model, device="meta", dtype=dtype)
     return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device), meta_params)
 
 
-def load_params(path: str | os.PathLike, *, device=None, dtype=None) -> tuple[ModelConfig, Any, dict]:
+def load_params(path: str | os.PathLike, *, device=None, dtype=None, mesh=None) -> tuple[ModelConfig, Any, dict]:
     """``(model config, params, meta)`` of a q38 checkpoint (a checkpoint, checkpoints or run directory); the
-    optimizer moments are not read. ``dtype``: cast (default: the dtype the parameters were saved in)."""
+    optimizer moments are not read. ``dtype``: cast (default: the dtype the parameters were saved in). ``mesh``:
+    the parameters as DTensors of that mesh's layout, each rank reading only its shards."""
     path = resolve_checkpoint(path)
     meta = read_meta(path)
     cfg = ModelConfig.from_dict(meta["model_config"], source=f"{path}/{META_FILE}")
     saved = getattr(torch, meta.get("param_dtype", "float32"))
-    params = empty_params(cfg, device=device, dtype=saved)
+    params = empty_params(cfg, device=device, dtype=saved, mesh=mesh)
     sd = {f"params.{n}": t for n, t in named_leaves(params)}
     _dcp_load(sd, path)
     if dtype is not None and dtype != saved:

@@ -1,11 +1,12 @@
 """Launching a run: the device and process-group backend, the world (``torchrun`` environment), and the pre-flight
 check of the layout against the world size, the kernels against the device (``check_run``)."""
 
+import contextlib
 import ctypes
 import math
 import os
 import sys
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import attrs
 import torch
@@ -188,3 +189,18 @@ def _init_process_group(device: str, backend: str, world: WorldInfo) -> bool:
     return True
 
 
+
+
+@contextlib.contextmanager
+def cpu_process_group() -> Iterator[WorldInfo]:
+    """For commands that only move files (``q38 convert``): under torchrun, a gloo process group for the command's
+    duration (destroyed after); one process: nothing."""
+    import torch.distributed as dist
+
+    world = WorldInfo.from_env()
+    created = world.world_size > 1 and _init_process_group("cpu", "gloo", world)
+    try:
+        yield world
+    finally:
+        if created:
+            dist.destroy_process_group()

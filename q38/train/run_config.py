@@ -70,6 +70,8 @@ class RunOptions:
     log_every: int = 10
     save_every: int = 0  # 0: only at the end (and on SIGTERM / SIGINT)
     keep_last: int = 3  # checkpoints kept in out_dir/checkpoints (0: all)
+    save_hf: bool = False  # also export the final state as a Hugging Face directory out_dir/hf/step_<n> (all ranks)
+    save_hf_every: int = 0  # with save_hf: also export at every checkpoint whose step is a multiple (0: final only)
     device: str = "auto"  # auto | cpu | cuda | npu
     backend: str = "auto"  # process-group backend: auto | gloo | nccl | hccl
     dtype: str = "float32"  # alias of train.param_dtype (bfloat16: the bf16 policy); masters and moments stay fp32
@@ -91,7 +93,10 @@ class RunOptions:
         for k in ("steps", "log_every"):
             v = getattr(self, k)
             _need(_is_int(v) and v > 0, f"run.{k} must be a positive integer, got {v!r}")
-        for k in ("save_every", "keep_last", "warmup_log_steps"):
+        _need(isinstance(self.save_hf, bool), f"run.save_hf must be true or false, got {self.save_hf!r}")
+        _need(not self.save_hf_every or self.save_hf, "run.save_hf_every is set but run.save_hf is false; set "
+              "run.save_hf: true to export Hugging Face directories, or run.save_hf_every: 0")
+        for k in ("save_every", "keep_last", "warmup_log_steps", "save_hf_every"):
             v = getattr(self, k)
             _need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
         _need(isinstance(self.out_dir, str) and self.out_dir.strip() != "",

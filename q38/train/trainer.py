@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from q38.config import ConfigError
+from q38.config import ConfigError, ModelConfig
 from q38.kernels import describe_kernels, use_kernels
 
 from q38.train.launch import (  # noqa: F401  (re-exported: the run's pieces by role)
@@ -83,33 +83,48 @@ def _any_rank(flag: int, device: str) -> int:
 # ---- the run --------------------------------------------------------------------------------------------------------
 
 
-def _initial_params(cfg: RunConfig, device: str, dtype: torch.dtype):
+def _initial_params(cfg: RunConfig, device: str, dtype: torch.dtype, mesh=None):
     """Parameters from ``init_from`` (a Hugging Face directory or a q38 checkpoint), checked against the run's model
-    config, or freshly initialised."""
+    config, or freshly initialised. With ``mesh`` they are DTensors and each rank reads or draws only its shards."""
     from q38.model import init_params
-    from q38.train.checkpoint import CheckpointMismatch, config_diff, is_checkpoint, load_params
+    from q38.train.checkpoint import (
+        CheckpointMismatch, config_diff, is_checkpoint, load_params, read_meta, resolve_checkpoint,
+    )
 
     if not cfg.init_from:
+        if mesh is not None:
+            from q38.parallel.mesh import init_sharded
+
+            return init_sharded(cfg.model, mesh, seed=cfg.run.seed, device=device, dtype=dtype)
         return init_params(cfg.model, seed=cfg.run.seed, device=device, dtype=dtype)
     src = Path(cfg.init_from)
     if not src.exists():
         raise FileNotFoundError(f"init_from: {src} not found; expected a Hugging Face checkpoint directory "
                                 "(config.json + *.safetensors) or a q38 checkpoint directory")
-    if (src / "config.json").is_file() and not is_checkpoint(src):
-        from q38.hf import load_hf
+    hf_dir = (src / "config.json").is_file() and not is_checkpoint(src)
+    if hf_dir:
         from q38.train.safety import check_safetensors_dir
 
         check_safetensors_dir(src, "init_from")  # config.json parses, every safetensors file is whole
-        got, params = load_hf(src, dtype=dtype, device=device)
+        got = ModelConfig.from_hf(src)
     else:
-        got, params, _ = load_params(src, device=device, dtype=dtype)
+        src = resolve_checkpoint(src)
+        got = ModelConfig.from_dict(read_meta(src)["model_config"], source=f"{src}/meta.json")
     diff = config_diff(got.to_dict(), cfg.model.to_dict())
-    if diff:
+    if diff:  # before anything is read
         raise CheckpointMismatch(
             f"init_from {src} holds another model than the config names ({'; '.join(diff[:6])}); set model: to "
             f"{src} or to the matching preset"
         )
-    return params
+    if not hf_dir:
+        return load_params(src, device=device, dtype=dtype, mesh=mesh)[1]
+    if mesh is not None:
+        from q38.train.hf_io import load_hf_sharded
+
+        return load_hf_sharded(src, mesh, dtype=dtype, device=device)[1]
+    from q38.hf import load_hf
+
+    return load_hf(src, dtype=dtype, device=device)[1]
 
 
 def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo) -> dict:
@@ -218,12 +233,11 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     if latest is not None:
         meta = read_meta(latest)
         check_model_config(meta, cfg.model, str(latest))  # before allocating anything
-        params = empty_params(cfg.model, device=device, dtype=dtype)
     else:
         meta = None
     mesh = None
     if world.world_size > 1:
-        from q38.parallel.runtime import init_sharded, make_mesh, shard, shard_batch
+        from q38.parallel.runtime import make_mesh, shard_batch
 
         mesh = make_mesh(plan.layout, world.world_size, device.split(":")[0])
     # Each rank reads only its own rows of every global batch (batch_size rows per data-parallel rank).
@@ -234,16 +248,13 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         dp_rank = batch_row_rank(mesh)[0]
     batches, evals = data.iterators(cfg.data.batch_size, dp_rank=dp_rank, dp_size=plan.dp_size, seed=cfg.run.seed,
                                     shuffle=cfg.data.shuffle, eval_batches=cfg.run.eval_batches)
-    if mesh is not None and latest is None and not cfg.init_from:
-        # each rank draws only its own shards: the full model never exists on one rank
-        state = state_from_params(init_sharded(cfg.model, mesh, seed=cfg.run.seed, device=device, dtype=dtype),
-                                  cfg.model, cfg.train)
+    # Every rank allocates, draws or reads only its own shards: the full model never exists on one rank (a
+    # resume loads into an empty sharded template; DCP reshards from any saved layout and world size).
+    if latest is not None:
+        params = empty_params(cfg.model, device=device, dtype=dtype, mesh=mesh)
     else:
-        if latest is None:
-            params = _initial_params(cfg, device, dtype)
-        state = state_from_params(params, cfg.model, cfg.train)
-        if mesh is not None:
-            state = shard(state, mesh)
+        params = _initial_params(cfg, device, dtype, mesh)
+    state = state_from_params(params, cfg.model, cfg.train)
     start = 0
     if latest is not None:
         state, meta = load_checkpoint(latest, state)

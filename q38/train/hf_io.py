@@ -1,0 +1,244 @@
+"""Moving a model between Hugging Face directories and q38 state at the scale of the model: no process ever holds
+more than its own shards plus a few tensors in flight.
+
+* ``load_hf_sharded``: ``init_from`` a HF directory on a mesh; each rank reads, with safetensors ``get_slice``, only
+  the slices of HF tensors that fall in its shards (a grouped Qwen3-Next projection: that one tensor, keeping the
+  slice).
+* ``export_checkpoint``: a q38 checkpoint → a HF directory (``q38 convert --to-hf``, ``run.save_hf``). One process
+  or every rank of a process group: rank ``r`` writes output files ``r, r + W, ...``, reading from the DCP checkpoint
+  only the parameters those files hold, one conversion rule at a time. Byte-identical to ``q38.hf.save_hf`` of the
+  same parameters, however it is split.
+* ``import_hf``: a HF directory → a q38 checkpoint (``q38 convert --from-hf``) through DCP with a save planner that
+  reads each tensor only when DCP writes it (and the zero AdamW moments the same way); under a process group each
+  rank writes a share of the tensors.
+
+Every path checks on each rank what it reads and agrees on failure with one collective (``all_ranks_ok``), so a
+corrupt file is one clear error on every rank, never one rank raising while the others wait.
+
+Why safetensors slices rather than torch DCP's ``HuggingFaceStorageReader``: that reader maps HF keys one-to-one onto
+state-dict keys, while q38's leaves are conversions of HF tensors (fused experts assembled from per-expert keys,
+the conv weight reshaped, grouped projections split); the slice reader serves each of those with the rule tables of
+``q38.hf`` that ``load_hf`` and ``save_hf`` use too.
+"""
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from q38.config import ConfigError, ModelConfig
+from q38.hf import DEFAULT_MAX_SHARD_BYTES, HFReader, export_tmp_dir, open_hf, plan_export, publish_export
+from q38.train.checkpoint import (
+    _barrier, _broadcast, _dcp_load, _dist, _fsync_dir, _rank, checkpoint_reader, read_meta, saved_tensors,
+    write_checkpoint,
+)
+
+
+def _world() -> int:
+    d = _dist()
+    return d.get_world_size() if d else 1
+
+
+class RankFailed(ConfigError):
+    """Another rank failed during a collective load or export; the message carries that rank's one line."""
+
+
+def all_ranks_ok(fn: Callable[[], Any], what: str):
+    """Run ``fn`` on every rank and agree on the outcome with one ``all_gather_object``: a rank whose ``fn``
+    raised re-raises its own error; every other rank raises ``RankFailed`` naming that rank and its message. So a
+    bad file read by one rank stops every rank at the same point instead of leaving the others in a collective."""
+    err: Exception | None = None
+    out = None
+    try:
+        out = fn()
+    except Exception as e:  # noqa: BLE001  (re-raised below, on this rank and as RankFailed on the others)
+        err = e
+    d = _dist()
+    if d is None:
+        if err is not None:
+            raise err
+        return out
+    msgs: list = [None] * d.get_world_size()
+    d.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {str(err).splitlines()[0]}")
+    if err is not None:
+        raise err
+    bad = [(r, m) for r, m in enumerate(msgs) if m]
+    if bad:
+        r, m = bad[0]
+        raise RankFailed(f"{what} failed on rank {r}: {m}")
+    return out
+
+
+# ---- HF → sharded parameters ----------------------------------------------------------------------------------------
+
+
+def load_hf_sharded(path: str | os.PathLike, mesh, *, dtype=None, device=None, mtp_num_layers: int | None = None):
+    """``(ModelConfig, params)`` of a HF directory as DTensors on ``mesh``: each rank reads only its shards'
+    slices. Equal to ``shard(load_hf(path))`` (tested on every shipped layout)."""
+    from q38.parallel.mesh import build_sharded
+
+    src = all_ranks_ok(lambda: open_hf(path, mtp_num_layers=mtp_num_layers), f"opening {path}")
+
+    def read():
+        with HFReader(src, dtype=dtype, device=device) as reader:
+            return build_sharded(src.config, mesh, lambda leaf, info, index: reader.block(leaf, index))
+
+    return src.config, all_ranks_ok(read, f"reading {path}")
+
+
+# ---- q38 checkpoint → HF ----------------------------------------------------------------------------------------------
+
+
+def _leaf_loader(ck: Path, reader, saved: dict, dtype) -> Callable[[tuple[str, ...]], tuple]:
+    """``load(names)``: those parameters, whole, from the DCP checkpoint (this process alone; cast to ``dtype``)."""
+
+    def load(names: tuple[str, ...]) -> tuple:
+        sd = {}
+        for q in names:
+            shape, dt = saved[f"params.{q}"]
+            sd[f"params.{q}"] = torch.empty(shape, dtype=dt)
+        _dcp_load(sd, ck, reader, collective=False)
+        return tuple(sd[f"params.{q}"] if dtype is None else sd[f"params.{q}"].to(dtype) for q in names)
+
+    return load
+
+
+def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype | None = None,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write the parameters of the q38 checkpoint ``ck`` as a HF directory ``out`` (atomic: built in a temporary
+    sibling, renamed when every rank's files are complete). Collective under a process group (each rank writes its
+    share of the files); at most one conversion rule's tensors in memory per rank. ``dtype``: cast (default: the
+    saved dtype)."""
+    ck, out = Path(ck), Path(out)
+    rank, world = _rank(), _world()
+
+    def prepare():
+        meta = read_meta(ck)
+        cfg = ModelConfig.from_dict(meta["model_config"], source=f"{ck}/meta.json")
+        reader = checkpoint_reader(ck)
+        saved = saved_tensors(ck, reader)
+        missing = [q for q in _param_names(cfg) if f"params.{q}" not in saved]
+        if missing:
+            raise ConfigError(f"checkpoint {ck} lacks parameters {missing[:4]} (not a q38 checkpoint of "
+                              f"{cfg.model_type}?)")
+        export = plan_export(cfg, lambda q: dtype or saved[f"params.{q}"][1], max_shard_bytes=max_shard_bytes)
+        return reader, saved, export
+
+    reader, saved, export = all_ranks_ok(prepare, f"reading checkpoint {ck}")
+    token = _broadcast(os.urandom(4).hex())
+    tmp = export_tmp_dir(out, token)
+    if rank == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    _barrier()
+    ok = False
+    try:
+        def write():
+            load = _leaf_loader(ck, reader, saved, dtype)
+            for i in range(rank, len(export.files), world):
+                export.write_file(tmp, i, load)
+
+        all_ranks_ok(write, f"exporting {ck} to {out}")
+        if rank == 0:
+            export.write_metadata(tmp)
+            _fsync_dir(tmp)
+            publish_export(tmp, out)
+            _fsync_dir(out.parent)
+        ok = True
+    finally:
+        if not ok and rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+    return out
+
+
+def _param_names(cfg: ModelConfig) -> list[str]:
+    from q38.model import abstract_params, is_param_info
+    from q38.pytree import named_leaves
+
+    return [p for p, info in named_leaves(abstract_params(cfg), is_leaf=is_param_info) if info is not None]
+
+
+# ---- HF → q38 checkpoint --------------------------------------------------------------------------------------------
+
+
+def _lazy_planner(make: Callable[[str], torch.Tensor]):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class LazySavePlanner(DefaultSavePlanner):
+        """Plans from ``meta`` tensors; each tensor is produced by ``make(key)`` only when DCP writes it (DCP's
+        serial writer takes one at a time), so the state never exists in memory as a whole."""
+
+        def resolve_data(self, write_item):
+            return make(write_item.index.fqn)
+
+    return LazySavePlanner()
+
+
+def _share(sizes: dict[str, int], world: int) -> list[set[str]]:
+    """Keys split over ``world`` ranks, largest first onto the least-loaded rank (balanced bytes)."""
+    load = [0] * world
+    out: list[set[str]] = [set() for _ in range(world)]
+    for k in sorted(sizes, key=lambda k: (-sizes[k], k)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        out[r].add(k)
+        load[r] += sizes[k]
+    return out
+
+
+def import_hf(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype | None = None,
+              mtp_num_layers: int | None = None, train_config=None) -> tuple[ModelConfig, dict]:
+    """Write the HF directory ``src`` as a q38 checkpoint ``out`` (parameters, zero AdamW moments, step 0), streamed:
+    each tensor is read (and each moment made) only when DCP writes it. Collective under a process group (each rank
+    writes a share of the tensors). Returns ``(config, meta)``."""
+    import q38
+    from q38.train.config import TrainConfig
+
+    src, out = Path(src), Path(out)
+    hf = all_ranks_ok(lambda: open_hf(src, mtp_num_layers=mtp_num_layers), f"opening {src}")
+    cfg = hf.config
+    tc = train_config or TrainConfig()
+    if tc.aux_loss_free:
+        raise ConfigError("import_hf writes no router bias; import with a train config without aux_loss_free")
+    shapes = {q: tuple(s) for q, s in _abstract_shapes(cfg).items()}
+
+    def stored_dtype(q: str) -> torch.dtype:
+        from q38.hf import _dtype_of
+        from safetensors import safe_open
+
+        rule, _ = hf.leaf_rules()[q]
+        with safe_open(str(src / hf.index[rule.hf[0]]), framework="pt") as fh:
+            return _dtype_of(fh.get_slice(rule.hf[0]).get_dtype())
+
+    dtypes = {q: dtype or stored_dtype(q) for q in shapes}
+    plan = {f"params.{q}": (shapes[q], dtypes[q]) for q in shapes}
+    plan.update({f"{m}.{q}": (shapes[q], torch.float32) for m in ("exp_avg", "exp_avg_sq") for q in shapes})
+    sizes = {k: dt.itemsize * int(torch.Size(s).numel()) for k, (s, dt) in plan.items()}
+    mine = _share(sizes, _world())[_rank()]
+    sd: dict[str, torch.Tensor] = {k: torch.empty(s, dtype=dt, device="meta") for k, (s, dt) in plan.items()
+                                   if k in mine}
+    sd["step"] = torch.zeros((), dtype=torch.int64)
+    reader = HFReader(hf, dtype=dtype)
+
+    def make(key: str) -> torch.Tensor:
+        if key == "step":
+            return sd["step"]
+        kind, q = key.split(".", 1)
+        if kind != "params":
+            return torch.zeros(shapes[q], dtype=torch.float32)
+        return reader.block(q, tuple(slice(0, n) for n in shapes[q]))
+
+    meta = {"step": 0, "model_config": cfg.to_dict(), "train_config": tc.to_dict(),
+            "param_dtype": str(dtypes["embed"]).removeprefix("torch."), "source": str(src), "data": None,
+            "q38_version": q38.__version__, "torch_version": torch.__version__}
+    with reader:
+        all_ranks_ok(lambda: write_checkpoint(out, sd, meta, planner=_lazy_planner(make)), f"importing {src}")
+    return cfg, meta
+
+
+def _abstract_shapes(cfg: ModelConfig) -> dict:
+    from q38.hf import _abstract_shapes as shapes
+
+    return shapes(cfg)
