@@ -105,29 +105,21 @@ PER_EXPERT_KEY = "mlp.experts.{i}.{proj}_proj.weight"  # gate/up [f, d], down [d
 class Rule:
     """q38 leaves ``q38`` ↔ HF tensors ``hf`` (shapes ``hf_shapes``).
 
-    ``to_hf(*q38 tensors) -> tuple of HF tensors``; ``from_hf(load) -> tuple of q38 tensors`` where ``load(i)``
-    reads HF tensor ``i`` (already cast and moved). ``block(read, which, index)``: only the block ``index`` (a tuple
+    ``to_hf(*q38 tensors) -> tuple of HF tensors``. ``block(read, which, index)``: only the block ``index`` (a tuple
     of slices) of q38 leaf ``q38[which]``, where ``read(i, hf_index)`` reads that block of HF tensor ``i`` (``None``:
-    all of it). Rules whose q38 block is a block of HF tensors read only it; the default reads the rule's whole HF
-    tensors and keeps the block (the grouped Qwen3-Next projections).
+    all of it). Rules whose q38 block is a block of HF tensors read only that; the grouped Qwen3-Next projections
+    read their one HF tensor whole and gather the block's rows from it.
     """
 
     q38: tuple[str, ...]
     hf: tuple[str, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
     to_hf: Callable[..., tuple]
-    from_hf: Callable[[Callable[[int], Tensor]], tuple]
-    block: Callable | None = None
-
-    def read_block(self, read: Callable, which: int, index: tuple[slice, ...]) -> Tensor:
-        if self.block is not None:
-            return self.block(read, which, index)
-        return self.from_hf(lambda i: read(i, None))[which][index].clone()  # clone: drop the rest of the tensor
+    block: Callable
 
 
 def _rename(q: str, h: str, shape: tuple[int, ...]) -> Rule:
-    return Rule((q,), (h,), (shape,), lambda t: (t,), lambda load: (load(0),),
-                lambda read, which, index: read(0, index))
+    return Rule((q,), (h,), (shape,), lambda t: (t,), lambda read, which, index: read(0, index))
 
 
 def _conv(q: str, h: str, shape: tuple[int, ...]) -> Rule:
@@ -137,8 +129,7 @@ def _conv(q: str, h: str, shape: tuple[int, ...]) -> Rule:
         rows, cols = index
         return read(0, (rows, slice(None), cols)).reshape(rows.stop - rows.start, cols.stop - cols.start)
 
-    return Rule((q,), (h,), ((ch, 1, w),), lambda t: (t.unsqueeze(1),), lambda load: (load(0).reshape(ch, w),),
-                block)
+    return Rule((q,), (h,), ((ch, 1, w),), lambda t: (t.unsqueeze(1),), block)
 
 
 def _per_expert(q_gate_up: str, q_down: str, hp: str, e: int, f: int, d: int) -> list[Rule]:
@@ -148,21 +139,6 @@ def _per_expert(q_gate_up: str, q_down: str, hp: str, e: int, f: int, d: int) ->
 
     def gu_to_hf(t):
         return tuple(t[i, j * f : (j + 1) * f] for i in range(e) for j in range(2))
-
-    def gu_from_hf(load):
-        first = load(0)
-        out = torch.empty((e, 2 * f, d), dtype=first.dtype, device=first.device)
-        for n in range(2 * e):  # one [f, d] tensor in flight at a time
-            i, j = divmod(n, 2)
-            out[i, j * f : (j + 1) * f] = first if n == 0 else load(n)
-        return (out,)
-
-    def down_from_hf(load):
-        first = load(0)
-        out = torch.empty((e, d, f), dtype=first.dtype, device=first.device)
-        for i in range(e):
-            out[i] = first if i == 0 else load(i)
-        return (out,)
 
     def gu_block(read, which, index):
         ex, rows, cols = index
@@ -182,8 +158,8 @@ def _per_expert(q_gate_up: str, q_down: str, hp: str, e: int, f: int, d: int) ->
         return _assemble(parts, (ex.stop - ex.start, rows.stop - rows.start, cols.stop - cols.start))
 
     return [
-        Rule((q_gate_up,), gu_keys, ((f, d),) * (2 * e), gu_to_hf, gu_from_hf, gu_block),
-        Rule((q_down,), down_keys, ((d, f),) * e, lambda t: tuple(t[i] for i in range(e)), down_from_hf, down_block),
+        Rule((q_gate_up,), gu_keys, ((f, d),) * (2 * e), gu_to_hf, gu_block),
+        Rule((q_down,), down_keys, ((d, f),) * e, lambda t: tuple(t[i] for i in range(e)), down_block),
     ]
 
 
@@ -199,6 +175,17 @@ def _assemble(parts, shape: tuple[int, int, int]) -> Tensor:
     return out
 
 
+def _grouped_block(rows_of: tuple[Tensor, ...]):
+    """The block reader of a grouped rule whose q38 output ``w`` holds HF rows ``rows_of[w]`` (in order): the one HF
+    tensor is read whole (its rows interleave every q38 output) and only the block's rows are gathered from it."""
+
+    def block(read, which, index):
+        rows, *rest = index
+        return read(0, None)[(slice(None), *rest)][rows_of[which][rows]]  # columns as a view, then gather rows
+
+    return block
+
+
 def _grouped_qkvz(q_qkv: str, q_z: str, h: str, cfg: ModelConfig) -> Rule:
     """Flat ``w_qkv`` (rows [q all | k all | v all]) + ``w_z`` ↔ Qwen3-Next ``in_proj_qkvz``, whose rows are blocks
     per key head ``g``: ``[q_g (dk) | k_g (dk) | v_{g·r..g·r+r-1} (r·dv) | z_{same} (r·dv)]``."""
@@ -211,11 +198,9 @@ def _grouped_qkvz(q_qkv: str, q_z: str, h: str, cfg: ModelConfig) -> Rule:
         blocks = [q.reshape(nk, dk, d), k.reshape(nk, dk, d), v.reshape(nk, rdv, d), w_z.reshape(nk, rdv, d)]
         return (torch.cat(blocks, dim=1).reshape(2 * kd + 2 * vd, d),)
 
-    def from_hf(load):
-        q, k, v, z = torch.split(load(0).reshape(nk, 2 * dk + 2 * rdv, d), [dk, dk, rdv, rdv], dim=1)
-        return torch.cat([q.reshape(kd, d), k.reshape(kd, d), v.reshape(vd, d)], dim=0), z.reshape(vd, d)
-
-    return Rule((q_qkv, q_z), (h,), ((2 * kd + 2 * vd, d),), to_hf, from_hf)
+    hf_rows = torch.arange(2 * kd + 2 * vd).reshape(nk, 2 * dk + 2 * rdv, 1)
+    q, k, v, z = (t.reshape(-1) for t in torch.split(hf_rows, [dk, dk, rdv, rdv], dim=1))
+    return Rule((q_qkv, q_z), (h,), ((2 * kd + 2 * vd, d),), to_hf, _grouped_block((torch.cat([q, k, v]), z)))
 
 
 def _grouped_ba(q_b: str, q_a: str, h: str, cfg: ModelConfig) -> Rule:
@@ -225,11 +210,8 @@ def _grouped_ba(q_b: str, q_a: str, h: str, cfg: ModelConfig) -> Rule:
     def to_hf(w_b, w_a):
         return (torch.cat([w_b.reshape(nk, r, d), w_a.reshape(nk, r, d)], dim=1).reshape(2 * nv, d),)
 
-    def from_hf(load):
-        b, a = torch.split(load(0).reshape(nk, 2 * r, d), [r, r], dim=1)
-        return b.reshape(nv, d), a.reshape(nv, d)
-
-    return Rule((q_b, q_a), (h,), ((2 * nv, d),), to_hf, from_hf)
+    b, a = (t.reshape(-1) for t in torch.split(torch.arange(2 * nv).reshape(nk, 2 * r), [r, r], dim=1))
+    return Rule((q_b, q_a), (h,), ((2 * nv, d),), to_hf, _grouped_block((b, a)))
 
 
 def _abstract_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -445,7 +427,8 @@ class HFReader:
         fh = self._handle(self.src.index[key])
         t = fh.get_tensor(key) if index is None else fh.get_slice(key)[index]
         self.bytes_read += t.numel() * t.element_size()
-        return t.to(device=self.device, dtype=self.dtype)
+        # a copy: safetensors returns views of its (copy-on-write) map of the whole file
+        return t.to(device=self.device, dtype=self.dtype, copy=True)
 
     def block(self, leaf: str, index: tuple[slice, ...]) -> Tensor:
         """The block ``index`` of q38 leaf ``leaf`` (contiguous, in the reader's dtype and device)."""
@@ -454,7 +437,7 @@ class HFReader:
         if 0 in shape:
             dt = self.dtype or _dtype_of(self._handle(self.src.index[rule.hf[0]]).get_slice(rule.hf[0]).get_dtype())
             return torch.empty(shape, dtype=dt, device=self.device)
-        return rule.read_block(lambda i, hf_index: self._read(rule.hf[i], hf_index), which, index).contiguous()
+        return rule.block(lambda i, hf_index: self._read(rule.hf[i], hf_index), which, index).contiguous()
 
 
 def _dtype_of(st_dtype: str) -> torch.dtype:

@@ -134,10 +134,18 @@ def build_sharded(model_config, mesh: Mesh, make_local):
             raise AssertionError(f"{path}: built a local block of shape {tuple(local.shape)}, expected {want}")
         return DTensor.from_local(
             local, mesh.device_mesh, placements, run_check=False, shape=torch.Size(info.shape),
-            stride=torch.empty(info.shape, device="meta").stride(),
+            stride=_contiguous_strides(info.shape),
         )
 
     return tree_map_with_path(make, abstract, is_leaf=is_param_info)
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    out, n = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(n)
+        n *= max(int(s), 1)
+    return tuple(reversed(out))
 
 
 def init_sharded(model_config, mesh: Mesh, *, seed: int = 0, device=None, dtype=None):

@@ -208,6 +208,10 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     from q38.train.step import train_step
 
     lead = world.rank == 0
+    if cfg.run.save_hf and cfg.train.aux_loss_free:
+        raise ConfigError("run.save_hf with train.aux_loss_free: the Hugging Face format has no router bias, so the "
+                          "export would route by the plain top-k; set run.save_hf: false and export with "
+                          "`q38 convert --to-hf --drop-router-bias` if that is what you want")
     torch.manual_seed(cfg.run.seed)
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
@@ -304,8 +308,10 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
 
     def save() -> Path:
         try:
-            return save_checkpoint(ck_root, state, _meta(cfg, state, batches, plan, world),
+            path = save_checkpoint(ck_root, state, _meta(cfg, state, batches, plan, world),
                                    keep_last=cfg.run.keep_last)
+            _export_hf(cfg, path, int(state.step), log)
+            return path
         except KeyboardInterrupt:
             raise
         except BaseException as e:  # DCP's CheckpointException is a BaseException
@@ -364,6 +370,21 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         if tb is not None:
             tb.close()
     return records
+
+
+def _export_hf(cfg: RunConfig, ck: Path, step: int, log) -> None:
+    """``run.save_hf``: the checkpoint just saved, exported as ``out_dir/hf/step_<n>`` by every rank at once (each
+    writes its share of the files, reading only those tensors back from the checkpoint) at the last step and at
+    multiples of ``run.save_hf_every``."""
+    every = cfg.run.save_hf_every
+    if not cfg.run.save_hf or not (step == cfg.run.steps or (every and step % every == 0)):
+        return
+    from q38.train.checkpoint import step_dir_name
+    from q38.train.hf_io import export_checkpoint
+
+    out = Path(cfg.run.out_dir) / "hf" / step_dir_name(step)
+    export_checkpoint(ck, out, dtype=cfg.train.torch_param_dtype)
+    log(f"step {step}: Hugging Face export written to {out}")
 
 
 def _tensorboard(cfg: RunConfig, out: Path):
