@@ -6,7 +6,7 @@ normalisers, router statistics) and the load-balancing aux loss in its three for
 ``mtp_loss_scaling_factor / depths``, i.e. the factor times the mean over depths) and ``aux`` (weight ``coef``:
 ``aux_loss_coef`` or the model's ``router_aux_loss_coef``). A term is one function of :class:`TermInput` returning
 this rank's and this micro-batch's *partial*: the term's value is the sum of the partials over ranks and
-micro-batches (DESIGN.md decision 5), so gradients are only ever summed. The step accumulates the partials over
+micro-batches (docs/objective.md#terms), so gradients are only ever summed. The step accumulates the partials over
 micro-batches as a pytree (``{name: tensor}``) and reduces them once; ``metrics.jsonl``, TensorBoard and the progress
 line use the same names. A new term is one function plus one weight: ``default_terms(mc, tc) + (Term("z", w, fn),)``
 passed as ``train_step(..., terms=...)``.
