@@ -1,6 +1,6 @@
 """Model configuration: one frozen attrs class, loaded from YAML presets or Hugging Face ``config.json``.
 
-Every field of the Qwen3.5-MoE / Qwen3-Next text model (architecture.md §9). Kernel choices are a run setting
+Every field of the Qwen3.5-MoE / Qwen3-Next text model (docs/model.md#config-fields-and-presets). Kernel choices are a run setting
 (``q38.kernels.KernelConfig``), not part of the model.
 Checks live in ``__attrs_post_init__`` and name the offending field and the fix.
 """

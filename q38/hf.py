@@ -1,6 +1,6 @@
 """Hugging Face checkpoint I/O: ``load_hf`` / ``save_hf`` between a HF directory and ``(ModelConfig, ModelParams)``.
 
-Layouts (architecture.md §5.2, §6.1, §8.2, §11):
+Layouts (the key tables, for users: docs/hf_checkpoints.md):
 
 * **Qwen3.5-MoE** — text prefix ``model.language_model.`` (``model_type`` ``qwen3_5_moe``; ``model.visual.*`` is
   ignored) or ``model.`` (``qwen3_5_moe_text``, what ``Qwen3_5MoeForCausalLM.save_pretrained`` writes); flat GDN

@@ -142,7 +142,7 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
         "npu": KernelImpl(devices=("npu",), cp=False, packed=False, backward=False,
                           problem=lambda: "MindSpeed's Ascend GDN kernels are not wired into q38 yet"),
         "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
-                            note="chunked WY form with its own backward (architecture.md §5.5b)"),
+                            note="chunked WY form with its own backward (docs/gdn_backward.md)"),
     },
     "causal_conv1d": {
         "cuda": KernelImpl(devices=("cuda",), cp=False, packed=False, backward=True,

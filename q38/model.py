@@ -22,7 +22,7 @@ from q38.pytree import named_leaves, pytree_node, tree_map_with_path
 @pytree_node
 @attrs.frozen
 class MTPParams:
-    """Multi-token prediction block (architecture.md §8): shared fc and norms, one decoder layer per depth."""
+    """Multi-token prediction block (docs/model.md#multi-token-prediction-mtp): shared fc and norms, one decoder layer per depth."""
 
     norm_emb: Tensor  # [d] pre_fc_norm_embedding
     norm_hidden: Tensor  # [d] pre_fc_norm_hidden
@@ -239,7 +239,7 @@ class ParamCount:
 
 
 def count_params(config: ModelConfig) -> ParamCount:
-    """Total and per-token active parameter counts from the closed-form formula (architecture.md §12).
+    """Total and per-token active parameter counts from the closed-form formula (docs/model.md#parameter-counts).
 
     Active counts the embedding, head, all dense parts and ``k`` of ``E`` routed experts per MoE layer.
     """

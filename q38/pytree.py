@@ -15,7 +15,7 @@ def pytree_node(cls: type[T]) -> type[T]:
     names = [a.name for a in attrs.fields(cls)]
 
     # ``None`` fields (an absent MTP block, a tied head) go into the context, not the leaves: the treespec then
-    # records which optional sub-trees are absent (STYLE.md P6).
+    # records which optional sub-trees are absent (a different treespec for each).
     def present(obj):
         return [n for n in names if getattr(obj, n) is not None]
 

@@ -1,6 +1,6 @@
 """A dispatch mode that names every tensor factory call made from q38's step code without ``device=``.
 
-Why this catches accelerator-only bugs on a CPU-only machine (DESIGN.md decision 10): under gloo on CPU a tensor
+Why this catches accelerator-only bugs on a CPU-only machine (docs/testing.md#device-correctness-without-a-gpu): under gloo on CPU a tensor
 built without ``device=`` lands on the CPU like everything else, so nothing fails. On CUDA/NPU the same line builds
 a CPU tensor next to device tensors, and nccl/hccl refuse it (e.g. EP's load count fed to an all-reduce, or the
 receive buffer of ``all_to_all_single``). The mode records each such call, with the q38 file and line that made it,

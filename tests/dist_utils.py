@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks forked from the pytest process (parallel.md §9: fork + pre-imported torch.distributed)."""
+"""Run a function on N gloo ranks forked from the pytest process (docs/testing.md: fork + pre-imported torch.distributed)."""
 
 import io
 import multiprocessing as mp

@@ -457,12 +457,12 @@ def test_whitespace_sensitive_template(tmp_path):
 
 
 def test_readme_chat_record_is_valid(ours):
-    """The chat record the README shows (system prompt, tools, reasoning, a tool call) validates and renders."""
+    """The chat record docs/finetuning.md shows (system prompt, tools, reasoning, a tool call) validates and renders."""
     from q38.train.data import validate_record
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[1] / "docs" / "finetuning.md").read_text(encoding="utf-8")
     record = json.loads(re.search(r"### Chat data.*?```json\n(.*?)```", text, re.S).group(1))
-    validate_record(record, "README.md")
+    validate_record(record, "docs/finetuning.md")
     assert {m["role"] for m in record["messages"]} == {"system", "user", "assistant", "tool"}
     ids, labels = encode_record(record, ours["plain"])
     assert _target_texts(ours["plain"], ids, labels)[-1] == "\n</think>\n\n18 °C and clear.<|im_end|>"

@@ -1,4 +1,4 @@
-"""The custom backward of the chunked gated delta rule (``_ChunkGatedDeltaRule``, architecture.md §5.5b) against
+"""The custom backward of the chunked gated delta rule (``_ChunkGatedDeltaRule``, docs/gdn_backward.md) against
 two independent references: autograd through today's chunked implementation (``backward="autograd"``) and
 autograd through the token-by-token recurrence. fp32 throughout.
 

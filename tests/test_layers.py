@@ -110,13 +110,13 @@ def test_causal_conv_backward_matches_autograd(gen, s, with_halo):
 
 
 def _rms_ref(x, w, eps):
-    """architecture.md §3.1 written out (autograd differentiates it)."""
+    """docs/model.md#zero-centred-rmsnorm written out (autograd differentiates it)."""
     xf = x.float() if x.dtype != torch.float64 else x
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.to(xf.dtype))).to(x.dtype)
 
 
 def _gated_ref(x, z, w, eps):
-    """architecture.md §3.2 written out: the fp32 norm, cast to the input dtype, times w, times silu(z) in fp32."""
+    """docs/model.md#gated-rmsnorm-gdn-output written out: the fp32 norm, cast to the input dtype, times w, times silu(z) in fp32."""
     dt = x.dtype
     xf = x.float() if dt != torch.float64 else x
     y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)

@@ -266,7 +266,7 @@ def test_a_toy_extra_term_is_one_function_and_one_weight(tiny_cfg):
 
 
 def test_objective_and_router_bias_create_tensors_on_their_inputs_device(tiny_cfg):
-    """DESIGN.md decision 10 for the objective's own code: no factory call in q38/train/objective.py,
+    """docs/testing.md#device-correctness-without-a-gpu for the objective's own code: no factory call in q38/train/objective.py,
     q38/train/step.py or q38/train/state.py without ``device=`` during a step with every aux form and the router
     bias (nccl refuses CPU tensors; gloo would not notice)."""
     import sys

@@ -1,5 +1,5 @@
-"""Mixed precision (DESIGN.md decision 9), torch's AdamW kernels, FSDP reshard-after-forward, tensors on their
-inputs' device (decision 10), and loss terms with no valid targets."""
+"""Mixed precision (docs/parallel.md#mixed-precision), torch's AdamW kernels, FSDP reshard-after-forward, tensors on their
+inputs' device (docs/testing.md#device-correctness-without-a-gpu), and loss terms with no valid targets."""
 
 import math
 

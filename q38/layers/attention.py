@@ -1,4 +1,4 @@
-"""Gated full attention: QK-norm, partial RoPE, GQA, sigmoid output gate (architecture.md §4).
+"""Gated full attention: QK-norm, partial RoPE, GQA, sigmoid output gate (docs/model.md#gated-full-attention).
 
 Extra dims: none beyond the legend (``h`` query heads, ``g`` kv heads, ``c`` head dim, ``t`` key positions).
 """

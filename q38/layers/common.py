@@ -19,7 +19,7 @@ class ParamInfo:
     ``init`` is one of ``normal`` (std = ``std``), ``zeros``, ``ones``, ``a_log`` (log U(0.01, 16), the GDN decay).
 
     ``axes`` names one *logical axis* per tensor dim (``None`` = unnamed); a layout's ``rules`` map logical axes to
-    mesh dims (STYLE.md C5/C9). ``fsdp_dim`` is the dim that carries the FSDP role: every layout's ``fsdp`` mesh dims
+    mesh dims (docs/parallel.md#what-a-layout-is). ``fsdp_dim`` is the dim that carries the FSDP role: every layout's ``fsdp`` mesh dims
     shard it (the largest dim: the output rows of a projection, the ``d`` dim of skinny gates). It defaults to dim 0
     for matrices and to ``None`` (never FSDP-sharded) for vectors, so a new weight is FSDP-sharded unless it says
     otherwise.

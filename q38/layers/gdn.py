@@ -1,4 +1,4 @@
-"""Gated DeltaNet linear attention (architecture.md §5): causal depthwise conv + SiLU, L2-normalised q/k,
+"""Gated DeltaNet linear attention (docs/model.md#gated-deltanet): causal depthwise conv + SiLU, L2-normalised q/k,
 fp32 beta/decay gates, the gated delta rule (chunked, C = 64; a token-by-token recurrent reference), gated RMSNorm.
 
 Packed rows: the conv taps, the intra-chunk matrices and the carried state are masked by document, so a row holding
@@ -218,7 +218,7 @@ def gated_delta_rule_recurrent(
     doc_ids: Int[Tensor, "b s"] | None = None,
     initial_state: Float[Tensor, "b h a p"] | None = None,
 ) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
-    """Token-by-token reference (architecture.md §5.4); the state resets where the document changes."""
+    """Token-by-token reference (docs/model.md#the-gated-delta-rule); the state resets where the document changes."""
     dtype = v.dtype
     q, k, v, g, beta = _prep(q, k, v, g, beta)
     b, h, s, a = k.shape
@@ -267,7 +267,7 @@ def gated_delta_rule_chunked(
     chunk_size: int = 64,
     backward: str | None = None,
 ) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
-    """Chunked (WY/UT) gated delta rule in fp32 (architecture.md §5.5), document-masked.
+    """Chunked (WY/UT) gated delta rule in fp32 (docs/model.md#the-chunked-form), document-masked.
 
     ``initial_state`` belongs to the document of the first token (``doc_ids[:, 0]``). Returns the outputs and the
     state after the last token (for the document the row ends in). ``q`` / ``k`` may have fewer heads than ``v``
@@ -276,7 +276,7 @@ def gated_delta_rule_chunked(
 
     ``backward="custom"`` (default) runs the core as ``_ChunkGatedDeltaRule``: forward saves only its inputs and the
     state at the start of every chunk, backward recomputes the in-chunk WY factors and runs the reverse chunk
-    recurrence (architecture.md §5.5b). ``backward="autograd"`` is the plain-autograd reference. ``None`` takes the
+    recurrence (docs/gdn_backward.md). ``backward="autograd"`` is the plain-autograd reference. ``None`` takes the
     mode set by ``gdn_backward`` (``custom`` unless changed).
     """
     backward = backward or _BACKWARD["mode"]
@@ -448,7 +448,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
     fp32. Casts to fp32, L2-normalises q/k and scales q inside.
 
     Saves the inputs as given and the fp32 state at every chunk start (``[b h j a p]``); backward recomputes the
-    rest (architecture.md §5.5b) and chains through the L2 norms.
+    rest (docs/gdn_backward.md) and chains through the L2 norms.
     """
 
     @staticmethod
@@ -568,7 +568,7 @@ def gated_delta_rule_chunked_autograd(
     initial_state: Float[Tensor, "b h a p"] | None = None,
     chunk_size: int = 64,
 ) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
-    """Chunked (WY/UT) gated delta rule in fp32 (architecture.md §5.5), document-masked, differentiated by plain
+    """Chunked (WY/UT) gated delta rule in fp32 (docs/model.md#the-chunked-form), document-masked, differentiated by plain
     autograd through the chunk loop (every per-chunk intermediate is saved). The reference the custom backward of
     ``gated_delta_rule_chunked`` is tested against (``gdn_backward="autograd"`` selects it).
 

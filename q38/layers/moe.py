@@ -1,4 +1,4 @@
-"""Sparse MoE (architecture.md §6): softmax top-k router with renormalisation, routed SwiGLU experts computed by
+"""Sparse MoE (docs/model.md#sparse-moe-with-a-shared-expert): softmax top-k router with renormalisation, routed SwiGLU experts computed by
 sorting token slots by expert and one grouped (or padded batched) matmul, plus a sigmoid-gated shared expert.
 
 Extra dims: ``m`` = routed slots (n·k) sorted by expert, ``q`` = per-expert capacity in the padded batched path.

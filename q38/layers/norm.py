@@ -1,7 +1,7 @@
 """Zero-centred RMSNorm (weights stored as ``w``, applied as ``1 + w``) and the gated RMSNorm of GDN.
 
 Both are autograd functions with a hand-written backward (derivation below): the forward computes exactly the
-reference expressions of architecture.md §3 (same ops, same casts), and the backward works from the saved inputs
+reference expressions of docs/model.md#zero-centred-rmsnorm (same ops, same casts), and the backward works from the saved inputs
 and the per-row ``r = rsqrt(mean(x²) + eps)`` in fp32, in a few in-place passes over one or two buffers. Autograd
 through the reference expressions takes about a dozen passes and as many fresh activation-sized buffers per norm
 (there are 14 norms per 4-layer step of the benchmark model; on CPU every fresh buffer also costs page faults).
@@ -78,12 +78,12 @@ class _GatedRMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: Float[Tensor, "*batch c"], w: Float[Tensor, " c"], eps: float) -> Float[Tensor, "*batch c"]:
-    """``x / rms(x) * (1 + w)`` computed in fp32, cast back to ``x.dtype`` (architecture.md §3.1)."""
+    """``x / rms(x) * (1 + w)`` computed in fp32, cast back to ``x.dtype`` (docs/model.md#zero-centred-rmsnorm)."""
     return _RMSNorm.apply(x, w, eps)
 
 
 def gated_rms_norm(
     x: Float[Tensor, "*batch c"], z: Float[Tensor, "*batch c"], w: Float[Tensor, " c"], eps: float
 ) -> Float[Tensor, "*batch c"]:
-    """``w * norm(x) * silu(z)`` with a plain (not zero-centred) weight (architecture.md §3.2)."""
+    """``w * norm(x) * silu(z)`` with a plain (not zero-centred) weight (docs/model.md#gated-rmsnorm-gdn-output)."""
     return _GatedRMSNorm.apply(x, z, w, eps)

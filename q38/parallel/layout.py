@@ -1,7 +1,7 @@
 """Parallel layouts: the spec tables of ``specs/parallel/*.yaml`` read, validated and turned into placements.
 
 A parameter declares its *logical axes* and its FSDP dim where its layer declares it (``ParamInfo(shape, init,
-axes=(...), fsdp_dim=...)`` in ``q38/layers``; STYLE.md C5). A layout holds only data about the mesh:
+axes=(...), fsdp_dim=...)`` in ``q38/layers``; docs/parallel.md#what-a-layout-is). A layout holds only data about the mesh:
 
 1. ``fsdp``: the mesh dims that shard every parameter's FSDP dim (one role for all weights, so a new weight is
    FSDP-sharded by default);

@@ -1,6 +1,6 @@
 """Training configuration (frozen attrs) and the up-front validation of option combinations.
 
-Every rule here has a test that triggers its message (tests/test_train_config.py) and a line in the README.
+Every rule here has a test that triggers its message (tests/test_config.py) and a line in docs/configuration.md.
 """
 
 from typing import Any, Mapping
@@ -15,7 +15,7 @@ AUX_SCOPES = ("micro_batch", "global_batch")
 AUX_TYPES = ("pooled", "per_layer", "sequence")
 AUX_TOKENS = ("real", "labelled")
 NAN_POLICIES = ("stop", "skip")
-# mixed precision (DESIGN.md decision 9): master weights and AdamW moments are always fp32
+# mixed precision (docs/parallel.md#mixed-precision): master weights and AdamW moments are always fp32
 PRECISION_DTYPES = ("float32", "bfloat16")
 DEFAULT_NO_DECAY = (
     "*norm*", "*.dt_bias", "*.A_log", "*.w_shared_gate", "*.w_router",  # norms, gates, biases

@@ -5,7 +5,7 @@ vocab columns.
 
 Both functions return ``sum_{valid t} CE(hidden_t @ w_headᵀ, target_t) / normalizer``. The normalizer is the number
 of valid targets of the *whole step* (all micro-batches, DP and CP ranks; see
-``shared/reference/losses_and_kernels.md`` §1.8), supplied by the caller and never computed here, so chunking,
+docs/objective.md#terms), supplied by the caller and never computed here, so chunking,
 gradient accumulation and sharding do not change the value or the gradients.
 
 Precision: the head matmul runs in ``promote(hidden.dtype, w_head.dtype)``; its result is upcast to at least fp32

@@ -6,7 +6,7 @@ normalisers, router statistics) and the load-balancing aux loss in its three for
 ``mtp_loss_scaling_factor / depths``, i.e. the factor times the mean over depths) and ``aux`` (weight ``coef``:
 ``aux_loss_coef`` or the model's ``router_aux_loss_coef``). A term is one function of :class:`TermInput` returning
 this rank's and this micro-batch's *partial*: the term's value is the sum of the partials over ranks and
-micro-batches (DESIGN.md decision 5), so gradients are only ever summed. The step accumulates the partials over
+micro-batches (docs/objective.md#terms), so gradients are only ever summed. The step accumulates the partials over
 micro-batches as a pytree (``{name: tensor}``) and reduces them once; ``metrics.jsonl``, TensorBoard and the progress
 line use the same names. A new term is one function plus one weight: ``default_terms(mc, tc) + (Term("z", w, fn),)``
 passed as ``train_step(..., terms=...)``.
@@ -25,7 +25,9 @@ perfectly balanced router scores ``k`` in every form.
   Megatron's ``coef_M`` equals q38's ``coef · k / L``.
 - ``sequence`` (DeepSeek-V3 sequence-wise, Megatron ``seq_aux_loss``): the same product per sequence ``s`` (a document
   of a packed row) with its own ``c_lse``, ``p_lse`` and token count ``T_s``, averaged over sequences and layers:
-  ``(1/(L·S)) · Σ_l Σ_s E · Σ_e (c_lse / T_s) · (p_lse / T_s)``. DeepSeek's ``α`` equals q38's ``coef · k``.
+  ``(1/(L·S)) · Σ_l Σ_s E · Σ_e (c_lse / T_s) · (p_lse / T_s)``. Per layer, DeepSeek's ``α`` equals q38's ``coef · k``;
+  Megatron sums the L layers (``α = coef · k / L`` matches q38) and divides padded rows by the batch's mean real
+  length, so it matches per document, not for padded batches (docs/objective.md#the-aux-loss).
 
 Counted tokens (``aux_loss_tokens``): ``real`` = every non-padding token (``attention_mask``, else ``doc_ids != -1``;
 as transformers and Megatron), ``labelled`` = positions whose label is not -100. Scope (``aux_loss_scope``):

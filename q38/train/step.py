@@ -186,7 +186,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     def count_routing(mb: StepBatch):  # aux counts of the whole step need every micro-batch's routing first
         return expert_counts(routing(run(mb).router_logits, mc.num_experts_per_tok, bias), aux_mask(mb, tc))
 
-    # Global normalisers and aux tables, known before the forwards (DESIGN.md decision 5).
+    # Global normalisers and aux tables, known before the forwards (docs/objective.md#terms).
     ctx = step_context(mbs, par, mc, tc, count_routing)
 
     grads = [None] * len(leaves)
