@@ -400,43 +400,45 @@ def open_hf(path: str | os.PathLike, *, mtp_num_layers: int | None = None) -> HF
 class HFReader:
     """Reads blocks of q38 leaves from an opened HF checkpoint, each HF tensor sliced in the file (safetensors
     ``get_slice``): a rank reads only the bytes of its shards, except for rules that need a whole HF tensor (the
-    grouped Qwen3-Next projections), which read that one tensor and keep the block. Use as a context manager."""
+    grouped Qwen3-Next projections), which read that one tensor and keep the block. Each read opens the file and
+    closes it again: safetensors maps the whole file, and the pages a read touches stay resident (and counted in
+    the process's memory) for as long as the map is open. Use as a context manager."""
 
     def __init__(self, src: HFSource, *, dtype=None, device=None):
         self.src, self.dtype, self.device = src, dtype, device
         self._rules = src.leaf_rules()
-        self._stack = ExitStack()
-        self._handles: dict[str, Any] = {}
         self.bytes_read = 0
 
     def __enter__(self) -> "HFReader":
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.close()
-        self._handles.clear()
-
-    def _handle(self, fn: str):
-        from safetensors import safe_open
-
-        if fn not in self._handles:
-            self._handles[fn] = self._stack.enter_context(safe_open(str(self.src.path / fn), framework="pt"))
-        return self._handles[fn]
+        pass
 
     def _read(self, key: str, index: tuple[slice, ...] | None) -> Tensor:
-        fh = self._handle(self.src.index[key])
-        t = fh.get_tensor(key) if index is None else fh.get_slice(key)[index]
+        from safetensors import safe_open
+
+        with safe_open(str(self.src.path / self.src.index[key]), framework="pt") as fh:
+            t = fh.get_tensor(key) if index is None else fh.get_slice(key)[index]
+            # a copy that owns its memory: what safetensors returns is a view of its map of the whole file
+            t = t.to(device=self.device, dtype=self.dtype, copy=True)
         self.bytes_read += t.numel() * t.element_size()
-        # a copy: safetensors returns views of its (copy-on-write) map of the whole file
-        return t.to(device=self.device, dtype=self.dtype, copy=True)
+        return t
+
+    def stored_dtype(self, leaf: str) -> torch.dtype:
+        """The dtype the checkpoint stores leaf ``leaf`` in (its rule's first HF tensor)."""
+        from safetensors import safe_open
+
+        key = self._rules[leaf][0].hf[0]
+        with safe_open(str(self.src.path / self.src.index[key]), framework="pt") as fh:
+            return _dtype_of(fh.get_slice(key).get_dtype())
 
     def block(self, leaf: str, index: tuple[slice, ...]) -> Tensor:
         """The block ``index`` of q38 leaf ``leaf`` (contiguous, in the reader's dtype and device)."""
         rule, which = self._rules[leaf]
         shape = tuple(sl.stop - sl.start for sl in index)
         if 0 in shape:
-            dt = self.dtype or _dtype_of(self._handle(self.src.index[rule.hf[0]]).get_slice(rule.hf[0]).get_dtype())
-            return torch.empty(shape, dtype=dt, device=self.device)
+            return torch.empty(shape, dtype=self.dtype or self.stored_dtype(leaf), device=self.device)
         return rule.block(lambda i, hf_index: self._read(rule.hf[i], hf_index), which, index).contiguous()
 
 

@@ -351,3 +351,44 @@ def _bad_file_rank(rank, world, hf_dir):
     except Exception as e:  # noqa: BLE001
         return type(e).__name__, str(e)
     return "ok", ""
+
+
+# ---- run.save_hf -------------------------------------------------------------------------------------------------------
+
+
+def _save_hf_run(rank, world, out):
+    import os
+
+    from q38.train.trainer import train
+    from tests.run_utils import run_config
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    try:
+        train(run_config(out, steps=2, layout="fsdp" if world > 1 else "single",
+                         run={"save_hf": True, "save_every": 1, "save_hf_every": 1}))
+    finally:
+        for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            os.environ.pop(k, None)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_run_save_hf_exports_each_checkpoint_from_every_rank(tmp_path, world):
+    """``run.save_hf`` with ``save_hf_every: 1``: ``out_dir/hf/step_<n>`` for every checkpoint, holding that
+    checkpoint's parameters (in the run's compute dtype: fp32 here), loadable by ``load_hf``."""
+    from q38.train.checkpoint import load_params
+    from q38.train.trainer import train
+    from tests.run_utils import run_config
+
+    out = tmp_path / "run"
+    if world == 1:
+        _save_hf_run(0, 1, str(out))
+    else:
+        run_distributed(_save_hf_run, world, str(out))
+    for step in (1, 2):
+        cfg, got = load_hf(out / "hf" / f"step_{step:06d}")
+        _, want, meta = load_params(out / "checkpoints" / f"step_{step:06d}")
+        assert meta["step"] == step
+        w, g = dict(named_leaves(want)), dict(named_leaves(got))
+        assert set(w) == set(g) and all(torch.equal(w[n], g[n]) for n in w)
+    with pytest.raises(Exception, match="save_hf_every is set but run.save_hf is false"):
+        train(run_config(tmp_path / "bad", steps=1, run={"save_hf_every": 1}))

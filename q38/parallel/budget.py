@@ -324,6 +324,7 @@ class Budget:
     peak_flops: float | None
     global_tokens: int
     hbm_bytes: float | None = None  # the hardware's device memory (None: no --hardware)
+    start_phase: tuple[Item, ...] = ()  # loading the state (resume / init_from): shards + one read in flight
 
     def fit_line(self, fixes: str = "try --recompute full, a fused GDN kernel (--gdn-kernel fla keeps 16-bit outputs, "
                                       "not fp32 per-chunk states), more ranks, or q38 plan --search") -> str | None:
@@ -349,12 +350,22 @@ class Budget:
         return phase_total(self.optimizer_phase)
 
     @property
+    def peak_start(self) -> float:
+        return phase_total(self.start_phase)
+
+    def start_peak(self, path: str) -> float:
+        """Peak while the state is loaded by ``path`` (``resume`` or ``init_from``)."""
+        return phase_total([it for it in self.start_phase if it.transient in ("", path)])
+
+    @property
     def peak_bytes(self) -> float:
-        return max(self.peak_fwd_bwd, self.peak_optimizer)
+        return max(self.peak_fwd_bwd, self.peak_optimizer, self.peak_start)
 
     @property
     def peak_phase(self) -> str:
-        return "forward/backward" if self.peak_fwd_bwd >= self.peak_optimizer else "optimizer step"
+        phases = {"forward/backward": self.peak_fwd_bwd, "optimizer step": self.peak_optimizer,
+                  "start (loading the state)": self.peak_start}
+        return max(phases, key=phases.get)
 
     @property
     def comm_exposed_s(self) -> float:
@@ -644,6 +655,24 @@ def estimate(
     if impl == "foreach":
         opt.append(Item("update temporaries", numel * 4, "foreach AdamW: sqrt(exp_avg_sq) of every parameter"))
 
+    # Starting the run: every path that loads state allocates only the rank's shards (the template, or the shards
+    # read from a Hugging Face directory) plus what one read holds: resume reads each saved chunk whole
+    # (``torch.load`` of one DCP item; the saving layout's largest shard, assumed to be this one), init_from a HF
+    # directory reads one slice in the file's dtype (bf16 assumed) and casts it to fp32; the grouped Qwen3-Next
+    # projections read their one HF tensor whole. The moments are zeros of the same shards.
+    big = ps.largest_shard
+    hf_whole = 0
+    if cfg.family.checkpoint_layout == "qwen3_next":
+        hf_whole = (2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim) * cfg.hidden_size * 2
+    start = [
+        Item("master weights", numel * mst),
+        Item("optimizer moments", numel * 8),
+        Item("resume: one saved chunk", big * 4, "fp32, read whole by DCP before its block is copied", "resume"),
+        Item("init_from HF: one slice + fp32 copy", big * (2 + 4) + hf_whole,
+             "bf16 slice and its cast" + (" + one grouped in_proj_qkvz read whole" if hf_whole else ""),
+             "init_from"),
+    ]
+
     # ---- FLOPs and time --------------------------------------------------------------------------------------
     fl = step_flops(cfg, rows_per_rank, seq, cp=cp, recompute=recompute, micro_batches=micro_batches, gdn_chunk=gdn_chunk,
                     aux_global=aux_global, causal_skip=True)
@@ -692,7 +721,7 @@ def estimate(
         model=model_name or cfg.model_type, layout=layout.name, mesh=tuple(mesh.items()), world=world,
         seq_len=seq_len, rows_per_rank=rows_per_rank, micro_batches=micro_batches, recompute=recompute,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory=tuple(memory), optimizer_phase=tuple(opt),
-        flops=fl, comm=tuple(comm), compute_s=compute_s, optimizer_s=optimizer_s,
+        start_phase=tuple(start), flops=fl, comm=tuple(comm), compute_s=compute_s, optimizer_s=optimizer_s,
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
         hbm_bytes=hw.hbm_bytes if hw else None,
     )
@@ -733,6 +762,10 @@ def format_budget(b: Budget) -> str:
         tag = f" [transient: {it.transient}]" if it.transient else ""
         lines.append(f"  {it.name:<32}{_fmt_bytes(it.bytes):>14}   {it.note}{tag}")
     lines.append(f"  {'total':<32}{_fmt_bytes(b.peak_fwd_bwd):>14}   (persistent + the largest transient group)")
+    if b.start_phase:
+        lines.append(f"start of the run (every rank loads only its shards): resume {_fmt_bytes(b.start_peak('resume'))}"
+                     f", init_from a HF directory {_fmt_bytes(b.start_peak('init_from'))} per rank (shards "
+                     f"{_fmt_bytes(b.start_peak('none'))} + the largest read in flight)")
     lines.append(f"optimizer phase total {_fmt_bytes(b.peak_optimizer)}; peak {_fmt_bytes(b.peak_bytes)} "
                  f"in the {b.peak_phase}")
     fit = b.fit_line()

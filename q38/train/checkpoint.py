@@ -239,11 +239,17 @@ def _broadcast(obj):
 
 
 def _dcp_save(state_dict: dict, path: Path, planner=None) -> None:
+    """DCP save; with a ``planner`` (one that produces tensors as they are written) through DCP's serial writer,
+    which asks for one tensor after the other (``per_thread_copy_ahead=0``: no read-ahead)."""
     import torch.distributed.checkpoint as dcp
 
+    writer = None
+    if planner is not None:
+        writer = dcp.FileSystemWriter(str(path), thread_count=1, per_thread_copy_ahead=0)
     with warnings.catch_warnings():  # one process: DCP warns that it runs without a process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state_dict, checkpoint_id=str(path), no_dist=_dist() is None, planner=planner)
+        dcp.save(state_dict, checkpoint_id=None if writer else str(path), storage_writer=writer,
+                 no_dist=_dist() is None, planner=planner)
 
 
 # ---- reading DCP metadata without running code from it --------------------------------------------------------

@@ -168,11 +168,20 @@ def _lazy_planner(make: Callable[[str], torch.Tensor]):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     class LazySavePlanner(DefaultSavePlanner):
-        """Plans from ``meta`` tensors; each tensor is produced by ``make(key)`` only when DCP writes it (DCP's
-        serial writer takes one at a time), so the state never exists in memory as a whole."""
+        """Plans from ``meta`` tensors; each tensor is produced by ``make(key)`` only when DCP writes it, and its
+        memory is released when the next one is asked for. This relies on DCP's serial writer (which
+        ``write_checkpoint`` selects for a planner): it asks for item k + 1 only after item k is in the file. (The
+        writer also keeps each written tensor in a dict for its safetensors format; the release keeps that from
+        holding the whole state.)"""
+
+        _last = None
 
         def resolve_data(self, write_item):
-            return make(write_item.index.fqn)
+            if self._last is not None:
+                self._last.untyped_storage().resize_(0)
+            t = make(write_item.index.fqn)
+            self._last = t if t.numel() > 1 else None  # the step scalar belongs to the caller
+            return t
 
     return LazySavePlanner()
 
@@ -204,15 +213,8 @@ def import_hf(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dt
         raise ConfigError("import_hf writes no router bias; import with a train config without aux_loss_free")
     shapes = {q: tuple(s) for q, s in _abstract_shapes(cfg).items()}
 
-    def stored_dtype(q: str) -> torch.dtype:
-        from q38.hf import _dtype_of
-        from safetensors import safe_open
-
-        rule, _ = hf.leaf_rules()[q]
-        with safe_open(str(src / hf.index[rule.hf[0]]), framework="pt") as fh:
-            return _dtype_of(fh.get_slice(rule.hf[0]).get_dtype())
-
-    dtypes = {q: dtype or stored_dtype(q) for q in shapes}
+    reader = HFReader(hf, dtype=dtype)
+    dtypes = {q: dtype or reader.stored_dtype(q) for q in shapes}
     plan = {f"params.{q}": (shapes[q], dtypes[q]) for q in shapes}
     plan.update({f"{m}.{q}": (shapes[q], torch.float32) for m in ("exp_avg", "exp_avg_sq") for q in shapes})
     sizes = {k: dt.itemsize * int(torch.Size(s).numel()) for k, (s, dt) in plan.items()}
@@ -220,7 +222,6 @@ def import_hf(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dt
     sd: dict[str, torch.Tensor] = {k: torch.empty(s, dtype=dt, device="meta") for k, (s, dt) in plan.items()
                                    if k in mine}
     sd["step"] = torch.zeros((), dtype=torch.int64)
-    reader = HFReader(hf, dtype=dtype)
 
     def make(key: str) -> torch.Tensor:
         if key == "step":
