@@ -326,6 +326,44 @@ def test_eval_split_of_a_jsonl_path_and_the_console_line(tmp_path, capsys):
     assert "| eval loss " in capsys.readouterr().out
 
 
+def test_the_eval_is_bounded_by_default_and_shows_its_progress(tmp_path, monkeypatch):
+    """``run.eval_batches`` defaults to a bounded eval (EVAL_BATCHES global batches of the shuffled split), 0 walks
+    the whole split; an eval longer than PROGRESS_AFTER_S shows a bar counting its batches."""
+    import io
+    import sys
+
+    from q38.config import ModelConfig
+    from q38.model import init_params
+    from q38.train import evaluate
+    from q38.train.config import TrainConfig
+    from q38.train.run_config import EVAL_BATCHES, RunOptions
+    from q38.train.shards import PackedRows, TrainData
+    from q38.train.state import state_from_params
+    from tests.run_utils import small_model_dict
+
+    assert RunOptions().eval_batches == EVAL_BATCHES == 16
+    data = TrainData("builtin:tiny", BYTE, seq_len=16, vocab_size=384, eval_split=0.9)
+    bounded = data.iterators(1, dp_rank=0, dp_size=1, seed=0, shuffle=True, eval_batches=RunOptions().eval_batches)[1]
+    whole = data.iterators(1, dp_rank=0, dp_size=1, seed=0, shuffle=True, eval_batches=0)[1]
+    assert len(bounded) == 16 < len(whole) == whole.total
+    assert isinstance(data.eval[0].base, PackedRows)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    cfg = ModelConfig.from_dict(small_model_dict())
+    state = state_from_params(init_params(cfg, seed=0), cfg, TrainConfig(loss_chunk_size=64))
+    ev = data.iterators(1, dp_rank=0, dp_size=1, seed=0, shuffle=True, eval_batches=3)[1]
+    monkeypatch.setattr(evaluate, "PROGRESS_AFTER_S", 0.0)
+    for progress, shown in ((True, True), (False, False)):
+        monkeypatch.setattr(sys, "stdout", Terminal())
+        out = evaluate.eval_losses(state, ev, progress=progress)
+        assert ("eval: 100%" in sys.stdout.getvalue() and "3/3" in sys.stdout.getvalue()) is shown
+        assert out["eval_tokens"] > 0
+    assert evaluate.eval_losses(state, ev) == evaluate.eval_losses(state, (ev.batch(k) for k in range(3)))
+
+
 def test_default_config_prints_an_eval_loss():
     cfg = RunConfig.from_yaml()  # specs/train/tiny.yaml, what `q38 train` runs
     assert cfg.data.eval_split > 0 and cfg.run.eval_every > 0 and cfg.run.steps % cfg.run.eval_every == 0

@@ -34,7 +34,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -476,6 +476,13 @@ class EvalRows:
     def batch(self, k: int) -> dict[str, torch.Tensor]:
         g0 = k * self.global_batch_size + self.dp_rank * self.batch_size
         return self._read(np.arange(g0, g0 + self.batch_size))
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's share of every eval batch, in order (what ``evaluate.eval_losses`` walks)."""
+        return (self.batch(k) for k in range(self.num_batches))
 
 
 # ---- data.path -> loaders -------------------------------------------------------------------------------------------
