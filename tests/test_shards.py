@@ -411,15 +411,20 @@ def test_bad_shard_inputs(tmp_path, capsys, tiny_shards):
     _expect_error(tmp_path, capsys, {"path": str(tmp_path)}, rf"{tmp_path} has no manifest\.json")
 
 
-def test_bad_token_in_a_shard_is_caught_when_read(tmp_path, tiny_shards):
+def test_bad_token_in_a_shard_is_caught_when_the_shard_is_first_read(tmp_path, tiny_shards):
+    """The manifest's max_token_id is not trusted: the first read of a shard checks all of its tokens, so a row
+    without the bad token is refused as well, and the line names the shard file and the row."""
     d = _copy(tiny_shards, tmp_path / "tampered")
     arr = np.fromfile(d / "shard_000000.tokens", dtype=np.uint16)
-    arr[5] = 999
+    arr[37] = 999
     arr.tofile(d / "shard_000000.tokens")
     src = ShardRows(d, 16, vocab_size=384)
-    src.rows(np.array([1]))  # rows without the bad token read fine
-    with pytest.raises(DataError, match=r"shard_000000\.tokens holds token id 999 >= the model's vocab_size 384"):
-        src.rows(np.array([0]))
+    src.rows(np.array([src.cum_rows[1]]))  # another shard reads fine
+    for row in (0, 2, 5):
+        with pytest.raises(DataError, match=r"shard_000000\.tokens holds token id 999 >= the model's vocab_size 384 "
+                                            r"at token 37 \(row 2 of the shard at seq_len 16\)"):
+            src.rows(np.array([row]))
+    assert len(ShardRows(d, 16).rows(np.array([2]))["input_ids"]) == 1  # without a vocab_size: not checked
 
 
 def test_tokenizer_mismatch(tmp_path, capsys, tiny_shards):

@@ -276,8 +276,21 @@ class ShardRows(RowSource):
             tok = np.memmap(self.path / s["files"]["tokens"], dtype=self.dtype, mode="r")
             docs = np.memmap(self.path / s["files"]["docs"], dtype=np.int64, mode="r")
             mask = np.memmap(self.path / s["files"]["mask"], dtype=np.uint8, mode="r") if s["mask"] else None
+            if self.vocab_size is not None:
+                self._check_ids(s, tok)
             s["mm"] = (tok, docs, mask)
         return s["mm"]
+
+    def _check_ids(self, s: dict[str, Any], tok: np.ndarray) -> None:
+        """Every token id of shard ``s`` is below ``vocab_size``; else one line naming the file, row and token."""
+        if not len(tok) or int(tok.max()) < self.vocab_size:
+            return
+        at = int(np.argmax(tok >= self.vocab_size))
+        raise DataError(
+            f"data: {self.path / s['files']['tokens']} holds token id {int(tok[at])} >= the model's vocab_size "
+            f"{self.vocab_size} at token {at} (row {at // self.seq_len} of the shard at seq_len {self.seq_len}); the "
+            f"shard does not match {self.path / MANIFEST}; re-run `q38 prepare-data INPUT... --out {self.path}`"
+        )
 
     def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
         idx = np.asarray(idx, dtype=np.int64)
@@ -296,10 +309,6 @@ class ShardRows(RowSource):
             labels[r] = ids[r] if mask is None else np.where(mask[a:a + L] != 0, ids[r], IGNORE_INDEX)
             d = np.searchsorted(docs, np.arange(a, a + L), side="right") - 1
             doc_ids[r] = d - d[0]
-            if self.vocab_size is not None and ids[r].max() >= self.vocab_size:
-                raise DataError(f"data: {self.path / s['files']['tokens']} holds token id {int(ids[r].max())} >= "
-                                f"the model's vocab_size {self.vocab_size} (the shard does not match its manifest); "
-                                f"re-run `q38 prepare-data INPUT... --out {self.path}`")
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
                 "doc_ids": torch.from_numpy(doc_ids)}
 
