@@ -4,9 +4,12 @@ Bad input ends with a one-line error naming the problem and the fix (exit code 2
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
+from pathlib import Path
+from typing import Iterator
 
 USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data,kernels} ...
   train [CONFIG] [--set SECTION.KEY=VALUE ...]
@@ -28,6 +31,58 @@ class _Parser(argparse.ArgumentParser):
 
 
 OneLineParser = _Parser  # shared by every subcommand's parser (q38 plan included)
+
+
+def _int_at_least(lo: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+        return v
+    return parse
+
+
+positive_int = _int_at_least(1, "a positive integer")  # argparse ``type=``: the error names the option
+nonnegative_int = _int_at_least(0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
+@contextlib.contextmanager
+def reading(option: str, value) -> Iterator[None]:
+    """A YAML file named by ``option`` that does not parse is one line naming the option, the file and the place."""
+    import yaml
+
+    try:
+        yield
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        why = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ValueError(f"{option} {value}: not valid YAML ({why}{where}); fix the file") from None
+
+
+def check_file_args(*options: tuple[str, str | None, bool]) -> None:
+    """``(option, value, always_a_path)``: each value that names a file (always, or when it looks like a path:
+    a ``.yaml`` / ``.yml`` / ``.json`` suffix or a directory part) exists; else one line naming the option and file."""
+    for option, value, always in options:
+        if value is None:
+            continue
+        p = Path(value)
+        if (always or p.suffix in (".yaml", ".yml", ".json") or len(p.parts) > 1) and not p.exists():
+            raise FileNotFoundError(f"{option} {value}: file not found" + ("" if always else
+                                                                          "; name a preset or an existing file"))
 
 
 def _train(argv: list[str]) -> int:
