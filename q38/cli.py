@@ -205,20 +205,9 @@ def _convert(argv: list[str]) -> int:
 def _check_export_target(src, ck, out, overwrite: bool) -> None:
     """``convert --to-hf`` never writes into its source, nor over an existing non-empty OUT_DIR without
     ``--overwrite`` (the export itself is built in a temporary directory and renamed, see ``save_hf``)."""
-    o = out.resolve()
-    for s in (src.resolve(), ck.resolve()):
-        if o == s or s in o.parents:
-            raise FileExistsError(f"OUT_DIR {out} is the source {src} or inside it; exporting there would replace "
-                                  "the run; choose an OUT_DIR outside it (--overwrite does not change this)")
-        if o in s.parents:  # replacing OUT_DIR would delete the source inside it
-            raise FileExistsError(f"OUT_DIR {out} contains the source {src}; exporting there would replace it; "
-                                  "choose an OUT_DIR outside it (--overwrite does not change this)")
-    if out.exists() and not out.is_dir():
-        if not overwrite:
-            raise FileExistsError(f"OUT_DIR {out} exists and is a file; choose a new OUT_DIR or pass --overwrite")
-    elif out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"OUT_DIR {out} exists and is not empty; choose a new OUT_DIR or pass --overwrite "
-                              "to replace it")
+    from q38.train.safety import check_output_dir
+
+    check_output_dir(out, (src, ck), what="OUT_DIR", overwrite=overwrite, role="source")
 
 
 def _init_hf(argv: list[str]) -> int:
@@ -227,17 +216,18 @@ def _init_hf(argv: list[str]) -> int:
     p.add_argument("--model", default="tiny", help="model preset name or YAML (default: tiny)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing non-empty OUT_DIR (never a run or checkpoint directory)")
     p.add_argument("out")
     a = p.parse_args(argv)
-    from pathlib import Path
-
     from q38.config import ModelConfig
     from q38.hf import save_hf
     from q38.model import init_params
+    from q38.train.safety import check_output_dir
 
     out = Path(a.out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose a new output directory (nothing is overwritten)")
+    model = Path(a.model)
+    check_output_dir(out, [model] if model.exists() else [], what="OUT_DIR", overwrite=a.overwrite)
     cfg = ModelConfig.load(a.model)
     save_hf(out, cfg, init_params(cfg, seed=a.seed, dtype=_dtype(a.dtype)))
     print(f"q38 init-hf: wrote {out} ({a.model}, seed {a.seed})")

@@ -142,12 +142,23 @@ def run_config(c: Candidate, model: str, layout_path: str, seq_len: int, base: d
     return out
 
 
+WRITTEN_BY = "# Written by `q38 plan --search`"  # first line of each file write_best writes
+
+
+def _written_by_search(d: Path) -> bool:
+    """``d`` holds only YAML files that ``write_best`` wrote (an earlier search's output)."""
+    def ours(f: Path) -> bool:
+        with open(f, errors="replace") as fh:
+            return fh.readline().startswith(WRITTEN_BY)
+    return all(f.is_file() and f.suffix == ".yaml" and ours(f) for f in d.iterdir())
+
+
 def write_best(c: Candidate, out_dir: str | Path, model: str, seq_len: int,
                base: dict | None = None) -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lp = out / f"{c.layout_dict['name']}.yaml"
-    head = (f"# Written by `q38 plan --search`: predicted {c.budget.step_s:.2f} s/step, MFU "
+    head = (f"{WRITTEN_BY}: predicted {c.budget.step_s:.2f} s/step, MFU "
             f"{100 * (c.budget.mfu or 0):.1f}% on {c.budget.hardware}, peak {c.budget.peak_bytes / GIB:.1f} GiB/rank.\n")
     lp.write_text(head + yaml.safe_dump(c.layout_dict, sort_keys=False))
     tp = out / "train.yaml"
@@ -280,6 +291,11 @@ def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
     from q38.parallel.budget import format_budget
 
     raw, src = _train_defaults(ns, str(ns.model))
+    if ns.search:  # before anything is printed or searched
+        from q38.train.safety import check_output_dir
+
+        inputs = [p for p in (src, ns.layout, ns.hardware, ns.model) if p and Path(p).exists()]
+        check_output_dir(ns.out, inputs, what="--out", own=_written_by_search, overwrite=ns.overwrite)
     data, train = raw.get("data") or {}, raw.get("train") or {}
     seq_len = ns.seq_len or int(data.get("seq_len", 4096))
     if layout is None and src is not None and raw.get("layout"):
