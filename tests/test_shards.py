@@ -448,9 +448,30 @@ def test_no_trainable_tokens(tmp_path, capsys):
     jl = tmp_path / "users_only.jsonl"
     jl.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "hello there " * 10}]}) + "\n"
                           for _ in range(20)))
-    prep([jl], tmp_path / "nt")
-    _expect_error(tmp_path, capsys, {"path": str(tmp_path / "nt")}, rf"{tmp_path / 'nt'} has no trainable tokens")
-    _expect_error(tmp_path, capsys, {"path": str(jl)}, rf"{jl} has no trainable tokens")
+    with pytest.raises(DataError, match="hold 20 documents but no trainable target under --train-on assistant"):
+        prep([jl], tmp_path / "nt", workers=2, chunk_bytes=500)  # several shards, none with a target
+    assert not (tmp_path / "nt").exists()  # the refused preparation removed the directory it made
+    m = prep([jl], tmp_path / "all", train_on="all")  # every token a target: accepted
+    assert m["num_targets"] == m["num_tokens"] and m["train_on"] == "all"
+    man = json.loads((tmp_path / "all" / "manifest.json").read_text())
+    man["num_targets"] = 0  # a directory whose manifest counts no target (e.g. prepared by an older q38)
+    (tmp_path / "all" / "manifest.json").write_text(json.dumps(man))
+    _expect_error(tmp_path, capsys, {"path": str(tmp_path / "all"), "train_on": "all"},
+                  rf"{tmp_path / 'all'} has no trainable tokens .*--train-on all")
+    _expect_error(tmp_path, capsys, {"path": str(jl)}, rf"{jl} has no trainable tokens \(every token is masked "
+                  r"under data\.train_on: assistant.*set data\.train_on: all")
+
+
+def test_train_on_is_prepared_into_the_shards(tmp_path, capsys):
+    """``--train-on`` picks the chat targets stored in the shards; a run must use the same data.train_on."""
+    m = prep([CHAT], tmp_path / "last", train_on="last_assistant")
+    assert ShardRows(tmp_path / "last", 8).documents() == [
+        (i, lab) for i, lab in load_documents(CHAT, BYTE, train_on="last_assistant")[0]]
+    assert prep([CHAT], tmp_path / "last", train_on="last_assistant")["skipped"] is True
+    assert "skipped" not in prep([CHAT], tmp_path / "last")  # another train_on: prepared again
+    assert m["num_targets"] < json.loads((tmp_path / "last" / "manifest.json").read_text())["num_targets"]
+    _expect_error(tmp_path, capsys, {"path": str(tmp_path / "last"), "train_on": "last_assistant"},
+                  r"was prepared with --train-on assistant but data\.train_on is last_assistant")
 
 
 def test_eval_settings_errors(tmp_path, capsys):
