@@ -112,8 +112,9 @@ def _train(argv: list[str]) -> int:
 
 def _plan(argv: list[str]) -> int:
     from q38.parallel.plan import plan_cli
+    from q38.train.safety import check_output_dir
 
-    return plan_cli(argv)
+    return plan_cli(argv, check_output_dir=check_output_dir)  # (q38.parallel imports nothing from q38.train)
 
 
 def _dtype(name: str | None):

@@ -348,10 +348,12 @@ def format_plan(r: PlanReport) -> str:
 # ---- CLI ----------------------------------------------------------------------------------------------------------
 
 
-def plan_cli(args: list[str]) -> int:
+def plan_cli(args: list[str], *, check_output_dir=None) -> int:
     """``q38 plan --model <preset|yaml> --layout <preset|yaml> --world N [--dtype bf16] [--mesh ep=8,cp=2]``.
 
     Prints the report; an invalid model, layout or world size prints one line on stderr and returns 2.
+    ``check_output_dir(out, inputs, *, what, own, overwrite)``: the rule ``--search --out`` is held to (q38.cli
+    passes ``q38.train.safety.check_output_dir``); None: not checked.
     """
     from q38.cli import OneLineParser, check_file_args, nonnegative_int, positive_int, reading
 
@@ -380,7 +382,7 @@ def plan_cli(args: list[str]) -> int:
         if ns.layout is None:
             if not ns.search:
                 raise LayoutError("--layout is required (a preset name or YAML path), unless --search finds one")
-            return budget_cli(ns, cfg, None)
+            return budget_cli(ns, cfg, None, check_output_dir)
         with reading("--layout", ns.layout):
             layout = Layout.load(ns.layout)
         if ns.mesh:
@@ -396,7 +398,7 @@ def plan_cli(args: list[str]) -> int:
         if wants_budget(ns):
             print(format_plan(report))
             print()
-            return budget_cli(ns, cfg, layout)
+            return budget_cli(ns, cfg, layout, check_output_dir)
     except (LayoutError, ConfigError) as e:
         print(f"q38 plan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -284,16 +284,15 @@ def budget_kwargs(train: Mapping[str, Any], *, gdn: str, chunk: int) -> dict[str
                 grad_clip=train.get("grad_clip", 1.0) is not None)
 
 
-def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
-    """``q38 plan ... --hardware/--seq-len/--search``: the budget of a layout, or the search. Prints; returns 0."""
+def budget_cli(ns, cfg: ModelConfig, layout: Layout | None, check_output_dir=None) -> int:
+    """``q38 plan ... --hardware/--seq-len/--search``: the budget of a layout, or the search. Prints; returns 0.
+    ``check_output_dir``: see ``plan_cli``."""
     import sys
 
     from q38.parallel.budget import format_budget
 
     raw, src = _train_defaults(ns, str(ns.model))
-    if ns.search:  # before anything is printed or searched
-        from q38.train.safety import check_output_dir
-
+    if ns.search and check_output_dir is not None:  # before anything is printed or searched
         inputs = [p for p in (src, ns.layout, ns.hardware, ns.model) if p and Path(p).exists()]
         check_output_dir(ns.out, inputs, what="--out", own=_written_by_search, overwrite=ns.overwrite)
     data, train = raw.get("data") or {}, raw.get("train") or {}
