@@ -14,11 +14,12 @@ from typing import Iterator
 USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data,kernels} ...
   train [CONFIG] [--set SECTION.KEY=VALUE ...]
                    train or resume (no CONFIG: the embedded tiny run); torchrun --nproc_per_node N for N ranks
-  prepare-data INPUT... --out DIR [--tokenizer T] [--workers N]   tokenize JSONL/Parquet into token shards
+  prepare-data INPUT... --out DIR [--tokenizer T] [--train-on assistant|all|last_assistant] [--workers N] [--overwrite]
+                   tokenize JSONL/Parquet into token shards
   plan --model M --layout L --world N     per-rank memory and communication plan
   convert --to-hf RUN_DIR_OR_CHECKPOINT OUT_DIR [--drop-router-bias]  export a trained run's parameters as a Hugging Face checkpoint
   convert --from-hf HF_DIR OUT_CHECKPOINT           import a Hugging Face checkpoint as a q38 checkpoint
-  init-hf --model PRESET OUT_DIR                    write a freshly initialised model as a Hugging Face checkpoint
+  init-hf --model PRESET OUT_DIR [--overwrite]      write a freshly initialised model as a Hugging Face checkpoint
   kernels [--device D] [--dtype T] [--cp] [--unpacked]  what kernels.auto picks here, and why each other one is out
   --debug (any command; or Q38_DEBUG=1)             print the traceback of an error (for bug reports)"""
 
