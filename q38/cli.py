@@ -4,18 +4,22 @@ Bad input ends with a one-line error naming the problem and the fix (exit code 2
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
+from pathlib import Path
+from typing import Iterator
 
 USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data,kernels} ...
   train [CONFIG] [--set SECTION.KEY=VALUE ...]
                    train or resume (no CONFIG: the embedded tiny run); torchrun --nproc_per_node N for N ranks
-  prepare-data INPUT... --out DIR [--tokenizer T] [--workers N]   tokenize JSONL/Parquet into token shards
+  prepare-data INPUT... --out DIR [--tokenizer T] [--train-on assistant|all|last_assistant] [--workers N] [--overwrite]
+                   tokenize JSONL/Parquet into token shards
   plan --model M --layout L --world N     per-rank memory and communication plan
   convert --to-hf RUN_DIR_OR_CHECKPOINT OUT_DIR [--drop-router-bias]  export a trained run's parameters as a Hugging Face checkpoint
   convert --from-hf HF_DIR OUT_CHECKPOINT           import a Hugging Face checkpoint as a q38 checkpoint
-  init-hf --model PRESET OUT_DIR                    write a freshly initialised model as a Hugging Face checkpoint
+  init-hf --model PRESET OUT_DIR [--overwrite]      write a freshly initialised model as a Hugging Face checkpoint
   kernels [--device D] [--dtype T] [--cp] [--unpacked]  what kernels.auto picks here, and why each other one is out
   --debug (any command; or Q38_DEBUG=1)             print the traceback of an error (for bug reports)"""
 
@@ -28,6 +32,58 @@ class _Parser(argparse.ArgumentParser):
 
 
 OneLineParser = _Parser  # shared by every subcommand's parser (q38 plan included)
+
+
+def _int_at_least(lo: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {v}")
+        return v
+    return parse
+
+
+positive_int = _int_at_least(1, "a positive integer")  # argparse ``type=``: the error names the option
+nonnegative_int = _int_at_least(0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
+@contextlib.contextmanager
+def reading(option: str, value) -> Iterator[None]:
+    """A YAML file named by ``option`` that does not parse is one line naming the option, the file and the place."""
+    import yaml
+
+    try:
+        yield
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        why = getattr(e, "problem", None) or " ".join(str(e).split())
+        raise ValueError(f"{option} {value}: not valid YAML ({why}{where}); fix the file") from None
+
+
+def check_file_args(*options: tuple[str, str | None, bool]) -> None:
+    """``(option, value, always_a_path)``: each value that names a file (always, or when it looks like a path:
+    a ``.yaml`` / ``.yml`` / ``.json`` suffix or a directory part) exists; else one line naming the option and file."""
+    for option, value, always in options:
+        if value is None:
+            continue
+        p = Path(value)
+        if (always or p.suffix in (".yaml", ".yml", ".json") or len(p.parts) > 1) and not p.exists():
+            raise FileNotFoundError(f"{option} {value}: file not found" + ("" if always else
+                                                                          "; name a preset or an existing file"))
 
 
 def _train(argv: list[str]) -> int:
@@ -57,8 +113,9 @@ def _train(argv: list[str]) -> int:
 
 def _plan(argv: list[str]) -> int:
     from q38.parallel.plan import plan_cli
+    from q38.train.safety import check_output_dir
 
-    return plan_cli(argv)
+    return plan_cli(argv, check_output_dir=check_output_dir)  # (q38.parallel imports nothing from q38.train)
 
 
 def _dtype(name: str | None):
@@ -144,20 +201,9 @@ def _convert_files(a, *, lead: bool) -> int:
 def _check_export_target(src, ck, out, overwrite: bool) -> None:
     """``convert --to-hf`` never writes into its source, nor over an existing non-empty OUT_DIR without
     ``--overwrite`` (the export itself is built in a temporary directory and renamed, see ``save_hf``)."""
-    o = out.resolve()
-    for s in (src.resolve(), ck.resolve()):
-        if o == s or s in o.parents:
-            raise FileExistsError(f"OUT_DIR {out} is the source {src} or inside it; exporting there would replace "
-                                  "the run; choose an OUT_DIR outside it (--overwrite does not change this)")
-        if o in s.parents:  # replacing OUT_DIR would delete the source inside it
-            raise FileExistsError(f"OUT_DIR {out} contains the source {src}; exporting there would replace it; "
-                                  "choose an OUT_DIR outside it (--overwrite does not change this)")
-    if out.exists() and not out.is_dir():
-        if not overwrite:
-            raise FileExistsError(f"OUT_DIR {out} exists and is a file; choose a new OUT_DIR or pass --overwrite")
-    elif out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"OUT_DIR {out} exists and is not empty; choose a new OUT_DIR or pass --overwrite "
-                              "to replace it")
+    from q38.train.safety import check_output_dir
+
+    check_output_dir(out, (src, ck), what="OUT_DIR", overwrite=overwrite, role="source")
 
 
 def _init_hf(argv: list[str]) -> int:
@@ -166,17 +212,18 @@ def _init_hf(argv: list[str]) -> int:
     p.add_argument("--model", default="tiny", help="model preset name or YAML (default: tiny)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing non-empty OUT_DIR (never a run or checkpoint directory)")
     p.add_argument("out")
     a = p.parse_args(argv)
-    from pathlib import Path
-
     from q38.config import ModelConfig
     from q38.hf import save_hf
     from q38.model import init_params
+    from q38.train.safety import check_output_dir
 
     out = Path(a.out)
-    if out.exists():
-        raise FileExistsError(f"{out} already exists; choose a new output directory (nothing is overwritten)")
+    model = Path(a.model)
+    check_output_dir(out, [model] if model.exists() else [], what="OUT_DIR", overwrite=a.overwrite)
     cfg = ModelConfig.load(a.model)
     save_hf(out, cfg, init_params(cfg, seed=a.seed, dtype=_dtype(a.dtype)))
     print(f"q38 init-hf: wrote {out} ({a.model}, seed {a.seed})")

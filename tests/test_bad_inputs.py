@@ -46,6 +46,21 @@ class Ctx:
         assert main(["convert", "--to-hf", str(self.good_run), str(d)]) == 0
         return d
 
+    def dir(self, name: str, *files: str) -> Path:
+        """A directory ``tmp/name`` holding the (empty) ``files``."""
+        d = self.tmp / name
+        d.mkdir(parents=True, exist_ok=True)
+        for f in files:
+            (d / f).write_text("")
+        return d
+
+    def shards(self, name="shards") -> Path:
+        """A prepared directory of one text record (one shard)."""
+        d = self.tmp / name
+        assert main(["prepare-data", self.data(json.dumps({"text": "a prepared document " * 8}) + "\n", "p.jsonl"),
+                     "--out", str(d), "--no-progress"]) == 0
+        return d
+
 
 @pytest.fixture(scope="module")
 def good_run(tmp_path_factory):
@@ -298,6 +313,9 @@ def _cases():
     C["convert:nonempty-out"] = lambda c: (
         c.run() and (c.tmp / "o").mkdir() or (c.tmp / "o" / "keep.txt").write_text("x") and
         ["convert", "--to-hf", str(c.out), str(c.tmp / "o")], ["o exists and is not empty", "--overwrite"])
+    C["convert:onto-another-run-overwrite"] = lambda c: (
+        c.run() and ["convert", "--to-hf", str(c.good_run), str(c.out), "--overwrite"],
+        ["OUT_DIR", "is a q38 train run directory (it holds checkpoints)", "--overwrite does not change"])
     C["convert:out-is-a-file"] = lambda c: (
         c.run() and (c.tmp / "o.txt").write_text("x") and ["convert", "--to-hf", str(c.out), str(c.tmp / "o.txt")],
         ["o.txt exists and is a file"])
@@ -336,15 +354,121 @@ def _cases():
     C["convert:both-modes"] = lambda c: (["convert", "--to-hf", "--from-hf", "a", "b"], ["not allowed with"])
     C["convert:missing-out"] = lambda c: (["convert", "--to-hf", "a"], ["the following arguments are required: out"])
     C["convert:unknown-flag"] = lambda c: (["convert", "--to-hf", "a", "b", "--frob"], ["unrecognized arguments"])
-    C["init-hf:out-exists"] = lambda c: (["init-hf", "--model", "tiny", str(c.tmp)], ["already exists"])
+    C["init-hf:out-not-empty"] = lambda c: (["init-hf", "--model", "tiny", str(c.dir("o", "keep.txt"))],
+                                            ["OUT_DIR", "o exists and is not empty", "--overwrite"])
+    C["init-hf:onto-a-run-overwrite"] = lambda c: (c.run() and ["init-hf", str(c.out), "--overwrite"],
+                                                   ["is a q38 train run directory", "--overwrite does not change"])
+    C["init-hf:onto-a-checkpoint"] = lambda c: (c.run() and ["init-hf", str(c.ck(2)), "--overwrite"],
+                                                ["is a q38 checkpoint directory"])
+    C["init-hf:onto-its-model-yaml-dir"] = lambda c: (
+        (c.dir("m") / "m.yaml").write_text("hidden_size: 8\n") and
+        ["init-hf", "--model", str(c.tmp / "m" / "m.yaml"), str(c.tmp / "m"), "--overwrite"],
+        ["contains the input", "m.yaml"])
     C["init-hf:unknown-preset"] = lambda c: (["init-hf", "--model", "tinyy", str(c.tmp / "n")],
                                              ["unknown model preset 'tinyy'"])
     C["init-hf:seed-not-int"] = lambda c: (["init-hf", "--seed", "x", str(c.tmp / "n")], ["argument --seed"])
     C["init-hf:bad-dtype"] = lambda c: (["init-hf", "--dtype", "int8", str(c.tmp / "n")], ["--dtype must be"])
     C["init-hf:no-out"] = lambda c: (["init-hf"], ["the following arguments are required: out"])
 
+    # prepare-data: where it writes (safety.check_output_dir), and a corpus with nothing to train
+    def prep(out, *more):
+        return lambda c: ["prepare-data", c.data('{"text": "a b c"}\n'), "--out", str(out(c)), *more]
+
+    for name, out, more, needles in [
+        ("nonempty-out", lambda c: c.dir("o", "notes.txt"), [], ["--out", "o exists and is not empty", "--overwrite"]),
+        ("out-holds-the-input", lambda c: c.tmp, ["--overwrite"], ["contains the input", "data.jsonl"]),
+        ("out-is-the-input", lambda c: c.tmp / "data.jsonl", ["--overwrite"], ["is the input", "data.jsonl"]),
+        ("out-is-a-run", lambda c: c.run(), [], ["is a q38 train run directory (it holds checkpoints)"]),
+        ("out-is-a-run-overwrite", lambda c: c.run(), ["--overwrite"], ["--overwrite does not change this"]),
+        ("out-has-a-metrics-log", lambda c: c.dir("r", "metrics.jsonl"), ["--overwrite"], ["(it holds metrics.jsonl)"]),
+        ("out-has-a-run-lock", lambda c: c.dir("r", ".q38.lock"), ["--overwrite"], ["(it holds .q38.lock)"]),
+        ("out-is-a-checkpoint", lambda c: c.run() and c.ck(2), ["--overwrite"],
+         ["step_000002 is a q38 checkpoint directory", "would break the checkpoint"]),
+        ("out-inside-a-checkpoint", lambda c: c.run() and c.ck(2) / "data", [], ["or inside one"]),
+        ("out-is-a-checkpoints-dir", lambda c: c.run() and c.out / "checkpoints", ["--overwrite"],
+         ["holds q38 checkpoints (step_00000"]),
+    ]:
+        C[f"prepare:{name}"] = (lambda build, needles: lambda c: (build(c), needles))(prep(out, *more), needles)
+
+    def prep_inside_input_dir(c):
+        d = c.dir("in")
+        (d / "a.jsonl").write_text('{"text": "a"}\n')
+        return ["prepare-data", str(d), "--out", str(d / "prepared"), "--overwrite"], ["is the input", "or inside it"]
+
+    C["prepare:out-inside-an-input-dir"] = prep_inside_input_dir
+    C["prepare:no-trainable-target"] = lambda c: (
+        ["prepare-data", c.data('{"messages": [{"role": "user", "content": "hi"}]}\n'), "--out", str(c.tmp / "o")],
+        ["hold 1 documents but no trainable target under --train-on assistant", "pass --train-on all"])
+    C["prepare:no-trainable-target-last-assistant"] = lambda c: (
+        ["prepare-data", c.data('{"messages": [{"role": "system", "content": "be brief"}]}\n'), "--out",
+         str(c.tmp / "o"), "--train-on", "last_assistant"], ["no trainable target under --train-on last_assistant"])
+    C["prepare:bad-train-on"] = lambda c: (["prepare-data", c.data("{}"), "--out", "o", "--train-on", "users"],
+                                           ["argument --train-on: invalid choice: 'users'"])
+
+    # data checked against the model on the data itself
+    def shard_with_token(tok):
+        def build(c):
+            d = c.shards()
+            f = d / "shard_000000.tokens"
+            a = __import__("numpy").fromfile(f, dtype="<u2")
+            a[70] = tok  # the manifest still says max_token_id 258 (eos)
+            a.tofile(f)
+            return ["train", c.cfg(data={"path": str(d)})], ["shard_000000.tokens holds token id 60000 >= the "
+                                                             "model's vocab_size 384 at token 70 (row 2 of the shard "
+                                                             "at seq_len 32)", "re-run `q38 prepare-data"]
+        return build
+
+    C["data:shard-token-beyond-vocab"] = shard_with_token(60000)
+    C["data:shard-prepared-with-another-train-on"] = lambda c: (
+        ["train", c.cfg(data={"path": str(c.shards()), "train_on": "all"})],
+        ["was prepared with --train-on assistant but data.train_on is all", "set data.train_on: assistant"])
+    C["ckpt:resume_from-with-resume-false"] = lambda c: (
+        c.run() and ["train", c.cfg(run={"steps": 4, "resume": False, "resume_from": str(c.ck(2))})],
+        ["run.resume_from is", "step_000002", "but run.resume is false", "set run.resume: true"])
+
     # plan
     P = ["plan", "--model", "tiny", "--layout", "fsdp"]
+    for opt, bad, want in [("--seq-len", "0", "must be a positive integer, got 0"),
+                           ("--seq-len", "-8", "must be a positive integer, got -8"),
+                           ("--global-batch", "0", "must be a positive integer, got 0"),
+                           ("--micro-batches", "0", "must be a positive integer, got 0"),
+                           ("--micro-batches", "-1", "must be a positive integer, got -1"),
+                           ("--world", "0", "must be a positive integer, got 0"),
+                           ("--optimizer-states", "-1", "must be an integer >= 0, got -1"),
+                           ("--seq-len", "1.5", "invalid int value: '1.5'")]:
+        argv = P + ["--world", "2"] + [opt, bad] if opt != "--world" else P + [opt, bad]
+        C[f"plan:{opt[2:]}={bad}"] = (lambda argv, needle: lambda c: (argv, [needle]))(argv, f"argument {opt}: {want}")
+    S = ["plan", "--model", "tiny", "--world", "2", "--search", "--hardware", "h200"]
+    C["plan:memory-cap-0"] = lambda c: (S + ["--memory-cap", "0"], ["argument --memory-cap: must be a positive"])
+    C["plan:memory-cap-nan"] = lambda c: (S + ["--memory-cap", "nan"], ["argument --memory-cap: must be a positive"])
+    C["plan:memory-cap-without-search"] = lambda c: (P + ["--world", "2", "--memory-cap", "10"],
+                                                     ["--memory-cap applies only to q38 plan --search"])
+    C["plan:train-missing"] = lambda c: (P + ["--world", "2", "--train", "nope.yaml"],
+                                         ["--train nope.yaml: file not found"])
+    C["plan:layout-file-missing"] = lambda c: (["plan", "--model", "tiny", "--layout", "my/layout.yaml", "--world",
+                                                "2"], ["--layout my/layout.yaml: file not found"])
+    C["plan:model-file-missing"] = lambda c: (["plan", "--model", "m.yaml", "--layout", "fsdp", "--world", "2"],
+                                              ["--model m.yaml: file not found"])
+    C["plan:hardware-file-missing"] = lambda c: (P + ["--world", "2", "--hardware", "hw/x.yaml"],
+                                                 ["--hardware hw/x.yaml: file not found"])
+    C["plan:layout-not-yaml"] = lambda c: (["plan", "--model", "tiny", "--layout", c.data("mesh: [unclosed\n", "l.yaml"),
+                                            "--world", "2"], ["--layout", "l.yaml: not valid YAML", "line 2"])
+    C["plan:model-not-yaml"] = lambda c: (["plan", "--model", c.data("a: [1,\n", "m.yaml"), "--layout", "fsdp",
+                                           "--world", "2"], ["--model", "m.yaml: not valid YAML"])
+    C["plan:train-not-yaml"] = lambda c: (P + ["--world", "2", "--train", c.data("data: {", "t.yaml")],
+                                          ["--train", "t.yaml: not valid YAML"])
+    C["plan:train-a-list"] = lambda c: (P + ["--world", "2", "--train", c.data("- 1\n", "t.yaml")],
+                                        ["--train", "t.yaml: expected a run config mapping"])
+    C["plan:hardware-not-yaml"] = lambda c: (P + ["--world", "2", "--hardware", c.data("peak: [", "h.yaml")],
+                                             ["--hardware", "h.yaml: not valid YAML"])
+    C["plan:search-out-not-empty"] = lambda c: (S + ["--out", str(c.dir("o", "notes.txt"))],
+                                                ["--out", "o exists and is not empty", "--overwrite"])
+    C["plan:search-out-a-run"] = lambda c: (S + ["--out", str(c.run()), "--overwrite"],
+                                            ["is a q38 train run directory"])
+    C["plan:search-out-holds-the-train-config"] = lambda c: (
+        S + ["--train", c.cfg(), "--out", str(c.tmp), "--overwrite"], ["contains the input", "run.yaml"])
+    C["plan:overwrite-without-search"] = lambda c: (P + ["--world", "2", "--overwrite"],
+                                                    ["--overwrite applies only to q38 plan --search"])
     C["plan:world-not-int"] = lambda c: (P + ["--world", "abc"], ["argument --world: invalid int value: 'abc'"])
     C["plan:no-world"] = lambda c: (P, ["the following arguments are required: --world"])
     C["plan:no-model"] = lambda c: (["plan", "--layout", "fsdp", "--world", "2"], ["--model"])
@@ -368,7 +492,26 @@ CASES = _cases()
 def test_at_least_100_cases_across_every_area():
     areas = {k.split(":")[0].split("-")[0] for k in CASES}
     assert len(CASES) >= 100, len(CASES)
-    assert {"set", "config", "data", "ckpt", "metrics", "init_from", "out_dir", "convert", "plan"} <= areas, areas
+    assert {"set", "config", "data", "ckpt", "metrics", "init_from", "out_dir", "convert", "plan", "prepare",
+            "init"} <= areas, areas
+
+
+# Cases that get as far as a training step (the run's out_dir gets its metrics log); every other case changes
+# nothing on disk.
+RUNS_A_STEP = {"data:shard-token-beyond-vocab"}
+
+
+def _tree(root: Path, files_only: bool) -> dict[str, tuple]:
+    """Every path under ``root`` with its size and mtime (``files_only``: files, without the run lock, which
+    ``q38 train`` creates before it reads the config's data)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_dir() and not files_only:
+            out[str(p.relative_to(root))] = ("dir",)
+        elif p.is_file() and not (files_only and p.name == ".q38.lock"):
+            st = p.stat()
+            out[str(p.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return out
 
 
 def _assert_one_line(rc: int, err: str, cmd: str, needles) -> None:
@@ -387,12 +530,17 @@ def test_bad_input_is_one_line_exit_2(name, tmp_path, good_run, capsys, monkeypa
     monkeypatch.chdir(tmp_path)
     argv, needles = CASES[name](Ctx(tmp_path, good_run))
     capsys.readouterr()  # drop the output of building the case (e.g. a convert)
+    train = argv[0] == "train"  # (q38 train makes run.out_dir and its checkpoints/ before it reads the data)
+    before = _tree(tmp_path, files_only=train)
     rc = main(argv)
     _assert_one_line(rc, capsys.readouterr().err, argv[0], needles)
+    if name not in RUNS_A_STEP:
+        assert _tree(tmp_path, files_only=train) == before, "the refused command changed files on disk"
 
 
 @pytest.mark.parametrize("name", ["set:train.beta1=2", "set:train.lr=abc", "plan:world-not-int",
-                                  "convert:onto-its-run", "ckpt:resume_from-truncated-shard"])
+                                  "convert:onto-its-run", "ckpt:resume_from-truncated-shard", "plan:layout-not-yaml",
+                                  "prepare:out-is-a-checkpoint"])
 def test_bad_input_as_a_real_subprocess(name, tmp_path, good_run):
     argv, needles = CASES[name](Ctx(tmp_path, good_run))
     r = q38(*argv)

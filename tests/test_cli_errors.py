@@ -119,6 +119,7 @@ def test_convert_and_init_hf_errors(capsys, tmp_path):
     _one_line_error(capsys, ["convert", "--from-hf", str(tmp_path), str(tmp_path / "ck")],
                     "is not a Hugging Face checkpoint directory (no config.json)")
     _one_line_error(capsys, ["convert", str(tmp_path), str(tmp_path / "x")], "one of the arguments --to-hf --from-hf")
-    _one_line_error(capsys, ["init-hf", "--model", "tiny", str(tmp_path)], "already exists")
+    (tmp_path / "notes.txt").write_text("x")
+    _one_line_error(capsys, ["init-hf", "--model", "tiny", str(tmp_path)], "exists and is not empty")
     _one_line_error(capsys, ["init-hf", "--model", "tinyy", str(tmp_path / "new")], "unknown model preset 'tinyy'")
     assert main(["frobnicate"]) == 2

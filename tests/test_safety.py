@@ -59,7 +59,7 @@ def test_convert_onto_its_own_run_is_refused_and_the_run_is_intact(tmp_path, cap
         capsys.readouterr()
         assert main(["convert", "--to-hf", str(out), str(dest), *extra]) == 2
         err = _err_lines(capsys)
-        assert len(err) == 1 and "choose an OUT_DIR outside it" in err[0], err
+        assert len(err) == 1 and "point OUT_DIR outside it (--overwrite does not change this)" in err[0], err
     assert _snapshot(out) == before
     # an existing non-empty OUT_DIR elsewhere: refused without --overwrite, replaced (atomically) with it
     other = tmp_path / "export"

@@ -326,6 +326,44 @@ def test_eval_split_of_a_jsonl_path_and_the_console_line(tmp_path, capsys):
     assert "| eval loss " in capsys.readouterr().out
 
 
+def test_the_eval_is_bounded_by_default_and_shows_its_progress(tmp_path, monkeypatch):
+    """``run.eval_batches`` defaults to a bounded eval (EVAL_BATCHES global batches of the shuffled split), 0 walks
+    the whole split; an eval longer than PROGRESS_AFTER_S shows a bar counting its batches."""
+    import io
+    import sys
+
+    from q38.config import ModelConfig
+    from q38.model import init_params
+    from q38.train import evaluate
+    from q38.train.config import TrainConfig
+    from q38.train.run_config import EVAL_BATCHES, RunOptions
+    from q38.train.shards import PackedRows, TrainData
+    from q38.train.state import state_from_params
+    from tests.run_utils import small_model_dict
+
+    assert RunOptions().eval_batches == EVAL_BATCHES == 16
+    data = TrainData("builtin:tiny", BYTE, seq_len=16, vocab_size=384, eval_split=0.9)
+    bounded = data.iterators(1, dp_rank=0, dp_size=1, seed=0, shuffle=True, eval_batches=RunOptions().eval_batches)[1]
+    whole = data.iterators(1, dp_rank=0, dp_size=1, seed=0, shuffle=True, eval_batches=0)[1]
+    assert len(bounded) == 16 < len(whole) == whole.total
+    assert isinstance(data.eval[0].base, PackedRows)
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    cfg = ModelConfig.from_dict(small_model_dict())
+    state = state_from_params(init_params(cfg, seed=0), cfg, TrainConfig(loss_chunk_size=64))
+    ev = data.iterators(1, dp_rank=0, dp_size=1, seed=0, shuffle=True, eval_batches=3)[1]
+    monkeypatch.setattr(evaluate, "PROGRESS_AFTER_S", 0.0)
+    for progress, shown in ((True, True), (False, False)):
+        monkeypatch.setattr(sys, "stdout", Terminal())
+        out = evaluate.eval_losses(state, ev, progress=progress)
+        assert ("eval: 100%" in sys.stdout.getvalue() and "3/3" in sys.stdout.getvalue()) is shown
+        assert out["eval_tokens"] > 0
+    assert evaluate.eval_losses(state, ev) == evaluate.eval_losses(state, (ev.batch(k) for k in range(3)))
+
+
 def test_default_config_prints_an_eval_loss():
     cfg = RunConfig.from_yaml()  # specs/train/tiny.yaml, what `q38 train` runs
     assert cfg.data.eval_split > 0 and cfg.run.eval_every > 0 and cfg.run.steps % cfg.run.eval_every == 0
@@ -373,15 +411,20 @@ def test_bad_shard_inputs(tmp_path, capsys, tiny_shards):
     _expect_error(tmp_path, capsys, {"path": str(tmp_path)}, rf"{tmp_path} has no manifest\.json")
 
 
-def test_bad_token_in_a_shard_is_caught_when_read(tmp_path, tiny_shards):
+def test_bad_token_in_a_shard_is_caught_when_the_shard_is_first_read(tmp_path, tiny_shards):
+    """The manifest's max_token_id is not trusted: the first read of a shard checks all of its tokens, so a row
+    without the bad token is refused as well, and the line names the shard file and the row."""
     d = _copy(tiny_shards, tmp_path / "tampered")
     arr = np.fromfile(d / "shard_000000.tokens", dtype=np.uint16)
-    arr[5] = 999
+    arr[37] = 999
     arr.tofile(d / "shard_000000.tokens")
     src = ShardRows(d, 16, vocab_size=384)
-    src.rows(np.array([1]))  # rows without the bad token read fine
-    with pytest.raises(DataError, match=r"shard_000000\.tokens holds token id 999 >= the model's vocab_size 384"):
-        src.rows(np.array([0]))
+    src.rows(np.array([src.cum_rows[1]]))  # another shard reads fine
+    for row in (0, 2, 5):
+        with pytest.raises(DataError, match=r"shard_000000\.tokens holds token id 999 >= the model's vocab_size 384 "
+                                            r"at token 37 \(row 2 of the shard at seq_len 16\)"):
+            src.rows(np.array([row]))
+    assert len(ShardRows(d, 16).rows(np.array([2]))["input_ids"]) == 1  # without a vocab_size: not checked
 
 
 def test_tokenizer_mismatch(tmp_path, capsys, tiny_shards):
@@ -405,9 +448,30 @@ def test_no_trainable_tokens(tmp_path, capsys):
     jl = tmp_path / "users_only.jsonl"
     jl.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "hello there " * 10}]}) + "\n"
                           for _ in range(20)))
-    prep([jl], tmp_path / "nt")
-    _expect_error(tmp_path, capsys, {"path": str(tmp_path / "nt")}, rf"{tmp_path / 'nt'} has no trainable tokens")
-    _expect_error(tmp_path, capsys, {"path": str(jl)}, rf"{jl} has no trainable tokens")
+    with pytest.raises(DataError, match="hold 20 documents but no trainable target under --train-on assistant"):
+        prep([jl], tmp_path / "nt", workers=2, chunk_bytes=500)  # several shards, none with a target
+    assert not (tmp_path / "nt").exists()  # the refused preparation removed the directory it made
+    m = prep([jl], tmp_path / "all", train_on="all")  # every token a target: accepted
+    assert m["num_targets"] == m["num_tokens"] and m["train_on"] == "all"
+    man = json.loads((tmp_path / "all" / "manifest.json").read_text())
+    man["num_targets"] = 0  # a directory whose manifest counts no target (e.g. prepared by an older q38)
+    (tmp_path / "all" / "manifest.json").write_text(json.dumps(man))
+    _expect_error(tmp_path, capsys, {"path": str(tmp_path / "all"), "train_on": "all"},
+                  rf"{tmp_path / 'all'} has no trainable tokens .*--train-on all")
+    _expect_error(tmp_path, capsys, {"path": str(jl)}, rf"{jl} has no trainable tokens \(every token is masked "
+                  r"under data\.train_on: assistant.*set data\.train_on: all")
+
+
+def test_train_on_is_prepared_into_the_shards(tmp_path, capsys):
+    """``--train-on`` picks the chat targets stored in the shards; a run must use the same data.train_on."""
+    m = prep([CHAT], tmp_path / "last", train_on="last_assistant")
+    assert ShardRows(tmp_path / "last", 8).documents() == [
+        (i, lab) for i, lab in load_documents(CHAT, BYTE, train_on="last_assistant")[0]]
+    assert prep([CHAT], tmp_path / "last", train_on="last_assistant")["skipped"] is True
+    assert "skipped" not in prep([CHAT], tmp_path / "last")  # another train_on: prepared again
+    assert m["num_targets"] < json.loads((tmp_path / "last" / "manifest.json").read_text())["num_targets"]
+    _expect_error(tmp_path, capsys, {"path": str(tmp_path / "last"), "train_on": "last_assistant"},
+                  r"was prepared with --train-on assistant but data\.train_on is last_assistant")
 
 
 def test_eval_settings_errors(tmp_path, capsys):

@@ -142,12 +142,23 @@ def run_config(c: Candidate, model: str, layout_path: str, seq_len: int, base: d
     return out
 
 
+WRITTEN_BY = "# Written by `q38 plan --search`"  # first line of each file write_best writes
+
+
+def _written_by_search(d: Path) -> bool:
+    """``d`` holds only YAML files that ``write_best`` wrote (an earlier search's output)."""
+    def ours(f: Path) -> bool:
+        with open(f, errors="replace") as fh:
+            return fh.readline().startswith(WRITTEN_BY)
+    return all(f.is_file() and f.suffix == ".yaml" and ours(f) for f in d.iterdir())
+
+
 def write_best(c: Candidate, out_dir: str | Path, model: str, seq_len: int,
                base: dict | None = None) -> tuple[Path, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lp = out / f"{c.layout_dict['name']}.yaml"
-    head = (f"# Written by `q38 plan --search`: predicted {c.budget.step_s:.2f} s/step, MFU "
+    head = (f"{WRITTEN_BY}: predicted {c.budget.step_s:.2f} s/step, MFU "
             f"{100 * (c.budget.mfu or 0):.1f}% on {c.budget.hardware}, peak {c.budget.peak_bytes / GIB:.1f} GiB/rank.\n")
     lp.write_text(head + yaml.safe_dump(c.layout_dict, sort_keys=False))
     tp = out / "train.yaml"
@@ -190,12 +201,14 @@ def shipped_budget(cfg: ModelConfig, layout: Layout, world: int, hardware: Hardw
 
 def add_budget_args(ap) -> None:
     """The ``q38 plan`` options of the budget and the search (plan.py adds them to its parser)."""
+    from q38.cli import positive_float, positive_int
+
     ap.add_argument("--hardware", help="hardware profile: a name under specs/hardware (h200, ascend_910b) or a YAML")
     ap.add_argument("--train", help="run config whose data/train settings to plan (default: specs/train/<model>.yaml "
                                     "when it exists)")
-    ap.add_argument("--seq-len", type=int, help="tokens per sequence")
-    ap.add_argument("--global-batch", type=int, help="sequences per step over all data-parallel ranks")
-    ap.add_argument("--micro-batches", type=int, help="micro-batches per step")
+    ap.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
+    ap.add_argument("--global-batch", type=positive_int, help="sequences per step over all data-parallel ranks")
+    ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step")
     ap.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute mode")
     ap.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32"),
                     help="compute/gather dtype (default: the run config's train.param_dtype, else bf16)")
@@ -205,8 +218,28 @@ def add_budget_args(ap) -> None:
                                                                    "(default: the run config's kernels.gdn when it "
                                                                    "names one, else torch)")
     ap.add_argument("--search", action="store_true", help="search layouts for --world ranks of --hardware")
-    ap.add_argument("--memory-cap", type=float, help="GiB per device (default: 90%% of the hardware's HBM)")
-    ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config")
+    ap.add_argument("--memory-cap", type=positive_float,
+                    help="GiB per device (default: 90%% of the hardware's HBM)")
+    ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config (a new "
+                    "or empty directory, or one it wrote before)")
+    ap.add_argument("--overwrite", action="store_true", help="--search: write into a non-empty --out it did not write "
+                    "(never a run or checkpoint directory)")
+
+
+BUDGET_ARGS = ("hardware", "train", "seq_len", "global_batch", "micro_batches", "recompute", "param_dtype",
+               "gdn_kernel", "search")  # any of them set: q38 plan prints the budget (or the search) after the plan
+
+
+def wants_budget(ns) -> bool:
+    return any(getattr(ns, k) for k in BUDGET_ARGS)
+
+
+def check_budget_args(ns) -> None:
+    """Options that only the search reads are refused without ``--search`` (they would be ignored)."""
+    if not ns.search:
+        for opt, v in (("--memory-cap", ns.memory_cap), ("--overwrite", ns.overwrite)):
+            if v:
+                raise ValueError(f"{opt} applies only to q38 plan --search; add --search or drop {opt}")
 
 
 def _train_defaults(ns, model_arg: str) -> tuple[dict, str | None]:
@@ -219,7 +252,13 @@ def _train_defaults(ns, model_arg: str) -> tuple[dict, str | None]:
         return {}, None
     if not Path(path).is_file():
         raise ConfigError(f"--train {path}: file not found")
-    raw = yaml.safe_load(Path(path).read_text()) or {}
+    from q38.cli import reading
+
+    with reading("--train", path):
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--train {path}: expected a run config mapping (model, data, train, ...), got "
+                          f"{type(raw).__name__}")
     return raw, path
 
 
@@ -245,13 +284,17 @@ def budget_kwargs(train: Mapping[str, Any], *, gdn: str, chunk: int) -> dict[str
                 grad_clip=train.get("grad_clip", 1.0) is not None)
 
 
-def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
-    """``q38 plan ... --hardware/--seq-len/--search``: the budget of a layout, or the search. Prints; returns 0."""
+def budget_cli(ns, cfg: ModelConfig, layout: Layout | None, check_output_dir=None) -> int:
+    """``q38 plan ... --hardware/--seq-len/--search``: the budget of a layout, or the search. Prints; returns 0.
+    ``check_output_dir``: see ``plan_cli``."""
     import sys
 
     from q38.parallel.budget import format_budget
 
     raw, src = _train_defaults(ns, str(ns.model))
+    if ns.search and check_output_dir is not None:  # before anything is printed or searched
+        inputs = [p for p in (src, ns.layout, ns.hardware, ns.model) if p and Path(p).exists()]
+        check_output_dir(ns.out, inputs, what="--out", own=_written_by_search, overwrite=ns.overwrite)
     data, train = raw.get("data") or {}, raw.get("train") or {}
     seq_len = ns.seq_len or int(data.get("seq_len", 4096))
     if layout is None and src is not None and raw.get("layout"):
@@ -267,7 +310,10 @@ def budget_cli(ns, cfg: ModelConfig, layout: Layout | None) -> int:
     else:
         recompute = "none" if src is not None or not ns.search else "full"
     micro = ns.micro_batches or int(train.get("micro_batches", 1))
-    hw = Hardware.load(ns.hardware) if ns.hardware else None
+    from q38.cli import reading
+
+    with reading("--hardware", ns.hardware):
+        hw = Hardware.load(ns.hardware) if ns.hardware else None
     kernels = KernelConfig.from_dict(raw.get("kernels"), source=f"{src or 'q38 plan'}: kernels")
     gdn = ns.gdn_kernel or kernels.gdn
     # the torch core's chunk as the run would resolve it (an accelerator with a hardware profile, else the CPU)

@@ -7,6 +7,7 @@ of one step whose batch is the whole eval set.
 
 from __future__ import annotations
 
+import sys
 import typing
 
 import torch
@@ -14,12 +15,19 @@ import torch
 from q38.model import LayerHooks, forward, head_weight
 from q38.train.objective import count_targets
 
+PROGRESS_AFTER_S = 3.0  # an eval that runs longer than this shows a progress bar (on a terminal, on rank 0)
+
 
 @typing.no_type_check
 @torch.no_grad()
-def eval_losses(state, batches, mesh=None, device: str = "cpu") -> dict[str, float]:
+def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: bool = True) -> dict[str, float]:
     """``batches``: this rank's eval batches (dicts of ``input_ids``, ``labels``, ``doc_ids``; on a mesh, this rank's
-    rows as from ``EvalRows.batch``). Returns ``{"eval_loss", "eval_mtp_1", ..., "eval_tokens"}``."""
+    rows as from ``EvalRows.batch``; an ``EvalRows`` itself gives the bar its total). Returns ``{"eval_loss",
+    "eval_mtp_1", ..., "eval_tokens"}``. With ``progress``, an eval longer than ``PROGRESS_AFTER_S`` seconds shows a
+    bar on rank 0 (only on a terminal)."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
     from q38.train.step import _as_step_batch, lm_loss, step_runtime
 
     mc, tc = state.model_config, state.train_config
@@ -31,7 +39,10 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu") -> dict[str, flo
     one = torch.ones(())
     main_sum, n_main = torch.zeros(()), torch.zeros(())
     mtp_sum, n_mtp = [torch.zeros(()) for _ in range(depths)], [torch.zeros(()) for _ in range(depths)]
-    for b in batches:
+    lead = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    bar = tqdm(batches, desc="eval", unit="batch", leave=False, delay=PROGRESS_AFTER_S, file=sys.stdout,
+               dynamic_ncols=True, disable=None if (progress and lead) else True)
+    for b in bar:
         b = {k: v.to(device) for k, v in b.items()}
         if mesh is not None:
             from q38.parallel.runtime import shard_batch

@@ -26,6 +26,7 @@ from q38.train.shards import FORMAT, MANIFEST, VERSION, sha256_file, shard_files
 
 CHUNK_BYTES = 64 << 20
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+OWN_PREFIXES = ("shard_", ".shard_", f".{MANIFEST}.tmp-")  # the files this command writes besides the manifest
 
 
 def _pyarrow():
@@ -136,7 +137,7 @@ def _init_worker(tokenizer_spec: str) -> None:
     _TOK = load_tokenizer(tokenizer_spec)
 
 
-def tokenize_chunk(chunk: dict[str, Any], out_dir: str, dtype: str) -> dict[str, Any]:
+def tokenize_chunk(chunk: dict[str, Any], out_dir: str, dtype: str, train_on: str = "assistant") -> dict[str, Any]:
     """Tokenize one chunk into shard files (tmp + rename); returns the shard's manifest entry."""
     tok = _TOK
     dt = np.dtype(dtype)
@@ -152,7 +153,7 @@ def tokenize_chunk(chunk: dict[str, Any], out_dir: str, dtype: str) -> dict[str,
         except DataError as e:
             raise DataError(str(e).replace("\0", _where(where))) from None
         try:
-            ids, labels = encode_record(rec, tok)
+            ids, labels = encode_record(rec, tok, train_on=train_on)
         except DataError as e:
             raise DataError(f"{_where(where)}: {e}") from None
         if not ids:
@@ -224,13 +225,54 @@ def _same_content(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     return [key(s) for s in a] == [key(s) for s in b]
 
 
+def is_prepared_output(d: Path) -> bool:
+    """``d`` is an earlier output of ``prepare-data``: its manifest says so, or (an interrupted preparation) it holds
+    only shard files and temporary files of this command."""
+    try:
+        if json.loads((d / MANIFEST).read_text()).get("format") == FORMAT:
+            return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    return all(f.is_file() and f.name.startswith(OWN_PREFIXES) for f in d.iterdir())
+
+
 def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer: str = "byte",
                  workers: int | None = None, chunk_bytes: int = CHUNK_BYTES, progress: bool = True,
-                 log=print) -> dict[str, Any]:
+                 train_on: str = "assistant", overwrite: bool = False, log=print) -> dict[str, Any]:
     """Prepare (or confirm up to date) ``out_dir`` from ``inputs``; returns the manifest (with ``"skipped": True``
-    when nothing had to be done)."""
+    when nothing had to be done). ``train_on`` picks the targets of chat records (``q38.train.chat``).
+
+    ``out_dir`` follows ``safety.check_output_dir``: new, empty, an earlier output of this command, or (with
+    ``overwrite``) another non-empty directory; never a run or checkpoint directory, nor one that is, holds or lies
+    inside an input. A preparation that fails removes the directories it made."""
+    from q38.train.safety import check_output_dir
+
     out = Path(out_dir)
     files = expand_inputs(inputs)
+    check_output_dir(out, [resolve_data_path(i) for i in inputs], what="--out", own=is_prepared_output,
+                     overwrite=overwrite)
+    made = [d for d in (out, *out.parents) if not d.exists()]
+    try:
+        return _prepare_data(files, out, tokenizer, workers, chunk_bytes, progress, train_on, log)
+    except BaseException:
+        for d in made:  # innermost first
+            _remove_own_files(d)
+        raise
+
+
+def _remove_own_files(d: Path) -> None:
+    """The shard and temporary files of a failed preparation in ``d``, then ``d`` itself if that empties it."""
+    try:
+        for f in d.iterdir():
+            if f.is_file() and f.name.startswith(OWN_PREFIXES):
+                f.unlink()
+        d.rmdir()
+    except OSError:
+        pass
+
+
+def _prepare_data(files: Sequence[tuple[Path, str]], out: Path, tokenizer: str, workers: int | None,
+                  chunk_bytes: int, progress: bool, train_on: str, log) -> dict[str, Any]:
     tok = load_tokenizer(tokenizer)
     ident = tokenizer_identity(tok)
     ident["spec"] = tokenizer
@@ -246,7 +288,7 @@ def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer
             and old.get("token_dtype") == dtype.name and old.get("tokenizer", {}).get("sha256") == ident["sha256"] \
             and old.get("tokenizer", {}).get("kind") == ident["kind"] \
             and old.get("tokenizer", {}).get("vocab_size") == ident["vocab_size"] \
-            and _same_content(old.get("sources", []), sources):
+            and old.get("train_on", "assistant") == train_on and _same_content(old.get("sources", []), sources):
         from q38.train.shards import verify_shard_files
 
         try:
@@ -278,12 +320,12 @@ def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer
     try:
         if n_workers == 1:
             _init_worker(tokenizer)
-            it = (tokenize_chunk(c, str(out), dtype.name) for c in chunks)
+            it = (tokenize_chunk(c, str(out), dtype.name, train_on) for c in chunks)
             pool = None
         else:
             ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
             pool = ctx.Pool(n_workers, initializer=_init_worker, initargs=(tokenizer,))
-            it = pool.imap_unordered(_star, [(c, str(out), dtype.name) for c in chunks])
+            it = pool.imap_unordered(_star, [(c, str(out), dtype.name, train_on) for c in chunks])
         try:
             for r in it:
                 results.append(r)
@@ -298,7 +340,7 @@ def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer
         bar.close()
     results.sort(key=lambda r: r["name"])
     manifest = {
-        "format": FORMAT, "version": VERSION, "tokenizer": ident, "token_dtype": dtype.name,
+        "format": FORMAT, "version": VERSION, "tokenizer": ident, "token_dtype": dtype.name, "train_on": train_on,
         "sources": sources, "shards": [{k: v for k, v in r.items() if k != "input_bytes"} for r in results],
         "num_tokens": sum(r["tokens"] for r in results), "num_docs": sum(r["docs"] for r in results),
         "num_targets": sum(r["targets"] for r in results),
@@ -307,6 +349,12 @@ def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer
     if manifest["num_docs"] == 0:
         raise DataError(f"the inputs ({', '.join(str(f) for f, _ in files)}) hold no records; expected "
                         f"{{\"text\": ...}} or {{\"messages\": [...]}} records")
+    if manifest["num_targets"] == 0:
+        raise DataError(
+            f"the inputs ({', '.join(str(f) for f, _ in files)}) hold {manifest['num_docs']:,} documents but no "
+            f"trainable target under --train-on {train_on} (chat records without assistant turns?); pass "
+            f"--train-on all to train on every token, or add text records or assistant replies"
+        )
     manifest["prepare_seconds"], manifest["workers"] = time.perf_counter() - t0, n_workers
     _write_json(out / MANIFEST, manifest)
     keep = {n for r in results for n in shard_files(r["name"]).values()} | {MANIFEST}
@@ -335,6 +383,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def prepare_cli(argv: list[str]) -> int:
     from q38.cli import _Parser
+    from q38.train.chat import TRAIN_ON
 
     p = _Parser(prog="q38 prepare-data", description="Tokenize JSONL (or Parquet, with pyarrow) text / chat records "
                 "into memory-mapped token shards for `data.path`. A re-run on unchanged inputs does nothing.")
@@ -344,6 +393,12 @@ def prepare_cli(argv: list[str]) -> int:
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
     p.add_argument("--chunk-mb", type=float, default=CHUNK_BYTES / (1 << 20),
                    help="input megabytes per shard (default: 64)")
+    p.add_argument("--train-on", default="assistant", choices=TRAIN_ON,
+                   help="targets of chat records: assistant turns (default), the last one, or all tokens; the run's "
+                   "data.train_on must match")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an existing non-empty --out that is not an earlier output of prepare-data "
+                   "(never a run or checkpoint directory, nor one holding or inside an input)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     if a.workers is not None and a.workers < 1:
@@ -351,5 +406,5 @@ def prepare_cli(argv: list[str]) -> int:
     if not a.chunk_mb > 0:
         raise ValueError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
     prepare_data(a.inputs, a.out, tokenizer=a.tokenizer, workers=a.workers, chunk_bytes=int(a.chunk_mb * (1 << 20)),
-                 progress=not a.no_progress)
+                 progress=not a.no_progress, train_on=a.train_on, overwrite=a.overwrite)
     return 0

@@ -18,6 +18,7 @@ DEFAULT_CONFIG = SPECS_DIR / "train" / "tiny.yaml"
 DEVICES = ("auto", "cpu", "cuda", "npu")
 BACKENDS = ("auto", "gloo", "nccl", "hccl")
 DTYPES = ("float32", "bfloat16", "float16")
+EVAL_BATCHES = 16  # run.eval_batches default: a bounded eval (16 global batches: seconds for the default run)
 
 
 def _check_keys(section: str, d: Mapping[str, Any], cls) -> None:
@@ -80,9 +81,11 @@ class RunOptions:
     progress: bool = True
     tensorboard: bool = False
     resume: bool = True  # continue from the latest checkpoint in out_dir
-    resume_from: str | None = None  # continue from this checkpoint (must verify); None: the newest in out_dir
+    # continue from this checkpoint (must verify; needs resume: true); None: the newest in out_dir
+    resume_from: str | None = None
     eval_every: int = 0  # steps between held-out evaluations (0: only after the last step, when there is eval data)
-    eval_batches: int = 0  # global batches per evaluation (0: the whole eval split)
+    # global batches per evaluation (at most: fewer when the eval split is smaller); 0: the whole eval split
+    eval_batches: int = EVAL_BATCHES
     # on an accelerator: refuse to start when q38 plan's predicted per-rank peak exceeds the device's memory
     memory_check: bool = True
 
@@ -90,6 +93,9 @@ class RunOptions:
         for k in ("eval_every", "eval_batches"):
             v = getattr(self, k)
             _need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
+        _need(self.resume or self.resume_from is None,
+              f"run.resume_from is {self.resume_from!r} but run.resume is false; set run.resume: true to continue "
+              "from that checkpoint, or drop run.resume_from to start fresh")
         for k in ("steps", "log_every"):
             v = getattr(self, k)
             _need(_is_int(v) and v > 0, f"run.{k} must be a positive integer, got {v!r}")

@@ -15,7 +15,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 from q38.config import ConfigError
 
@@ -124,6 +124,73 @@ def _check_safetensors_extent(f: Path, size: int) -> None:
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise ConfigError(f"{f} is truncated: {size} bytes, its header needs {8 + n + end}")
+
+
+# ---- where a command may write -------------------------------------------------------------------------------------
+
+METRICS_FILE = "metrics.jsonl"  # the run log of ``q38 train`` (trainer.py writes it under this name)
+
+
+def _checkpoint_like(d: Path) -> bool:
+    """A q38 checkpoint directory, complete (``is_checkpoint``) or not yet verified (``meta.json`` + ``.metadata``)."""
+    from q38.train.checkpoint import META_FILE, is_checkpoint
+
+    return is_checkpoint(d) or ((d / META_FILE).is_file() and (d / ".metadata").is_file())
+
+
+def _run_like(d: Path) -> str | None:
+    """What makes ``d`` a run directory of ``q38 train`` (its checkpoints, metrics log or lock), or None."""
+    from q38.train.checkpoint import CHECKPOINTS
+
+    for name, is_it in ((CHECKPOINTS, Path.is_dir), (METRICS_FILE, Path.exists), (LOCK_FILE, Path.exists)):
+        if is_it(d / name):
+            return name
+    return None
+
+
+def check_output_dir(out: str | os.PathLike, inputs: Sequence[str | os.PathLike] = (), *, what: str,
+                     own: Callable[[Path], bool] | None = None, overwrite: bool = False, role: str = "input") -> None:
+    """The one rule of every command that writes a directory (``prepare-data --out``, ``convert``, ``init-hf``,
+    ``plan --search --out``): ``out`` may be new, empty, a non-empty directory for which ``own(out)`` says it is this
+    command's earlier output, or any other non-empty directory (or a file) with ``overwrite``. Refused always, also
+    with ``overwrite``: ``out`` is, contains or lies inside one of ``inputs``; it is a run directory (checkpoints/,
+    metrics.jsonl or a run lock), a checkpoint directory or inside one, or a directory of checkpoints. ``what`` names
+    the argument in the one-line ``ConfigError`` (e.g. ``--out``); ``role`` names the inputs (``input``, ``source``).
+    Nothing is created or changed."""
+    out = Path(out)
+    o = out.resolve()
+    always = "(--overwrite does not change this)"
+    for src in inputs:
+        s = Path(src).resolve()
+        if o == s or s in o.parents:
+            raise ConfigError(f"{what} {out} is the {role} {src} or inside it; writing there would change the {role}; "
+                              f"point {what} outside it {always}")
+        if o in s.parents:
+            raise ConfigError(f"{what} {out} contains the {role} {src}; writing there could replace it; point {what} "
+                              f"outside it {always}")
+    always = f"choose another directory {always}"
+    ck = next((p for p in (o, *o.parents) if p.is_dir() and _checkpoint_like(p)), None)
+    if ck is not None:
+        raise ConfigError(f"{what} {out} is a q38 checkpoint directory{'' if ck == o else f' ({ck})'} or inside one; "
+                          f"writing there would break the checkpoint; {always}")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        if not overwrite:
+            raise ConfigError(f"{what} {out} exists and is a file; choose a new directory, or pass --overwrite")
+        return
+    marker = _run_like(out)
+    if marker is not None:
+        raise ConfigError(f"{what} {out} is a q38 train run directory (it holds {marker}); writing there could "
+                          f"destroy the run; {always}")
+    entries = list(out.iterdir())
+    held = next((e for e in entries if e.is_dir() and _checkpoint_like(e)), None)
+    if held is not None:
+        raise ConfigError(f"{what} {out} holds q38 checkpoints ({held.name}); writing there could destroy them; "
+                          f"{always}")
+    if entries and not overwrite and not (own is not None and own(out)):
+        raise ConfigError(f"{what} {out} exists and is not empty; choose a new or empty directory, or pass "
+                          "--overwrite")
 
 
 # ---- one run per out_dir ------------------------------------------------------------------------------------------

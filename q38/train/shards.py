@@ -34,7 +34,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -227,10 +227,12 @@ def verify_shard_files(path: Path, man: Mapping[str, Any]) -> None:
 
 class ShardRows(RowSource):
     """The rows of a prepared directory, read from memory-mapped shards. Opening checks every shard file's size
-    against the manifest (no token is read); ``rows`` checks the ids it reads against ``vocab_size``."""
+    against the manifest (no token is read) and ``train_on`` against the one the directory was prepared with; the
+    first read of a shard checks all of its token ids against ``vocab_size`` (one pass over its memory map), so a
+    shard whose data disagrees with its manifest is refused before any of its rows reaches the model."""
 
     def __init__(self, path: str | os.PathLike, seq_len: int, *, tokenizer: Tokenizer | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, train_on: str | None = None) -> None:
         self.path = Path(path)
         self.name = str(self.path)
         self.seq_len = int(seq_len)
@@ -246,6 +248,10 @@ class ShardRows(RowSource):
                     f"{theirs.get('vocab_size')}) but the run uses {mine['name']!r} (vocab {mine['vocab_size']}); set "
                     f"data.tokenizer to the one it was prepared with, or {fix} --tokenizer {mine['name']}"
                 )
+        prepared_on = man.get("train_on", "assistant")  # manifests before --train-on: always assistant
+        if train_on is not None and train_on != prepared_on:
+            raise DataError(f"data: {self.path} was prepared with --train-on {prepared_on} but data.train_on is "
+                            f"{train_on}; set data.train_on: {prepared_on}, or {fix} --train-on {train_on}")
         self.dtype = np.dtype(man["token_dtype"])
         max_id = max((s["max_token_id"] for s in man["shards"]), default=-1)
         if vocab_size is not None and max_id >= vocab_size:
@@ -261,8 +267,9 @@ class ShardRows(RowSource):
              "rows": s["tokens"] // self.seq_len, "mm": None} for s in man["shards"]]
         self.num_targets = int(man["num_targets"])
         if self.num_targets == 0:
-            raise DataError(f"data: {self.path} has no trainable tokens (every token is masked: chat records "
-                            f"without assistant turns?); add text records or assistant replies and {fix}")
+            raise DataError(f"data: {self.path} has no trainable tokens (every token is masked under --train-on "
+                            f"{prepared_on}: chat records without assistant turns?); add text records or assistant "
+                            f"replies, or {fix} --train-on all")
         self.cum_rows = np.cumsum([0] + [s["rows"] for s in self.shards])
         if self.cum_rows[-1] == 0:
             raise DataError(f"data: {self.path} has {man['num_tokens']} tokens, fewer than one row of seq_len "
@@ -276,8 +283,21 @@ class ShardRows(RowSource):
             tok = np.memmap(self.path / s["files"]["tokens"], dtype=self.dtype, mode="r")
             docs = np.memmap(self.path / s["files"]["docs"], dtype=np.int64, mode="r")
             mask = np.memmap(self.path / s["files"]["mask"], dtype=np.uint8, mode="r") if s["mask"] else None
+            if self.vocab_size is not None:
+                self._check_ids(s, tok)
             s["mm"] = (tok, docs, mask)
         return s["mm"]
+
+    def _check_ids(self, s: dict[str, Any], tok: np.ndarray) -> None:
+        """Every token id of shard ``s`` is below ``vocab_size``; else one line naming the file, row and token."""
+        if not len(tok) or int(tok.max()) < self.vocab_size:
+            return
+        at = int(np.argmax(tok >= self.vocab_size))
+        raise DataError(
+            f"data: {self.path / s['files']['tokens']} holds token id {int(tok[at])} >= the model's vocab_size "
+            f"{self.vocab_size} at token {at} (row {at // self.seq_len} of the shard at seq_len {self.seq_len}); the "
+            f"shard does not match {self.path / MANIFEST}; re-run `q38 prepare-data INPUT... --out {self.path}`"
+        )
 
     def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
         idx = np.asarray(idx, dtype=np.int64)
@@ -296,10 +316,6 @@ class ShardRows(RowSource):
             labels[r] = ids[r] if mask is None else np.where(mask[a:a + L] != 0, ids[r], IGNORE_INDEX)
             d = np.searchsorted(docs, np.arange(a, a + L), side="right") - 1
             doc_ids[r] = d - d[0]
-            if self.vocab_size is not None and ids[r].max() >= self.vocab_size:
-                raise DataError(f"data: {self.path / s['files']['tokens']} holds token id {int(ids[r].max())} >= "
-                                f"the model's vocab_size {self.vocab_size} (the shard does not match its manifest); "
-                                f"re-run `q38 prepare-data INPUT... --out {self.path}`")
         return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
                 "doc_ids": torch.from_numpy(doc_ids)}
 
@@ -477,6 +493,13 @@ class EvalRows:
         g0 = k * self.global_batch_size + self.dp_rank * self.batch_size
         return self._read(np.arange(g0, g0 + self.batch_size))
 
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's share of every eval batch, in order (what ``evaluate.eval_losses`` walks)."""
+        return (self.batch(k) for k in range(self.num_batches))
+
 
 # ---- data.path -> loaders -------------------------------------------------------------------------------------------
 
@@ -516,11 +539,12 @@ def open_source(path: str, tok: Tokenizer, seq_len: int, vocab_size: int, overlo
     from q38.train.data import build_dataset
 
     if is_prepared(path):
-        return ShardRows(path, seq_len, tokenizer=tok, vocab_size=vocab_size)
+        return ShardRows(path, seq_len, tokenizer=tok, vocab_size=vocab_size, train_on=train_on)
     ds = build_dataset(path, tok, seq_len, overlong=overlong, train_on=train_on)
     if ds.num_targets == 0:
-        raise DataError(f"data: {path} has no trainable tokens (every token is masked: chat records without "
-                        f"assistant turns?); add text records or assistant replies")
+        raise DataError(f"data: {path} has no trainable tokens (every token is masked under data.train_on: "
+                        f"{train_on}: chat records without assistant turns?); add text records or assistant "
+                        f"replies, or set data.train_on: all")
     return PackedRows(ds, path)
 
 
