@@ -330,7 +330,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                 m = metrics.as_dict()
                 if evals is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0)
                                           or step == cfg.run.steps):
-                    m.update(eval_losses(state, (evals.batch(k) for k in range(evals.num_batches)), mesh, device))
+                    m.update(eval_losses(state, evals, mesh, device, progress=cfg.run.progress and lead))
                 tput.update(step, m["tokens"], dt)
                 rec = dict(m, step=step, step_time=dt, tokens_per_s=tput.tokens_per_s, mfu=tput.mfu)
                 records.append(rec)
