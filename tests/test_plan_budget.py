@@ -141,3 +141,56 @@ def test_gdn_backward_working_set_matches_a_measurement(rows, seq, heads, a, p, 
     measured = pm.peak - before + (d_o.numel() * 4 if dtype == torch.float32 else 0)
     predicted = gdn_backward_working(cfg, rows, seq, 4 if dtype == torch.float32 else 2, chunk=chunk)
     assert abs(predicted / measured - 1) <= (0.02 if r == 1 else 0.03), (predicted, measured)
+
+
+def _measure_start(rank, world, layout_name, mesh_sizes, ck_dir, hf_dir):
+    """Live tensor bytes while this rank resumes from ``ck_dir`` / starts from the HF directory ``hf_dir``: the
+    template (or the read shards), the moments and what each read holds."""
+    from q38.parallel.mesh import make_mesh
+    from q38.train.checkpoint import empty_params, load_checkpoint
+    from q38.train.hf_io import load_hf_sharded
+    from q38.train.state import state_from_params
+    from tests.mem_utils import PeakMemory
+
+    cfg, tc = _cfg("small"), TrainConfig()
+    mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)
+    with PeakMemory() as pm:
+        state, _ = load_checkpoint(ck_dir, state_from_params(empty_params(cfg, mesh=mesh), cfg, tc))
+        del state
+    resume = pm.peak
+    with PeakMemory() as pm:
+        state = state_from_params(load_hf_sharded(hf_dir, mesh, dtype=torch.float32)[1], cfg, tc)
+        del state
+    return resume, pm.peak
+
+
+@pytest.mark.dist
+def test_the_plan_predicts_the_start_of_a_run(tmp_path):
+    """``q38 plan``'s start phase (shards + the largest read in flight) against the live bytes measured while 4 ranks
+    resume from a checkpoint saved by the same layout and start from a bf16 HF directory; within 15 %."""
+    from q38.hf import save_hf
+    from q38.model import init_params
+    from q38.pytree import tree_map
+
+    cfg = _cfg("small")
+    sizes = {"fsdp": 2, "ep": 2}
+    run_distributed(_save_start, 4, "fsdp_ep", sizes, str(tmp_path / "ck"))
+    save_hf(tmp_path / "hf", cfg, tree_map(lambda t: t.to(torch.bfloat16), init_params(cfg)))
+    measured = run_distributed(_measure_start, 4, "fsdp_ep", sizes, str(tmp_path / "ck"), str(tmp_path / "hf"))
+    resume, hf = max(m[0] for m in measured), max(m[1] for m in measured)
+    layout = Layout.preset("fsdp_ep").with_mesh(**sizes)
+    b = estimate(cfg, layout, 4, seq_len=SEQ, rows_per_rank=ROWS, param_dtype="fp32")
+    for what, got, want in (("resume", resume, b.start_peak("resume")), ("init_from", hf, b.start_peak("init_from"))):
+        print(f"start via {what}: predicted {want:,.0f} B, measured {got:,} B, ratio {want / got:.3f}")
+        assert abs(want / got - 1) <= TOL, (what, want, got)
+
+
+def _save_start(rank, world, layout_name, mesh_sizes, ck_dir):
+    from q38.parallel.mesh import init_sharded, make_mesh
+    from q38.train.checkpoint import write_checkpoint
+    from q38.train.state import state_from_params
+
+    cfg = _cfg("small")
+    mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)
+    state = state_from_params(init_sharded(cfg, mesh), cfg, TrainConfig())
+    write_checkpoint(ck_dir, state, {"step": 0, "model_config": cfg.to_dict(), "train_config": {}})
