@@ -232,3 +232,18 @@ def test_recompute_reruns_layers_and_skip_options_keep_kernel_outputs(tiny_cfg, 
     assert counts["recompute"]["attn"] > counts["plain"]["attn"]
     assert counts["skip_gdn"]["gdn"] == counts["plain"]["gdn"] and counts["skip_gdn"]["attn"] == counts["recompute"]["attn"]
     assert counts["skip_attn"]["attn"] == counts["plain"]["attn"] and counts["skip_attn"]["gdn"] == counts["recompute"]["gdn"]
+
+
+def test_the_step_is_importable_from_q38_train():
+    """The mission's call: ``q38.train.train_step(params, batch, mesh)``, with ``params`` the whole TrainState."""
+    import inspect
+
+    import q38.train
+    from q38.train.state import TrainState, init_state
+    from q38.train.step import train_step
+
+    assert q38.train.train_step is train_step and q38.train.init_state is init_state
+    assert q38.train.TrainState is TrainState
+    assert list(inspect.signature(train_step).parameters)[:3] == ["params", "batch", "mesh"]
+    with pytest.raises(AttributeError):
+        q38.train.no_such_name
