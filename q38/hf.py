@@ -14,8 +14,11 @@ The q38 ↔ HF correspondence lives in the tables below (``*_RENAMES``: one q38 
 plus four converters (conv weight, per-expert experts, grouped qkvz, grouped ba). ``_plan`` turns them into one
 ``Rule`` per q38 leaf group; loading, saving and key validation all walk that one list.
 
-Loading reads one tensor at a time through ``safetensors.safe_open``; saving streams tensors into the safetensors
-files one at a time, into a temporary sibling directory that is renamed into place when complete.
+Loading reads blocks: each rule maps a block of a q38 leaf (a rank's shard, or the whole leaf) onto slices of HF
+tensors read with safetensors ``get_slice`` (``HFReader``), so a sharded load reads only its shards
+(``q38.train.hf_io``). Saving is planned before any tensor exists (``plan_export``) and streams one rule's tensors
+at a time into the safetensors files, file by file (so ranks can share an export), inside a temporary sibling
+directory that is renamed into place when complete. docs/checkpoints.md says what each path holds in memory.
 """
 
 import json
