@@ -359,7 +359,9 @@ def test_the_eval_is_bounded_by_default_and_shows_its_progress(tmp_path, monkeyp
     for progress, shown in ((True, True), (False, False)):
         monkeypatch.setattr(sys, "stdout", Terminal())
         out = evaluate.eval_losses(state, ev, progress=progress)
-        assert ("eval: 100%" in sys.stdout.getvalue() and "3/3" in sys.stdout.getvalue()) is shown
+        # the bar with its total (how often tqdm redraws, and so whether "3/3" is drawn before the bar is cleared,
+        # depends on the machine's speed)
+        assert ("eval:" in sys.stdout.getvalue() and "/3 [" in sys.stdout.getvalue()) is shown
         assert out["eval_tokens"] > 0
     assert evaluate.eval_losses(state, ev) == evaluate.eval_losses(state, (ev.batch(k) for k in range(3)))
 
