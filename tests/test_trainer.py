@@ -291,3 +291,64 @@ def test_torchrun_two_processes_sigterm_and_resume(tmp_path):
     assert [m["loss"] for m in metrics(tmp_path / "cut")] == full
     assert json.loads((tmp_path / "cut" / "checkpoints" / f"step_{STEPS:06d}" / "meta.json").read_text())[
         "world_size"] == 2
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                fields = (p / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.append(int(p.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.dist
+def test_workers_do_not_outlive_a_killed_torchrun_agent(tmp_path):
+    """kill -9 of the torchrun agent alone: both workers are gone within seconds (parent-death signal), the newest
+    complete checkpoint is intact, and the same command relaunched resumes and finishes."""
+    out = tmp_path / "run"
+    steps = 30  # 0.4 s each: without the parent-death signal the workers would still be training at the check
+    cfg = write_config(tmp_path / "run.yaml", run_dict(out, steps=steps, layout="fsdp", run={"save_every": 1}))
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(driver),
+           "train", str(cfg)]
+    log = open(tmp_path / "first.log", "w")  # not a pipe: the workers inherit it and would keep it open
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+                            start_new_session=True)
+    workers: list[int] = []
+    try:
+        _wait_for_step(out, 2, proc, timeout=240)
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGKILL)  # the agent only
+        proc.wait()
+        t0 = time.time()
+        while any(_alive(w) for w in workers) and time.time() - t0 < 5:
+            time.sleep(0.05)
+        assert not any(_alive(w) for w in workers), "a worker outlived its torchrun agent"
+    finally:
+        log.close()
+        for w in workers:
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)
+    latest = ck.latest_checkpoint(out / "checkpoints")
+    assert latest is not None and ck.verify_checkpoint(latest) is None
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {latest}" in again.stdout
+    assert [m["step"] for m in metrics(out)] == list(range(1, steps + 1))

@@ -204,3 +204,28 @@ def cpu_process_group() -> Iterator[WorldInfo]:
     finally:
         if created:
             dist.destroy_process_group()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher(env: Mapping[str, str] | None = None) -> bool:
+    """Under torchrun (its agent sets ``TORCHELASTIC_RUN_ID``), ask the kernel to kill this worker when its launcher
+    dies (Linux ``prctl(PR_SET_PDEATHSIG, SIGKILL)``): a worker whose agent was killed (kill -9, an OOM kill) would
+    otherwise train on alone, hold the run lock and refuse every relaunch. Killed mid-save, a worker leaves only a
+    ``step_*.tmp-*`` directory: the newest complete checkpoint stays as it was. A worker whose launcher is already
+    gone (reparented) exits at once. True if armed."""
+    import signal
+
+    env = os.environ if env is None else env
+    if not env.get("TORCHELASTIC_RUN_ID") or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() == 1:  # the launcher died before the request took effect
+        raise SystemExit("q38 train: the torchrun agent that launched this worker is gone; stopping")
+    return True

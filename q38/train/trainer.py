@@ -170,6 +170,10 @@ def train(cfg: RunConfig, *, on_step: Callable[[dict], None] | None = None) -> l
     ``on_step(record)`` is called after each step (tests use it to stop a run). Under torchrun every rank calls
     ``train``; rank 0 logs and writes metrics."""
     world = WorldInfo.from_env()
+    if world.world_size > 1:
+        from q38.train.launch import die_with_launcher
+
+        die_with_launcher()  # a worker never outlives its torchrun agent
     device = pick_device(cfg.run.device, world.local_rank)
     plan = check_run(cfg, world.world_size, device)  # before any allocation or process group
     from q38.train.safety import check_device, check_out_dir, run_lock
