@@ -392,3 +392,26 @@ def test_run_save_hf_exports_each_checkpoint_from_every_rank(tmp_path, world):
         assert set(w) == set(g) and all(torch.equal(w[n], g[n]) for n in w)
     with pytest.raises(Exception, match="save_hf_every is set but run.save_hf is false"):
         train(run_config(tmp_path / "bad", steps=1, run={"save_hf_every": 1}))
+
+
+def test_convert_to_hf_under_torchrun_equals_one_process(tmp_path):
+    """``torchrun --nproc_per_node 2 -m q38.cli convert --to-hf``: each worker writes its share of the files; the
+    directory equals the one-process ``q38 convert --to-hf`` byte for byte."""
+    import os
+    import subprocess
+    import sys
+
+    from q38.cli import main
+    from tests.run_utils import REPO
+
+    ck_dir = tmp_path / "ck"
+    run_distributed(_save_rank, 4, "fsdp_ep", {"fsdp": 2, "ep": 2}, str(ck_dir))
+    assert main(["convert", "--to-hf", str(ck_dir), str(tmp_path / "one"), "--max-shard-bytes", "40000"]) == 0
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                        "q38.cli", "convert", "--to-hf", str(ck_dir), str(tmp_path / "two"), "--max-shard-bytes",
+                        "40000"], capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("q38 convert: wrote") == 1  # rank 0 reports
+    assert _digest(tmp_path / "two") == _digest(tmp_path / "one") and len(_digest(tmp_path / "one")) > 3
