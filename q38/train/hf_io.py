@@ -98,7 +98,7 @@ def _leaf_loader(ck: Path, reader, saved: dict, dtype) -> Callable[[tuple[str, .
         sd = {}
         for q in names:
             shape, dt = saved[f"params.{q}"]
-            sd[f"params.{q}"] = torch.empty(shape, dtype=dt)
+            sd[f"params.{q}"] = torch.empty(shape, dtype=dt, device="cpu")  # on its way to a file
         _dcp_load(sd, ck, reader, collective=False)
         return tuple(sd[f"params.{q}"] if dtype is None else sd[f"params.{q}"].to(dtype) for q in names)
 
@@ -221,14 +221,14 @@ def import_hf(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dt
     mine = _share(sizes, _world())[_rank()]
     sd: dict[str, torch.Tensor] = {k: torch.empty(s, dtype=dt, device="meta") for k, (s, dt) in plan.items()
                                    if k in mine}
-    sd["step"] = torch.zeros((), dtype=torch.int64)
+    sd["step"] = torch.zeros((), dtype=torch.int64, device="cpu")  # written to a file, never to a collective
 
     def make(key: str) -> torch.Tensor:
         if key == "step":
             return sd["step"]
         kind, q = key.split(".", 1)
         if kind != "params":
-            return torch.zeros(shapes[q], dtype=torch.float32)
+            return torch.zeros(shapes[q], dtype=torch.float32, device="cpu")
         return reader.block(q, tuple(slice(0, n) for n in shapes[q]))
 
     meta = {"step": 0, "model_config": cfg.to_dict(), "train_config": tc.to_dict(),
