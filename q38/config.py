@@ -7,21 +7,19 @@ Checks live in ``__attrs_post_init__`` and name the offending field and the fix.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
 import attrs
 
+from q38.errors import ConfigError, check_keys
+
 SPECS_DIR = Path(os.environ.get("Q38_SPECS", Path(__file__).resolve().parent.parent / "specs"))
 
 LAYER_TYPES = ("linear_attention", "full_attention")
-
-
-class ConfigError(ValueError):
-    """A configuration value is illegal; the message names the field and the fix."""
 
 
 @attrs.frozen(kw_only=True)
@@ -44,16 +42,45 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
 MTP_DEPTH_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp_num_layers")
 
 
-def check_keys(keys, valid, what: str) -> None:
-    """Refuse unknown config keys, naming the closest valid key for each (one ``ConfigError``)."""
-    valid = list(valid)
-    unknown = [k for k in keys if k not in valid]
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(k, valid, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(f"{what}: {', '.join(hints)}; valid keys: {', '.join(valid)}")
+# legacy ModelConfig field → KernelConfig field (q38.kernels)
+LEGACY_KEYS = {
+    "gdn_implementation": "gdn",
+    "causal_conv1d_implementation": "causal_conv1d",
+    "attention_implementation": "attention",
+    "use_grouped_expert_matmul": "experts",  # a bool: true → grouped_mm, false → batched
+    "gdn_chunk_size": "gdn_chunk_size",  # was a ModelConfig field (default 64)
+}
+# what each legacy key meant when left at its default: mapped without a note
+_LEGACY_DEFAULTS = {"gdn": "torch", "causal_conv1d": "torch", "attention": "sdpa", "gdn_chunk_size": 64}
+
+
+def legacy_kernel_keys(
+    d: Mapping[str, Any], *, source: str = "model config", mapped: bool = True
+) -> tuple[dict, dict[str, Any]]:
+    """Split a model-config mapping into ``(model keys, kernel keys)``: the pre-``KernelConfig`` keys
+    (``LEGACY_KEYS``: ``gdn_implementation`` / ``causal_conv1d_implementation`` / ``attention_implementation`` /
+    ``use_grouped_expert_matmul`` / ``gdn_chunk_size``) become ``kernels`` entries. A non-default value gets a ``UserWarning`` note saying where it went (``mapped``: into this run's
+    kernels; otherwise, e.g. from a checkpoint's metadata, it does not bind the run and is ignored)."""
+    rest = dict(d)
+    kern = {}
+    for old, new in LEGACY_KEYS.items():
+        if old in rest:
+            kern[new] = rest.pop(old)
+    if "experts" in kern:  # use_grouped_expert_matmul was a bool; false was the default (no note)
+        if kern["experts"] is True:
+            kern["experts"] = "grouped_mm"
+        else:
+            kern.pop("experts")
+    moved = {k: v for k, v in kern.items() if v != _LEGACY_DEFAULTS.get(k)}
+    if moved:
+        olds = {n: o for o, n in LEGACY_KEYS.items()}
+        what = ", ".join(f"{olds[k]}: {v}" for k, v in moved.items())
+        as_kernels = "{" + ", ".join(f"{k}: {v}" for k, v in moved.items()) + "}"
+        where = (f"read as kernels: {as_kernels} (put it in the run config's kernels section)" if mapped else
+                 "ignored here (the run's kernels section decides; this model is the same under any kernels)")
+        warnings.warn(f"{source}: {what} is a run setting now, not part of the model; {where}", UserWarning,
+                      stacklevel=3)
+    return rest, kern
 
 
 def model_family(model_type: str) -> ModelFamily:
@@ -229,8 +256,6 @@ class ModelConfig:
     ) -> "ModelConfig":
         """``kernels_out``: receives the pre-``KernelConfig`` kernel keys (``gdn_implementation`` ...) mapped onto
         ``KernelConfig`` names; they are accepted with a note and never become part of the model."""
-        from q38.kernels import legacy_kernel_keys
-
         d, legacy = legacy_kernel_keys(d, source=source, mapped=kernels_out is not None)
         if kernels_out is not None:
             kernels_out.update(legacy)

@@ -12,7 +12,7 @@ one ``q38 plan`` models) except on CPU with head dims ≤ 64, where 32 is faster
 
 Model configs from before this split (``gdn_implementation`` / ``causal_conv1d_implementation`` /
 ``attention_implementation`` / ``gdn_chunk_size`` in a model YAML, a run config's ``model`` mapping or a checkpoint's
-``meta.json``) are accepted: the keys are mapped onto ``kernels`` with a note (``legacy_kernel_keys``), never onto
+``meta.json``) are accepted: ``q38.config.legacy_kernel_keys`` maps the keys onto ``kernels`` with a note, never onto
 model identity.
 """
 
@@ -20,24 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import warnings
 from typing import Any, Callable, Mapping
 
 import attrs
 
-from q38.config import ConfigError, ModelConfig, check_keys
+from q38.config import ModelConfig
+from q38.errors import ConfigError, check_keys
 
 OPS = ("gdn", "causal_conv1d", "attention", "experts", "loss")
-# legacy ModelConfig field → KernelConfig field
-LEGACY_KEYS = {
-    "gdn_implementation": "gdn",
-    "causal_conv1d_implementation": "causal_conv1d",
-    "attention_implementation": "attention",
-    "use_grouped_expert_matmul": "experts",  # a bool: true → grouped_mm, false → batched
-    "gdn_chunk_size": "gdn_chunk_size",  # was a ModelConfig field (default 64)
-}
-# what each legacy key meant when left at its default: mapped without a note
-_LEGACY_DEFAULTS = {"gdn": "torch", "causal_conv1d": "torch", "attention": "sdpa", "gdn_chunk_size": 64}
 GDN_CHUNK = 64  # the torch GDN core's chunk on accelerators (FLA's), and the one q38 plan and the FLOP count model
 
 
@@ -217,35 +207,6 @@ class KernelConfig:
     @property
     def resolved(self) -> bool:
         return all(getattr(self, op) != "auto" for op in (*OPS, "gdn_chunk_size"))
-
-
-def legacy_kernel_keys(
-    d: Mapping[str, Any], *, source: str = "model config", mapped: bool = True
-) -> tuple[dict, dict[str, Any]]:
-    """Split a model-config mapping into ``(model keys, kernel keys)``: the pre-``KernelConfig`` keys
-    (``LEGACY_KEYS``: ``gdn_implementation`` / ``causal_conv1d_implementation`` / ``attention_implementation`` /
-    ``use_grouped_expert_matmul`` / ``gdn_chunk_size``) become ``kernels`` entries. A non-default value gets a ``UserWarning`` note saying where it went (``mapped``: into this run's
-    kernels; otherwise, e.g. from a checkpoint's metadata, it does not bind the run and is ignored)."""
-    rest = dict(d)
-    kern = {}
-    for old, new in LEGACY_KEYS.items():
-        if old in rest:
-            kern[new] = rest.pop(old)
-    if "experts" in kern:  # use_grouped_expert_matmul was a bool; false was the default (no note)
-        if kern["experts"] is True:
-            kern["experts"] = "grouped_mm"
-        else:
-            kern.pop("experts")
-    moved = {k: v for k, v in kern.items() if v != _LEGACY_DEFAULTS.get(k)}
-    if moved:
-        olds = {n: o for o, n in LEGACY_KEYS.items()}
-        what = ", ".join(f"{olds[k]}: {v}" for k, v in moved.items())
-        as_kernels = "{" + ", ".join(f"{k}: {v}" for k, v in moved.items()) + "}"
-        where = (f"read as kernels: {as_kernels} (put it in the run config's kernels section)" if mapped else
-                 "ignored here (the run's kernels section decides; this model is the same under any kernels)")
-        warnings.warn(f"{source}: {what} is a run setting now, not part of the model; {where}", UserWarning,
-                      stacklevel=3)
-    return rest, kern
 
 
 def _cuda_capability() -> tuple[int, int] | None:

@@ -28,7 +28,7 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError
 
-from q38.config import ConfigError, check_keys
+from q38.errors import ConfigError, check_keys
 
 # A YAML 1.2 / JSON number written with an exponent or a dot, which PyYAML (YAML 1.1) leaves as a string.
 _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")

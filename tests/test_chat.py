@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from q38.train.data import IGNORE_INDEX, ByteTokenizer, DataError, HFTokenizer, build_dataset, encode_record, \
-    load_documents, load_tokenizer, render_chat_prompt
+from q38.train.chat import render_chat_prompt
+from q38.train.data import IGNORE_INDEX, DataError, build_dataset, encode_record, load_documents
+from q38.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 # A Qwen3.5-style template written for these tests (ChatML turns; a <think> block on assistant turns after the last
 # user query, dropped before it; XML-style tool calls; consecutive tool results grouped into one user turn wrapped

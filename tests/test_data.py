@@ -11,19 +11,16 @@ import torch
 from q38.train.data import (
     IGNORE_INDEX,
     BatchIterator,
-    ByteTokenizer,
     DataError,
-    HFTokenizer,
     PackedDataset,
     build_dataset,
-    encode_chat,
     encode_record,
     encode_text,
-    load_tokenizer,
     pack_documents,
     read_jsonl,
-    render_chat_prompt,
 )
+from q38.train.chat import encode_chat, render_chat_prompt
+from q38.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 BYTE = ByteTokenizer()
 CHAT = {

@@ -15,7 +15,8 @@ import torch
 
 from q38.cli import main
 from q38.train import checkpoint as ck
-from q38.train.data import IGNORE_INDEX, ByteTokenizer, DataError, load_documents
+from q38.train.data import IGNORE_INDEX, DataError, load_documents
+from q38.train.tokenizer import ByteTokenizer
 from q38.train.prepare import prepare_data
 from q38.train.shards import (
     MIX_BLOCK,

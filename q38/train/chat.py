@@ -23,7 +23,7 @@ Targets (``train_on``):
 * ``all`` — every token.
 
 Without a template (the byte tokenizer, a tokenizer directory without one) records fall back to plain ChatML
-(``q38.train.data.encode_chat``), which has no notation for tools, tool calls or reasoning: those records raise.
+(``encode_chat``), which has no notation for tools, tool calls or reasoning: those records raise.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from typing import Any, Mapping, Sequence
 
 import attrs
 
-from q38.train.data import IGNORE_INDEX, DataError, HFTokenizer, Tokenizer, read_json_object
+from q38.batch import IGNORE_INDEX
+from q38.errors import DataError
+from q38.train.tokenizer import IM_END, IM_START, HFTokenizer, Tokenizer, read_json_object
 
 TRAIN_ON = ("assistant", "all", "last_assistant")
 ROLES = ("system", "user", "assistant", "tool")
@@ -487,8 +489,6 @@ def encode_chat_record(record: Mapping[str, Any], tokenizer: Tokenizer, *, train
 
 def _encode_chatml(messages: Sequence[Mapping[str, Any]], tools: Any, tokenizer: Tokenizer, train_on: str
                    ) -> tuple[list[int], list[int]]:
-    from q38.train.data import encode_chat
-
     extras = sorted({k for m in messages for k in ("tool_calls", *_REASONING_KEYS) if m.get(k) is not None})
     if tools is not None or extras:
         what = ", ".join((["tools"] if tools is not None else []) + extras)
@@ -509,7 +509,7 @@ def _encode_chatml(messages: Sequence[Mapping[str, Any]], tools: Any, tokenizer:
     return ids, labels
 
 
-def render_chat_prompt(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, *,
+def _render_with_template(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, *,
                        add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
                        **template_kwargs: Any) -> list[int] | None:
     """Prompt ids rendered by the tokenizer's chat template (as ``apply_chat_template(messages, tools=tools,
@@ -523,5 +523,55 @@ def render_chat_prompt(messages: Sequence[Mapping[str, Any]], tokenizer: Tokeniz
     return list(fmt.tokenizer.encoding(text).ids)
 
 
+
+# ----------------------------------------------------------------------------------------------------------------
+# ChatML (records and prompts of a tokenizer without a chat template)
+
+
+def _special_id(tokenizer: Tokenizer, token: str) -> int:
+    i = tokenizer.token_to_id(token)
+    if i is None:
+        raise DataError(
+            f"tokenizer {tokenizer!r} has no {token} token; chat (\"messages\") records need {IM_START} and "
+            f"{IM_END} in the vocabulary (use a ChatML tokenizer, or plain \"text\" records)"
+        )
+    return i
+
+
+def encode_chat(messages: Sequence[Mapping[str, str]], tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message; targets are the assistant contents and
+    their ``<|im_end|>``; everything else is labelled -100."""
+    im_start, im_end = _special_id(tokenizer, IM_START), _special_id(tokenizer, IM_END)
+    newline = tokenizer.encode("\n")
+    ids: list[int] = []
+    labels: list[int] = []
+    for m in messages:
+        head = [im_start] + tokenizer.encode(m["role"] + "\n")
+        body = tokenizer.encode(m["content"]) + [im_end]
+        ids += head + body + newline
+        labels += [IGNORE_INDEX] * len(head)
+        labels += list(body) if m["role"] == "assistant" else [IGNORE_INDEX] * len(body)
+        labels += [IGNORE_INDEX] * len(newline)
+    return ids, labels
+
+
+def render_chat_prompt(messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer, *,
+                       add_generation_prompt: bool = True, tools: Sequence[Any] | None = None,
+                       **template_kwargs: Any) -> list[int]:
+    """Prompt ids for sampling: the tokenizer's chat template when it has one (as transformers'
+    ``apply_chat_template(messages, tools=tools, add_generation_prompt=..., **template_kwargs)``), else ChatML
+    ending with ``<|im_start|>assistant\\n``."""
+    ids = _render_with_template(messages, tokenizer, add_generation_prompt=add_generation_prompt, tools=tools,
+                               **template_kwargs)
+    if ids is not None:
+        return ids
+    if tools is not None or template_kwargs:
+        raise DataError(f"tokenizer {tokenizer!r} has no chat template; tools and template arguments need one")
+    ids, _ = encode_chat(messages, tokenizer)
+    if add_generation_prompt:
+        ids += [_special_id(tokenizer, IM_START)] + tokenizer.encode("assistant\n")
+    return ids
+
+
 __all__ = ["TRAIN_ON", "ROLES", "ChatFormat", "validate_chat_record", "load_chat_format", "chat_format",
-           "spans_to_token_mask", "prefix_spans", "encode_chat_record", "render_chat_prompt"]
+           "spans_to_token_mask", "prefix_spans", "encode_chat_record", "encode_chat", "render_chat_prompt"]

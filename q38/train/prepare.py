@@ -21,7 +21,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from q38.train.data import IGNORE_INDEX, DataError, encode_record, load_tokenizer, resolve_data_path, validate_record
+from q38.train.data import IGNORE_INDEX, DataError, encode_record, resolve_data_path, validate_record
+from q38.train.tokenizer import load_tokenizer
 from q38.train.shards import FORMAT, MANIFEST, VERSION, sha256_file, shard_files, token_dtype, tokenizer_identity
 
 CHUNK_BYTES = 64 << 20

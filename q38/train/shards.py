@@ -39,7 +39,8 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from q38.train.data import IGNORE_INDEX, PAD_DOC_ID, DataError, PackedDataset, Tokenizer
+from q38.train.data import IGNORE_INDEX, PAD_DOC_ID, DataError, PackedDataset
+from q38.train.tokenizer import Tokenizer
 
 FORMAT = "q38-token-shards"
 VERSION = 1
@@ -61,7 +62,7 @@ def sha256_file(path: str | os.PathLike, bufsize: int = 1 << 22) -> str:
 
 def tokenizer_identity(tok: Tokenizer) -> dict[str, Any]:
     """What must match between a prepared directory and the run: the kind, the vocabulary file's hash, the size."""
-    from q38.train.data import ByteTokenizer, HFTokenizer
+    from q38.train.tokenizer import ByteTokenizer, HFTokenizer
 
     if isinstance(tok, ByteTokenizer):
         return {"kind": "byte", "sha256": None, "vocab_size": tok.vocab_size, "name": "byte"}

@@ -204,7 +204,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         read_meta,
         save_checkpoint,
     )
-    from q38.train.data import load_tokenizer
+    from q38.train.tokenizer import load_tokenizer
     from q38.train.evaluate import eval_losses
     from q38.train.safety import choose_checkpoint, interrupted, load_metrics, note, save_error
     from q38.train.shards import TrainData

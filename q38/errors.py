@@ -1,0 +1,30 @@
+"""The errors every layer of q38 raises for bad input, and the unknown-key check: a leaf module (it imports nothing
+of q38), so config, kernels, typed config loading and the data pipeline share them without importing each other.
+
+Each error's message names the problem and the fix in one line; ``q38.cli.main`` prints it as
+``q38 <command>: error: <message>`` with exit code 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+
+class ConfigError(ValueError):
+    """A configuration value is illegal; the message names the field and the fix."""
+
+
+class DataError(ValueError):
+    """Bad data, tokenizer or loader settings; the message names the file/line or setting and the fix."""
+
+
+def check_keys(keys, valid, what: str) -> None:
+    """Refuse unknown config keys, naming the closest valid key for each (one ``ConfigError``)."""
+    valid = list(valid)
+    unknown = [k for k in keys if k not in valid]
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(k, valid, n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise ConfigError(f"{what}: {', '.join(hints)}; valid keys: {', '.join(valid)}")
