@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 def _rank_fn(rank, world, fsdp, ep, recompute, param_dtype="float32", reduce_dtype="float32", reshard=True):
     from q38.config import ModelConfig
     from q38.parallel.layout import Layout
-    from q38.parallel.runtime import make_mesh, shard, shard_batch
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
     from q38.train.config import TrainConfig
     from q38.train.state import init_state
     from q38.train.step import train_step

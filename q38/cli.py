@@ -4,12 +4,12 @@ Bad input ends with a one-line error naming the problem and the fix (exit code 2
 """
 
 import argparse
-import contextlib
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Iterator
+
+from q38.errors import reading
 
 USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data,kernels} ...
   train [CONFIG] [--set SECTION.KEY=VALUE ...]
@@ -24,14 +24,12 @@ USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data,kernels} ...
   --debug (any command; or Q38_DEBUG=1)             print the traceback of an error (for bug reports)"""
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises (one-line error through ``main``) instead of printing usage and exiting."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that raises (one-line error through ``main``) instead of printing usage and exiting; every
+    subcommand's parser is one (all of q38's argument parsing lives in this module)."""
 
     def error(self, message):
         raise ValueError(f"{message} (see `{self.prog} --help`)")
-
-
-OneLineParser = _Parser  # shared by every subcommand's parser (q38 plan included)
 
 
 def _int_at_least(lo: int, what: str):
@@ -60,20 +58,6 @@ def positive_float(text: str) -> float:
     return v
 
 
-@contextlib.contextmanager
-def reading(option: str, value) -> Iterator[None]:
-    """A YAML file named by ``option`` that does not parse is one line naming the option, the file and the place."""
-    import yaml
-
-    try:
-        yield
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        why = getattr(e, "problem", None) or " ".join(str(e).split())
-        raise ValueError(f"{option} {value}: not valid YAML ({why}{where}); fix the file") from None
-
-
 def check_file_args(*options: tuple[str, str | None, bool]) -> None:
     """``(option, value, always_a_path)``: each value that names a file (always, or when it looks like a path:
     a ``.yaml`` / ``.yml`` / ``.json`` suffix or a directory part) exists; else one line naming the option and file."""
@@ -87,7 +71,7 @@ def check_file_args(*options: tuple[str, str | None, bool]) -> None:
 
 
 def _train(argv: list[str]) -> int:
-    p = _Parser(prog="q38 train", description="Train from a YAML run config (default: specs/train/tiny.yaml). "
+    p = OneLineParser(prog="q38 train", description="Train from a YAML run config (default: specs/train/tiny.yaml). "
                 "Resumes from the latest checkpoint in run.out_dir; SIGTERM / Ctrl-C saves a checkpoint and exits.")
     p.add_argument("config", nargs="?", help="run config YAML (default: the embedded tiny run)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -111,11 +95,101 @@ def _train(argv: list[str]) -> int:
     return 0
 
 
-def _plan(argv: list[str]) -> int:
-    from q38.parallel.plan import plan_cli
+def _add_budget_args(ap) -> None:
+    """The ``q38 plan`` options of the budget and the search (``q38.parallel.search.BudgetQuery``)."""
+    from q38.parallel.budget import RECOMPUTE_MODES
+
+    ap.add_argument("--hardware", help="hardware profile: a name under specs/hardware (h200, ascend_910b) or a YAML")
+    ap.add_argument("--train", help="run config whose data/train settings to plan (default: specs/train/<model>.yaml "
+                                    "when it exists)")
+    ap.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
+    ap.add_argument("--global-batch", type=positive_int, help="sequences per step over all data-parallel ranks")
+    ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step")
+    ap.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute mode")
+    ap.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32"),
+                    help="compute/gather dtype (default: the run config's train.param_dtype, else bf16)")
+    ap.add_argument("--reduce-dtype", choices=("bf16", "fp32"),
+                    help="gradient reduce dtype (default: the run config's train.reduce_dtype, else fp32)")
+    ap.add_argument("--gdn-kernel", choices=("fla", "torch"), help="GDN implementation to plan activations for "
+                                                                   "(default: the run config's kernels.gdn when it "
+                                                                   "names one, else torch)")
+    ap.add_argument("--search", action="store_true", help="search layouts for --world ranks of --hardware")
+    ap.add_argument("--memory-cap", type=positive_float,
+                    help="GiB per device (default: 90%% of the hardware's HBM)")
+    ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config (a new "
+                    "or empty directory, or one it wrote before)")
+    ap.add_argument("--overwrite", action="store_true", help="--search: write into a non-empty --out it did not write "
+                    "(never a run or checkpoint directory)")
+
+
+BUDGET_ARGS = ("hardware", "train", "seq_len", "global_batch", "micro_batches", "recompute", "param_dtype",
+               "gdn_kernel", "search")  # any of them set: q38 plan prints the budget (or the search) after the plan
+
+
+def plan_cli(args: list[str]) -> int:
+    """``q38 plan --model <preset|yaml> --layout <preset|yaml> --world N [--dtype bf16] [--mesh ep=8,cp=2]``.
+
+    Prints the report; an invalid model, layout or world size prints one line on stderr and returns 2.
+    """
+    from q38.config import ConfigError, ModelConfig
+    from q38.parallel.layout import Layout, LayoutError
+    from q38.parallel.plan import DTYPES, format_plan, plan
+    from q38.parallel.search import BudgetQuery, budget_report
     from q38.train.safety import check_output_dir
 
-    return plan_cli(argv, check_output_dir=check_output_dir)  # (q38.parallel imports nothing from q38.train)
+    # argparse errors and the argument checks below: one line through main (exit 2)
+    ap = OneLineParser(prog="q38 plan", description="Per-rank memory and FSDP traffic of a layout.")
+    ap.add_argument("--model", required=True, help="model preset name, q38 YAML, HF config.json or checkpoint dir")
+    ap.add_argument("--layout", help="parallel layout preset name or YAML path (optional with --search)")
+    ap.add_argument("--world", type=positive_int, required=True, help="number of ranks (WORLD_SIZE)")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                    help="compute / gather dtype (train.param_dtype); masters, grads and moments are fp32")
+    ap.add_argument("--optimizer-states", type=nonnegative_int, default=2, help="fp32 optimizer values per parameter")
+    ap.add_argument("--mesh", default="", help="override mesh sizes, e.g. ep=8,cp=2")
+    _add_budget_args(ap)
+    try:
+        ns = ap.parse_args(args)
+    except SystemExit as e:
+        return int(e.code or 0)
+    check_file_args(("--model", ns.model, False), ("--layout", ns.layout, False), ("--train", ns.train, True),
+                    ("--hardware", ns.hardware, False))
+    if not ns.search:  # options only the search reads would be ignored
+        for opt, v in (("--memory-cap", ns.memory_cap), ("--overwrite", ns.overwrite)):
+            if v:
+                raise ValueError(f"{opt} applies only to q38 plan --search; add --search or drop {opt}")
+    query = BudgetQuery(world=ns.world, model=str(ns.model), layout=ns.layout, train=ns.train, hardware=ns.hardware,
+                        seq_len=ns.seq_len, global_batch=ns.global_batch, micro_batches=ns.micro_batches,
+                        recompute=ns.recompute, param_dtype=ns.param_dtype, reduce_dtype=ns.reduce_dtype,
+                        gdn_kernel=ns.gdn_kernel, search=ns.search, memory_cap=ns.memory_cap, out=ns.out,
+                        overwrite=ns.overwrite)
+    try:
+        with reading("--model", ns.model):
+            cfg = ModelConfig.load(ns.model)
+        if ns.layout is None:
+            if not ns.search:
+                raise LayoutError("--layout is required (a preset name or YAML path), unless --search finds one")
+            return budget_report(query, cfg, None, check_output_dir)
+        with reading("--layout", ns.layout):
+            layout = Layout.load(ns.layout)
+        if ns.mesh:
+            try:
+                sizes = {k.strip(): int(v) for k, v in (kv.split("=") for kv in ns.mesh.split(","))}
+            except ValueError:
+                raise LayoutError(f"--mesh expects name=size pairs separated by commas, got {ns.mesh!r}") from None
+            layout = layout.with_mesh(**sizes)
+        report = plan(
+            cfg, layout, ns.world, param_dtype=DTYPES[ns.dtype], optimizer_state_factor=ns.optimizer_states,
+            model_name=str(ns.model), reduce_dtype=DTYPES[ns.reduce_dtype or "fp32"],
+        )
+        if any(getattr(ns, k) for k in BUDGET_ARGS):
+            print(format_plan(report))
+            print()
+            return budget_report(query, cfg, layout, check_output_dir)
+    except (LayoutError, ConfigError) as e:
+        print(f"q38 plan: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    print(format_plan(report))
+    return 0
 
 
 def _dtype(name: str | None):
@@ -131,7 +205,7 @@ def _dtype(name: str | None):
 
 
 def _convert(argv: list[str]) -> int:
-    p = _Parser(prog="q38 convert", description="Convert between q38 checkpoints and Hugging Face safetensors.")
+    p = OneLineParser(prog="q38 convert", description="Convert between q38 checkpoints and Hugging Face safetensors.")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--to-hf", action="store_true", help="SRC is a q38 run / checkpoints / checkpoint directory")
     g.add_argument("--from-hf", action="store_true", help="SRC is a Hugging Face checkpoint directory")
@@ -207,7 +281,7 @@ def _check_export_target(src, ck, out, overwrite: bool) -> None:
 
 
 def _init_hf(argv: list[str]) -> int:
-    p = _Parser(prog="q38 init-hf", description="Initialise a model and save it as a Hugging Face checkpoint "
+    p = OneLineParser(prog="q38 init-hf", description="Initialise a model and save it as a Hugging Face checkpoint "
                 "(a small starting point for trying the fine-tuning workflow).")
     p.add_argument("--model", default="tiny", help="model preset name or YAML (default: tiny)")
     p.add_argument("--seed", type=int, default=0)
@@ -231,13 +305,37 @@ def _init_hf(argv: list[str]) -> int:
 
 
 def _prepare_data(argv: list[str]) -> int:
-    from q38.train.prepare import prepare_cli
+    from q38.train.chat import TRAIN_ON
+    from q38.train.prepare import CHUNK_BYTES, prepare_data
 
-    return prepare_cli(argv)
+    p = OneLineParser(prog="q38 prepare-data", description="Tokenize JSONL (or Parquet, with pyarrow) text / chat "
+                      "records into memory-mapped token shards for `data.path`. A re-run on unchanged inputs does "
+                      "nothing.")
+    p.add_argument("inputs", nargs="+", help="JSONL / Parquet files, directories of them, or builtin:NAME")
+    p.add_argument("--out", required=True, help="output directory (set data.path to it)")
+    p.add_argument("--tokenizer", default="byte", help="\"byte\" or a directory with tokenizer.json (default: byte)")
+    p.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
+    p.add_argument("--chunk-mb", type=float, default=CHUNK_BYTES / (1 << 20),
+                   help="input megabytes per shard (default: 64)")
+    p.add_argument("--train-on", default="assistant", choices=TRAIN_ON,
+                   help="targets of chat records: assistant turns (default), the last one, or all tokens; the run's "
+                   "data.train_on must match")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into an existing non-empty --out that is not an earlier output of prepare-data "
+                   "(never a run or checkpoint directory, nor one holding or inside an input)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a = p.parse_args(argv)
+    if a.workers is not None and a.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {a.workers}")
+    if not a.chunk_mb > 0:
+        raise ValueError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
+    prepare_data(a.inputs, a.out, tokenizer=a.tokenizer, workers=a.workers, chunk_bytes=int(a.chunk_mb * (1 << 20)),
+                 progress=not a.no_progress, train_on=a.train_on, overwrite=a.overwrite)
+    return 0
 
 
 def _kernels(argv: list[str]) -> int:
-    p = _Parser(prog="q38 kernels", description="Every kernel implementation against this machine's packages and "
+    p = OneLineParser(prog="q38 kernels", description="Every kernel implementation against this machine's packages and "
                 "device: the one kernels.auto picks per op, and why each other one cannot serve the run.")
     p.add_argument("--device", default=None, help="cpu, cuda or npu (default: cuda if available, else cpu)")
     p.add_argument("--dtype", default=None, help="compute dtype (train.param_dtype), e.g. bfloat16")
@@ -272,7 +370,7 @@ def _kernels(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": _train, "plan": _plan, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
+COMMANDS = {"train": _train, "plan": plan_cli, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
             "kernels": _kernels}
 
 

@@ -1,5 +1,6 @@
-"""The package's boundaries, read from the source (issue #9): layers import no parallel/train code and no
-torch.distributed; q38.parallel imports nothing from q38.train; both runtimes implement the one StepRuntime protocol."""
+"""The package's boundaries, read from the source: layers import no parallel/train code and no torch.distributed;
+q38.parallel imports nothing from q38.train or q38.cli; nothing imports q38.cli; the module import graph has no
+circle; both runtimes implement the one StepRuntime protocol."""
 
 import ast
 import inspect
@@ -36,6 +37,93 @@ def test_layers_import_no_parallel_train_or_distributed():
 
 def test_parallel_imports_nothing_from_train():
     assert _violations("parallel", ("q38.train",)) == []
+
+
+def test_parallel_imports_nothing_from_the_cli():
+    assert _violations("parallel", ("q38.cli",)) == []
+
+
+def test_nothing_imports_the_cli():
+    bad = [f"{f.relative_to(ROOT.parent)} imports {m}" for f in sorted(ROOT.rglob("*.py")) if f.name != "cli.py"
+           for m in sorted(_imports(f)) if m == "q38.cli" or m.startswith("q38.cli.")]
+    assert bad == []
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _graph(root: Path) -> dict[str, set[str]]:
+    """q38 module -> the q38 modules it imports (``from a import b`` counts as ``a.b`` when that is a module)."""
+    files = {_module_name(f, root): f for f in root.rglob("*.py")}
+    out = {}
+    for name, f in files.items():
+        deps = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for m in found:
+                while m and m not in files:  # a name inside a module: the module
+                    m = m.rpartition(".")[0]
+                if m and m != name:
+                    deps.add(m)
+        out[name] = deps
+    return out
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (each holds an import circle)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_circle():
+    graph = _graph(ROOT)
+    assert len(graph) > 40 and "q38.train.step" in graph["q38.train.trainer"]  # the graph is read, not empty
+    assert _circles(graph) == []
+
+
+def test_the_circle_check_can_fail(tmp_path):
+    """Two modules that import each other (one inside a function, one through a package attribute) are a circle."""
+    pkg = tmp_path / "q38"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "a.py").write_text("from q38.sub.b import thing\n")
+    (pkg / "sub" / "b.py").write_text("def thing():\n    from q38.sub import a\n")
+    (pkg / "c.py").write_text("import q38.sub.a\n")
+    assert _circles(_graph(pkg)) == [["q38.sub.a", "q38.sub.b"]]
 
 
 def test_the_import_check_can_fail(tmp_path, monkeypatch):

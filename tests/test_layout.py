@@ -19,7 +19,8 @@ import torch
 
 from q38 import ModelConfig, abstract_params, count_params, init_params
 from q38.model import is_param_info
-from q38.parallel import Layout, LayoutError, format_plan, plan, plan_cli
+from q38.cli import plan_cli
+from q38.parallel import Layout, LayoutError, format_plan, plan
 from q38.parallel.plan import local_numel_grid
 from q38.pytree import named_leaves
 

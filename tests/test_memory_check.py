@@ -9,7 +9,7 @@ import pytest
 
 import q38.train.launch as L
 from q38.config import ConfigError
-from q38.parallel.plan import plan_cli
+from q38.cli import plan_cli
 from q38.train.trainer import RunConfig, train
 from tests.run_utils import REPO, run_config
 

@@ -36,7 +36,7 @@ def _batch(seed=0, b=4, s=32):
 
 
 def _rank_fn(rank, world, layout_name, mesh_sizes, tc, steps):
-    from q38.parallel.runtime import make_mesh, shard, shard_batch, unshard
+    from q38.parallel.mesh import make_mesh, shard, shard_batch, unshard
 
     cfg = _cfg()
     layout = Layout.preset(layout_name).with_mesh(**mesh_sizes)
@@ -104,7 +104,7 @@ def test_layout_matches_single_process(layout, mesh_sizes, world, scope):
 def _balance_fn(rank, world, balance):
     import attrs
 
-    from q38.parallel.runtime import make_mesh, shard, shard_batch
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
 
     cfg = _cfg().replace(mtp_num_layers=0, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
     tc = TrainConfig(enable_ep_balance=balance, max_dup_experts_num=2, aux_loss_coef=0.01, loss_chunk_size=16,
@@ -142,7 +142,7 @@ def test_ep_balance_same_math_in_the_whole_model():
 
 def _dispatch_fn(rank, world, balance):
     from q38.layers.moe import MoEParams, local_experts
-    from q38.parallel.runtime import EPDispatch
+    from q38.parallel.ep import EPDispatch
 
     cfg = _cfg().replace(num_experts=8, num_experts_per_tok=2)
     g = torch.Generator().manual_seed(0)
@@ -193,7 +193,7 @@ activations:
 
 
 def _user_layout_fn(rank, world, path, tc, b=4):
-    from q38.parallel.runtime import make_mesh, shard, shard_batch, unshard
+    from q38.parallel.mesh import make_mesh, shard, shard_batch, unshard
 
     cfg = _cfg()
     mesh = make_mesh(Layout.from_yaml(path), world)
@@ -256,7 +256,7 @@ def test_layout_written_as_yaml_trains_without_code_changes(tmp_path, text, worl
 
 
 def _init_fn(rank, world, layout_name, mesh_sizes):
-    from q38.parallel.runtime import init_sharded, make_mesh, shard
+    from q38.parallel.mesh import init_sharded, make_mesh, shard
     from q38.train.state import state_from_params
 
     cfg = _cfg()

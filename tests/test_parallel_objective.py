@@ -51,7 +51,7 @@ def _close(got, ref, what):
 
 
 def _rank_fn(rank, world, layout_name, mesh_sizes):
-    from q38.parallel.runtime import make_mesh, shard, shard_batch
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
 
     cfg = _cfg()
     mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)
@@ -116,7 +116,7 @@ def test_aux_with_two_micro_batches_matches_one_process(layout, mesh_sizes):
 
 
 def _bias_fn(rank, world, ckpt_root):
-    from q38.parallel.runtime import make_mesh, shard, shard_batch
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
     from q38.train.checkpoint import save_checkpoint
 
     cfg = _cfg()

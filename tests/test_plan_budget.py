@@ -36,7 +36,7 @@ def _cfg(preset: str) -> ModelConfig:
 
 
 def _measure(rank, world, preset, layout_name, mesh_sizes, recompute):
-    from q38.parallel.runtime import make_mesh, shard, shard_batch
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
     from q38.train.state import init_state
     from q38.train.step import train_step
     from tests.mem_utils import PeakMemory

@@ -3,7 +3,7 @@ checks unchanged; bad input gives one line each."""
 
 import yaml
 
-from q38.parallel.plan import plan_cli
+from q38.cli import plan_cli
 from q38.parallel.search import search
 from q38.parallel.budget import Hardware
 from q38.config import ModelConfig

@@ -201,7 +201,7 @@ def _policy_rank_fn(rank, world, layout_name, mesh_sizes, tc, steps):
     import torch.distributed as dist
 
     from q38.parallel.layout import Layout
-    from q38.parallel.runtime import make_mesh, shard, shard_batch, unshard
+    from q38.parallel.mesh import make_mesh, shard, shard_batch, unshard
 
     seen = {"all_gather": set(), "reduce_scatter": set()}
     for name in seen:  # record the dtypes the FSDP collectives move (this forked child only)
@@ -264,7 +264,7 @@ def _reshard_rank_fn(rank, world, tc):
 
     from q38.model import forward
     from q38.parallel.layout import Layout
-    from q38.parallel.runtime import make_mesh, shard, shard_batch
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
     from q38.train.step import make_layer_hooks, step_runtime
 
     cfg = _cfg()
@@ -315,7 +315,7 @@ def test_fsdp_reshard_after_forward_keeps_at_most_two_layers_gathered(param_dtyp
 
 def _device_rank_fn(rank, world, layout_name, mesh_sizes, tc):
     from q38.parallel.layout import Layout
-    from q38.parallel.runtime import make_mesh, shard, shard_batch
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
 
     cfg = _cfg()
     mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)

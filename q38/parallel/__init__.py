@@ -10,21 +10,22 @@ from q38.parallel.layout import (
     ParamPlacement,
     logical_to_spec,
 )
-from q38.parallel.plan import PlanReport, format_plan, plan, plan_cli
+from q38.parallel.plan import PlanReport, format_plan, plan
 
-_RUNTIME = ("Mesh", "make_mesh", "shard", "unshard", "shard_batch", "init_sharded", "MeshParallel")
+_MESH = ("Mesh", "make_mesh", "shard", "unshard", "shard_batch", "init_sharded")
+_RUNTIME = (*_MESH, "MeshParallel")
 
 
 def __getattr__(name):
     """The mesh runtime (torch.distributed.tensor) is imported on first use, so `q38 plan` stays light."""
     if name in _RUNTIME:
-        from q38.parallel import runtime
+        import importlib
 
-        return getattr(runtime, name)
+        return getattr(importlib.import_module("q38.parallel.mesh" if name in _MESH else "q38.parallel.runtime"), name)
     raise AttributeError(f"module 'q38.parallel' has no attribute {name!r}")
 
 
 __all__ = [*_RUNTIME,
     "ACTIVATION_AXES", "MESH_DIM_NAMES", "MESH_DIM_ROLES", "Layout", "LayoutError", "ParamPlacement", "PlanReport",
-    "format_plan", "logical_to_spec", "plan", "plan_cli",
+    "format_plan", "logical_to_spec", "plan",
 ]

@@ -18,29 +18,12 @@ from q38.batch import StepBatch
 
 @attrs.frozen
 class Mesh:
-    """A q38 mesh: the DeviceMesh, its layout and the runtime ``train_step`` uses (``mesh.parallel``)."""
+    """A q38 mesh: the DeviceMesh, its layout and the size of each mesh dim (``q38.parallel.runtime.mesh_runtime``
+    builds the runtime a step runs on it)."""
 
     device_mesh: DeviceMesh
     layout: Layout
     sizes: dict
-
-    @property
-    def parallel(self):
-        from q38.parallel.runtime import MeshParallel
-
-        return MeshParallel(self)
-
-    def step_runtime(self, train_config=None):
-        """The runtime for one step (a ``q38.parallel.runtime.MeshParallel``); EP balance and the mixed-precision
-        policy come from the train config."""
-        from q38.parallel.runtime import MeshParallel
-
-        if train_config is None:
-            return MeshParallel(self)
-        tc = train_config
-        return MeshParallel(self, tc.enable_ep_balance, tc.max_dup_experts_num, getattr(tc, "fsdp_prefetch", None),
-                            param_dtype=tc.torch_param_dtype, reduce_dtype=tc.torch_reduce_dtype,
-                            reshard_after_forward=tc.reshard_after_forward)
 
     def group(self, name: str):
         return self.device_mesh.get_group(name)

@@ -14,15 +14,14 @@ EP all-to-all and CP exchanges scale with tokens and are not counted here.
 """
 
 import math
-import sys
 import time
 from typing import Sequence
 
 import attrs
 import torch
 
-from q38.config import ConfigError, ModelConfig
-from q38.parallel.layout import Layout, LayoutError, ParamPlacement, format_mesh
+from q38.config import ModelConfig
+from q38.parallel.layout import Layout, ParamPlacement, format_mesh
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -343,67 +342,3 @@ def format_plan(r: PlanReport) -> str:
         f"planned in {r.seconds:.2f} s",
     ]
     return "\n".join(lines)
-
-
-# ---- CLI ----------------------------------------------------------------------------------------------------------
-
-
-def plan_cli(args: list[str], *, check_output_dir=None) -> int:
-    """``q38 plan --model <preset|yaml> --layout <preset|yaml> --world N [--dtype bf16] [--mesh ep=8,cp=2]``.
-
-    Prints the report; an invalid model, layout or world size prints one line on stderr and returns 2.
-    ``check_output_dir(out, inputs, *, what, own, overwrite)``: the rule ``--search --out`` is held to (q38.cli
-    passes ``q38.train.safety.check_output_dir``); None: not checked.
-    """
-    from q38.cli import OneLineParser, check_file_args, nonnegative_int, positive_int, reading
-
-    # argparse errors and the argument checks below: one line through q38.cli.main (exit 2)
-    ap = OneLineParser(prog="q38 plan", description="Per-rank memory and FSDP traffic of a layout.")
-    ap.add_argument("--model", required=True, help="model preset name, q38 YAML, HF config.json or checkpoint dir")
-    ap.add_argument("--layout", help="parallel layout preset name or YAML path (optional with --search)")
-    ap.add_argument("--world", type=positive_int, required=True, help="number of ranks (WORLD_SIZE)")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
-                    help="compute / gather dtype (train.param_dtype); masters, grads and moments are fp32")
-    ap.add_argument("--optimizer-states", type=nonnegative_int, default=2, help="fp32 optimizer values per parameter")
-    ap.add_argument("--mesh", default="", help="override mesh sizes, e.g. ep=8,cp=2")
-    from q38.parallel.search import add_budget_args, budget_cli, check_budget_args, wants_budget
-
-    add_budget_args(ap)
-    try:
-        ns = ap.parse_args(args)
-    except SystemExit as e:
-        return int(e.code or 0)
-    check_file_args(("--model", ns.model, False), ("--layout", ns.layout, False), ("--train", ns.train, True),
-                    ("--hardware", ns.hardware, False))
-    check_budget_args(ns)
-    try:
-        with reading("--model", ns.model):
-            cfg = ModelConfig.load(ns.model)
-        if ns.layout is None:
-            if not ns.search:
-                raise LayoutError("--layout is required (a preset name or YAML path), unless --search finds one")
-            return budget_cli(ns, cfg, None, check_output_dir)
-        with reading("--layout", ns.layout):
-            layout = Layout.load(ns.layout)
-        if ns.mesh:
-            try:
-                sizes = {k.strip(): int(v) for k, v in (kv.split("=") for kv in ns.mesh.split(","))}
-            except ValueError:
-                raise LayoutError(f"--mesh expects name=size pairs separated by commas, got {ns.mesh!r}") from None
-            layout = layout.with_mesh(**sizes)
-        report = plan(
-            cfg, layout, ns.world, param_dtype=DTYPES[ns.dtype], optimizer_state_factor=ns.optimizer_states,
-            model_name=str(ns.model), reduce_dtype=DTYPES[ns.reduce_dtype or "fp32"],  # --reduce-dtype: see add_budget_args
-        )
-        if wants_budget(ns):
-            print(format_plan(report))
-            print()
-            return budget_cli(ns, cfg, layout, check_output_dir)
-    except (LayoutError, ConfigError) as e:
-        print(f"q38 plan: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    print(format_plan(report))
-    return 0
-
-
-main_plan = plan_cli

@@ -1,7 +1,8 @@
 """The mesh runtime ``train_step`` uses (``MeshParallel``, a ``q38.layers.context.StepRuntime``): FSDP gathers just in
 time (prefetched a layer early on accelerators), composed with the pieces in their own files by role:
 ``collectives`` (differentiable collectives, the mixed-precision gather), ``mesh`` (meshes, ``shard`` / ``unshard``,
-``shard_batch``), ``ep`` (expert dispatch and balance), ``cp`` (sequence exchanges). Re-exported here.
+``shard_batch``), ``ep`` (expert dispatch and balance), ``cp`` (sequence exchanges). ``mesh_runtime(mesh,
+train_config)`` builds the runtime of one step; a ``Mesh`` is plain data and knows nothing of it.
 
 Every mesh dim splits the data (``fsdp``, ``ep``, ``dp_replicate`` split the batch rows, ``cp`` the sequence), so a
 parameter's gradient is the *sum* over every rank of its local contribution: gathered and replicated dims reduce
@@ -20,14 +21,10 @@ from q38.parallel.layout import Layout
 from q38.pytree import named_leaves
 from q38.batch import StepBatch
 
-from q38.parallel.collectives import (  # noqa: F401  (re-exported: the runtime's pieces by role)
-    _AllGather, _AllToAll, _GatherParam, _Regather, _Resharded, _Step, _ag, _chunk_sizes, _gather_forward, _rs,
-)
-from q38.parallel.cp import CPComm  # noqa: F401
-from q38.parallel.ep import EPDispatch, plan_ep_balance  # noqa: F401
-from q38.parallel.mesh import (  # noqa: F401
-    Mesh, _param_suffix, _placements, batch_row_rank, init_sharded, make_mesh, shard, shard_batch, unshard,
-)
+from q38.parallel.collectives import _chunk_sizes, _GatherParam, _Regather, _Resharded, _Step
+from q38.parallel.cp import CPComm
+from q38.parallel.ep import EPDispatch
+from q38.parallel.mesh import Mesh
 
 
 @functools.lru_cache(maxsize=16)
@@ -240,3 +237,14 @@ class MeshParallel:  # implements q38.layers.context.StepRuntime
             else:
                 total = total + g.float().pow(2).sum() / dist.get_world_size()
         return self.all_reduce_sum(total)
+
+
+def mesh_runtime(mesh: Mesh, train_config=None) -> MeshParallel:
+    """The runtime of one step on ``mesh``; EP balance, FSDP prefetch and the mixed-precision policy come from the
+    train config (None: the defaults, fp32 throughout)."""
+    if train_config is None:
+        return MeshParallel(mesh)
+    tc = train_config
+    return MeshParallel(mesh, tc.enable_ep_balance, tc.max_dup_experts_num, getattr(tc, "fsdp_prefetch", None),
+                        param_dtype=tc.torch_param_dtype, reduce_dtype=tc.torch_reduce_dtype,
+                        reshard_after_forward=tc.reshard_after_forward)

@@ -16,6 +16,7 @@ import attrs
 import yaml
 
 from q38.config import ConfigError, ModelConfig
+from q38.errors import reading
 from q38.kernels import KernelConfig, auto_gdn_chunk
 from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate, recompute_mode
 from q38.parallel.layout import Layout, LayoutError
@@ -196,64 +197,41 @@ def shipped_budget(cfg: ModelConfig, layout: Layout, world: int, hardware: Hardw
                     micro_batches=micro_batches, recompute=recompute, hardware=hardware, **kw)
 
 
-# ---- CLI ----------------------------------------------------------------------------------------------------------
+# ---- what q38 plan asks (q38.cli parses it) ------------------------------------------------------------------
 
 
-def add_budget_args(ap) -> None:
-    """The ``q38 plan`` options of the budget and the search (plan.py adds them to its parser)."""
-    from q38.cli import positive_float, positive_int
+@attrs.frozen(kw_only=True)
+class BudgetQuery:
+    """The settings of one ``q38 plan`` budget or search; None: from the run config (``train``), else the default."""
 
-    ap.add_argument("--hardware", help="hardware profile: a name under specs/hardware (h200, ascend_910b) or a YAML")
-    ap.add_argument("--train", help="run config whose data/train settings to plan (default: specs/train/<model>.yaml "
-                                    "when it exists)")
-    ap.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
-    ap.add_argument("--global-batch", type=positive_int, help="sequences per step over all data-parallel ranks")
-    ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step")
-    ap.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute mode")
-    ap.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32"),
-                    help="compute/gather dtype (default: the run config's train.param_dtype, else bf16)")
-    ap.add_argument("--reduce-dtype", choices=("bf16", "fp32"),
-                    help="gradient reduce dtype (default: the run config's train.reduce_dtype, else fp32)")
-    ap.add_argument("--gdn-kernel", choices=("fla", "torch"), help="GDN implementation to plan activations for "
-                                                                   "(default: the run config's kernels.gdn when it "
-                                                                   "names one, else torch)")
-    ap.add_argument("--search", action="store_true", help="search layouts for --world ranks of --hardware")
-    ap.add_argument("--memory-cap", type=positive_float,
-                    help="GiB per device (default: 90%% of the hardware's HBM)")
-    ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config (a new "
-                    "or empty directory, or one it wrote before)")
-    ap.add_argument("--overwrite", action="store_true", help="--search: write into a non-empty --out it did not write "
-                    "(never a run or checkpoint directory)")
+    world: int
+    model: str  # the model argument as given (a preset name or a path): names the shipped run config
+    layout: str | None = None  # the layout argument (a preset or a path), None with search
+    train: str | None = None  # run config whose data/train/kernels settings to plan
+    hardware: str | None = None  # a profile name under specs/hardware or a YAML
+    seq_len: int | None = None
+    global_batch: int | None = None
+    micro_batches: int | None = None
+    recompute: str | None = None
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    gdn_kernel: str | None = None  # "fla" | "torch"
+    search: bool = False
+    memory_cap: float | None = None  # GiB per device (search)
+    out: str = "plan_out"  # where the search writes its best layout and run config
+    overwrite: bool = False
 
 
-BUDGET_ARGS = ("hardware", "train", "seq_len", "global_batch", "micro_batches", "recompute", "param_dtype",
-               "gdn_kernel", "search")  # any of them set: q38 plan prints the budget (or the search) after the plan
-
-
-def wants_budget(ns) -> bool:
-    return any(getattr(ns, k) for k in BUDGET_ARGS)
-
-
-def check_budget_args(ns) -> None:
-    """Options that only the search reads are refused without ``--search`` (they would be ignored)."""
-    if not ns.search:
-        for opt, v in (("--memory-cap", ns.memory_cap), ("--overwrite", ns.overwrite)):
-            if v:
-                raise ValueError(f"{opt} applies only to q38 plan --search; add --search or drop {opt}")
-
-
-def _train_defaults(ns, model_arg: str) -> tuple[dict, str | None]:
+def _train_defaults(q, model_arg: str) -> tuple[dict, str | None]:
     """Settings from --train, or the shipped run config named like the model; {} when there is none."""
     from q38.config import SPECS_DIR
 
-    path = ns.train or (str(SPECS_DIR / "train" / f"{model_arg}.yaml")
+    path = q.train or (str(SPECS_DIR / "train" / f"{model_arg}.yaml")
                         if (SPECS_DIR / "train" / f"{model_arg}.yaml").is_file() else None)
     if path is None:
         return {}, None
     if not Path(path).is_file():
         raise ConfigError(f"--train {path}: file not found")
-    from q38.cli import reading
-
     with reading("--train", path):
         raw = yaml.safe_load(Path(path).read_text()) or {}
     if not isinstance(raw, dict):
@@ -284,74 +262,74 @@ def budget_kwargs(train: Mapping[str, Any], *, gdn: str, chunk: int) -> dict[str
                 grad_clip=train.get("grad_clip", 1.0) is not None)
 
 
-def budget_cli(ns, cfg: ModelConfig, layout: Layout | None, check_output_dir=None) -> int:
+def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check_output_dir=None) -> int:
     """``q38 plan ... --hardware/--seq-len/--search``: the budget of a layout, or the search. Prints; returns 0.
-    ``check_output_dir``: see ``plan_cli``."""
+    ``check_output_dir(out, inputs, *, what, own, overwrite)``: the rule the search's ``out`` is held to (``q38.cli``
+    passes ``q38.train.safety.check_output_dir``; ``q38.parallel`` imports nothing of ``q38.train``); None: not
+    checked."""
     import sys
 
     from q38.parallel.budget import format_budget
 
-    raw, src = _train_defaults(ns, str(ns.model))
-    if ns.search and check_output_dir is not None:  # before anything is printed or searched
-        inputs = [p for p in (src, ns.layout, ns.hardware, ns.model) if p and Path(p).exists()]
-        check_output_dir(ns.out, inputs, what="--out", own=_written_by_search, overwrite=ns.overwrite)
+    raw, src = _train_defaults(q, str(q.model))
+    if q.search and check_output_dir is not None:  # before anything is printed or searched
+        inputs = [p for p in (src, q.layout, q.hardware, q.model) if p and Path(p).exists()]
+        check_output_dir(q.out, inputs, what="--out", own=_written_by_search, overwrite=q.overwrite)
     data, train = raw.get("data") or {}, raw.get("train") or {}
-    seq_len = ns.seq_len or int(data.get("seq_len", 4096))
+    seq_len = q.seq_len or int(data.get("seq_len", 4096))
     if layout is None and src is not None and raw.get("layout"):
         try:  # the run config's layout, when it fits this world size: shown next to the search's best
             layout = Layout.load(str(raw["layout"]))
-            layout.resolve_mesh(ns.world)
+            layout.resolve_mesh(q.world)
         except LayoutError:
             layout = None
-    if ns.recompute:
-        recompute = ns.recompute
+    if q.recompute:
+        recompute = q.recompute
     elif train.get("recompute"):
         recompute = recompute_mode(train)
     else:
-        recompute = "none" if src is not None or not ns.search else "full"
-    micro = ns.micro_batches or int(train.get("micro_batches", 1))
-    from q38.cli import reading
-
-    with reading("--hardware", ns.hardware):
-        hw = Hardware.load(ns.hardware) if ns.hardware else None
+        recompute = "none" if src is not None or not q.search else "full"
+    micro = q.micro_batches or int(train.get("micro_batches", 1))
+    with reading("--hardware", q.hardware):
+        hw = Hardware.load(q.hardware) if q.hardware else None
     kernels = KernelConfig.from_dict(raw.get("kernels"), source=f"{src or 'q38 plan'}: kernels")
-    gdn = ns.gdn_kernel or kernels.gdn
+    gdn = q.gdn_kernel or kernels.gdn
     # the torch core's chunk as the run would resolve it (an accelerator with a hardware profile, else the CPU)
     chunk = kernels.gdn_chunk_size if kernels.gdn_chunk_size != "auto" else auto_gdn_chunk(
         "cuda" if hw is not None else "cpu", cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    kw = budget_kwargs({**train, "param_dtype": ns.param_dtype or train.get("param_dtype") or "bf16",
-                        "reduce_dtype": ns.reduce_dtype or train.get("reduce_dtype") or "fp32"}, gdn=gdn, chunk=chunk)
+    kw = budget_kwargs({**train, "param_dtype": q.param_dtype or train.get("param_dtype") or "bf16",
+                        "reduce_dtype": q.reduce_dtype or train.get("reduce_dtype") or "fp32"}, gdn=gdn, chunk=chunk)
     shipped = None
-    global_batch = ns.global_batch
+    global_batch = q.global_batch
     if layout is not None:
-        mesh = layout.resolve_mesh(ns.world)
+        mesh = layout.resolve_mesh(q.world)
         dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
         if global_batch is None:
             global_batch = dp * int(data.get("batch_size", 1))
-        shipped = shipped_budget(cfg, layout, ns.world, hw, seq_len=seq_len, global_batch=global_batch,
-                                 recompute=recompute, micro_batches=micro, model_name=str(ns.model), **kw) \
+        shipped = shipped_budget(cfg, layout, q.world, hw, seq_len=seq_len, global_batch=global_batch,
+                                 recompute=recompute, micro_batches=micro, model_name=str(q.model), **kw) \
             if hw is not None else None
     if global_batch is None:
-        global_batch = ns.world
+        global_batch = q.world
     if src:
         print(f"settings from {src}: seq_len {seq_len}, global batch {global_batch} sequences, recompute {recompute}, "
               f"{micro} micro-batch(es)", file=sys.stderr)
-    if not ns.search:
+    if not q.search:
         if layout is None:
             raise ConfigError("q38 plan needs --layout (or --search to find one)")
         if shipped is None:
-            mesh = layout.resolve_mesh(ns.world)
+            mesh = layout.resolve_mesh(q.world)
             dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
-            shipped = shipped_budget(cfg, layout, ns.world, None, seq_len=seq_len, global_batch=global_batch,
-                                     recompute=recompute, micro_batches=micro, model_name=str(ns.model), **kw)
+            shipped = shipped_budget(cfg, layout, q.world, None, seq_len=seq_len, global_batch=global_batch,
+                                     recompute=recompute, micro_batches=micro, model_name=str(q.model), **kw)
         print(format_budget(shipped))
         return 0
     if hw is None:
         raise ConfigError("q38 plan --search needs --hardware (one of the profiles under specs/hardware, e.g. h200)")
-    cap = ns.memory_cap * GIB if ns.memory_cap is not None else None
-    cands, cap = search(cfg, ns.world, hw, seq_len=seq_len, global_batch=global_batch, memory_cap=cap,
-                        model_name=str(ns.model), **kw)
+    cap = q.memory_cap * GIB if q.memory_cap is not None else None
+    cands, cap = search(cfg, q.world, hw, seq_len=seq_len, global_batch=global_batch, memory_cap=cap,
+                        model_name=str(q.model), **kw)
     print(format_search(cands, cap, shipped))
-    lp, tp = write_best(cands[0], ns.out, str(ns.model), seq_len, raw)
+    lp, tp = write_best(cands[0], q.out, str(q.model), seq_len, raw)
     print(f"wrote {lp} and {tp} (run: torchrun --nproc_per_node ... q38 train {tp})")
     return 0

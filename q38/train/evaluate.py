@@ -45,7 +45,7 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
     for b in bar:
         b = {k: v.to(device) for k, v in b.items()}
         if mesh is not None:
-            from q38.parallel.runtime import shard_batch
+            from q38.parallel.mesh import shard_batch
 
             sb = shard_batch(b, mesh, depths, local_rows=True)
         else:

@@ -380,32 +380,3 @@ def _write_json(path: Path, obj: Any) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-
-
-def prepare_cli(argv: list[str]) -> int:
-    from q38.cli import _Parser
-    from q38.train.chat import TRAIN_ON
-
-    p = _Parser(prog="q38 prepare-data", description="Tokenize JSONL (or Parquet, with pyarrow) text / chat records "
-                "into memory-mapped token shards for `data.path`. A re-run on unchanged inputs does nothing.")
-    p.add_argument("inputs", nargs="+", help="JSONL / Parquet files, directories of them, or builtin:NAME")
-    p.add_argument("--out", required=True, help="output directory (set data.path to it)")
-    p.add_argument("--tokenizer", default="byte", help="\"byte\" or a directory with tokenizer.json (default: byte)")
-    p.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
-    p.add_argument("--chunk-mb", type=float, default=CHUNK_BYTES / (1 << 20),
-                   help="input megabytes per shard (default: 64)")
-    p.add_argument("--train-on", default="assistant", choices=TRAIN_ON,
-                   help="targets of chat records: assistant turns (default), the last one, or all tokens; the run's "
-                   "data.train_on must match")
-    p.add_argument("--overwrite", action="store_true",
-                   help="write into an existing non-empty --out that is not an earlier output of prepare-data "
-                   "(never a run or checkpoint directory, nor one holding or inside an input)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    a = p.parse_args(argv)
-    if a.workers is not None and a.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {a.workers}")
-    if not a.chunk_mb > 0:
-        raise ValueError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
-    prepare_data(a.inputs, a.out, tokenizer=a.tokenizer, workers=a.workers, chunk_bytes=int(a.chunk_mb * (1 << 20)),
-                 progress=not a.no_progress, train_on=a.train_on, overwrite=a.overwrite)
-    return 0

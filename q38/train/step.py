@@ -82,13 +82,15 @@ def step_runtime(mesh, train_config=None):
         from q38.parallel.local import LocalParallel
 
         return LocalParallel(train_config.torch_param_dtype if train_config is not None else torch.float32)
-    make = getattr(mesh, "step_runtime", None)
-    if make is None:
+    from q38.parallel.mesh import Mesh
+    from q38.parallel.runtime import mesh_runtime
+
+    if not isinstance(mesh, Mesh):
         raise TypeError(
             "train_step's mesh must be None (one device) or a q38.parallel mesh (q38.parallel.make_mesh(...)); "
             f"got {type(mesh).__name__}"
         )
-    return make(train_config)
+    return mesh_runtime(mesh, train_config)
 
 
 def _as_step_batch(batch, depths: int) -> StepBatch:

@@ -245,13 +245,13 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         meta = None
     mesh = None
     if world.world_size > 1:
-        from q38.parallel.runtime import make_mesh, shard_batch
+        from q38.parallel.mesh import make_mesh, shard_batch
 
         mesh = make_mesh(plan.layout, world.world_size, device.split(":")[0])
     # Each rank reads only its own rows of every global batch (batch_size rows per data-parallel rank).
     dp_rank = 0
     if mesh is not None:
-        from q38.parallel.runtime import batch_row_rank
+        from q38.parallel.mesh import batch_row_rank
 
         dp_rank = batch_row_rank(mesh)[0]
     batches, evals = data.iterators(cfg.data.batch_size, dp_rank=dp_rank, dp_size=plan.dp_size, seed=cfg.run.seed,
