@@ -100,6 +100,58 @@ def _tuple(x):
     return tuple(x) if x is not None else None
 
 
+def _read_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` as a dict (a path, a checkpoint directory, or the parsed mapping)."""
+    if isinstance(path_or_dict, Mapping):
+        return dict(path_or_dict)
+    p = Path(path_or_dict)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ConfigError(f"Hugging Face config not found: {p}")
+    try:
+        with open(p) as f:
+            raw = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid JSON ({' '.join(str(e).split())})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{p}: expected a JSON object of config keys, got {type(raw).__name__}")
+    return raw
+
+
+def _hf_model_type(raw: Mapping[str, Any]) -> str:
+    """The q38 model type of a HF config: its ``model_type`` (a known family), or the q38 family ``save_hf``
+    recorded in ``q38_model_type`` (e.g. qwen3_8_moe saved as qwen3_5_moe_text) when their checkpoint layouts
+    agree."""
+    top_type = raw.get("model_type")
+    if top_type is None:
+        raise ConfigError(f"config has no model_type; known model types: {', '.join(sorted(MODEL_FAMILIES))}")
+    layout = model_family(top_type).checkpoint_layout
+    q38_type = raw.get("q38_model_type")
+    if q38_type in MODEL_FAMILIES and MODEL_FAMILIES[q38_type].checkpoint_layout == layout:
+        return q38_type
+    return top_type
+
+
+def _hf_mtp_depth(text: Mapping[str, Any], raw: Mapping[str, Any]) -> int:
+    """The MTP depth: whichever of the family's field names is present (text config first, then the top level)."""
+    for src in (text, raw):
+        for k in MTP_DEPTH_FIELDS:
+            if src.get(k) is not None:
+                return int(src[k])
+    return 0
+
+
+def _hf_rope(text: Mapping[str, Any], raw: Mapping[str, Any]) -> tuple[float, float]:
+    """``(rope_theta, partial_rotary_factor)`` from ``rope_parameters`` or the flat keys; only default RoPE."""
+    rope = dict(text.get("rope_parameters") or raw.get("rope_parameters") or {})
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", None):
+        raise ConfigError(f"rope_type {rope_type!r} is not supported by q38 (only 'default' RoPE)")
+    theta = rope.get("rope_theta", text.get("rope_theta", 10_000.0))
+    return float(theta), float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25)))
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """Static, hashable model configuration (never a pytree leaf)."""
@@ -210,10 +262,6 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
-    def gqa_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @property
     def linear_key_dim(self) -> int:
         return self.linear_num_key_heads * self.linear_key_head_dim
 
@@ -236,11 +284,6 @@ class ModelConfig:
     @property
     def num_linear_layers(self) -> int:
         return self.num_hidden_layers - self.num_full_layers
-
-    @property
-    def num_moe_layers(self) -> int:
-        """MoE layers in one forward, MTP layers included (each has a router that feeds the aux loss)."""
-        return self.num_hidden_layers + self.mtp_num_layers
 
     # ---- constructors -------------------------------------------------------------------------------
     def replace(self, **changes: Any) -> "ModelConfig":
@@ -305,44 +348,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
         """Read a Hugging Face ``config.json`` (a path, a checkpoint directory, or the parsed dict)."""
-        if isinstance(path_or_dict, Mapping):
-            raw = dict(path_or_dict)
-        else:
-            p = Path(path_or_dict)
-            if p.is_dir():
-                p = p / "config.json"
-            if not p.is_file():
-                raise ConfigError(f"Hugging Face config not found: {p}")
-            try:
-                with open(p) as f:
-                    raw = json.load(f)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ConfigError(f"{p}: not valid JSON ({' '.join(str(e).split())})") from None
-            if not isinstance(raw, dict):
-                raise ConfigError(f"{p}: expected a JSON object of config keys, got {type(raw).__name__}")
-        top_type = raw.get("model_type")
-        if top_type is None:
-            raise ConfigError(
-                f"config has no model_type; known model types: {', '.join(sorted(MODEL_FAMILIES))}"
-            )
-        model_family(top_type)
+        raw = _read_hf_config(path_or_dict)
+        model_type = _hf_model_type(raw)
         text = dict(raw.get("text_config") or raw)
-        # MTP depth: whichever of the family's field names is present (top level or text config).
-        mtp = 0
-        for src in (text, raw):
-            for k in MTP_DEPTH_FIELDS:
-                if src.get(k) is not None:
-                    mtp = int(src[k])
-                    break
-            else:
-                continue
-            break
-        rope = dict(text.get("rope_parameters") or raw.get("rope_parameters") or {})
-        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10_000.0))
-        prf = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-        rope_type = rope.get("rope_type", "default")
-        if rope_type not in ("default", None):
-            raise ConfigError(f"rope_type {rope_type!r} is not supported by q38 (only 'default' RoPE)")
+        rope_theta, prf = _hf_rope(text, raw)
         if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
             raise ConfigError(
                 "dense (non-MoE) decoder layers (mlp_only_layers / decoder_sparse_step != 1) are not implemented "
@@ -355,12 +364,6 @@ class ModelConfig:
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
         if isinstance(eos, list):
             eos = eos[0] if eos else None
-        # save_hf records the q38 family (e.g. qwen3_8_moe saved as qwen3_5_moe_text); keep it if the layouts agree.
-        model_type = top_type
-        q38_type = raw.get("q38_model_type")
-        layout = model_family(top_type).checkpoint_layout
-        if q38_type in MODEL_FAMILIES and MODEL_FAMILIES[q38_type].checkpoint_layout == layout:
-            model_type = q38_type
         kw = dict(
             model_type=model_type,
             vocab_size=text["vocab_size"],
@@ -370,8 +373,8 @@ class ModelConfig:
             num_attention_heads=text["num_attention_heads"],
             num_key_value_heads=text["num_key_value_heads"],
             head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
-            rope_theta=float(rope_theta),
-            partial_rotary_factor=float(prf),
+            rope_theta=rope_theta,
+            partial_rotary_factor=prf,
             linear_num_key_heads=text["linear_num_key_heads"],
             linear_num_value_heads=text["linear_num_value_heads"],
             linear_key_head_dim=text["linear_key_head_dim"],
@@ -383,7 +386,7 @@ class ModelConfig:
             shared_expert_intermediate_size=text["shared_expert_intermediate_size"],
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
             router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001)),
-            mtp_num_layers=mtp,
+            mtp_num_layers=_hf_mtp_depth(text, raw),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             initializer_range=float(text.get("initializer_range", 0.02)),

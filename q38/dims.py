@@ -21,22 +21,3 @@
 
 Shard-local sizes get multi-letter names (``el`` = local experts), because DTensor shapes are global.
 """
-
-LEGEND = {
-    "b": "batch",
-    "s": "query positions",
-    "t": "key/value positions",
-    "n": "flattened tokens",
-    "d": "model width",
-    "f": "ffn hidden",
-    "h": "query heads",
-    "g": "kv heads",
-    "c": "head dim",
-    "e": "routed experts",
-    "k": "top-k",
-    "m": "routed slots",
-    "v": "vocab",
-    "l": "stacked layers",
-    "p": "recurrent state size",
-    "w": "conv window",
-}

@@ -420,7 +420,7 @@ def test_template_files_take_precedence(tmp_path, tok_dirs, ours):
 
 def test_train_on_config(tmp_path):
     from q38.config import ConfigError
-    from q38.train.trainer import DataConfig
+    from q38.train.run_config import DataConfig
 
     assert DataConfig().train_on == "assistant"
     assert DataConfig(train_on="last_assistant").train_on == "last_assistant"

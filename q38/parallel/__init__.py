@@ -3,7 +3,6 @@ and performs collectives."""
 
 from q38.parallel.layout import (
     ACTIVATION_AXES,
-    MESH_DIM_NAMES,
     MESH_DIM_ROLES,
     Layout,
     LayoutError,
@@ -26,6 +25,6 @@ def __getattr__(name):
 
 
 __all__ = [*_RUNTIME,
-    "ACTIVATION_AXES", "MESH_DIM_NAMES", "MESH_DIM_ROLES", "Layout", "LayoutError", "ParamPlacement", "PlanReport",
+    "ACTIVATION_AXES", "MESH_DIM_ROLES", "Layout", "LayoutError", "ParamPlacement", "PlanReport",
     "format_plan", "logical_to_spec", "plan",
 ]

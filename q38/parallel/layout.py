@@ -46,7 +46,6 @@ MESH_DIM_ROLES = {
     "ep": "expert parallel: routed tokens travel to the experts' ranks by all-to-all; experts stay local",
     "cp": "context parallel: the sequence is split; attention gathers K/V, the conv takes a halo, GDN carries state",
 }
-MESH_DIM_NAMES = ("dp_replicate", "fsdp", "ep", "cp")  # the conventional names the shipped layouts use
 _MESH_DIM_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 ACTIVATION_AXES = ("batch", "sequence")
 LAYOUT_KEYS = ("name", "include", "mesh", "fsdp", "rules", "compute", "activations", "uneven")

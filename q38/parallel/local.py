@@ -13,7 +13,6 @@ class LocalParallel:
     """``q38.layers.context.StepRuntime`` on one device."""
 
     is_local = True
-    ep_size = 1
     prefetch_enabled = False
     prefetched = 0
 
@@ -56,6 +55,3 @@ class LocalParallel:
 
     def grad_sq_norm(self, grads: list[Tensor]) -> Tensor:
         return sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=grads[0].device))
-
-    def local_grad(self, g: Tensor) -> Tensor:
-        return g

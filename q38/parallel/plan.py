@@ -154,32 +154,21 @@ def _layer_of(path: str) -> str | None:
     return None
 
 
-def plan(
-    model_cfg: ModelConfig,
-    layout: Layout,
-    world_size: int,
-    *,
-    param_dtype: torch.dtype = torch.float32,
-    optimizer_state_factor: int = 2,
-    model_name: str | None = None,
-    reduce_dtype: torch.dtype = torch.float32,
-) -> PlanReport:
-    """Per-rank parameter, gradient and optimizer bytes, the largest gathered layer, the expert placement and the
-    FSDP collective volume of one step, for ``model_cfg`` under ``layout`` on ``world_size`` ranks.
+@attrs.frozen
+class _Tally:
+    """Per-rank element counts over the mesh grid (one entry per mesh coordinate), summed over the parameters."""
 
-    Under the mixed-precision policy: master weights and gradients are fp32, optimizer state is
-    ``optimizer_state_factor`` fp32 values per parameter (AdamW m and v); gathered layers and all-gathers are in
-    ``param_dtype`` (the compute dtype), reduce-scatters and all-reduces in ``reduce_dtype``. Raises :class:`LayoutError` when the layout does not fit the model or the world size.
-    """
-    from q38.model import abstract_params
+    held: torch.Tensor  # elements each rank stores (its shards)
+    gathered: torch.Tensor  # elements each rank receives by all-gather to bring them into compute form
+    reduced: torch.Tensor  # all-reduce elements (ring: 2 (r - 1) / r per replicated element)
+    layers: dict  # decoder layer -> elements of that layer in compute form, per rank
+    rows: dict  # rule pattern -> [parameter count, one placement, elements held per rank]
+    largest_tensor: str
+    largest_tensor_numel: int
 
-    t0 = time.perf_counter()
-    mesh = layout.resolve_mesh(world_size)
-    pl = layout.placements(abstract_params(model_cfg), mesh)
+
+def _tally(pl: dict[str, ParamPlacement], mesh: dict[str, int]) -> _Tally:
     mesh_sizes = list(mesh.values())
-    pbytes = torch.tensor([], dtype=param_dtype).element_size()  # compute form: gathered layers, all-gathers
-    rbytes = torch.tensor([], dtype=reduce_dtype).element_size()  # gradient reductions
-    mbytes = 4  # fp32 master weights and their gradients
     grid_cache: dict[tuple, torch.Tensor] = {}
 
     def grid(pp: ParamPlacement, compute: bool) -> torch.Tensor:
@@ -211,6 +200,38 @@ def plan(
         row = rows.setdefault(pp.pattern, [0, pp, zeros.clone()])
         row[0] += 1
         row[2] += local
+    return _Tally(held, gathered, reduced, layers, rows, largest_tensor, largest_tensor_numel)
+
+
+def plan(
+    model_cfg: ModelConfig,
+    layout: Layout,
+    world_size: int,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    optimizer_state_factor: int = 2,
+    model_name: str | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> PlanReport:
+    """Per-rank parameter, gradient and optimizer bytes, the largest gathered layer, the expert placement and the
+    FSDP collective volume of one step, for ``model_cfg`` under ``layout`` on ``world_size`` ranks.
+
+    Under the mixed-precision policy: master weights and gradients are fp32, optimizer state is
+    ``optimizer_state_factor`` fp32 values per parameter (AdamW m and v); gathered layers and all-gathers are in
+    ``param_dtype`` (the compute dtype), reduce-scatters and all-reduces in ``reduce_dtype``. Raises :class:`LayoutError` when the layout does not fit the model or the world size.
+    """
+    from q38.model import abstract_params
+
+    t0 = time.perf_counter()
+    mesh = layout.resolve_mesh(world_size)
+    pl = layout.placements(abstract_params(model_cfg), mesh)
+    mesh_sizes = list(mesh.values())
+    pbytes = torch.tensor([], dtype=param_dtype).element_size()  # compute form: gathered layers, all-gathers
+    rbytes = torch.tensor([], dtype=reduce_dtype).element_size()  # gradient reductions
+    mbytes = 4  # fp32 master weights and their gradients
+    t = _tally(pl, mesh)
+    held, gathered, reduced, layers, rows = t.held, t.gathered, t.reduced, t.layers, t.rows
+    largest_tensor, largest_tensor_numel = t.largest_tensor, t.largest_tensor_numel
 
     flat = held.reshape(-1)
     rank0 = int(flat[0])

@@ -55,10 +55,10 @@ class MeshParallel:  # implements q38.layers.context.StepRuntime
         self.reshard_after_forward = reshard_after_forward
         names = list(mesh.sizes)
         self.dims = [(i, n, mesh.sizes[n]) for i, n in enumerate(names)]
-        self.ep_size = mesh.size("ep")
+        ep_size = mesh.size("ep")
         self.dispatch = (
-            EPDispatch(mesh.group("ep"), mesh.local_rank("ep"), self.ep_size, ep_balance, max_dup_experts)
-            if self.ep_size > 1 else None
+            EPDispatch(mesh.group("ep"), mesh.local_rank("ep"), ep_size, ep_balance, max_dup_experts)
+            if ep_size > 1 else None
         )
         cp = mesh.size("cp")
         self.comm = CPComm(mesh.group("cp"), mesh.local_rank("cp"), cp) if cp > 1 else None

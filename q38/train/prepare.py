@@ -275,34 +275,14 @@ def _remove_own_files(d: Path) -> None:
 def _prepare_data(files: Sequence[tuple[Path, str]], out: Path, tokenizer: str, workers: int | None,
                   chunk_bytes: int, progress: bool, train_on: str, log) -> dict[str, Any]:
     tok = load_tokenizer(tokenizer)
-    ident = tokenizer_identity(tok)
-    ident["spec"] = tokenizer
+    ident = dict(tokenizer_identity(tok), spec=tokenizer)
     dtype = token_dtype(tok.vocab_size)
-    old = None
-    if (out / MANIFEST).is_file():
-        try:
-            old = json.loads((out / MANIFEST).read_text())
-        except (OSError, json.JSONDecodeError):
-            old = None
+    old = _read_manifest(out)
     sources = _source_entries(files, old)
-    if old is not None and old.get("format") == FORMAT and old.get("version") == VERSION \
-            and old.get("token_dtype") == dtype.name and old.get("tokenizer", {}).get("sha256") == ident["sha256"] \
-            and old.get("tokenizer", {}).get("kind") == ident["kind"] \
-            and old.get("tokenizer", {}).get("vocab_size") == ident["vocab_size"] \
-            and old.get("train_on", "assistant") == train_on and _same_content(old.get("sources", []), sources):
-        from q38.train.shards import verify_shard_files
-
-        try:
-            verify_shard_files(out, old)  # every shard file there with its size
-        except DataError:
-            pass
-        else:
-            if [s["mtime_ns"] for s in old["sources"]] != [s["mtime_ns"] for s in sources]:
-                old["sources"] = sources
-                _write_json(out / MANIFEST, old)
-            log(f"q38 prepare-data: {out} is up to date ({old['num_tokens']:,} tokens, {old['num_docs']:,} "
-                f"documents); nothing to do")
-            return dict(old, skipped=True)
+    if old is not None and _up_to_date(out, old, ident, dtype.name, train_on, sources):
+        log(f"q38 prepare-data: {out} is up to date ({old['num_tokens']:,} tokens, {old['num_docs']:,} "
+            f"documents); nothing to do")
+        return dict(old, skipped=True)
     if out.exists() and not out.is_dir():
         raise DataError(f"--out {out} exists and is not a directory; choose a directory")
     out.mkdir(parents=True, exist_ok=True)
@@ -311,22 +291,80 @@ def _prepare_data(files: Sequence[tuple[Path, str]], out: Path, tokenizer: str, 
     chunks = plan_chunks(files, chunk_bytes)
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(chunks)))
     t0 = time.perf_counter()
-    results: list[dict[str, Any]] = []
+    results = _tokenize_chunks(chunks, out, tokenizer, dtype.name, train_on, n_workers, progress)
+    manifest = {
+        "format": FORMAT, "version": VERSION, "tokenizer": ident, "token_dtype": dtype.name, "train_on": train_on,
+        "sources": sources, "shards": [{k: v for k, v in r.items() if k != "input_bytes"} for r in results],
+        "num_tokens": sum(r["tokens"] for r in results), "num_docs": sum(r["docs"] for r in results),
+        "num_targets": sum(r["targets"] for r in results),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    _check_trainable(manifest, files, train_on)
+    manifest["prepare_seconds"], manifest["workers"] = time.perf_counter() - t0, n_workers
+    _write_json(out / MANIFEST, manifest)
+    keep = {n for r in results for n in shard_files(r["name"]).values()} | {MANIFEST}
+    for f in out.iterdir():  # shards of an earlier preparation that this one did not rewrite, stale tmp files
+        if f.is_file() and f.name not in keep and (f.name.startswith("shard_") or f.name.startswith(".shard_")):
+            f.unlink()
+    dt = manifest["prepare_seconds"]
+    log(f"q38 prepare-data: wrote {out}: {len(results)} shards, {manifest['num_tokens']:,} tokens "
+        f"({dtype.name}), {manifest['num_docs']:,} documents, {manifest['num_targets']:,} targets in {dt:.1f}s "
+        f"({manifest['num_tokens'] / max(dt, 1e-9):,.0f} tokens/s, {n_workers} workers)")
+    return manifest
+
+
+def _read_manifest(out: Path) -> dict[str, Any] | None:
+    """The manifest of an earlier preparation in ``out`` (None: none, or not readable: the inputs are redone)."""
+    if not (out / MANIFEST).is_file():
+        return None
+    try:
+        return json.loads((out / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _up_to_date(out: Path, old: dict[str, Any], ident: dict[str, Any], dtype: str, train_on: str,
+                sources: list[dict[str, Any]]) -> bool:
+    """Whether ``old`` was made from the same input contents with the same tokenizer, token dtype and targets, and
+    every shard file it names is there with its size (then only the inputs' mtimes are refreshed)."""
+    from q38.train.shards import verify_shard_files
+
+    tk = old.get("tokenizer", {})
+    same = (old.get("format") == FORMAT and old.get("version") == VERSION and old.get("token_dtype") == dtype
+            and all(tk.get(k) == ident[k] for k in ("sha256", "kind", "vocab_size"))
+            and old.get("train_on", "assistant") == train_on and _same_content(old.get("sources", []), sources))
+    if not same:
+        return False
+    try:
+        verify_shard_files(out, old)
+    except DataError:
+        return False
+    if [s["mtime_ns"] for s in old["sources"]] != [s["mtime_ns"] for s in sources]:
+        old["sources"] = sources
+        _write_json(out / MANIFEST, old)
+    return True
+
+
+def _tokenize_chunks(chunks: list[dict[str, Any]], out: Path, tokenizer: str, dtype: str, train_on: str,
+                     n_workers: int, progress: bool) -> list[dict[str, Any]]:
+    """Every chunk tokenized into its shard (in ``n_workers`` processes), with a byte progress bar; the shards'
+    records sorted by name."""
     from tqdm import tqdm
 
-    total_bytes = sum(c["bytes"] for c in chunks)
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="q38 prepare-data", disable=None if progress
-               else True, file=sys.stderr, dynamic_ncols=True)
+    t0 = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    bar = tqdm(total=sum(c["bytes"] for c in chunks), unit="B", unit_scale=True, desc="q38 prepare-data",
+               disable=None if progress else True, file=sys.stderr, dynamic_ncols=True)
     tokens = 0
     try:
         if n_workers == 1:
             _init_worker(tokenizer)
-            it = (tokenize_chunk(c, str(out), dtype.name, train_on) for c in chunks)
+            it = (tokenize_chunk(c, str(out), dtype, train_on) for c in chunks)
             pool = None
         else:
             ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
             pool = ctx.Pool(n_workers, initializer=_init_worker, initargs=(tokenizer,))
-            it = pool.imap_unordered(_star, [(c, str(out), dtype.name, train_on) for c in chunks])
+            it = pool.imap_unordered(_star, [(c, str(out), dtype, train_on) for c in chunks])
         try:
             for r in it:
                 results.append(r)
@@ -339,14 +377,11 @@ def _prepare_data(files: Sequence[tuple[Path, str]], out: Path, tokenizer: str, 
                 pool.join()
     finally:
         bar.close()
-    results.sort(key=lambda r: r["name"])
-    manifest = {
-        "format": FORMAT, "version": VERSION, "tokenizer": ident, "token_dtype": dtype.name, "train_on": train_on,
-        "sources": sources, "shards": [{k: v for k, v in r.items() if k != "input_bytes"} for r in results],
-        "num_tokens": sum(r["tokens"] for r in results), "num_docs": sum(r["docs"] for r in results),
-        "num_targets": sum(r["targets"] for r in results),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
+    return sorted(results, key=lambda r: r["name"])
+
+
+def _check_trainable(manifest: dict[str, Any], files: Sequence[tuple[Path, str]], train_on: str) -> None:
+    """Inputs without a record, or without one trainable target under ``train_on``, are refused."""
     if manifest["num_docs"] == 0:
         raise DataError(f"the inputs ({', '.join(str(f) for f, _ in files)}) hold no records; expected "
                         f"{{\"text\": ...}} or {{\"messages\": [...]}} records")
@@ -356,17 +391,6 @@ def _prepare_data(files: Sequence[tuple[Path, str]], out: Path, tokenizer: str, 
             f"trainable target under --train-on {train_on} (chat records without assistant turns?); pass "
             f"--train-on all to train on every token, or add text records or assistant replies"
         )
-    manifest["prepare_seconds"], manifest["workers"] = time.perf_counter() - t0, n_workers
-    _write_json(out / MANIFEST, manifest)
-    keep = {n for r in results for n in shard_files(r["name"]).values()} | {MANIFEST}
-    for f in out.iterdir():  # shards of an earlier preparation that this one did not rewrite, stale tmp files
-        if f.is_file() and f.name not in keep and (f.name.startswith("shard_") or f.name.startswith(".shard_")):
-            f.unlink()
-    dt = manifest["prepare_seconds"]
-    log(f"q38 prepare-data: wrote {out}: {len(results)} shards, {manifest['num_tokens']:,} tokens "
-        f"({dtype.name}), {manifest['num_docs']:,} documents, {manifest['num_targets']:,} targets in {dt:.1f}s "
-        f"({manifest['num_tokens'] / max(dt, 1e-9):,.0f} tokens/s, {n_workers} workers)")
-    return manifest
 
 
 def _star(args):

@@ -12,23 +12,17 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import attrs
 import torch
 
 from q38.config import ConfigError, ModelConfig
 from q38.kernels import describe_kernels, use_kernels
 
-from q38.train.launch import (  # noqa: F401  (re-exported: the run's pieces by role)
-    RunPlan, WorldInfo, _init_process_group, abstract_params_of, check_run, pick_backend, pick_device,
-    tune_cpu_allocator,
-)
-from q38.train.metrics import (  # noqa: F401
-    Throughput, _truncate_metrics, flops_per_token, format_metrics, isfinite, known_peak_flops, read_metrics,
-    write_jsonl,
-)
-from q38.train.run_config import (  # noqa: F401
-    BACKENDS, DEFAULT_CONFIG, DEVICES, DTYPES, DataConfig, RunConfig, RunOptions, _check_keys, _is_int,
-    _load_model_config, _need, _resolve, _train_with_run_dtype,
-)
+from q38.train.launch import RunPlan, WorldInfo, _init_process_group, check_run, pick_backend, pick_device, \
+    tune_cpu_allocator
+from q38.train.metrics import Throughput, _truncate_metrics, flops_per_token, format_metrics, known_peak_flops, \
+    write_jsonl
+from q38.train.run_config import RunConfig
 
 
 # ---- signals --------------------------------------------------------------------------------------------------------
@@ -194,29 +188,39 @@ def train(cfg: RunConfig, *, on_step: Callable[[dict], None] | None = None) -> l
 
 
 def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step) -> list[dict]:
-    from tqdm import tqdm
-
-    from q38.train.checkpoint import (
-        CHECKPOINTS,
-        check_model_config,
-        empty_params,
-        load_checkpoint,
-        read_meta,
-        save_checkpoint,
-    )
-    from q38.train.tokenizer import load_tokenizer
-    from q38.train.evaluate import eval_losses
-    from q38.train.safety import choose_checkpoint, interrupted, load_metrics, note, save_error
-    from q38.train.shards import TrainData
-    from q38.train.state import state_from_params
-    from q38.train.step import train_step
-
+    """The run in its steps: data, the checkpoint to resume, the mesh, the state, the logs, then the loop."""
     lead = world.rank == 0
     if cfg.run.save_hf and cfg.train.aux_loss_free:
         raise ConfigError("run.save_hf with train.aux_loss_free: the Hugging Face format has no router bias, so the "
                           "export would route by the plain top-k; set run.save_hf: false and export with "
                           "`q38 convert --to-hf --drop-router-bias` if that is what you want")
     torch.manual_seed(cfg.run.seed)
+    data = _open_data(cfg)
+    resume = _find_resume(cfg, lead)
+    mesh, dp_rank = _make_mesh(plan, world, device)
+    batches, evals = data.iterators(cfg.data.batch_size, dp_rank=dp_rank, dp_size=plan.dp_size, seed=cfg.run.seed,
+                                    shuffle=cfg.data.shuffle, eval_batches=cfg.run.eval_batches)
+    state, start = _build_state(cfg, resume, mesh, device, plan, batches, lead)
+    if start >= cfg.run.steps:
+        if lead:
+            print(f"q38 train: {resume.latest} is at step {start} >= run.steps {cfg.run.steps}: nothing to train "
+                  "(raise run.steps to continue, or use a new run.out_dir)")
+        return []
+    if lead:
+        _start_metrics_log(resume, start)
+    logs = RunLog(cfg, start, lead)
+    try:
+        logs.startup(resume.latest if start else None, device, plan)
+        return _loop(cfg, world, device, plan, mesh, state, start, batches, evals, logs, on_step)
+    finally:
+        logs.close()
+
+
+def _open_data(cfg: RunConfig):
+    """The tokenizer and the run's ``TrainData``, checked against the model's vocab and the eval settings."""
+    from q38.train.shards import TrainData
+    from q38.train.tokenizer import load_tokenizer
+
     tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -229,92 +233,171 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     if cfg.run.eval_every and not data.eval:
         raise ConfigError(f"run.eval_every is {cfg.run.eval_every} but there is no eval data; set data.eval_split "
                           "(e.g. 0.05) or data.eval_path, or run.eval_every: 0")
-    dtype = torch.float32  # master weights (the mixed-precision policy computes in train.param_dtype)
+    return data
+
+
+@attrs.frozen
+class _Resume:
+    """What the run starts from: the newest verified checkpoint (None: a fresh run) and its metrics log."""
+
+    latest: Path | None
+    meta: dict | None
+    metrics_path: Path
+    old_metrics: list
+    torn: int | None  # the line number of a torn last record, cut off when the run starts
+
+
+def _find_resume(cfg: RunConfig, lead: bool) -> _Resume:
+    """The checkpoint to resume (verified; its model config checked before anything is allocated) and the metrics
+    log. Nothing is deleted or truncated here: a bad checkpoint or log stops the run with everything intact."""
+    from q38.train.checkpoint import check_model_config, read_meta
+    from q38.train.safety import choose_checkpoint, load_metrics, note
+
     out = Path(cfg.run.out_dir)
-    ck_root = out / CHECKPOINTS
-    notes: list[str] = []  # verified before use; nothing is deleted or truncated until the run starts
+    notes: list[str] = []
     latest = choose_checkpoint(out, cfg.run.resume, cfg.run.resume_from, notes)
     metrics_path = out / "metrics.jsonl"
     old_metrics, torn = load_metrics(metrics_path)  # every rank: a malformed log stops all of them
     for line in notes if lead else []:
         note(line)
+    meta = None
     if latest is not None:
         meta = read_meta(latest)
-        check_model_config(meta, cfg.model, str(latest))  # before allocating anything
-    else:
-        meta = None
-    mesh = None
-    if world.world_size > 1:
-        from q38.parallel.mesh import make_mesh, shard_batch
+        check_model_config(meta, cfg.model, str(latest))
+    return _Resume(latest, meta, metrics_path, old_metrics, torn)
 
-        mesh = make_mesh(plan.layout, world.world_size, device.split(":")[0])
-    # Each rank reads only its own rows of every global batch (batch_size rows per data-parallel rank).
-    dp_rank = 0
-    if mesh is not None:
-        from q38.parallel.mesh import batch_row_rank
 
-        dp_rank = batch_row_rank(mesh)[0]
-    batches, evals = data.iterators(cfg.data.batch_size, dp_rank=dp_rank, dp_size=plan.dp_size, seed=cfg.run.seed,
-                                    shuffle=cfg.data.shuffle, eval_batches=cfg.run.eval_batches)
-    # Every rank allocates, draws or reads only its own shards: the full model never exists on one rank (a
-    # resume loads into an empty sharded template; DCP reshards from any saved layout and world size).
-    if latest is not None:
-        params = empty_params(cfg.model, device=device, dtype=dtype, mesh=mesh)
-    else:
-        params = _initial_params(cfg, device, dtype, mesh)
-    state = state_from_params(params, cfg.model, cfg.train)
-    start = 0
-    if latest is not None:
-        state, meta = load_checkpoint(latest, state)
-        start = int(meta["step"])
-        changes = _changes(meta, cfg, plan)
-        if changes and lead:
-            print(f"q38 train: note: settings changed since {latest}: {'; '.join(changes)}", file=sys.stderr)
-        batches.load_state_dict(meta["data"]["iterator"])
-    if start >= cfg.run.steps:
-        if lead:
-            print(f"q38 train: {latest} is at step {start} >= run.steps {cfg.run.steps}: nothing to train "
-                  "(raise run.steps to continue, or use a new run.out_dir)")
-        return []
+def _make_mesh(plan: RunPlan, world: WorldInfo, device: str):
+    """The layout's mesh (None on one process) and this rank's data-parallel row rank: each rank reads only its
+    own rows of every global batch (``batch_size`` rows per data-parallel rank)."""
+    if world.world_size == 1:
+        return None, 0
+    from q38.parallel.mesh import batch_row_rank, make_mesh
 
-    if lead:
-        out.mkdir(parents=True, exist_ok=True)
-        if torn:
-            note(f"{metrics_path}:{torn}: cut off a torn last line (a partial write, e.g. on a full disk)")
-        if start:
-            _truncate_metrics(metrics_path, start)
-        else:
-            if old_metrics:
-                note(f"starting fresh: {metrics_path} ({len(old_metrics)} records, no checkpoint to resume) "
-                     "is replaced")
-            metrics_path.write_text("")
-    tb = _tensorboard(cfg, out) if lead else None
+    mesh = make_mesh(plan.layout, world.world_size, device.split(":")[0])
+    return mesh, batch_row_rank(mesh)[0]
+
+
+def _build_state(cfg: RunConfig, resume: _Resume, mesh, device: str, plan: RunPlan, batches, lead: bool):
+    """The train state and the step it is at. Every rank allocates, draws or reads only its own shards: the full
+    model never exists on one rank (a resume loads into an empty sharded template; DCP reshards from any saved
+    layout and world size)."""
+    from q38.train.checkpoint import empty_params, load_checkpoint
+    from q38.train.state import state_from_params
+
+    dtype = torch.float32  # master weights (the mixed-precision policy computes in train.param_dtype)
+    if resume.latest is None:
+        return state_from_params(_initial_params(cfg, device, dtype, mesh), cfg.model, cfg.train), 0
+    params = empty_params(cfg.model, device=device, dtype=dtype, mesh=mesh)
+    state, meta = load_checkpoint(resume.latest, state_from_params(params, cfg.model, cfg.train))
+    changes = _changes(meta, cfg, plan)
+    if changes and lead:
+        print(f"q38 train: note: settings changed since {resume.latest}: {'; '.join(changes)}", file=sys.stderr)
+    batches.load_state_dict(meta["data"]["iterator"])
+    return state, int(meta["step"])
+
+
+def _start_metrics_log(resume: _Resume, start: int) -> None:
+    """``metrics.jsonl`` as the run continues it: cut to the resumed step (and a torn last line cut off), or
+    emptied for a fresh run."""
+    from q38.train.safety import note
+
+    path = resume.metrics_path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if resume.torn:
+        note(f"{path}:{resume.torn}: cut off a torn last line (a partial write, e.g. on a full disk)")
+    if start:
+        _truncate_metrics(path, start)
+        return
+    if resume.old_metrics:
+        note(f"starting fresh: {path} ({len(resume.old_metrics)} records, no checkpoint to resume) is replaced")
+    path.write_text("")
+
+
+class RunLog:
+    """Where a run reports (rank 0 only; the other ranks' calls do nothing): ``metrics.jsonl``, TensorBoard when
+    ``run.tensorboard``, the progress bar (on a terminal) and the log lines."""
+
+    def __init__(self, cfg: RunConfig, start: int, lead: bool) -> None:
+        from tqdm import tqdm
+
+        self.cfg, self.lead, self.start = cfg, lead, start
+        self.path = Path(cfg.run.out_dir) / "metrics.jsonl"
+        self.tb = _tensorboard(cfg, Path(cfg.run.out_dir)) if lead else None
+        # The bar only on a terminal (tqdm's disable=None); the log lines and metrics.jsonl always.
+        self.bar = tqdm(total=cfg.run.steps, initial=start, disable=None if (cfg.run.progress and lead) else True,
+                        dynamic_ncols=True, desc="q38 train", file=sys.stdout)
+
+    def line(self, text: str) -> None:
+        if self.lead:
+            self.bar.write(text)
+
+    def startup(self, resumed_from: Path | None, device: str, plan: RunPlan) -> None:
+        if resumed_from is not None:
+            self.line(f"resumed from {resumed_from} (step {self.start})")
+        tuned = tune_cpu_allocator() if device == "cpu" else None
+        if tuned:
+            self.line(tuned)
+        self.line(describe_kernels(self.cfg.kernels, plan.kernels, device=device, cp=plan.cp_size > 1,
+                                   dtype=self.cfg.train.param_dtype))
+        if plan.memory:
+            self.line(plan.memory)
+
+    def step(self, rec: dict, tput: Throughput, terms: list[str] | None) -> None:
+        """One step's record: written to every sink; the bar's figures; a log line every ``run.log_every``."""
+        if not self.lead:
+            return
+        step, cfg = rec["step"], self.cfg
+        write_jsonl(self.path, rec)
+        if self.tb is not None:  # every number of the record, under the same names as metrics.jsonl
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}", v, step)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", aux=f"{rec['aux']:.3f}",
+                             **({"load": f"{rec['router_max_mean']:.2f}x"} if "router_max_mean" in rec else {}),
+                             **({"eval": f"{rec['eval_loss']:.3f}"} if "eval_loss" in rec else {}))
+        if rec["skipped"]:
+            self.line(f"step {step}: non-finite loss or gradient (loss={rec['loss']}, grad_norm="
+                      f"{rec['grad_norm']}); update skipped (train.nan_policy: skip)")
+        first = step == self.start + 1
+        if step % cfg.run.log_every == 0 or first or step == cfg.run.steps or "eval_loss" in rec:
+            self.line(format_metrics(step, rec, tput, rec["step_time"], terms=terms))
+
+    def end(self, text: str) -> None:
+        """The run's last line, printed after the bar is closed."""
+        if self.lead:
+            self.bar.close()
+            print(text)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, state, start: int, batches, evals,
+          logs: RunLog, on_step) -> list[dict]:
+    """Steps ``start + 1 .. run.steps``: step, evaluate, log, save every ``run.save_every`` and at the end; SIGTERM
+    / SIGINT finish the step, save and stop."""
+    from q38.parallel.mesh import shard_batch
+    from q38.train.checkpoint import CHECKPOINTS, save_checkpoint
+    from q38.train.evaluate import eval_losses
+    from q38.train.safety import interrupted, save_error
+    from q38.train.step import train_step
+
+    ck_root = Path(cfg.run.out_dir) / CHECKPOINTS
     peak = cfg.run.peak_flops or known_peak_flops(device, cfg.train.param_dtype)
     tput = Throughput(cfg.run.warmup_log_steps, flops_per_token(cfg.model, cfg.data.seq_len), peak,
                       world.world_size)
-    depths = cfg.model.mtp_num_layers
     records: list[dict] = []
-    # The bar only on a terminal (tqdm's disable=None); the log lines and metrics.jsonl always.
-    bar = tqdm(total=cfg.run.steps, initial=start, disable=None if (cfg.run.progress and lead) else True,
-               dynamic_ncols=True, desc="q38 train", file=sys.stdout)
-    log = bar.write if lead else (lambda s: None)
-    if start and lead:
-        log(f"resumed from {latest} (step {start})")
-    tuned = tune_cpu_allocator() if device == "cpu" else None
-    if lead and tuned:
-        log(tuned)
-    if lead:
-        log(describe_kernels(cfg.kernels, plan.kernels, device=device, cp=plan.cp_size > 1,
-                             dtype=cfg.train.param_dtype))
-        if plan.memory:
-            log(plan.memory)
     saved_at = None
 
     def save() -> Path:
         try:
             path = save_checkpoint(ck_root, state, _meta(cfg, state, batches, plan, world),
                                    keep_last=cfg.run.keep_last)
-            _export_hf(cfg, path, int(state.step), log)
+            _export_hf(cfg, path, int(state.step), logs.line)
             return path
         except KeyboardInterrupt:
             raise
@@ -323,56 +406,31 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                 raise KeyboardInterrupt from e
             raise save_error(e, int(state.step), ck_root) from e
 
-    try:
-        with StopSignal() as stop, use_kernels(plan.kernels):
-            for step in range(start + 1, cfg.run.steps + 1):
-                lb = {k: v.to(device) for k, v in next(batches).items()}
-                batch = shard_batch(lb, mesh, depths, local_rows=True) if mesh is not None else lb
-                t0 = time.perf_counter()
-                state, metrics = train_step(state, batch, mesh)
-                dt = time.perf_counter() - t0
-                m = metrics.as_dict()
-                if evals is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0)
-                                          or step == cfg.run.steps):
-                    m.update(eval_losses(state, evals, mesh, device, progress=cfg.run.progress and lead))
-                tput.update(step, m["tokens"], dt)
-                rec = dict(m, step=step, step_time=dt, tokens_per_s=tput.tokens_per_s, mfu=tput.mfu)
-                records.append(rec)
-                if lead:
-                    write_jsonl(metrics_path, rec)
-                    if tb is not None:  # every number of the record, under the same names as metrics.jsonl
-                        for k, v in rec.items():
-                            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                                tb.add_scalar(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}", v, step)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", aux=f"{m['aux']:.3f}",
-                                    **({"load": f"{m['router_max_mean']:.2f}x"} if "router_max_mean" in m else {}),
-                                    **({"eval": f"{m['eval_loss']:.3f}"} if "eval_loss" in m else {}))
-                    if m["skipped"]:
-                        log(f"step {step}: non-finite loss or gradient (loss={m['loss']}, grad_norm="
-                            f"{m['grad_norm']}); update skipped (train.nan_policy: skip)")
-                    if step % cfg.run.log_every == 0 or step == start + 1 or step == cfg.run.steps or "eval_loss" in m:
-                        log(format_metrics(step, m, tput, dt, terms=list(metrics.terms) or None))
-                if on_step is not None:
-                    on_step(rec)
-                stopping = _any_rank(int(stop.signum or 0), device)
-                if stopping or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
-                    saved_at = save()
-                if stopping:
-                    name = signal.Signals(stopping).name
-                    if lead:
-                        bar.close()
-                        print(f"q38 train: stopped by {name} at step {step}; checkpoint saved to {saved_at} "
-                              f"(run the same command again to resume)")
-                    break
-            else:
-                if lead:
-                    bar.close()
-                    print(f"q38 train: done, step {cfg.run.steps}; checkpoint saved to {saved_at}")
-    finally:
-        bar.close()
-        if tb is not None:
-            tb.close()
+    with StopSignal() as stop, use_kernels(plan.kernels):
+        for step in range(start + 1, cfg.run.steps + 1):
+            lb = {k: v.to(device) for k, v in next(batches).items()}
+            batch = shard_batch(lb, mesh, cfg.model.mtp_num_layers, local_rows=True) if mesh is not None else lb
+            t0 = time.perf_counter()
+            state, metrics = train_step(state, batch, mesh)
+            dt = time.perf_counter() - t0
+            m = metrics.as_dict()
+            if evals is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0)
+                                      or step == cfg.run.steps):
+                m.update(eval_losses(state, evals, mesh, device, progress=cfg.run.progress and logs.lead))
+            tput.update(step, m["tokens"], dt)
+            rec = dict(m, step=step, step_time=dt, tokens_per_s=tput.tokens_per_s, mfu=tput.mfu)
+            records.append(rec)
+            logs.step(rec, tput, list(metrics.terms) or None)
+            if on_step is not None:
+                on_step(rec)
+            stopping = _any_rank(int(stop.signum or 0), device)
+            if stopping or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
+                saved_at = save()
+            if stopping:
+                logs.end(f"q38 train: stopped by {signal.Signals(stopping).name} at step {step}; checkpoint saved "
+                         f"to {saved_at} (run the same command again to resume)")
+                return records
+    logs.end(f"q38 train: done, step {cfg.run.steps}; checkpoint saved to {saved_at}")
     return records
 
 
