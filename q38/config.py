@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from q38.errors import ConfigError, check_keys
+from q38.errors import ConfigError, check_keys, need
 
 SPECS_DIR = Path(os.environ.get("Q38_SPECS", Path(__file__).resolve().parent.parent / "specs"))
 
@@ -202,10 +202,6 @@ class ModelConfig:
 
     # ---- validation ---------------------------------------------------------------------------------
     def _validate(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ConfigError(msg)
-
         for name in (
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",

@@ -20,6 +20,12 @@ class DataError(ValueError):
     """Bad data, tokenizer or loader settings; the message names the file/line or setting and the fix."""
 
 
+def need(cond: bool, msg: str) -> None:
+    """A config rule: ``ConfigError(msg)`` unless ``cond``."""
+    if not cond:
+        raise ConfigError(msg)
+
+
 def check_keys(keys, valid, what: str) -> None:
     """Refuse unknown config keys, naming the closest valid key for each (one ``ConfigError``)."""
     valid = list(valid)

@@ -10,7 +10,7 @@ One tuning knob rides along: ``gdn_chunk_size``, the chunk length of the torch G
 up to rounding for any chunk; only speed and memory change). ``auto`` takes ``GDN_CHUNK`` (64, FLA's chunk and the
 one ``q38 plan`` models) except on CPU with head dims ≤ 64, where 32 is faster (``auto_gdn_chunk``).
 
-Model configs from before this split (``gdn_implementation`` / ``causal_conv1d_implementation`` /
+Model configs that name kernels (``gdn_implementation`` / ``causal_conv1d_implementation`` /
 ``attention_implementation`` / ``gdn_chunk_size`` in a model YAML, a run config's ``model`` mapping or a checkpoint's
 ``meta.json``) are accepted: ``q38.config.legacy_kernel_keys`` maps the keys onto ``kernels`` with a note, never onto
 model identity.

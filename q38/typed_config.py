@@ -179,6 +179,12 @@ def finite(inst, a, v) -> None:
         raise ConfigError(f"{a.name} must be a finite number, got {v!r}")
 
 
+def boolean(inst, a, v) -> None:
+    """``True`` or ``False`` (for a config built in Python; YAML values are typed by the converter already)."""
+    if not isinstance(v, bool):
+        raise ConfigError(f"{a.name} must be true or false, got {v!r}")
+
+
 def one_of(*choices):
     def check(inst, a, v) -> None:
         if v is not None and v not in choices:

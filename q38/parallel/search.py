@@ -123,7 +123,7 @@ def search(
     return fits, cap
 
 
-def run_config(c: Candidate, model: str, layout_path: str, seq_len: int, base: dict | None = None) -> dict:
+def candidate_run_config(c: Candidate, model: str, layout_path: str, seq_len: int, base: dict | None = None) -> dict:
     """The run config (``q38 train`` YAML) matching a candidate: ``base`` (the planned run config, if any) with the
     layout, data shape, micro-batches and recompute flags of the candidate."""
     b = c.budget
@@ -163,7 +163,7 @@ def write_best(c: Candidate, out_dir: str | Path, model: str, seq_len: int,
             f"{100 * (c.budget.mfu or 0):.1f}% on {c.budget.hardware}, peak {c.budget.peak_bytes / GIB:.1f} GiB/rank.\n")
     lp.write_text(head + yaml.safe_dump(c.layout_dict, sort_keys=False))
     tp = out / "train.yaml"
-    tp.write_text(head + yaml.safe_dump(run_config(c, model, str(lp), seq_len, base), sort_keys=False))
+    tp.write_text(head + yaml.safe_dump(candidate_run_config(c, model, str(lp), seq_len, base), sort_keys=False))
     return lp, tp
 
 

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import attrs
 
 from q38.config import ConfigError, ModelConfig, check_keys
-from q38.typed_config import finite, ge, gt, in_range, one_of, structure
+from q38.typed_config import boolean, finite, ge, gt, in_range, one_of, structure
 
 SCHEDULES = ("cosine", "linear", "constant")
 AUX_SCOPES = ("micro_batch", "global_batch")
@@ -20,6 +20,13 @@ PRECISION_DTYPES = ("float32", "bfloat16")
 DEFAULT_NO_DECAY = (
     "*norm*", "*.dt_bias", "*.A_log", "*.w_shared_gate", "*.w_router",  # norms, gates, biases
 )
+
+
+def _precision_dtype(inst, a, v) -> None:
+    if v not in PRECISION_DTYPES:
+        raise ConfigError(f"{a.name} must be one of {PRECISION_DTYPES}, got {v!r} (master weights and AdamW moments "
+                          "are always float32; float16 would need loss scaling, which q38 does not implement: use "
+                          "bfloat16)")
 
 
 def _tuple(x):
@@ -55,7 +62,7 @@ class TrainConfig:
     aux_loss_type: str = attrs.field(default="pooled", validator=one_of(*AUX_TYPES))  # pooled | per_layer | sequence
     aux_loss_tokens: str = attrs.field(default="real", validator=one_of(*AUX_TOKENS))  # real (non-padding) | labelled
     # aux-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert router bias for top-k selection, moved by ±rate
-    aux_loss_free: bool = False
+    aux_loss_free: bool = attrs.field(default=False, validator=boolean)
     router_bias_rate: float = attrs.field(default=1e-3, validator=[gt(0), finite])
     # memory
     recompute: bool = False
@@ -71,8 +78,8 @@ class TrainConfig:
     # mixed precision: fp32 master weights and moments; `param_dtype` for compute and FSDP gathers (each rank casts
     # its shard before the all-gather), `reduce_dtype` for gradient reduce-scatter / all-reduce and micro-batch
     # accumulation. Defaults keep fp32 runs exact.
-    param_dtype: str = "float32"
-    reduce_dtype: str = "float32"
+    param_dtype: str = attrs.field(default="float32", validator=_precision_dtype)
+    reduce_dtype: str = attrs.field(default="float32", validator=_precision_dtype)
     # FSDP without recompute: free each gathered parameter after its layer's forward, gather it again in backward
     # (not applied with enable_ep_balance, whose per-rank graphs differ; use recompute there)
     reshard_after_forward: bool = True
@@ -107,55 +114,24 @@ class TrainConfig:
 
 
 def validate_train_config(t: TrainConfig) -> None:
-    """Rules that need only the train config. Each message names the options involved and the fix."""
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
+    """Rules between fields (each field's own type and range is checked by its validator). Each message names the
+    options involved and the fix."""
+    rules = (
+        (0 <= t.warmup_steps <= t.total_steps,
+         f"warmup_steps ({t.warmup_steps}) must be between 0 and total_steps ({t.total_steps})"),
+        (not (t.skip_flash_attn_recompute and not t.recompute),
+         "skip_flash_attn_recompute: true needs recompute: true (it keeps the attention kernel's output during "
+         "activation recompute); set recompute: true or drop skip_flash_attn_recompute"),
+        (not (t.skip_gdn_recompute and not t.recompute),
+         "skip_gdn_recompute: true needs recompute: true (it keeps the GDN kernel's output during activation "
+         "recompute); set recompute: true or drop skip_gdn_recompute"),
+        (not t.dynamic_chunk_loss or t.loss_chunk_budget_bytes is not None,
+         "dynamic_chunk_loss: true needs loss_chunk_budget_bytes (the memory budget for one chunk's logits), "
+         "e.g. loss_chunk_budget_bytes: 268435456"),
+    )
+    for ok, msg in rules:
+        if not ok:
             raise ConfigError(msg)
-
-    need(t.lr > 0, f"lr must be > 0, got {t.lr}")
-    need(0 <= t.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    need(t.total_steps > 0, f"total_steps must be > 0, got {t.total_steps}")
-    need(
-        0 <= t.warmup_steps <= t.total_steps,
-        f"warmup_steps ({t.warmup_steps}) must be between 0 and total_steps ({t.total_steps})",
-    )
-    need(t.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {t.schedule!r}")
-    need(t.micro_batches >= 1, f"micro_batches must be >= 1, got {t.micro_batches}")
-    need(t.grad_clip is None or t.grad_clip > 0, "grad_clip must be > 0, or null to disable clipping")
-    need(t.aux_loss_scope in AUX_SCOPES, f"aux_loss_scope must be one of {AUX_SCOPES}, got {t.aux_loss_scope!r}")
-    need(isinstance(t.aux_loss_free, bool), f"aux_loss_free must be true or false, got {t.aux_loss_free!r}")
-    need(t.nan_policy in NAN_POLICIES, f"nan_policy must be one of {NAN_POLICIES}, got {t.nan_policy!r}")
-    need(t.mtp_loss_scaling_factor >= 0, "mtp_loss_scaling_factor must be >= 0")
-    need(
-        not (t.skip_flash_attn_recompute and not t.recompute),
-        "skip_flash_attn_recompute: true needs recompute: true (it keeps the attention kernel's output during "
-        "activation recompute); set recompute: true or drop skip_flash_attn_recompute",
-    )
-    need(
-        not (t.skip_gdn_recompute and not t.recompute),
-        "skip_gdn_recompute: true needs recompute: true (it keeps the GDN kernel's output during activation "
-        "recompute); set recompute: true or drop skip_gdn_recompute",
-    )
-    if t.dynamic_chunk_loss:
-        need(
-            t.loss_chunk_budget_bytes is not None and t.loss_chunk_budget_bytes > 0,
-            "dynamic_chunk_loss: true needs loss_chunk_budget_bytes (the memory budget for one chunk's logits), "
-            "e.g. loss_chunk_budget_bytes: 268435456",
-        )
-    else:
-        need(
-            t.loss_chunk_size is None or t.loss_chunk_size > 0,
-            "loss_chunk_size must be > 0, or null for the unchunked reference loss",
-        )
-    need(t.max_dup_experts_num >= 0, "max_dup_experts_num must be >= 0")
-    for name in ("param_dtype", "reduce_dtype"):
-        v = getattr(t, name)
-        need(
-            v in PRECISION_DTYPES,
-            f"{name} must be one of {PRECISION_DTYPES}, got {v!r} (master weights and AdamW moments are always "
-            "float32; float16 would need loss scaling, which q38 does not implement: use bfloat16)",
-        )
 
 
 def validate_run(

@@ -15,7 +15,8 @@ from q38.config import ConfigError, ModelConfig
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.train.config import validate_run
 
-from q38.train.run_config import RunConfig, _need  # noqa: F401
+from q38.errors import need
+from q38.train.run_config import RunConfig
 
 
 # ---- devices, processes, layout -------------------------------------------------------------------------------------
@@ -86,7 +87,7 @@ class WorldInfo:
                 raise ConfigError(f"environment variable {k}={v!r} is not an integer (torchrun sets it)") from None
 
         w = cls(get("WORLD_SIZE", 1), get("RANK", 0), get("LOCAL_RANK", 0))
-        _need(w.world_size >= 1 and 0 <= w.rank < w.world_size,
+        need(w.world_size >= 1 and 0 <= w.rank < w.world_size,
               f"RANK={w.rank} does not fit WORLD_SIZE={w.world_size}; launch with torchrun")
         return w
 
@@ -121,7 +122,7 @@ def check_run(cfg: RunConfig, world_size: int = 1, device: str = "cpu") -> RunPl
     ep, cp = sizes.get("ep", 1), sizes.get("cp", 1)
     dp = math.prod(sizes.get(d, 1) for d in layout.batch_mesh_dims)
     kernels = validate_run(cfg.model, cfg.train, device=device, ep_size=ep, kernels=cfg.kernels, cp_size=cp)
-    _need(cfg.data.seq_len % cp == 0,
+    need(cfg.data.seq_len % cp == 0,
           f"data.seq_len {cfg.data.seq_len} must be divisible by the layout's cp size {cp} (the sequence is split "
           f"over cp ranks); change seq_len or the layout")
     plan = RunPlan(layout, dict(sizes), dp, ep, cp, kernels)

@@ -7,7 +7,8 @@ from typing import Any, Mapping
 
 import attrs
 
-from q38.config import SPECS_DIR, ConfigError, ModelConfig, check_keys
+from q38.config import SPECS_DIR, ModelConfig
+from q38.errors import ConfigError, check_keys, need
 from q38.kernels import KernelConfig
 from q38.train.config import TrainConfig
 from q38.typed_config import structure
@@ -23,11 +24,6 @@ EVAL_BATCHES = 16  # run.eval_batches default: a bounded eval (16 global batches
 
 def _check_keys(section: str, d: Mapping[str, Any], cls) -> None:
     check_keys(d, [a.name for a in attrs.fields(cls)], f"unknown key(s) in section {section!r}")
-
-
-def _need(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 def _is_int(x: Any) -> bool:
@@ -50,17 +46,17 @@ class DataConfig:
         from q38.train.chat import TRAIN_ON
         from q38.train.data import OVERLONG_MODES
 
-        _need(isinstance(self.eval_split, (int, float)) and not isinstance(self.eval_split, bool)
+        need(isinstance(self.eval_split, (int, float)) and not isinstance(self.eval_split, bool)
               and 0 <= self.eval_split < 1, f"data.eval_split must be a fraction in [0, 1), got {self.eval_split!r}")
-        _need(not (self.eval_split and self.eval_path is not None),
+        need(not (self.eval_split and self.eval_path is not None),
               "data.eval_split and data.eval_path are both set; hold out a fraction or name an eval set, not both")
 
-        _need(_is_int(self.seq_len) and self.seq_len > 0, f"data.seq_len must be a positive integer, got {self.seq_len!r}")
-        _need(_is_int(self.batch_size) and self.batch_size > 0,
+        need(_is_int(self.seq_len) and self.seq_len > 0, f"data.seq_len must be a positive integer, got {self.seq_len!r}")
+        need(_is_int(self.batch_size) and self.batch_size > 0,
               f"data.batch_size must be a positive integer, got {self.batch_size!r}")
-        _need(self.overlong in OVERLONG_MODES,
+        need(self.overlong in OVERLONG_MODES,
               f"data.overlong must be one of {', '.join(OVERLONG_MODES)}, got {self.overlong!r}")
-        _need(self.train_on in TRAIN_ON, f"data.train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
+        need(self.train_on in TRAIN_ON, f"data.train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -92,26 +88,26 @@ class RunOptions:
     def __attrs_post_init__(self) -> None:
         for k in ("eval_every", "eval_batches"):
             v = getattr(self, k)
-            _need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
-        _need(self.resume or self.resume_from is None,
+            need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
+        need(self.resume or self.resume_from is None,
               f"run.resume_from is {self.resume_from!r} but run.resume is false; set run.resume: true to continue "
               "from that checkpoint, or drop run.resume_from to start fresh")
         for k in ("steps", "log_every"):
             v = getattr(self, k)
-            _need(_is_int(v) and v > 0, f"run.{k} must be a positive integer, got {v!r}")
-        _need(isinstance(self.save_hf, bool), f"run.save_hf must be true or false, got {self.save_hf!r}")
-        _need(not self.save_hf_every or self.save_hf, "run.save_hf_every is set but run.save_hf is false; set "
+            need(_is_int(v) and v > 0, f"run.{k} must be a positive integer, got {v!r}")
+        need(isinstance(self.save_hf, bool), f"run.save_hf must be true or false, got {self.save_hf!r}")
+        need(not self.save_hf_every or self.save_hf, "run.save_hf_every is set but run.save_hf is false; set "
               "run.save_hf: true to export Hugging Face directories, or run.save_hf_every: 0")
         for k in ("save_every", "keep_last", "warmup_log_steps", "save_hf_every"):
             v = getattr(self, k)
-            _need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
-        _need(isinstance(self.out_dir, str) and self.out_dir.strip() != "",
+            need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
+        need(isinstance(self.out_dir, str) and self.out_dir.strip() != "",
               "run.out_dir must be a non-empty path (where metrics and checkpoints go)")
-        _need(str(self.device).split(":")[0] in DEVICES, f"run.device must be one of {', '.join(DEVICES)} "
+        need(str(self.device).split(":")[0] in DEVICES, f"run.device must be one of {', '.join(DEVICES)} "
               f"(optionally with :index), got {self.device!r}")
-        _need(self.backend in BACKENDS, f"run.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        _need(self.dtype in DTYPES, f"run.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        _need(self.peak_flops is None or (isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0),
+        need(self.backend in BACKENDS, f"run.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        need(self.dtype in DTYPES, f"run.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        need(self.peak_flops is None or (isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0),
               f"run.peak_flops must be a positive number (FLOP/s per device) or null, got {self.peak_flops!r}")
 
 
