@@ -89,11 +89,6 @@ def format_metrics(step: int, m: dict, tput: Throughput, step_time: float | None
     return " | ".join(parts)
 
 
-def write_jsonl(path: Path, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     from q38.train.safety import load_metrics
 

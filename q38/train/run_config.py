@@ -75,7 +75,11 @@ class RunOptions:
     warmup_log_steps: int = 2  # steps excluded from throughput (compile / cache warm-up)
     peak_flops: float | None = None  # per device, for MFU; None: known devices only
     progress: bool = True
-    tensorboard: bool = False
+    tensorboard: bool = False  # the same as listing tensorboard in run.trackers
+    # where each step's record goes besides metrics.jsonl (always written): tensorboard, wandb, swanlab
+    trackers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    tracker_project: str = "q38"  # the wandb / SwanLab project
+    tracker_mode: str = "online"  # online | offline (wandb / SwanLab write locally, to sync later)
     resume: bool = True  # continue from the latest checkpoint in out_dir
     # continue from this checkpoint (must verify; needs resume: true); None: the newest in out_dir
     resume_from: str | None = None
@@ -106,6 +110,11 @@ class RunOptions:
         need(str(self.device).split(":")[0] in DEVICES, f"run.device must be one of {', '.join(DEVICES)} "
               f"(optionally with :index), got {self.device!r}")
         need(self.backend in BACKENDS, f"run.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        from q38.train.trackers import MODES, check_trackers
+
+        check_trackers(self.trackers)
+        need(self.tracker_mode in MODES, f"run.tracker_mode must be one of {', '.join(MODES)}, got "
+             f"{self.tracker_mode!r}")
         need(self.dtype in DTYPES, f"run.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         need(self.peak_flops is None or (isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0),
               f"run.peak_flops must be a positive number (FLOP/s per device) or null, got {self.peak_flops!r}")

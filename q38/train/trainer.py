@@ -20,8 +20,7 @@ from q38.kernels import describe_kernels, use_kernels
 
 from q38.train.launch import RunPlan, WorldInfo, _init_process_group, check_run, pick_backend, pick_device, \
     tune_cpu_allocator
-from q38.train.metrics import Throughput, _truncate_metrics, flops_per_token, format_metrics, known_peak_flops, \
-    write_jsonl
+from q38.train.metrics import Throughput, _truncate_metrics, flops_per_token, format_metrics, known_peak_flops
 from q38.train.run_config import RunConfig
 
 
@@ -121,7 +120,7 @@ def _initial_params(cfg: RunConfig, device: str, dtype: torch.dtype, mesh=None):
     return load_hf(src, dtype=dtype, device=device)[1]
 
 
-def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo) -> dict:
+def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo, tracker_ids: dict) -> dict:
     import q38
 
     return {
@@ -137,6 +136,7 @@ def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo) -> di
         "mesh": plan.mesh_sizes,
         "world_size": world.world_size,
         "run_config": cfg.to_dict(),
+        "trackers": tracker_ids,  # each tracker's run id: a resume continues the same tracker runs
         "q38_version": q38.__version__,
         "torch_version": torch.__version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -208,7 +208,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         return []
     if lead:
         _start_metrics_log(resume, start)
-    logs = RunLog(cfg, start, lead)
+    logs = RunLog(cfg, start, lead, plan, run_ids=(resume.meta or {}).get("trackers") if start else None)
     try:
         logs.startup(resume.latest if start else None, device, plan)
         return _loop(cfg, world, device, plan, mesh, state, start, batches, evals, logs, on_step)
@@ -315,18 +315,32 @@ def _start_metrics_log(resume: _Resume, start: int) -> None:
 
 
 class RunLog:
-    """Where a run reports (rank 0 only; the other ranks' calls do nothing): ``metrics.jsonl``, TensorBoard when
-    ``run.tensorboard``, the progress bar (on a terminal) and the log lines."""
+    """Where a run reports (rank 0 only; the other ranks' calls do nothing): its trackers (``metrics.jsonl``
+    always; TensorBoard, wandb, SwanLab when ``run.trackers`` names them), the progress bar (on a terminal) and the
+    log lines."""
 
-    def __init__(self, cfg: RunConfig, start: int, lead: bool) -> None:
+    def __init__(self, cfg: RunConfig, start: int, lead: bool, plan: RunPlan, run_ids=None) -> None:
         from tqdm import tqdm
 
+        from q38.train.trackers import TrackerRun, open_trackers
+
         self.cfg, self.lead, self.start = cfg, lead, start
-        self.path = Path(cfg.run.out_dir) / "metrics.jsonl"
-        self.tb = _tensorboard(cfg, Path(cfg.run.out_dir)) if lead else None
+        self.trackers = {}
+        if lead:
+            out = Path(cfg.run.out_dir)
+            names = (*cfg.run.trackers, *(("tensorboard",) if cfg.run.tensorboard else ()))
+            run = TrackerRun(out_dir=out, name=out.resolve().name, project=cfg.run.tracker_project,
+                             mode=cfg.run.tracker_mode, start=start,
+                             config={"run_config": cfg.to_dict(), "kernels": plan.kernels.to_dict(),
+                                     "layout": cfg.layout, "mesh": plan.mesh_sizes})
+            self.trackers = open_trackers(names, run, run_ids)
         # The bar only on a terminal (tqdm's disable=None); the log lines and metrics.jsonl always.
         self.bar = tqdm(total=cfg.run.steps, initial=start, disable=None if (cfg.run.progress and lead) else True,
                         dynamic_ncols=True, desc="q38 train", file=sys.stdout)
+
+    def run_ids(self) -> dict[str, str]:
+        """Each tracker's run id (kept in the checkpoint metadata, so a resume continues the same runs)."""
+        return {n: t.run_id for n, t in self.trackers.items() if t.run_id is not None}
 
     def line(self, text: str) -> None:
         if self.lead:
@@ -344,15 +358,12 @@ class RunLog:
             self.line(plan.memory)
 
     def step(self, rec: dict, tput: Throughput, terms: list[str] | None) -> None:
-        """One step's record: written to every sink; the bar's figures; a log line every ``run.log_every``."""
+        """One step's record: to every tracker; the bar's figures; a log line every ``run.log_every``."""
         if not self.lead:
             return
         step, cfg = rec["step"], self.cfg
-        write_jsonl(self.path, rec)
-        if self.tb is not None:  # every number of the record, under the same names as metrics.jsonl
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}", v, step)
+        for t in self.trackers.values():
+            t.log(rec)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{rec['loss']:.3f}", aux=f"{rec['aux']:.3f}",
                              **({"load": f"{rec['router_max_mean']:.2f}x"} if "router_max_mean" in rec else {}),
@@ -372,8 +383,8 @@ class RunLog:
 
     def close(self) -> None:
         self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
+        for t in self.trackers.values():
+            t.close()
 
 
 def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, state, start: int, batches, evals,
@@ -395,7 +406,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
 
     def save() -> Path:
         try:
-            path = save_checkpoint(ck_root, state, _meta(cfg, state, batches, plan, world),
+            path = save_checkpoint(ck_root, state, _meta(cfg, state, batches, plan, world, logs.run_ids()),
                                    keep_last=cfg.run.keep_last)
             _export_hf(cfg, path, int(state.step), logs.line)
             return path
@@ -447,14 +458,3 @@ def _export_hf(cfg: RunConfig, ck: Path, step: int, log) -> None:
     out = Path(cfg.run.out_dir) / "hf" / step_dir_name(step)
     export_checkpoint(ck, out, dtype=cfg.train.torch_param_dtype)
     log(f"step {step}: Hugging Face export written to {out}")
-
-
-def _tensorboard(cfg: RunConfig, out: Path):
-    if not cfg.run.tensorboard:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError("run.tensorboard: true needs the tensorboard package (pip install tensorboard); "
-                          "or set run.tensorboard: false (metrics.jsonl is always written)") from None
-    return SummaryWriter(str(out / "tensorboard"))
