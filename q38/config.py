@@ -19,8 +19,6 @@ from q38.errors import ConfigError, check_keys, need
 
 SPECS_DIR = Path(os.environ.get("Q38_SPECS", Path(__file__).resolve().parent.parent / "specs"))
 
-LAYER_TYPES = ("linear_attention", "full_attention")
-
 
 @attrs.frozen(kw_only=True)
 class ModelFamily:
@@ -225,8 +223,10 @@ class ModelConfig:
             f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}; "
             "give one entry per layer or drop layer_types to use the 3:1 default",
         )
-        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
-        need(not bad, f"layer_types entries must be one of {LAYER_TYPES}; got {sorted(set(bad))}")
+        from q38.layers.kinds import MIXER_KINDS  # the mixer kinds' table (the layers import this module)
+
+        bad = [t for t in self.layer_types if t not in MIXER_KINDS]
+        need(not bad, f"layer_types entries must be one of {tuple(MIXER_KINDS)}; got {sorted(set(bad))}")
         need(
             self.num_experts_per_tok <= self.num_experts,
             f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})",

@@ -17,12 +17,11 @@ Exceptions to "backward = 2 × forward", from what the code does:
 query attends to ``(s + 1) / 2`` keys on average; the CPU math path computes every score (``causal_skip=False``).
 """
 
-import math
-
 import attrs
 
 from q38.config import ModelConfig
 from q38.kernels import GDN_CHUNK
+from q38.layers.kinds import MixerFlops, MixerKind, Workload, kept_regions, layer_kinds
 
 
 @attrs.frozen
@@ -48,44 +47,18 @@ class StepFlops:
         return self.model + self.recompute + self.aux_forward
 
 
-def _layer_forward(cfg: ModelConfig, kind: str, tokens: int, rows: int, seq: int, *, causal_skip: bool,
-                   cp: int = 1, gdn_chunk: int = GDN_CHUNK) -> dict[str, float]:
-    """Forward matmul FLOPs of one decoder layer over ``tokens`` = ``rows`` × ``seq`` local tokens (``seq`` local
-    to this CP rank; attention keys span ``seq × cp``; the GDN core in chunks of ``gdn_chunk``)."""
-    d = cfg.hidden_size
+def _layer_forward(cfg: ModelConfig, kind: MixerKind, w: Workload) -> tuple[dict[str, float], MixerFlops]:
+    """Forward matmul FLOPs of one decoder layer at ``w`` (its mixer's, from the kind's formula, then the MoE's),
+    by term; and the mixer's own record (recompute region, backward)."""
+    d, tokens = cfg.hidden_size, w.tokens
     out = {"dense": 0.0, "experts": 0.0, "attention": 0.0, "gdn_core": 0.0, "solve": 0.0}
-    if kind == "full_attention":
-        h, g, c = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        out["dense"] += 2 * tokens * d * (2 * h * c + 2 * g * c + h * c)
-        keys = seq * cp
-        if causal_skip:  # average keys per query, this rank's queries at CP offsets
-            avg = sum((r * seq + (seq + 1) / 2) for r in range(cp)) / cp
-        else:
-            avg = keys
-        out["attention"] += 2 * 2 * tokens * h * c * avg
-    else:
-        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-        a, p, kw = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-        conv = cfg.linear_conv_dim
-        out["dense"] += 2 * tokens * d * (conv + nv * p + 2 * nv) + 2 * tokens * nv * p * d
-        out["dense"] += 2 * tokens * conv * kw  # depthwise causal conv
-        C = gdn_chunk
-        chunks = rows * math.ceil(seq / C)
-        pe = p + (a if cp > 1 else 0)  # CP runs extra value columns for the state response
-        r = nk / nv  # q·kᵀ is taken once per key head (gdn.py `_masked_qk`); the rest per value head
-        # The products of gdn.py's `_ChunkGatedDeltaRule`, per chunk and value head, counted from the code.
-        # forward: A = Kβ Kᵀ, S·Kβ, q·kᵀ (C²a); U = T·Vβ, P·Vnew (C²p); W·S, Kdᵀ·Vnew, (Q⊙E)·S (Cap); T by one
-        # triangular solve against I (C³)
-        out["gdn_core"] += chunks * nv * (2 * C * C * a * (2 + r) + 4 * C * C * pe + 6 * C * a * pe)
-        out["solve"] += chunks * nv * C**3
-        # backward (executed): the factors again (A, S·Kβ, q·kᵀ, U, the solve), Vnew, Pᵀ·dO, (Q⊙E)ᵀ·dO, the reverse
-        # recurrence (Kd·dS, Wᵀ·dVnew), dKd, dQd, dP, dq/dk from dP (per key head), dW, Tᵀ·[dVnew | dW], dL (two),
-        # dKβ = dL·K and dk += dLᵀ·Kβ
-        out["gdn_backward"] = chunks * nv * (2 * C * C * a * (7 + 3 * r) + 10 * C * C * pe + 14 * C * a * pe + C**3)
+    mixer = kind.flops(cfg, w)
+    for key, v in mixer.terms.items():
+        out[key] += v
     e, k, f, fs = cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
     out["dense"] += 2 * tokens * d * e + 2 * tokens * (3 * d * fs) + 2 * tokens * d
     out["experts"] += 2 * tokens * k * 3 * d * f
-    return out
+    return out, mixer
 
 
 def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute: str = "none",
@@ -98,20 +71,21 @@ def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute:
     ``gdn_chunk``: the torch GDN core's chunk length (``kernels.gdn_chunk_size``); MFU's model FLOPs
     (``train_flops_per_token``) take the accelerator one, ``GDN_CHUNK``, whatever the run uses."""
     tokens = rows * seq
-    kinds = list(cfg.layer_types) + ["full_attention"] * cfg.mtp_num_layers
+    w = Workload(rows=rows, seq=seq, cp=cp, causal_skip=causal_skip, gdn_chunk=gdn_chunk)
+    kinds = layer_kinds(cfg)
     fwd = {"dense": 0.0, "experts": 0.0, "attention": 0.0, "gdn_core": 0.0, "solve": 0.0}
     recomputed = 0.0
-    keep_attn = recompute in ("selective_attention", "selective_both")
-    keep_gdn = recompute in ("selective_gdn", "selective_both")
+    keep = kept_regions(recompute)
     for kind in kinds:
-        lf = _layer_forward(cfg, kind, tokens, rows, seq, causal_skip=causal_skip, cp=cp, gdn_chunk=gdn_chunk)
-        # q38's GDN backward rebuilds each chunk's factors instead of saving them: what it executes beyond the
-        # model's 2 × forward is counted like activation recompute
-        recomputed += lf.pop("gdn_backward", 0.0) - 2 * (lf["gdn_core"] + lf["solve"])
+        lf, mixer = _layer_forward(cfg, kind, w)
+        if mixer.backward is not None:
+            # a kernel whose backward rebuilds its factors instead of saving them (q38's GDN core): what it executes
+            # beyond the model's 2 × forward is counted like activation recompute
+            recomputed += mixer.backward - 2 * sum(lf[key] for key in mixer.kernel)
         for key, v in lf.items():
             fwd[key] += v
         if recompute != "none":
-            kept = (lf["attention"] if keep_attn else 0.0) + (lf["gdn_core"] + lf["solve"] if keep_gdn else 0.0)
+            kept = sum(lf[key] for key in mixer.kernel) if kind.region in keep else 0.0
             recomputed += sum(lf.values()) - kept
     d, v = cfg.hidden_size, cfg.vocab_size
     fwd["dense"] += cfg.mtp_num_layers * 2 * tokens * 2 * d * d  # MTP fc

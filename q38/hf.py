@@ -10,9 +10,11 @@ Layouts (the key tables, for users: docs/hf_checkpoints.md):
 * **Qwen3-Next** — prefix ``model.``, per-expert experts, ``in_proj_qkvz`` / ``in_proj_ba`` grouped per key head.
 * **MTP** — top-level ``mtp.*`` keys with (usually) per-expert experts.
 
-The q38 ↔ HF correspondence lives in the tables below (``*_RENAMES``: one q38 leaf ↔ one HF key, same tensor)
-plus four converters (conv weight, per-expert experts, grouped qkvz, grouped ba). ``_plan`` turns them into one
-``Rule`` per q38 leaf group; loading, saving and key validation all walk that one list.
+The q38 ↔ HF correspondence lives in the tables below (``*_RENAMES``: one q38 leaf ↔ one HF key, same tensor; the
+model edges, norms, MoE and MTP block) plus the per-expert converter, and in each mixer kind's record
+(``q38.layers.kinds``: its renames and converters: conv weight, grouped qkvz, grouped ba). ``_plan`` turns them
+into one ``Rule`` (``q38.layers.hf_keys``) per q38 leaf group; loading, saving and key validation all walk that one
+list.
 
 Loading reads blocks: each rule maps a block of a q38 leaf (a rank's shard, or the whole leaf) onto slices of HF
 tensors read with safetensors ``get_slice`` (``HFReader``), so a sharded load reads only its shards
@@ -35,6 +37,8 @@ import torch
 from torch import Tensor
 
 from q38.config import ModelConfig
+from q38.layers.hf_keys import CheckpointLayout, Rule, rename_rule, renames
+from q38.layers.kinds import GDN_FLAT_RENAMES, MIXER_KINDS, MTP_LAYER_TYPE
 from q38.model import ModelParams, abstract_params, is_param_info
 from q38.pytree import named_leaves, tree_map_with_path
 
@@ -75,27 +79,6 @@ LAYER_RENAMES = {
     "moe.ws_down": "mlp.shared_expert.down_proj.weight",
     "moe.w_shared_gate": "mlp.shared_expert_gate.weight",
 }
-ATTN_RENAMES = {
-    "mixer.w_q": "self_attn.q_proj.weight",  # per head: c query rows then c gate rows (same in both)
-    "mixer.w_k": "self_attn.k_proj.weight",
-    "mixer.w_v": "self_attn.v_proj.weight",
-    "mixer.w_o": "self_attn.o_proj.weight",
-    "mixer.q_norm": "self_attn.q_norm.weight",
-    "mixer.k_norm": "self_attn.k_norm.weight",
-}
-GDN_RENAMES = {
-    "mixer.dt_bias": "linear_attn.dt_bias",
-    "mixer.A_log": "linear_attn.A_log",
-    "mixer.norm_w": "linear_attn.norm.weight",
-    "mixer.w_out": "linear_attn.out_proj.weight",
-}
-GDN_FLAT_RENAMES = {  # Qwen3.5 layout; Qwen3-Next groups these per key head (``_grouped_qkvz`` / ``_grouped_ba``)
-    "mixer.w_qkv": "linear_attn.in_proj_qkv.weight",
-    "mixer.w_z": "linear_attn.in_proj_z.weight",
-    "mixer.w_b": "linear_attn.in_proj_b.weight",
-    "mixer.w_a": "linear_attn.in_proj_a.weight",
-}
-GDN_CONV = ("mixer.conv_w", "linear_attn.conv1d.weight")  # q38 [ch, w] ↔ HF [ch, 1, w]
 FUSED_EXPERT_RENAMES = {
     "moe.we_gate_up": "mlp.experts.gate_up_proj",  # [e, 2f, d]: rows [0:f] gate, [f:2f] up
     "moe.we_down": "mlp.experts.down_proj",  # [e, d, f]
@@ -104,37 +87,6 @@ PER_EXPERT_KEY = "mlp.experts.{i}.{proj}_proj.weight"  # gate/up [f, d], down [d
 
 
 # ---- rules ----------------------------------------------------------------------------------------------------------
-@attrs.frozen
-class Rule:
-    """q38 leaves ``q38`` ↔ HF tensors ``hf`` (shapes ``hf_shapes``).
-
-    ``to_hf(*q38 tensors) -> tuple of HF tensors``. ``block(read, which, index)``: only the block ``index`` (a tuple
-    of slices) of q38 leaf ``q38[which]``, where ``read(i, hf_index)`` reads that block of HF tensor ``i`` (``None``:
-    all of it). Rules whose q38 block is a block of HF tensors read only that; the grouped Qwen3-Next projections
-    read their one HF tensor whole and gather the block's rows from it.
-    """
-
-    q38: tuple[str, ...]
-    hf: tuple[str, ...]
-    hf_shapes: tuple[tuple[int, ...], ...]
-    to_hf: Callable[..., tuple]
-    block: Callable
-
-
-def _rename(q: str, h: str, shape: tuple[int, ...]) -> Rule:
-    return Rule((q,), (h,), (shape,), lambda t: (t,), lambda read, which, index: read(0, index))
-
-
-def _conv(q: str, h: str, shape: tuple[int, ...]) -> Rule:
-    ch, w = shape
-
-    def block(read, which, index):
-        rows, cols = index
-        return read(0, (rows, slice(None), cols)).reshape(rows.stop - rows.start, cols.stop - cols.start)
-
-    return Rule((q,), (h,), ((ch, 1, w),), lambda t: (t.unsqueeze(1),), block)
-
-
 def _per_expert(q_gate_up: str, q_down: str, hp: str, e: int, f: int, d: int) -> list[Rule]:
     """Fused q38 ``[e, 2f, d]`` / ``[e, d, f]`` ↔ HF ``experts.{i}.{gate,up,down}_proj.weight``."""
     gu_keys = tuple(hp + PER_EXPERT_KEY.format(i=i, proj=proj) for i in range(e) for proj in ("gate", "up"))
@@ -178,62 +130,10 @@ def _assemble(parts, shape: tuple[int, int, int]) -> Tensor:
     return out
 
 
-def _grouped_block(rows_of: tuple[Tensor, ...]):
-    """The block reader of a grouped rule whose q38 output ``w`` holds HF rows ``rows_of[w]`` (in order): the one HF
-    tensor is read whole (its rows interleave every q38 output) and only the block's rows are gathered from it."""
-
-    def block(read, which, index):
-        rows, *rest = index
-        return read(0, None)[(slice(None), *rest)][rows_of[which][rows]]  # columns as a view, then gather rows
-
-    return block
-
-
-def _grouped_qkvz(q_qkv: str, q_z: str, h: str, cfg: ModelConfig) -> Rule:
-    """Flat ``w_qkv`` (rows [q all | k all | v all]) + ``w_z`` ↔ Qwen3-Next ``in_proj_qkvz``, whose rows are blocks
-    per key head ``g``: ``[q_g (dk) | k_g (dk) | v_{g·r..g·r+r-1} (r·dv) | z_{same} (r·dv)]``."""
-    nk, dk, d = cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.hidden_size
-    rdv = cfg.linear_value_groups * cfg.linear_value_head_dim
-    kd, vd = cfg.linear_key_dim, cfg.linear_value_dim
-
-    def to_hf(w_qkv, w_z):
-        q, k, v = torch.split(w_qkv, [kd, kd, vd], dim=0)
-        blocks = [q.reshape(nk, dk, d), k.reshape(nk, dk, d), v.reshape(nk, rdv, d), w_z.reshape(nk, rdv, d)]
-        return (torch.cat(blocks, dim=1).reshape(2 * kd + 2 * vd, d),)
-
-    hf_rows = torch.arange(2 * kd + 2 * vd).reshape(nk, 2 * dk + 2 * rdv, 1)
-    q, k, v, z = (t.reshape(-1) for t in torch.split(hf_rows, [dk, dk, rdv, rdv], dim=1))
-    return Rule((q_qkv, q_z), (h,), ((2 * kd + 2 * vd, d),), to_hf, _grouped_block((torch.cat([q, k, v]), z)))
-
-
-def _grouped_ba(q_b: str, q_a: str, h: str, cfg: ModelConfig) -> Rule:
-    """``w_b`` / ``w_a`` ``[nv, d]`` ↔ Qwen3-Next ``in_proj_ba``: per key head ``[b (r) | a (r)]``."""
-    nk, nv, r, d = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_value_groups, cfg.hidden_size
-
-    def to_hf(w_b, w_a):
-        return (torch.cat([w_b.reshape(nk, r, d), w_a.reshape(nk, r, d)], dim=1).reshape(2 * nv, d),)
-
-    b, a = (t.reshape(-1) for t in torch.split(torch.arange(2 * nv).reshape(nk, 2 * r), [r, r], dim=1))
-    return Rule((q_b, q_a), (h,), ((2 * nv, d),), to_hf, _grouped_block((b, a)))
-
-
 def _abstract_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """``{q38 path: shape}`` of every parameter (``lm_head`` / ``mtp`` are ``None`` leaves when absent)."""
     leaves = named_leaves(abstract_params(cfg), is_leaf=is_param_info)
     return {path: info.shape for path, info in leaves if info is not None}
-
-
-@attrs.frozen
-class CheckpointLayout:
-    """Where and how a checkpoint stores the text model.
-
-    ``prefix``: ``model.`` or ``model.language_model.``; ``gdn_grouped``: Qwen3-Next qkvz/ba projections;
-    ``fused_experts(hf_layer_prefix) -> bool``: routed experts of that layer as two 3-D tensors (else per expert).
-    """
-
-    prefix: str
-    gdn_grouped: bool
-    fused_experts: Callable[[str], bool]
 
 
 def _plan(cfg: ModelConfig, layout: CheckpointLayout) -> list[Rule]:
@@ -241,35 +141,22 @@ def _plan(cfg: ModelConfig, layout: CheckpointLayout) -> list[Rule]:
     shapes = _abstract_shapes(cfg)
     p = layout.prefix
     e, f, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    rules = [_rename(q, h.format(p=p), shapes[q]) for q, h in MODEL_RENAMES.items() if q in shapes]
+    rules = [rename_rule(q, h.format(p=p), shapes[q]) for q, h in MODEL_RENAMES.items() if q in shapes]
 
     def layer(qp: str, hp: str, layer_type: str) -> None:
-        def ren(table):
-            rules.extend(_rename(qp + q, hp + h, shapes[qp + q]) for q, h in table.items())
-
-        if layer_type == "full_attention":
-            ren(ATTN_RENAMES)
-        else:
-            if layout.gdn_grouped:
-                la = hp + "linear_attn."
-                rules.append(_grouped_qkvz(qp + "mixer.w_qkv", qp + "mixer.w_z", la + "in_proj_qkvz.weight", cfg))
-                rules.append(_grouped_ba(qp + "mixer.w_b", qp + "mixer.w_a", la + "in_proj_ba.weight", cfg))
-            else:
-                ren(GDN_FLAT_RENAMES)
-            rules.append(_conv(qp + GDN_CONV[0], hp + GDN_CONV[1], shapes[qp + GDN_CONV[0]]))
-            ren(GDN_RENAMES)
-        ren(LAYER_RENAMES)
+        rules.extend(MIXER_KINDS[layer_type].hf_rules(cfg, layout, qp + "mixer.", hp, shapes))
+        rules.extend(renames(LAYER_RENAMES, qp, hp, shapes))
         if layout.fused_experts(hp):
-            ren(FUSED_EXPERT_RENAMES)
+            rules.extend(renames(FUSED_EXPERT_RENAMES, qp, hp, shapes))
         else:
             rules.extend(_per_expert(qp + "moe.we_gate_up", qp + "moe.we_down", hp, e, f, d))
 
     for i, t in enumerate(cfg.layer_types):
         layer(f"layers.{i}.", f"{p}layers.{i}.", t)
     if cfg.mtp_num_layers > 0:
-        rules.extend(_rename(q, h, shapes[q]) for q, h in MTP_RENAMES.items())
+        rules.extend(rename_rule(q, h, shapes[q]) for q, h in MTP_RENAMES.items())
         for j in range(cfg.mtp_num_layers):
-            layer(f"mtp.layers.{j}.", f"mtp.layers.{j}.", "full_attention")
+            layer(f"mtp.layers.{j}.", f"mtp.layers.{j}.", MTP_LAYER_TYPE)
 
     covered = [q for r in rules for q in r.q38]
     if sorted(covered) != sorted(shapes):  # a new ModelParams leaf without a table entry is a bug here
@@ -309,7 +196,7 @@ def _checkpoint_index(path: Path) -> dict[str, str]:
 def _load_layout(cfg: ModelConfig, keys: set[str]) -> CheckpointLayout:
     """Detect the text prefix, GDN projection layout and per-layer expert layout from the keys present."""
     prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in keys) else "model."
-    has_flat = any(k.endswith("linear_attn.in_proj_qkv.weight") for k in keys)
+    has_flat = any(k.endswith(GDN_FLAT_RENAMES["w_qkv"]) for k in keys)
     has_grouped = any(k.endswith("linear_attn.in_proj_qkvz.weight") for k in keys)
     grouped = has_grouped or (cfg.family.checkpoint_layout == "qwen3_next" and not has_flat)
 

@@ -14,6 +14,7 @@ from q38.config import ModelConfig
 from q38.layers.block import LayerParams, abstract_layer, layer_apply
 from q38.layers.common import ParamInfo, materialize
 from q38.layers.context import SeqInfo, seq_info
+from q38.layers.kinds import MTP_LAYER_TYPE
 from q38.layers.moe import ExpertDispatch
 from q38.layers.norm import rms_norm
 from q38.pytree import named_leaves, pytree_node, tree_map_with_path
@@ -73,7 +74,7 @@ def abstract_params(cfg: ModelConfig) -> ModelParams:
             norm_emb=ParamInfo((d,), "zeros", axes=("norm",)),
             norm_hidden=ParamInfo((d,), "zeros", axes=("norm",)),
             fc=ParamInfo((d, 2 * d), std=std, axes=("mtp_out", "mtp_in")),
-            layers=[abstract_layer(cfg, "full_attention") for _ in range(cfg.mtp_num_layers)],
+            layers=[abstract_layer(cfg, MTP_LAYER_TYPE) for _ in range(cfg.mtp_num_layers)],
             norm=ParamInfo((d,), "zeros", axes=("norm",)),
         )
     return ModelParams(
@@ -239,23 +240,19 @@ class ParamCount:
 
 
 def count_params(config: ModelConfig) -> ParamCount:
-    """Total and per-token active parameter counts from the closed-form formula (docs/model.md#parameter-counts).
+    """Total and per-token active parameter counts, summed over the declared shapes (``abstract_params``;
+    docs/model.md#parameter-counts); ``mtp_*``: the ``mtp.*`` leaves.
 
-    Active counts the embedding, head, all dense parts and ``k`` of ``E`` routed experts per MoE layer.
+    Active counts every weight but the routed experts a token does not use: a weight whose first logical axis is
+    ``expert`` holds ``num_experts`` experts, ``num_experts_per_tok`` of which serve a token.
     """
-    c = config
-    d, hd = c.hidden_size, c.head_dim
-    p_attn = 2 * c.num_attention_heads * hd * d + 2 * c.num_key_value_heads * hd * d + c.num_attention_heads * hd * d + 2 * hd
-    kd, vd, nv = c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
-    p_gdn = d * (2 * kd + 2 * vd) + 2 * nv * d + (2 * kd + vd) * c.linear_conv_kernel_dim + 2 * nv + c.linear_value_head_dim + vd * d
-    p_exp = 3 * d * c.moe_intermediate_size
-    p_shared = 3 * d * c.shared_expert_intermediate_size + d
-    p_moe = c.num_experts * d + c.num_experts * p_exp + p_shared
-    p_moe_active = c.num_experts * d + c.num_experts_per_tok * p_exp + p_shared
-    emb = c.vocab_size * d * (1 if c.tie_word_embeddings else 2)
-    total = c.num_full_layers * p_attn + c.num_linear_layers * p_gdn + c.num_hidden_layers * (p_moe + 2 * d) + emb + d
-    active = total - c.num_hidden_layers * (p_moe - p_moe_active)
-    n = c.mtp_num_layers
-    mtp_total = (2 * d * d + 3 * d) + n * (p_attn + p_moe + 2 * d) if n else 0
-    mtp_active = mtp_total - n * (p_moe - p_moe_active)
-    return ParamCount(total=total, active=active, mtp_total=mtp_total, mtp_active=mtp_active)
+    e, k = config.num_experts, config.num_experts_per_tok
+    total = {False: 0, True: 0}  # by "is an MTP leaf"
+    active = {False: 0, True: 0}
+    for path, info in named_leaves(abstract_params(config), is_leaf=is_param_info):
+        if info is None:  # the tied head
+            continue
+        mtp = path.startswith("mtp.")
+        total[mtp] += info.numel
+        active[mtp] += info.numel // e * k if info.axes[:1] == ("expert",) else info.numel
+    return ParamCount(total=total[False], active=active[False], mtp_total=total[True], mtp_active=active[True])

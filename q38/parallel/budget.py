@@ -37,10 +37,10 @@ import torch
 from q38.config import ConfigError, ModelConfig
 from q38.flops import StepFlops, step_flops
 from q38.kernels import GDN_CHUNK
+from q38.layers.kinds import MIXER_KINDS, RECOMPUTE_MODES, Workload, kept_regions, layer_kinds
 from q38.parallel.layout import Layout
 from q38.parallel.plan import local_numel_grid
 
-RECOMPUTE_MODES = ("none", "full", "selective_attention", "selective_gdn", "selective_both")
 GIB = 2**30
 
 
@@ -52,9 +52,14 @@ def recompute_mode(train: Mapping[str, Any]) -> str:
     """The recompute mode of a run config's ``train`` settings (the YAML mapping or ``TrainConfig.to_dict()``)."""
     if not train.get("recompute"):
         return "none"
-    a, g = bool(train.get("skip_flash_attn_recompute")), bool(train.get("skip_gdn_recompute"))
-    return {(False, False): "full", (True, False): "selective_attention", (False, True): "selective_gdn",
-            (True, True): "selective_both"}[(a, g)]
+    kept = [k.region for k in MIXER_KINDS.values() if train.get(k.keep_flag)]
+    if not kept:
+        return "full"
+    if len(kept) == len(MIXER_KINDS):
+        return "selective_both"
+    if len(kept) == 1:
+        return f"selective_{kept[0]}"
+    raise ConfigError(f"no recompute mode keeps exactly the regions {kept}; keep one of them or all")
 
 
 # The share of a device's memory a plan may fill; the rest is for allocator fragmentation, the CUDA / CANN context
@@ -158,114 +163,21 @@ def _moe_saved(cfg: ModelConfig, n: float | int, act: int, ep: int, ep_balance: 
     return elems * act + ints, m * 2 * f * act
 
 
-def _attention_saved(cfg: ModelConfig, n: float | int, act: int, cp: int, kv_native: bool) -> tuple[float, float, float]:
-    """(core, rest, widest) bytes. Flash SDPA saves q, k, v, out and the logsumexp (same set as the CPU flash op);
-    ``kv_native``: k and v go in with their own ``g`` heads (``enable_gqa``: the causal, unmasked case, see
-    ``attention._native_gqa``), else repeated to all ``h`` query heads before the call (as the layer does then)."""
-    h, g, c, rd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
-    kv_heads = g if kv_native else h
-    core = n * c * (2 * h + 2 * cp * kv_heads) * act + n * h * 4  # q, k and v over the whole row, out; lse fp32
-    # q|gate and k projections with their QK-norm rsqrts (the norms save their inputs), rope cos/sin, the output gate
-    rest = n * (2 * h * c + h + g * c + g + 2 * rd + h * c + h * c) * act
-    if cp > 1:  # gathered k and v before the repeat
-        rest += 2 * n * cp * g * c * act
-    return core, rest, n * h * c * cp * act
-
-
-def gdn_backward_working(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int = 1,
-                         chunk: int = GDN_CHUNK) -> float:
-    """Bytes the torch GDN core's backward (``_ChunkGatedDeltaRule.backward``, q38/layers/gdn.py) allocates at its
-    peak on top of what its forward saved (inputs and one fp32 state per chunk), including the incoming ``d_o``.
-
-    Everything in it is fp32 over ``N = rows·H·j`` chunks (``j = ⌈seq/C⌉``) of ``C = chunk`` tokens, in units of one
-    ``[N, C, C]`` matrix (``C²``), one ``[N, C, a]`` / ``[N, C, p]`` column block (``Ca`` / ``Cp``; ``p`` = value
-    columns, ``+a`` under CP, which runs the identity initial state as extra columns), ``[N, a, p]`` and ``[N, C]``.
-    Alive throughout (Python names hold them to the return): the recomputed factors ``Gam``, ``A`` (``dL ⊙ L``
-    is taken as ``(dL⊙Γ)⊙A``), ``T`` and ``P = QKᵀ⊙Γ`` (4 C²); ``q, k, kb, kd, qd`` (5 Ca), ``vb, vnew, dv_base, dvnew, d_o`` (5 Cp), ``U, W`` (Ca + Cp);
-    ``ds_base, dS_after`` (2 ap); ``E, Ec, dgam, y`` (4 C); per row and head the reverse recurrence's last ``dS``
-    and ``dvn`` (``ap + Cp``). The peak is the L2-norm backward of ``dq`` / ``dk`` at the end: ``x`` and ``dL``
-    (``7 C²`` in all) with ``dkb, xe``, the norm backward's one temporary (3 Ca) and ``dv`` (Cp) →
-    ``7 C² + C(15a + 8p)``; with 16-bit inputs the casts of the returned gradients come within ~2 % of it. (The
-    other candidate, at ``dL = −strict(dVβ Uᵀ + dX Wᵀ)``, holds ``x = dP⊙P``, ``dP`` and ``dL`` — one buffer,
-    accumulated in place: ``7 C²`` too — with ``dkd, dk, dqd, dq, dW`` and ``dvb, dx`` (6 Ca + Cp):
-    ``7 C² + C(12a + 7p)``, never larger.) The contiguous fp32 copies ``qf, kf, v`` (``C(2a + p)``) and of ``g, β``
-    (2 C) are alive too, whatever the input dtype (the inputs are strided views of the projections; one copy serves
-    every product), and a contiguous copy of ``d_o`` (Cp), which arrives as a strided view of the layer's
-    ``[b, s, h, p]`` gradient. Packed rows (document masks) add the masked ``W`` (Ca), left out. Not the fla kernel,
-    whose backward is not modelled here.
-
-    With ``r = H / Hk > 1`` value heads per key head, ``qf, kf`` are per key head (``2Ca / r``) and the peak moves to
-    the ``dβ`` line, a little below the ``r = 1`` shape used here (measured: within 3 %, over).
-    """
-    H, a, p = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    r = H // cfg.linear_num_key_heads
-    C = chunk
-    pe = p + (a if cp > 1 else 0)
-    N = rows * H * math.ceil(seq / C)
-    per_chunk = 7 * C * C + C * (15 * a + 8 * pe) + 2 * a * pe + 4 * C
-    per_chunk += C * (2 * a / r + pe) + 2 * C  # contiguous fp32 copies: q, k per key head; v, g, β (any dtype)
-    per_chunk += C * pe  # the contiguous copy of d_o (it arrives as a strided view of the [b s h p] gradient)
-    return float((N * per_chunk + rows * H * (a * pe + C * pe)) * 4)
-
-
-def _gdn_saved(cfg: ModelConfig, rows: float | int, seq: int, act: int, cp: int, kernel: bool,
-               chunk: int = GDN_CHUNK) -> tuple[float, float, float, float]:
-    """(core, rest, widest, pre) bytes of a Gated DeltaNet layer's mixer. ``kernel=False``: the chunked torch
-    reference with its own backward (inputs q, k per key head, v, g, beta in the activation dtype and one fp32 state
-    per chunk; backward recomputes the in-chunk factors); ``kernel=True``: fla's chunk kernel, which saves its inputs
-    (q, k, v, g, beta), the per-chunk ``A`` matrix and the output."""
-    H, a, p, K = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                  cfg.linear_conv_kernel_dim)
-    Hk = cfg.linear_num_key_heads
-    conv = cfg.linear_conv_dim
-    C = chunk
-    n = rows * seq
-    S = rows * math.ceil(seq / C) * C  # padded tokens
-    j = math.ceil(seq / C)
-    pe = p + (a if cp > 1 else 0)
-    # projections, conv, gates, gated norm, output projection input (activation dtype); the conv saves its input
-    # (the projection's output) and the K - 1 halo rows, not a padded copy
-    pre = (n * conv + rows * (K - 1) * conv * (cp > 1) + n * conv + 3 * n * H + n * H) * act  # saved before the core
-    # gated norm (its own backward: saves its inputs o and z and the rsqrt) and the output projection's input
-    rest = pre + (2 * n * H * p + n * H * p) * act + n * H * 4
-    if kernel:
-        core = n * H * (2 * a + pe + 2) * act + n * H * C * 4 + n * H * pe * act
-        widest = n * H * C * 4
-    else:  # q38's chunked rule with its own backward (gdn.py): saves its inputs and one fp32 state per chunk
-        f32 = 4
-        # q, k per key head (the core expands them inside), v, g, β per value head
-        core = n * (2 * Hk * a + H * (pe + 2)) * act + rows * H * j * a * pe * f32
-        widest = S * H * C * f32
-    return core, rest, widest, pre
-
-
 def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, *, act_bytes: int, cp: int = 1,
                       ep: int = 1, ep_balance: bool = False, gdn_kernel: bool = False,
                       kv_native: bool = False, gdn_chunk: int = GDN_CHUNK) -> LayerActivations:
-    """Saved bytes of one decoder layer (``kind``: ``full_attention`` | ``linear_attention``) for ``rows`` rows of
-    ``seq`` local tokens. Norms and residual stream included. ``kv_native``: attention takes k, v with their own
-    heads (unpacked rows, no CP; see ``estimate``'s ``packed_rows``). ``gdn_kernel``: fla's GDN kernel (else the
-    torch core, in chunks of ``gdn_chunk``)."""
-    n = rows * seq
-    d = cfg.hidden_size
-    mixer_backward = 0.0
-    kernel_gdn = bool(gdn_kernel)
-    if kind == "full_attention":
-        core, rest, widest = _attention_saved(cfg, n, act_bytes, cp, kv_native)
-        kept = n * cfg.num_attention_heads * (cfg.head_dim * act_bytes + 4)  # SDPA is one op: out + logsumexp
-    else:
-        core, rest, widest, pre = _gdn_saved(cfg, rows, seq, act_bytes, cp, kernel=kernel_gdn, chunk=gdn_chunk)
-        kept = core if not kernel_gdn else n * cfg.linear_value_dim * act_bytes
-        if not kernel_gdn:
-            # at the core's backward the MoE, output projection and gated norm have run their backward: alive are
-            # the core's saved inputs and states, what was saved before it (conv, gates), the input norm's input,
-            # output and rsqrt, the gradient of the norm's gate z, and the core backward's own working set
-            mixer_backward = (core + pre + (2 * n * d + n * cfg.linear_value_dim) * act_bytes + n * 4
-                              + gdn_backward_working(cfg, rows, seq, act_bytes, cp, gdn_chunk))
+    """Saved bytes of one decoder layer of mixer kind ``kind`` (a ``layer_types`` entry; its ``saved`` formula,
+    q38/layers/kinds.py) for ``rows`` rows of ``seq`` local tokens. Norms and residual stream included.
+    ``kv_native``: attention takes k, v with their own heads (unpacked rows, no CP; see ``estimate``'s
+    ``packed_rows``). ``gdn_kernel``: fla's GDN kernel (else the torch core, in chunks of ``gdn_chunk``)."""
+    w = Workload(rows=rows, seq=seq, cp=cp, act_bytes=act_bytes, kv_native=kv_native, gdn_kernel=bool(gdn_kernel),
+                 gdn_chunk=gdn_chunk)
+    n, d = w.tokens, cfg.hidden_size
+    mixer = MIXER_KINDS[kind].saved(cfg, w)
     moe, moe_w = _moe_saved(cfg, n, act_bytes, ep, ep_balance)
     common = (4 * n * d) * act_bytes + 2 * n * 4  # the two norms' inputs (residual stream) and outputs, rsqrt
-    return LayerActivations(core=core, rest=rest + moe + common, widest=max(widest, moe_w), kept=kept,
-                            mixer_backward=mixer_backward)
+    return LayerActivations(core=mixer.core, rest=mixer.rest + moe + common, widest=max(mixer.widest, moe_w),
+                            kept=mixer.kept, mixer_backward=mixer.mixer_backward)
 
 
 # ---- the budget -------------------------------------------------------------------------------------------------
@@ -482,6 +394,224 @@ def _group_link(mesh: Mapping[str, int], dim: str, devices_per_node: int) -> str
     return "intra" if stride * mesh[dim] <= devices_per_node else "inter"
 
 
+@attrs.frozen(kw_only=True)
+class _Step:
+    """One step as :func:`estimate` prices it, its arguments resolved: the mesh, one micro-batch's local shape
+    (``rows_mb`` rows of ``seq`` tokens on a CP rank) and the byte sizes of the compute (``act``: activations and
+    gathered weights), gradient (``red``) and master (``mst``) dtypes."""
+
+    mesh: dict
+    micro_batches: int
+    recompute: str
+    seq: int
+    rows_mb: float
+    act: int
+    red: int
+    mst: int
+    param_dtype: str
+    reduce_dtype: str
+    master_dtype: str
+    offload_activations: bool
+    resharded: bool  # without recompute, each gathered layer is freed after its forward and gathered again
+    ep_balance: bool
+    max_dup_experts: int
+    gdn_kernel: bool
+    kv_native: bool
+    gdn_chunk: int
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.get("cp", 1)
+
+    @property
+    def ep(self) -> int:
+        return self.mesh.get("ep", 1)
+
+    @property
+    def n_mb(self) -> float:
+        return self.rows_mb * self.seq
+
+
+def _activations(cfg: ModelConfig, st: _Step, kinds: list) -> tuple[float | int, float | int, str]:
+    """``(saved, working, note)``: the bytes autograd saves over every layer of one micro-batch (per the recompute
+    mode) and the backward working set of one layer."""
+    n_mb, d, act = st.n_mb, cfg.hidden_size, st.act
+    acts = [layer_activations(cfg, k.name, st.rows_mb, st.seq, act_bytes=act, cp=st.cp, ep=st.ep,
+                              ep_balance=st.ep_balance, gdn_kernel=st.gdn_kernel, kv_native=st.kv_native,
+                              gdn_chunk=st.gdn_chunk) for k in kinds]
+    # The "layer" transient group also holds the EP receive buffers / duplicated experts and the CP k/v buffers;
+    # those belong to the MoE and the attention, freed (or not yet made) when a GDN core runs its backward.
+    not_at_mixer = 0.0
+    if st.ep > 1:
+        not_at_mixer += n_mb * cfg.num_experts_per_tok * d * act * 2
+        if st.ep_balance:
+            not_at_mixer += st.max_dup_experts * 3 * d * cfg.moe_intermediate_size * act * 2
+    if st.cp > 1:
+        not_at_mixer += 2 * n_mb * st.cp * cfg.num_key_value_heads * cfg.head_dim * act * 2
+    if st.recompute == "none":
+        saved = sum(a.total for a in acts)
+        working = max(a.widest for a in acts) * 2 + 2 * n_mb * d * act
+        # at a mixer core's backward the later layers' saved tensors (and this layer's MoE part) are already freed
+        later = 0.0
+        for a in reversed(acts):
+            if a.mixer_backward:
+                working = max(working, a.mixer_backward - a.total - later - not_at_mixer + 2 * n_mb * d * act)
+            later += a.total
+        return saved, working, f"{len(kinds)} layers × saved tensors"
+    keep = kept_regions(st.recompute)
+    kept = sum(a.kept for a, k in zip(acts, kinds) if k.region in keep)
+    saved = len(kinds) * n_mb * d * act + kept
+    # the layer in backward: its recomputed saved tensors at the start (MoE backward), or, later, the mixer
+    # core's backward (torch GDN: its own working set, gdn_backward_working)
+    working = max(max(a.total + a.widest, a.mixer_backward - not_at_mixer) for a in acts) + 2 * n_mb * d * act
+    return saved, working, f"{len(kinds)} layer inputs" + (" + kept kernel outputs" if kept else "")
+
+
+def _loss_workspace(cfg: ModelConfig, st: _Step, chunk_tokens: int | None,
+                    chunk_budget_bytes: int | None) -> tuple[float | int, float | int]:
+    """``(logits live, bytes)`` of the chunked loss: each depth's valid hidden rows (index_select, saved), the chunk
+    workspace and the dx accumulators."""
+    n_mb, v, act = st.n_mb, cfg.vocab_size, st.act
+    if chunk_budget_bytes is not None:
+        chunk_logits = min(n_mb, max(1, chunk_budget_bytes // (v * 8))) * v
+    elif chunk_tokens is not None:
+        chunk_logits = min(n_mb, chunk_tokens) * v
+    else:
+        chunk_logits = n_mb * v * 3
+    d = cfg.hidden_size
+    loss_ws = (1 + cfg.mtp_num_layers) * n_mb * d * act + chunk_logits * (4 + (act if act < 4 else 0)) + 2 * n_mb * d * 4
+    return chunk_logits, loss_ws
+
+
+def _forward_backward_items(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list,
+                            loss: tuple[float | int, float | int]) -> list[Item]:
+    """The memory of the forward/backward phase, item by item."""
+    numel, n_mb, d, act = ps.numel, st.n_mb, cfg.hidden_size, st.act
+    saved, working, saved_note = _activations(cfg, st, kinds)
+    memory = [
+        Item("master weights", numel * st.mst, f"{st.master_dtype}, {numel:,} params on the fullest rank"),
+        Item("optimizer moments", numel * 8, "AdamW m and v, fp32"),
+    ]
+    if st.micro_batches > 1:
+        memory.append(Item("gradient accumulator", numel * st.red * 2,
+                           f"{st.reduce_dtype}; sum and the next micro-batch's"))
+    memory.append(Item("activations (saved)", 0.0 if st.offload_activations else saved,
+                       saved_note + (" — offloaded to host" if st.offload_activations else "")
+                       + f"; {st.rows_mb:g} rows × {st.seq} tokens per micro-batch"))
+    if st.param_dtype != st.master_dtype:  # each layer's shards are cast just before its gather (FSDP2's policy)
+        memory.append(Item("compute-dtype copy of shards", ps.largest_layer_local * act,
+                           f"{st.param_dtype} cast of the layer's shards before the gather", "layer"))
+    # Without recompute the runtime frees each gathered layer after its forward and gathers it again in backward
+    # (train.reshard_after_forward, not with offload); otherwise the matmuls keep every gathered weight alive.
+    if st.recompute == "none" and ps.gathered_layers and not st.resharded:
+        memory.append(Item("gathered params (held)", ps.gathered_layers * act,
+                           "every layer's gathered weights, saved for its backward (no recompute)"))
+    elif ps.gathered_layers:
+        ahead = any(v > 0 for v in ps.gather_prefetchable.values())
+        memory.append(Item("gathered params (transient)", (2 if ahead else 1) * ps.largest_layer * act,
+                           f"{'current + prefetched' if ahead else 'current'} layer, compute form", "layer"))
+    memory.append(Item("layer backward working set", working, "recomputed layer + gradients of its widest tensors"
+                       if st.recompute != "none" else "gradients of the widest saved tensors", "layer"))
+    model_extra = (n_mb * d * 2 + cfg.mtp_num_layers * n_mb * (5 * d)) * act  # embedding out, final norm, MTP block
+    memory.append(Item("model edges", model_extra, "embedding output, final norm, MTP block"))
+    chunk_logits, loss_ws = loss
+    memory.append(Item("loss workspace", loss_ws, f"chunked CE: {chunk_logits:,.0f} logits live + hidden rows",
+                       "loss"))
+    if st.ep > 1:
+        e_local = math.ceil(cfg.num_experts / st.ep)
+        recv = n_mb * cfg.num_experts_per_tok * d * act * 2
+        memory.append(Item("EP receive buffers", recv, f"dispatch + combine of {n_mb * cfg.num_experts_per_tok:,.0f}"
+                           f" routed rows ({e_local} local experts), the layer in flight", "layer"))
+        if st.ep_balance:
+            memory.append(Item("EP-balance duplicate experts", st.max_dup_experts * 3 * d * cfg.moe_intermediate_size
+                               * act * 2, f"{st.max_dup_experts} copied experts per rank (weights + gradients)",
+                               "layer"))
+    if st.cp > 1:
+        memory.append(Item("CP buffers", 2 * n_mb * st.cp * cfg.num_key_value_heads * cfg.head_dim * act * 2,
+                           "gathered keys/values of the layer in flight (+ gradient)", "layer"))
+    return memory
+
+
+def _optimizer_items(st: _Step, numel: int, grad_clip: bool, impl: str) -> list[Item]:
+    """q38.train.optim.adamw_step as it runs: the old state and the gradients stay alive while it updates fp32
+    copies of weights and moments; the gradients it updates with are fp32 copies when they are scaled by the
+    clipping factor (``_foreach_mul`` returns new tensors) or stored in another dtype; torch's foreach AdamW divides
+    by ``_foreach_sqrt(exp_avg_sq)``, a new tensor per parameter of the group (≈ all of them), the fused kernel
+    updates in place."""
+    opt = [
+        Item("master weights", numel * st.mst),
+        Item("optimizer moments", numel * 8),
+        Item("gradients", numel * st.red),
+        Item("new weights and moments", numel * (4 + 8), "fp32 copies the functional AdamW updates and returns"),
+    ]
+    if grad_clip or st.red != 4:
+        opt.append(Item("fp32 gradients for the update", numel * 4,
+                        "scaled by the clipping factor" if grad_clip else f"{st.reduce_dtype} gradients cast to fp32"))
+    if impl == "foreach":
+        opt.append(Item("update temporaries", numel * 4, "foreach AdamW: sqrt(exp_avg_sq) of every parameter"))
+    return opt
+
+
+def _start_items(cfg: ModelConfig, st: _Step, ps: ParamStats) -> list[Item]:
+    """Starting the run: every path that loads state allocates only the rank's shards (the template, or the shards
+    read from a Hugging Face directory) plus what one read holds: resume reads each saved chunk whole
+    (``torch.load`` of one DCP item; the saving layout's largest shard, assumed to be this one), init_from a HF
+    directory reads one slice in the file's dtype (bf16 assumed) and casts it to fp32; the grouped Qwen3-Next
+    projections read their one HF tensor whole. The moments are zeros of the same shards."""
+    numel, big = ps.numel, ps.largest_shard
+    hf_whole = 0
+    if cfg.family.checkpoint_layout == "qwen3_next":
+        hf_whole = (2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim) * cfg.hidden_size * 2
+    return [
+        Item("master weights", numel * st.mst),
+        Item("optimizer moments", numel * 8),
+        Item("resume: one saved chunk", big * 4, "fp32, read whole by DCP before its block is copied", "resume"),
+        Item("init_from HF: one slice + fp32 copy", big * (2 + 4) + hf_whole,
+             "bf16 slice and its cast" + (" + one grouped in_proj_qkvz read whole" if hf_whole else ""),
+             "init_from"),
+    ]
+
+
+def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Hardware | None) -> list[CommTerm]:
+    """Every collective of the step per mesh dim: FSDP gathers (prefetched or not, again for recompute or after a
+    reshard), gradient reduce-scatters and all-reduces, the EP all-to-all, each mixer kind's CP exchange."""
+    comm: list[CommTerm] = []
+    mesh, mb, act, red, recompute = st.mesh, st.micro_batches, st.act, st.red, st.recompute
+
+    def add(coll: str, dim: str, nbytes: float | int, overlapped: bool = False) -> None:
+        if nbytes <= 0:
+            return
+        link = _group_link(mesh, dim, hw.devices_per_node) if hw else "intra"
+        bw = (hw.intra_node_bandwidth if link == "intra" else hw.inter_node_bandwidth) if hw else 0.0
+        comm.append(CommTerm(coll, dim, nbytes, link, nbytes / bw if bw else 0.0, overlapped))
+
+    re_gather = recompute != "none" or st.resharded
+    for n in mesh:
+        per_mb_fwd = ps.gather_dim[n] * act
+        pre = ps.gather_prefetchable[n] * act
+        add("all-gather fwd (prefetched)", n, pre * mb, overlapped=True)
+        add("all-gather fwd", n, (per_mb_fwd - pre) * mb)
+        if re_gather:
+            add("all-gather recompute" if recompute != "none" else "all-gather backward (reshard)", n,
+                ps.layer_gather[n] * act * mb)
+        add("reduce-scatter grads", n, ps.gather_dim[n] * red * mb)
+        add("all-reduce grads", n, ps.allreduce_dim[n] * red * mb)
+    d = cfg.hidden_size
+    if st.ep > 1:
+        off = st.n_mb * cfg.num_experts_per_tok * (st.ep - 1) / st.ep * act  # slots leaving a rank, uniform routing
+        calls = 2 if recompute != "none" else 1
+        # each call: dispatch (d + 1: the row and its gate weight), combine (d); backward: the reverse of both
+        add("all-to-all tokens", "ep", off * (2 * d + 1) * len(kinds) * mb * (calls + 1))
+    if st.cp > 1:
+        w = Workload(rows=st.rows_mb, seq=st.seq, cp=st.cp, act_bytes=act)
+        keep = kept_regions(recompute)
+        for kind in MIXER_KINDS.values():
+            ex = kind.cp_exchange(cfg, w)
+            times = ex.recompute_calls if recompute != "none" and kind.region not in keep else ex.calls
+            add(ex.collective, "cp", ex.bytes * sum(1 for k in kinds if k is kind) * mb * times)
+    return comm
+
+
 def estimate(
     cfg: ModelConfig,
     layout: Layout,
@@ -528,200 +658,42 @@ def estimate(
     mesh = layout.resolve_mesh(world)
     if placements is None:
         placements = layout.placements(abstract_params(cfg), mesh)
-    names = list(mesh)
-    cp, ep = mesh.get("cp", 1), mesh.get("ep", 1)
+    cp = mesh.get("cp", 1)
     if seq_len % cp:
         raise ConfigError(f"seq_len {seq_len} is not divisible by the layout's cp size {cp}")
     if rows_per_rank % micro_batches:
         raise ConfigError(f"{rows_per_rank} rows per rank do not split into {micro_batches} micro-batches")
-    seq = seq_len // cp
-    act, red, mst, cbytes = _nbytes(param_dtype), _nbytes(reduce_dtype), _nbytes(master_dtype), _nbytes(param_dtype)
-
-    ps = param_stats(placements, mesh, prefetch)
-    numel, largest_layer, gathered_layers = ps.numel, ps.largest_layer, ps.gathered_layers
-    gather_dim, gather_prefetchable, layer_gather, allreduce_dim = (
-        ps.gather_dim, ps.gather_prefetchable, ps.layer_gather, ps.allreduce_dim)
-
-    # ---- activations ----------------------------------------------------------------------------------------
-    rows_mb = rows_per_rank / micro_batches
-    n_mb = rows_mb * seq
-    d = cfg.hidden_size
-    kinds = list(cfg.layer_types) + ["full_attention"] * cfg.mtp_num_layers
-    kv_native = not packed_rows and cp == 1 and (hardware is None or act == 2)
-    acts = [layer_activations(cfg, k, rows_mb, seq, act_bytes=act, cp=cp, ep=ep, ep_balance=ep_balance,
-                              gdn_kernel=bool(gdn_kernel), kv_native=kv_native, gdn_chunk=gdn_chunk) for k in kinds]
-    keep_attn = recompute in ("selective_attention", "selective_both")
-    keep_gdn = recompute in ("selective_gdn", "selective_both")
-    # The "layer" transient group below also holds the EP receive buffers / duplicated experts and the CP k/v
-    # buffers; those belong to the MoE and the attention, freed (or not yet made) when a GDN core runs its backward.
-    not_at_mixer = 0.0
-    if ep > 1:
-        not_at_mixer += n_mb * cfg.num_experts_per_tok * d * act * 2
-        if ep_balance:
-            not_at_mixer += max_dup_experts * 3 * d * cfg.moe_intermediate_size * cbytes * 2
-    if cp > 1:
-        not_at_mixer += 2 * n_mb * cp * cfg.num_key_value_heads * cfg.head_dim * act * 2
-    if recompute == "none":
-        saved = sum(a.total for a in acts)
-        working = max(a.widest for a in acts) * 2 + 2 * n_mb * d * act
-        # at a mixer core's backward the later layers' saved tensors (and this layer's MoE part) are already freed
-        later = 0.0
-        for a in reversed(acts):
-            if a.mixer_backward:
-                working = max(working, a.mixer_backward - a.total - later - not_at_mixer + 2 * n_mb * d * act)
-            later += a.total
-        saved_note = f"{len(kinds)} layers × saved tensors"
-    else:
-        kept = sum(a.kept for a, k in zip(acts, kinds)
-                   if (k == "full_attention" and keep_attn) or (k == "linear_attention" and keep_gdn))
-        saved = len(kinds) * n_mb * d * act + kept
-        # the layer in backward: its recomputed saved tensors at the start (MoE backward), or, later, the mixer
-        # core's backward (torch GDN: its own working set, gdn_backward_working)
-        working = max(max(a.total + a.widest, a.mixer_backward - not_at_mixer) for a in acts) + 2 * n_mb * d * act
-        saved_note = f"{len(kinds)} layer inputs" + (" + kept kernel outputs" if kept else "")
-    depths = cfg.mtp_num_layers
-    v = cfg.vocab_size
-    model_extra = (n_mb * d * 2 + depths * n_mb * (5 * d)) * act  # embedding out, final norm, MTP concat/fc/norms
-    # loss: each depth's valid hidden rows (index_select, saved) + the chunk workspace + dx accumulators
-    if loss_chunk_budget_bytes is not None:
-        chunk_logits = min(n_mb, max(1, loss_chunk_budget_bytes // (v * 8))) * v
-    elif loss_chunk_tokens is not None:
-        chunk_logits = min(n_mb, loss_chunk_tokens) * v
-    else:
-        chunk_logits = n_mb * v * 3
-    loss_ws = (1 + depths) * n_mb * d * act + chunk_logits * (4 + (act if act < 4 else 0)) + 2 * n_mb * d * 4
-    if offload_activations:
-        saved_dev = 0.0
-    else:
-        saved_dev = saved
-
-    memory = [
-        Item("master weights", numel * mst, f"{master_dtype}, {numel:,} params on the fullest rank"),
-        Item("optimizer moments", numel * 8, "AdamW m and v, fp32"),
-    ]
-    if micro_batches > 1:
-        memory.append(Item("gradient accumulator", numel * red * 2, f"{reduce_dtype}; sum and the next micro-batch's"))
-    memory.append(Item("activations (saved)", saved_dev,
-                       saved_note + (" — offloaded to host" if offload_activations else "")
-                       + f"; {rows_mb:g} rows × {seq} tokens per micro-batch"))
-    if param_dtype != master_dtype:  # each layer's shards are cast just before its gather (FSDP2's policy)
-        memory.append(Item("compute-dtype copy of shards", ps.largest_layer_local * act,
-                           f"{param_dtype} cast of the layer's shards before the gather", "layer"))
-    # Without recompute the runtime frees each gathered layer after its forward and gathers it again in backward
-    # (train.reshard_after_forward, not with offload); otherwise the matmuls keep every gathered weight alive.
-    resharded = recompute == "none" and reshard_after_forward and not offload_activations
-    if recompute == "none" and gathered_layers and not resharded:
-        memory.append(Item("gathered params (held)", gathered_layers * cbytes,
-                           "every layer's gathered weights, saved for its backward (no recompute)"))
-    elif gathered_layers:
-        ahead = any(v > 0 for v in gather_prefetchable.values())
-        memory.append(Item("gathered params (transient)", (2 if ahead else 1) * largest_layer * cbytes,
-                           f"{'current + prefetched' if ahead else 'current'} layer, compute form", "layer"))
-    memory.append(Item("layer backward working set", working, "recomputed layer + gradients of its widest tensors"
-                       if recompute != "none" else "gradients of the widest saved tensors", "layer"))
-    memory.append(Item("model edges", model_extra, "embedding output, final norm, MTP block"))
-    memory.append(Item("loss workspace", loss_ws, f"chunked CE: {chunk_logits:,.0f} logits live + hidden rows",
-                       "loss"))
-    if ep > 1:
-        e_local = math.ceil(cfg.num_experts / ep)
-        recv = n_mb * cfg.num_experts_per_tok * d * act * 2
-        memory.append(Item("EP receive buffers", recv, f"dispatch + combine of {n_mb * cfg.num_experts_per_tok:,.0f}"
-                           f" routed rows ({e_local} local experts), the layer in flight", "layer"))
-        if ep_balance:
-            memory.append(Item("EP-balance duplicate experts", max_dup_experts * 3 * d * cfg.moe_intermediate_size
-                               * cbytes * 2, f"{max_dup_experts} copied experts per rank (weights + gradients)",
-                               "layer"))
-    if cp > 1:
-        memory.append(Item("CP buffers", 2 * n_mb * cp * cfg.num_key_value_heads * cfg.head_dim * act * 2,
-                           "gathered keys/values of the layer in flight (+ gradient)", "layer"))
-
-    # q38.train.optim.adamw_step as it runs: the old state and the gradients stay alive while it updates fp32
-    # copies of weights and moments; the gradients it updates with are fp32 copies when they are scaled by the
-    # clipping factor (``_foreach_mul`` returns new tensors) or stored in another dtype; torch's foreach AdamW
-    # divides by ``_foreach_sqrt(exp_avg_sq)``, a new tensor per parameter of the group (≈ all of them), the fused
-    # kernel updates in place.
     impl = adamw_impl or ("fused" if hardware is not None else "foreach")
     if impl not in ("foreach", "fused"):
         raise ConfigError(f"adamw_impl must be 'foreach' or 'fused', got {impl!r}")
-    opt = [
-        Item("master weights", numel * mst),
-        Item("optimizer moments", numel * 8),
-        Item("gradients", numel * red),
-        Item("new weights and moments", numel * (4 + 8), "fp32 copies the functional AdamW updates and returns"),
-    ]
-    if grad_clip or red != 4:
-        opt.append(Item("fp32 gradients for the update", numel * 4,
-                        "scaled by the clipping factor" if grad_clip else f"{reduce_dtype} gradients cast to fp32"))
-    if impl == "foreach":
-        opt.append(Item("update temporaries", numel * 4, "foreach AdamW: sqrt(exp_avg_sq) of every parameter"))
-
-    # Starting the run: every path that loads state allocates only the rank's shards (the template, or the shards
-    # read from a Hugging Face directory) plus what one read holds: resume reads each saved chunk whole
-    # (``torch.load`` of one DCP item; the saving layout's largest shard, assumed to be this one), init_from a HF
-    # directory reads one slice in the file's dtype (bf16 assumed) and casts it to fp32; the grouped Qwen3-Next
-    # projections read their one HF tensor whole. The moments are zeros of the same shards.
-    big = ps.largest_shard
-    hf_whole = 0
-    if cfg.family.checkpoint_layout == "qwen3_next":
-        hf_whole = (2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim) * cfg.hidden_size * 2
-    start = [
-        Item("master weights", numel * mst),
-        Item("optimizer moments", numel * 8),
-        Item("resume: one saved chunk", big * 4, "fp32, read whole by DCP before its block is copied", "resume"),
-        Item("init_from HF: one slice + fp32 copy", big * (2 + 4) + hf_whole,
-             "bf16 slice and its cast" + (" + one grouped in_proj_qkvz read whole" if hf_whole else ""),
-             "init_from"),
-    ]
-
-    # ---- FLOPs and time --------------------------------------------------------------------------------------
-    fl = step_flops(cfg, rows_per_rank, seq, cp=cp, recompute=recompute, micro_batches=micro_batches, gdn_chunk=gdn_chunk,
-                    aux_global=aux_global, causal_skip=True)
-    comm: list[CommTerm] = []
+    act = _nbytes(param_dtype)
+    st = _Step(
+        mesh=mesh, micro_batches=micro_batches, recompute=recompute, seq=seq_len // cp,
+        rows_mb=rows_per_rank / micro_batches, act=act, red=_nbytes(reduce_dtype), mst=_nbytes(master_dtype),
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, master_dtype=master_dtype,
+        offload_activations=offload_activations,
+        resharded=recompute == "none" and reshard_after_forward and not offload_activations,
+        ep_balance=ep_balance, max_dup_experts=max_dup_experts, gdn_kernel=bool(gdn_kernel),
+        kv_native=not packed_rows and cp == 1 and (hardware is None or act == 2), gdn_chunk=gdn_chunk,
+    )
+    ps = param_stats(placements, mesh, prefetch)
+    kinds = layer_kinds(cfg)
+    memory = _forward_backward_items(cfg, st, ps, kinds,
+                                     _loss_workspace(cfg, st, loss_chunk_tokens, loss_chunk_budget_bytes))
+    fl = step_flops(cfg, rows_per_rank, st.seq, cp=cp, recompute=recompute, micro_batches=micro_batches,
+                    gdn_chunk=gdn_chunk, aux_global=aux_global, causal_skip=True)
     hw = hardware
     peak = hw.peak(param_dtype) if hw else None
-    compute_s = fl.executed / (peak * hw.achievable_fraction) if hw else 0.0
-
-    def add(coll: str, dim: str, nbytes: float | int, overlapped: bool = False) -> None:
-        if nbytes <= 0:
-            return
-        link = _group_link(mesh, dim, hw.devices_per_node) if hw else "intra"
-        bw = (hw.intra_node_bandwidth if link == "intra" else hw.inter_node_bandwidth) if hw else 0.0
-        comm.append(CommTerm(coll, dim, nbytes, link, nbytes / bw if bw else 0.0, overlapped))
-
-    re_gather = recompute != "none" or resharded
-    for n in names:
-        per_mb_fwd = gather_dim[n] * cbytes
-        pre = gather_prefetchable[n] * cbytes
-        add("all-gather fwd (prefetched)", n, pre * micro_batches, overlapped=True)
-        add("all-gather fwd", n, (per_mb_fwd - pre) * micro_batches)
-        if re_gather:
-            add("all-gather recompute" if recompute != "none" else "all-gather backward (reshard)", n,
-                layer_gather[n] * cbytes * micro_batches)
-        add("reduce-scatter grads", n, gather_dim[n] * red * micro_batches)
-        add("all-reduce grads", n, allreduce_dim[n] * red * micro_batches)
-    if ep > 1:
-        n_moe = len(kinds)
-        off = n_mb * cfg.num_experts_per_tok * (ep - 1) / ep * act  # slots leaving a rank, uniform routing
-        calls = 2 if recompute != "none" else 1
-        # each call: dispatch (d + 1: the row and its gate weight), combine (d); backward: the reverse of both
-        add("all-to-all tokens", "ep", off * (2 * d + 1) * n_moe * micro_batches * (calls + 1))
-    if cp > 1:
-        n_attn = sum(1 for k in kinds if k == "full_attention")
-        kv = 2 * n_mb * (cp - 1) * cfg.num_key_value_heads * cfg.head_dim * act
-        calls = 2 if recompute not in ("none", "selective_attention", "selective_both") else 1
-        add("all-gather k/v", "cp", kv * n_attn * micro_batches * (calls + 1))
-        n_gdn = len(kinds) - n_attn
-        a, p, H = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_value_heads
-        st = rows_mb * H * a * (p + a) * 4 * (cp - 1)
-        add("all-gather GDN states", "cp", st * n_gdn * micro_batches * 3)
-    opt_bytes = numel * (mst * 2 + red + 8 * 2)
-    optimizer_s = opt_bytes / hw.hbm_bandwidth if hw else 0.0
+    opt_bytes = ps.numel * (st.mst * 2 + st.red + 8 * 2)
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
     return Budget(
         model=model_name or cfg.model_type, layout=layout.name, mesh=tuple(mesh.items()), world=world,
         seq_len=seq_len, rows_per_rank=rows_per_rank, micro_batches=micro_batches, recompute=recompute,
-        param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory=tuple(memory), optimizer_phase=tuple(opt),
-        start_phase=tuple(start), flops=fl, comm=tuple(comm), compute_s=compute_s, optimizer_s=optimizer_s,
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory=tuple(memory),
+        optimizer_phase=tuple(_optimizer_items(st, ps.numel, grad_clip, impl)),
+        start_phase=tuple(_start_items(cfg, st, ps)), flops=fl, comm=tuple(_comm_terms(cfg, st, ps, kinds, hw)),
+        compute_s=fl.executed / (peak * hw.achievable_fraction) if hw else 0.0,
+        optimizer_s=opt_bytes / hw.hbm_bandwidth if hw else 0.0,
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
         hbm_bytes=hw.hbm_bytes if hw else None,
     )

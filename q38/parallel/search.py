@@ -18,6 +18,7 @@ import yaml
 from q38.config import ConfigError, ModelConfig
 from q38.errors import reading
 from q38.kernels import KernelConfig, auto_gdn_chunk
+from q38.layers.kinds import MIXER_KINDS, kept_regions
 from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate, recompute_mode
 from q38.parallel.layout import Layout, LayoutError
 
@@ -133,8 +134,7 @@ def candidate_run_config(c: Candidate, model: str, layout_path: str, seq_len: in
     out["layout"] = layout_path
     out["data"] = dict(out.get("data") or {}, seq_len=seq_len, batch_size=b.rows_per_rank)
     train = dict(out.get("train") or {}, micro_batches=b.micro_batches, recompute=rc != "none")
-    train["skip_flash_attn_recompute"] = rc in ("selective_attention", "selective_both")
-    train["skip_gdn_recompute"] = rc in ("selective_gdn", "selective_both")
+    train.update({k.keep_flag: k.region in kept_regions(rc) for k in MIXER_KINDS.values()})
     if train.get("enable_ep_balance") and dict(b.mesh).get("ep", 1) <= 1:
         train["enable_ep_balance"] = False
     out["train"] = train

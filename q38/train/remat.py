@@ -6,6 +6,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from q38.layers.common import current_region
+from q38.layers.kinds import MIXER_KINDS
 from q38.train.config import TrainConfig
 
 
@@ -20,9 +21,7 @@ def layer_wrapper(tc: TrainConfig, saved_hooks=None):
     """``wrap_layer(fn, params, x)`` for ``LayerHooks``: plain call, checkpoint, or selective checkpoint; with offload
     every tensor saved for backward lives in host memory until it is needed. ``saved_hooks`` (a context factory,
     used without recompute): the FSDP reshard-after-forward hooks of the mesh runtime."""
-    keep = frozenset(
-        name for name, on in (("attention", tc.skip_flash_attn_recompute), ("gdn", tc.skip_gdn_recompute)) if on
-    )
+    keep = frozenset(k.region for k in MIXER_KINDS.values() if getattr(tc, k.keep_flag))
 
     def wrap(fn, p, x):
         if not tc.recompute:
