@@ -37,6 +37,9 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "qwen3_8_moe": ModelFamily(name="qwen3_8_moe", checkpoint_layout="qwen3_5_moe", prefix="model.language_model."),
 }
 
+# The mixer kinds a layer may be: the names of q38.layers.kinds.MIXER_KINDS, which holds one record per name (that
+# module checks the two agree when it is imported; this module cannot import it: the layers import this one).
+LAYER_TYPES = ("linear_attention", "full_attention")
 MTP_DEPTH_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp_num_layers")
 
 
@@ -223,10 +226,9 @@ class ModelConfig:
             f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}; "
             "give one entry per layer or drop layer_types to use the 3:1 default",
         )
-        from q38.layers.kinds import MIXER_KINDS  # the mixer kinds' table (the layers import this module)
 
-        bad = [t for t in self.layer_types if t not in MIXER_KINDS]
-        need(not bad, f"layer_types entries must be one of {tuple(MIXER_KINDS)}; got {sorted(set(bad))}")
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        need(not bad, f"layer_types entries must be one of {LAYER_TYPES}; got {sorted(set(bad))}")
         need(
             self.num_experts_per_tok <= self.num_experts,
             f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})",

@@ -28,7 +28,6 @@ import os
 import re
 import shutil
 import uuid
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Callable
 

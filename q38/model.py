@@ -11,7 +11,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from q38.config import ModelConfig
-from q38.layers.block import LayerParams, abstract_layer, layer_apply
+from q38.layers.block import abstract_layer, layer_apply
 from q38.layers.common import ParamInfo, materialize
 from q38.layers.context import SeqInfo, seq_info
 from q38.layers.kinds import MTP_LAYER_TYPE

@@ -86,6 +86,6 @@ def test_recompute_modes_round_trip_through_the_train_flags():
 
 
 def test_layer_types_are_the_tables_names(tiny_cfg):
-    with pytest.raises(ConfigError, match=r"layer_types entries must be one of \('full_attention', "
-                                          r"'linear_attention'\); got \['mamba'\]"):
+    with pytest.raises(ConfigError, match=r"layer_types entries must be one of \('linear_attention', "
+                                          r"'full_attention'\); got \['mamba'\]"):
         tiny_cfg.replace(layer_types=("mamba",) + tiny_cfg.layer_types[1:])

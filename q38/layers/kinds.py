@@ -17,7 +17,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from q38.config import ModelConfig
+from q38.config import LAYER_TYPES, ModelConfig
 from q38.kernels import GDN_CHUNK
 from q38.layers.attention import AttnParams, abstract_attention, attention_apply
 from q38.layers.gdn import GDNParams, abstract_gdn, gdn_apply
@@ -325,6 +325,9 @@ _KINDS = (
               saved=_gdn_saved, cp_exchange=_gdn_cp, hf_rules=_gdn_hf),
 )
 MIXER_KINDS: dict[str, MixerKind] = {k.name: k for k in _KINDS}  # its keys are the accepted ``layer_types``
+if tuple(sorted(MIXER_KINDS)) != tuple(sorted(LAYER_TYPES)):
+    raise ImportError(f"q38.layers.kinds has records for {sorted(MIXER_KINDS)} but q38.config.LAYER_TYPES names "
+                      f"{sorted(LAYER_TYPES)}; add the new kind's name to LAYER_TYPES (docs/extending.md)")
 MTP_LAYER_TYPE = "full_attention"  # the mixer of every MTP depth
 
 # Selective recompute keeps the outputs of the named kernel regions (``selective_<region>``; ``selective_both``:
