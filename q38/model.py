@@ -234,10 +234,6 @@ class ParamCount:
     def total_with_mtp(self) -> int:
         return self.total + self.mtp_total
 
-    @property
-    def active_with_mtp(self) -> int:
-        return self.active + self.mtp_active
-
 
 def count_params(config: ModelConfig) -> ParamCount:
     """Total and per-token active parameter counts, summed over the declared shapes (``abstract_params``;
