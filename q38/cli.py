@@ -416,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         if isinstance(e, (ConfigError, ValueError, OSError, FloatingPointError, NotImplementedError)) or \
-                type(e).__name__ in ("CheckpointException", "SafetensorError"):
+                type(e).__name__ in ("CheckpointException", "SafetensorError", "DistError", "DistBackendError",
+                                     "DistNetworkError", "DistStoreError"):  # torch.distributed: e.g. a timeout
             print(f"{who}: error: {_one_line(e)}", file=sys.stderr)
             return 2
         print(f"{who}: internal error: {type(e).__name__}: {_one_line(e)} (a q38 bug; rerun with --debug or "

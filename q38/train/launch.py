@@ -173,8 +173,11 @@ def abstract_params_of(model: ModelConfig):
     return abstract_params(model)
 
 
-def _init_process_group(device: str, backend: str, world: WorldInfo) -> bool:
-    """Initialise the default process group for a torchrun launch; True if this call created it."""
+def _init_process_group(device: str, backend: str, world: WorldInfo, timeout_s: float | None = None) -> bool:
+    """Initialise the default process group for a torchrun launch; True if this call created it. ``timeout_s``:
+    how long the rendezvous and every collective may wait (None: torch's default)."""
+    import datetime
+
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -186,7 +189,8 @@ def _init_process_group(device: str, backend: str, world: WorldInfo) -> bool:
     if "MASTER_ADDR" not in os.environ:
         raise ConfigError(f"WORLD_SIZE={world.world_size} but MASTER_ADDR is not set; launch with "
                           "`torchrun --nproc_per_node N q38 train CONFIG` (it sets the rendezvous variables)")
-    dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size)
+    timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, rank=world.rank, world_size=world.world_size, timeout=timeout)
     return True
 
 

@@ -88,6 +88,12 @@ class RunOptions:
     eval_batches: int = EVAL_BATCHES
     # on an accelerator: refuse to start when q38 plan's predicted per-rank peak exceeds the device's memory
     memory_check: bool = True
+    # seconds a process-group rendezvous or a collective may wait before it fails (torch's own default: 30 min for
+    # gloo, 10 min for NCCL)
+    timeout_s: float = 1800.0
+    # a train step running longer than this ends the run with a stack dump per rank and one line naming the rank that
+    # holds it up (q38.train.watchdog); None: no step timeout
+    step_timeout_s: float | None = None
 
     def __attrs_post_init__(self) -> None:
         for k in ("eval_every", "eval_batches"):
@@ -116,6 +122,11 @@ class RunOptions:
         need(self.tracker_mode in MODES, f"run.tracker_mode must be one of {', '.join(MODES)}, got "
              f"{self.tracker_mode!r}")
         need(self.dtype in DTYPES, f"run.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for k in ("timeout_s", "step_timeout_s"):
+            v = getattr(self, k)
+            need(v is None and k == "step_timeout_s" or isinstance(v, (int, float)) and not isinstance(v, bool)
+                 and 0 < v < float("inf"), f"run.{k} must be a positive number of seconds"
+                 + (" or null" if k == "step_timeout_s" else "") + f", got {v!r}")
         need(self.peak_flops is None or (isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0),
               f"run.peak_flops must be a positive number (FLOP/s per device) or null, got {self.peak_flops!r}")
 

@@ -6,6 +6,7 @@ automatically (Ascend NPU + hccl, CUDA + nccl, CPU + gloo; ``run.device`` / ``ru
 layout's mesh is checked against ``WORLD_SIZE`` before anything is allocated.
 """
 
+import contextlib
 import signal
 import sys
 import time
@@ -71,6 +72,15 @@ def _any_rank(flag: int, device: str) -> int:
     t = torch.tensor([flag], dtype=torch.int32, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
+
+
+def _store():
+    """The rendezvous store of the default process group (None on one process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_store()
 
 
 # ---- the run --------------------------------------------------------------------------------------------------------
@@ -176,7 +186,7 @@ def train(cfg: RunConfig, *, on_step: Callable[[dict], None] | None = None) -> l
     check_out_dir(cfg.run.out_dir)
     created_pg = False
     if world.world_size > 1:
-        created_pg = _init_process_group(device, pick_backend(device, cfg.run.backend), world)
+        created_pg = _init_process_group(device, pick_backend(device, cfg.run.backend), world, cfg.run.timeout_s)
     try:
         with run_lock(cfg.run.out_dir, lead=world.rank == 0):  # one run per out_dir
             return _train(cfg, world, device, plan, on_step)
@@ -396,6 +406,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
     from q38.train.evaluate import eval_losses
     from q38.train.safety import interrupted, save_error
     from q38.train.step import train_step
+    from q38.train.watchdog import StepWatchdog
 
     ck_root = Path(cfg.run.out_dir) / CHECKPOINTS
     peak = cfg.run.peak_flops or known_peak_flops(device, cfg.train.param_dtype)
@@ -417,14 +428,16 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
                 raise KeyboardInterrupt from e
             raise save_error(e, int(state.step), ck_root) from e
 
-    with StopSignal() as stop, use_kernels(plan.kernels):
+    dog = StepWatchdog(cfg.run.step_timeout_s, cfg.run.out_dir, world.rank, world.world_size, store=_store())
+    with StopSignal() as stop, use_kernels(plan.kernels), contextlib.closing(dog):
         for step in range(start + 1, cfg.run.steps + 1):
-            lb = {k: v.to(device) for k, v in next(batches).items()}
-            batch = shard_batch(lb, mesh, cfg.model.mtp_num_layers, local_rows=True) if mesh is not None else lb
-            t0 = time.perf_counter()
-            state, metrics = train_step(state, batch, mesh)
-            dt = time.perf_counter() - t0
-            m = metrics.as_dict()
+            with dog.step(step):
+                lb = {k: v.to(device) for k, v in next(batches).items()}
+                batch = shard_batch(lb, mesh, cfg.model.mtp_num_layers, local_rows=True) if mesh is not None else lb
+                t0 = time.perf_counter()
+                state, metrics = train_step(state, batch, mesh)
+                dt = time.perf_counter() - t0
+                m = metrics.as_dict()
             if evals is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0)
                                       or step == cfg.run.steps):
                 m.update(eval_losses(state, evals, mesh, device, progress=cfg.run.progress and logs.lead))

@@ -1,0 +1,178 @@
+"""Hang diagnosis: a step that runs past ``run.step_timeout_s`` ends the run with one line naming the rank that
+holds it up, after every rank has written its Python stacks (and, on NCCL, its flight recorder) to
+``out_dir/hangs/``.
+
+A thread per rank watches the step. When the step overruns, the thread
+  1. writes ``hangs/step_<n>_rank<r>.txt``: every thread's stack (``faulthandler``), and on NCCL the flight
+     recorder's pickle next to it (``torch._C._distributed_c10d._dump_nccl_trace``, when torch has it);
+  2. decides where its own main thread is: *waiting* inside ``torch.distributed`` (a collective, a barrier, the
+     store), or *busy* anywhere else (compute, the data loader, a sleep) — the innermost frame of the main thread's
+     stack says which;
+  3. posts that verdict to the rendezvous store and reads the other ranks' for a few seconds: a rank that is busy,
+     or that never answers (stopped, dead, swapping), is the one the others wait for;
+  4. prints ``q38 train [rank r]: error: step n ran past run.step_timeout_s=T s: rank k is busy in file:line
+     (function); ...; stacks in out_dir/hangs`` and ends the process (``os._exit``: the main thread is stuck, so
+     nothing else could). No checkpoint is written or touched: the newest complete one resumes.
+
+The verdict reads the innermost frame of a stack and needs no cooperation from the code that hangs. What it cannot
+see: a rank blocked inside a C++ op that itself waits on another rank outside ``torch.distributed`` (it reads as
+busy).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import sysconfig
+import threading
+import time
+from pathlib import Path
+
+HANGS = "hangs"
+ANSWER_S = 5.0  # how long a rank waits for the others' verdicts
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def where(frame) -> tuple[bool, str]:
+    """``(waiting, place)`` for a thread's stack (its innermost frame): waiting when that frame is a
+    ``torch.distributed`` collective, barrier or store call (DTensor's own dispatch, ``torch/distributed/tensor``,
+    is compute). The place of a busy rank is its innermost frame outside the standard library (a ``threading``
+    wait names its caller)."""
+    if frame is None:
+        return False, "an unknown place"
+    path = frame.f_code.co_filename.replace("\\", "/")
+    if "/torch/distributed/" in path and "/torch/distributed/tensor/" not in path:
+        return True, f"{frame.f_code.co_name} ({Path(path).name}:{frame.f_lineno})"
+    f = frame
+    while f.f_back is not None and f.f_code.co_filename.startswith(_STDLIB):
+        f = f.f_back
+    return False, f"{Path(f.f_code.co_filename).name}:{f.f_lineno} ({f.f_code.co_name})"
+
+
+class StepWatchdog:
+    """``with watchdog.step(n): ...`` runs step ``n`` under the timeout; ``close()`` stops the thread. With
+    ``timeout_s`` None it does nothing."""
+
+    def __init__(self, timeout_s: float | None, out_dir: str | os.PathLike, rank: int, world: int, store=None,
+                 exit=os._exit) -> None:
+        self.timeout_s, self.rank, self.world, self.store = timeout_s, rank, world, store
+        self.dir = Path(out_dir) / HANGS
+        self._exit = exit
+        self._main = threading.main_thread().ident if threading.current_thread() is threading.main_thread() \
+            else threading.get_ident()
+        self._lock = threading.Condition()
+        self._step: int | None = None
+        self._deadline = 0.0
+        self._closed = False
+        self._thread = None
+        if timeout_s is not None:
+            self._thread = threading.Thread(target=self._watch, name="q38-step-watchdog", daemon=True)
+            self._thread.start()
+
+    def step(self, n: int):
+        return _Armed(self, n)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=1)
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and (self._step is None or time.monotonic() < self._deadline):
+                    self._lock.wait(None if self._step is None else max(self._deadline - time.monotonic(), 0))
+                if self._closed:
+                    return
+                step = self._step
+            self._report(step)
+            return
+
+    def _report(self, step: int) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        dump = self.dir / f"step_{step}_rank{self.rank}.txt"
+        with open(dump, "w") as f:
+            f.write(f"rank {self.rank} of {self.world}: step {step} ran past run.step_timeout_s={self.timeout_s:g} s\n")
+            f.flush()
+            faulthandler.dump_traceback(file=f, all_threads=True)
+        _dump_nccl_trace(self.dir / f"step_{step}_rank{self.rank}.nccl_trace.pickle")
+        waiting, place = where(sys._current_frames().get(self._main))
+        verdicts = self._exchange(step, f"{'waiting' if waiting else 'busy'} in {place}")
+        print(f"q38 train [rank {self.rank}]: error: {summary(step, self.timeout_s, verdicts, self.world)}; "
+              f"stacks in {self.dir}", file=sys.stderr, flush=True)
+        self._exit(1)
+
+    def _exchange(self, step: int, mine: str) -> dict[int, str | None]:
+        """Every rank's verdict (None: no answer within ``ANSWER_S``); without a store (one process) only mine."""
+        if self.store is None or self.world == 1:
+            return {self.rank: mine}
+        key = f"q38/hang/{step}/"
+        self.store.set(key + str(self.rank), mine)
+        out: dict[int, str | None] = {}
+        deadline = time.monotonic() + ANSWER_S
+        for r in range(self.world):
+            while True:
+                try:
+                    if self.store.check([key + str(r)]):
+                        out[r] = self.store.get(key + str(r)).decode()
+                        break
+                except Exception:  # the store went away with its host: nothing more to learn
+                    out[r] = None
+                    break
+                if time.monotonic() > deadline:
+                    out[r] = None
+                    break
+                time.sleep(0.05)
+        return out
+
+
+class _Armed:
+    def __init__(self, dog: StepWatchdog, n: int) -> None:
+        self.dog, self.n = dog, n
+
+    def __enter__(self):
+        d = self.dog
+        if d.timeout_s is not None:
+            with d._lock:
+                d._step, d._deadline = self.n, time.monotonic() + d.timeout_s
+                d._lock.notify()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        d = self.dog
+        if d.timeout_s is not None:
+            with d._lock:
+                d._step = None
+                d._lock.notify()
+
+
+def summary(step: int, timeout_s: float, verdicts: dict[int, str | None], world: int) -> str:
+    """The one line: the ranks that hold the step up (busy, or silent), then the ones waiting for them."""
+    busy = [f"rank {r} is {v}" for r, v in sorted(verdicts.items()) if v is not None and v.startswith("busy")]
+    silent = [r for r in range(world) if verdicts.get(r) is None]
+    waiting = [r for r, v in sorted(verdicts.items()) if v is not None and v.startswith("waiting")]
+    parts = busy + ([f"rank(s) {', '.join(map(str, silent))} did not answer (stopped, dead or hung outside Python)"]
+                    if silent else [])
+    if waiting:
+        parts.append(f"rank(s) {', '.join(map(str, waiting))} wait in a collective")
+    return f"step {step} ran past run.step_timeout_s={timeout_s:g} s: " + "; ".join(parts)
+
+
+def _dump_nccl_trace(path: Path) -> None:
+    """The NCCL flight recorder (the collectives each rank issued and which finished), when NCCL is in use."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_initialized() and dist.get_backend() == "nccl"):
+            return
+        import torch
+
+        trace = torch._C._distributed_c10d._dump_nccl_trace()
+    except Exception:  # no flight recorder in this build: the Python stacks are still written
+        return
+    path.write_bytes(trace)

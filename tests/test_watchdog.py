@@ -1,0 +1,114 @@
+"""Hang diagnosis (``run.step_timeout_s``, ``q38.train.watchdog``): a step that overruns writes every rank's stacks
+and ends the run with one line naming the rank that holds it up; ``run.timeout_s`` bounds every collective."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from q38.train import checkpoint as ck
+from q38.train.watchdog import StepWatchdog, summary, where
+from tests.run_utils import REPO, run_dict, write_config
+
+
+def test_an_overrunning_step_dumps_the_stacks_and_says_where_it_is(tmp_path, capfd):
+    exited = threading.Event()
+    dog = StepWatchdog(0.3, tmp_path, rank=0, world=1, exit=lambda code: exited.set())
+    try:
+        with dog.step(7):
+            assert exited.wait(10)  # the main thread "hangs" here, in this test function
+    finally:
+        dog.close()
+    dump = (tmp_path / "hangs" / "step_7_rank0.txt").read_text()
+    assert "step 7 ran past run.step_timeout_s=0.3 s" in dump
+    assert "test_an_overrunning_step_dumps_the_stacks_and_says_where_it_is" in dump  # the main thread's stack
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("q38 train [rank 0]: error: step 7 ran past run.step_timeout_s=0.3 s: rank 0 is busy "
+                             "in test_watchdog.py:")
+    assert f"stacks in {tmp_path / 'hangs'}" in err[0]
+
+
+def test_a_step_within_the_timeout_leaves_nothing(tmp_path):
+    dog = StepWatchdog(2.0, tmp_path, rank=0, world=1, exit=lambda code: pytest.fail("fired"))
+    for n in range(3):
+        with dog.step(n):
+            time.sleep(0.01)
+    time.sleep(0.1)
+    dog.close()
+    assert not (tmp_path / "hangs").exists()
+
+
+def test_the_verdicts_name_the_busy_and_the_silent_ranks():
+    line = summary(4, 5.0, {0: "waiting in all_reduce (distributed_c10d.py:1)", 1: "busy in x.py:3 (f)", 2: None,
+                          3: "waiting in barrier (distributed_c10d.py:9)"}, 4)
+    assert line == ("step 4 ran past run.step_timeout_s=5 s: rank 1 is busy in x.py:3 (f); rank(s) 2 did not answer "
+                    "(stopped, dead or hung outside Python); rank(s) 0, 3 wait in a collective")
+
+
+def test_where_tells_a_collective_from_compute():
+    import torch.distributed.distributed_c10d as c10d
+
+    code = compile("def f(): return sys._getframe()", c10d.__file__, "exec")
+    ns = {"sys": sys}
+    exec(code, ns)
+    assert where(ns["f"]())[0] is True  # a frame in torch/distributed: waiting
+    assert where(sys._getframe())[0] is False
+
+
+DRIVER = """
+import os, sys, time
+import q38.train.step as S
+_step = S.train_step
+def slow(state, batch, mesh, **kw):
+    if int(state.step) == 2 and os.environ.get("RANK") == "1":
+        time.sleep(120)  # rank 1 stalls in step 3
+    return _step(state, batch, mesh, **kw)
+S.train_step = slow
+from q38.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.dist
+def test_a_rank_that_stalls_is_named_on_every_rank(tmp_path):
+    """2 gloo ranks under torchrun; rank 1 sleeps in step 3. Within the step timeout (plus the answer window) both
+    ranks stop, each with one error line naming rank 1 as busy in the driver's sleep and rank 0 as waiting in a
+    collective; every rank wrote its stacks; the checkpoint of step 2 is intact."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", run_dict(out, steps=6, layout="fsdp",
+                                                       run={"save_every": 2, "step_timeout_s": 4}))
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(tmp_path / "driver.py"), "train", str(cfg)]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=240,
+                       start_new_session=True)
+    assert p.returncode != 0 and time.time() - t0 < 200
+    lines = [ln for ln in p.stderr.splitlines() if "error: step 3 ran past run.step_timeout_s=4 s" in ln]
+    assert len(lines) == 2, p.stderr
+    for ln in lines:
+        assert "rank 1 is busy in driver.py:" in ln and "(slow)" in ln
+        assert "rank(s) 0 wait in a collective" in ln
+    for r in (0, 1):
+        assert (out / "hangs" / f"step_3_rank{r}.txt").is_file()
+    assert "time.sleep" in (out / "hangs" / "step_3_rank1.txt").read_text() or \
+        "slow" in (out / "hangs" / "step_3_rank1.txt").read_text()
+    latest = ck.latest_checkpoint(out / "checkpoints")
+    assert latest is not None and latest.name == "step_000002" and ck.verify_checkpoint(latest) is None
+
+
+def test_bad_timeouts_are_one_line(tmp_path):
+    from q38.config import ConfigError
+    from tests.run_utils import run_config
+
+    with pytest.raises(ConfigError, match=r"run.timeout_s must be a positive number of seconds, got 0"):
+        run_config(tmp_path, run={"timeout_s": 0})
+    with pytest.raises(ConfigError, match=r"run.step_timeout_s must be a positive number of seconds or null, got -1"):
+        run_config(tmp_path, run={"step_timeout_s": -1})
