@@ -399,16 +399,10 @@ def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any], *
     into a temporary sibling of ``final``, then rename it to ``final``. Collective when a process group is
     initialised. ``planner``: a DCP save planner (``q38.train.hf_io`` streams an import through one)."""
     final = Path(final)
-    parent = final.parent
     if not final.name:
         raise ValueError(f"checkpoint path {str(final)!r} has no directory name")
     rank = _rank()
-    token = _broadcast(f"{os.getpid()}x{int(time.time() * 1000) % 10**8}")
-    tmp = parent / f"{final.name}.tmp-{token}"
-    if rank == 0:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    _barrier()
+    tmp = _new_tmp(final)
     ok = False
     try:
         sd = state if isinstance(state, dict) else state_dict_of(state)
@@ -417,17 +411,7 @@ def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any], *
         torch.save(rng_state(), tmp / "rng" / f"rank_{rank:05d}.pt")
         _barrier()
         if rank == 0:
-            _write_json(tmp / META_FILE, dict(meta, format=FORMAT))
-            write_manifest(tmp)  # last: its presence (and a match) marks the checkpoint complete
-            _fsync_dir(tmp)
-            old = None
-            if final.exists():  # re-saving the same step: move the old one aside, then drop it
-                old = parent / f"{final.name}.tmp-old{token}"
-                os.rename(final, old)
-            os.rename(tmp, final)
-            _fsync_dir(parent)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            _publish(tmp, final, meta)
         ok = True
     finally:
         if not ok and rank == 0:
@@ -436,19 +420,102 @@ def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any], *
     return final
 
 
-def save_checkpoint(root: str | os.PathLike, state, meta: Mapping[str, Any], *, keep_last: int = 0) -> Path:
-    """Save ``state`` as ``root/step_<step>`` (atomic), point ``root/latest`` at it and keep the last ``keep_last``
-    checkpoints (0: all). Collective when a process group is initialised."""
-    root = Path(root)
-    step = int(meta["step"])
-    path = write_checkpoint(root / step_dir_name(step), state, meta)
+def _new_tmp(final: Path) -> Path:
+    """A fresh temporary sibling of ``final``, made by rank 0 (every rank gets its name). Collective."""
+    token = _broadcast(f"{os.getpid()}x{int(time.time() * 1000) % 10**8}")
+    tmp = final.parent / f"{final.name}.tmp-{token}"
+    if _rank() == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    _barrier()
+    return tmp
+
+
+def _publish(tmp: Path, final: Path, meta: Mapping[str, Any]) -> None:
+    """Rank 0, once every rank's shards are in ``tmp``: ``meta.json``, then the manifest (last: its presence and a
+    match mark the checkpoint complete), then the rename to ``final``."""
+    _write_json(tmp / META_FILE, dict(meta, format=FORMAT))
+    write_manifest(tmp)
+    _fsync_dir(tmp)
+    old = None
+    if final.exists():  # re-saving the same step: move the old one aside, then drop it
+        old = final.parent / f"{final.name}.tmp-old{tmp.name.rpartition('.tmp-')[2]}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _point_latest(root: Path, step: int, keep_last: int) -> None:
     if _rank() == 0:
         tmp = root / f"{LATEST_FILE}.tmp-{os.getpid()}"
         tmp.write_text(step_dir_name(step) + "\n")
         os.replace(tmp, root / LATEST_FILE)
         prune(root, keep_last)
     _barrier()
+
+
+def save_checkpoint(root: str | os.PathLike, state, meta: Mapping[str, Any], *, keep_last: int = 0) -> Path:
+    """Save ``state`` as ``root/step_<step>`` (atomic), point ``root/latest`` at it and keep the last ``keep_last``
+    checkpoints (0: all). Collective when a process group is initialised."""
+    root = Path(root)
+    step = int(meta["step"])
+    path = write_checkpoint(root / step_dir_name(step), state, meta)
+    _point_latest(root, step, keep_last)
     return path
+
+
+class AsyncSave:
+    """One checkpoint written in the background while training goes on (``run.async_save``).
+
+    ``AsyncSave(root, state, meta, group=...)`` stages this rank's shards of ``state`` to host memory (pinned on an
+    accelerator; the staged copy is what gets written, so later steps cannot change it), writes its RNG state, and
+    starts DCP's ``async_save`` on a thread, coordinating over ``group`` (a gloo group of its own, so its collectives
+    never interleave with the step's). ``running()`` asks this rank's write; once every rank's has finished (the
+    trainer agrees on that with the step's stop-flag all-reduce) ``finish()`` publishes it as ``save_checkpoint``
+    does: ``meta.json`` and the manifest only after every rank's shards are on disk, then the rename and
+    ``latest``. Until then the directory is a ``.tmp-`` one: a kill -9 at any moment leaves the newest complete
+    checkpoint as it was, and the next save prunes the leftover. A failed write raises from ``finish()``."""
+
+    def __init__(self, root: str | os.PathLike, state, meta: Mapping[str, Any], *, keep_last: int = 0,
+                 group=None, pinned: bool = False) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.root, self.meta, self.keep_last = Path(root), dict(meta), keep_last
+        self.step = int(meta["step"])
+        self.final = self.root / step_dir_name(self.step)
+        self.tmp = _new_tmp(self.final)
+        (self.tmp / "rng").mkdir(exist_ok=True)
+        torch.save(rng_state(), self.tmp / "rng" / f"rank_{_rank():05d}.pt")
+        sd = state if isinstance(state, dict) else state_dict_of(state)
+        stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                              use_async_staging=False, use_non_blocking_copy=False))
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                self.future = dcp.async_save(sd, checkpoint_id=str(self.tmp), process_group=group,
+                                             async_stager=stager, no_dist=_dist() is None)
+        finally:
+            self._stager = stager
+
+    def running(self) -> bool:
+        """Whether this rank's background write is still going."""
+        return not self.future.done()
+
+    def finish(self) -> Path:
+        """Wait for this rank's write (raising its error), then publish the checkpoint. Collective."""
+        try:
+            self.future.result()
+        finally:
+            self._stager.close()
+        _barrier()
+        if _rank() == 0:
+            _publish(self.tmp, self.final, self.meta)
+        _barrier()
+        _point_latest(self.root, self.step, self.keep_last)
+        return self.final
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:

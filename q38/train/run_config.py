@@ -88,6 +88,9 @@ class RunOptions:
     eval_batches: int = EVAL_BATCHES
     # on an accelerator: refuse to start when q38 plan's predicted per-rank peak exceeds the device's memory
     memory_check: bool = True
+    # write checkpoints between run.save_every steps in the background (staged to host memory first; the final one
+    # and one on a stop signal are written in the step)
+    async_save: bool = False
     # seconds a process-group rendezvous or a collective may wait before it fails (torch's own default: 30 min for
     # gloo, 10 min for NCCL)
     timeout_s: float = 1800.0

@@ -62,16 +62,16 @@ class StopSignal:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
 
-def _any_rank(flag: int, device: str) -> int:
-    """The max of ``flag`` over ranks (one process: ``flag``)."""
+def _any_rank(flags: list[int], device: str) -> list[int]:
+    """The max of each flag over ranks, in one all-reduce (one process: ``flags``)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        return flag
+        return list(flags)
     dev = device if dist.get_backend() in ("nccl", "hccl") else "cpu"
-    t = torch.tensor([flag], dtype=torch.int32, device=dev)
+    t = torch.tensor(flags, dtype=torch.int32, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return [int(x) for x in t.tolist()]
 
 
 def _store():
@@ -402,31 +402,16 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
     """Steps ``start + 1 .. run.steps``: step, evaluate, log, save every ``run.save_every`` and at the end; SIGTERM
     / SIGINT finish the step, save and stop."""
     from q38.parallel.mesh import shard_batch
-    from q38.train.checkpoint import CHECKPOINTS, save_checkpoint
     from q38.train.evaluate import eval_losses
-    from q38.train.safety import interrupted, save_error
     from q38.train.step import train_step
     from q38.train.watchdog import StepWatchdog
 
-    ck_root = Path(cfg.run.out_dir) / CHECKPOINTS
     peak = cfg.run.peak_flops or known_peak_flops(device, cfg.train.param_dtype)
     tput = Throughput(cfg.run.warmup_log_steps, flops_per_token(cfg.model, cfg.data.seq_len), peak,
                       world.world_size)
     records: list[dict] = []
     saved_at = None
-
-    def save() -> Path:
-        try:
-            path = save_checkpoint(ck_root, state, _meta(cfg, state, batches, plan, world, logs.run_ids()),
-                                   keep_last=cfg.run.keep_last)
-            _export_hf(cfg, path, int(state.step), logs.line)
-            return path
-        except KeyboardInterrupt:
-            raise
-        except BaseException as e:  # DCP's CheckpointException is a BaseException
-            if interrupted(e):
-                raise KeyboardInterrupt from e
-            raise save_error(e, int(state.step), ck_root) from e
+    saver = _Saver(cfg, plan, world, device, logs)
 
     dog = StepWatchdog(cfg.run.step_timeout_s, cfg.run.out_dir, world.rank, world.world_size, store=_store())
     with StopSignal() as stop, use_kernels(plan.kernels), contextlib.closing(dog):
@@ -447,15 +432,78 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
             logs.step(rec, tput, list(metrics.terms) or None)
             if on_step is not None:
                 on_step(rec)
-            stopping = _any_rank(int(stop.signum or 0), device)
-            if stopping or step == cfg.run.steps or (cfg.run.save_every and step % cfg.run.save_every == 0):
-                saved_at = save()
+            stopping, writing = _any_rank([int(stop.signum or 0), saver.running()], device)
+            if saver.pending is not None and not writing:  # every rank's background write has finished
+                saved_at = saver.finish()
+            last = stopping or step == cfg.run.steps
+            if last or (cfg.run.save_every and step % cfg.run.save_every == 0):
+                saved_at = saver.save(state, batches, background=not last) or saved_at
             if stopping:
                 logs.end(f"q38 train: stopped by {signal.Signals(stopping).name} at step {step}; checkpoint saved "
                          f"to {saved_at} (run the same command again to resume)")
                 return records
     logs.end(f"q38 train: done, step {cfg.run.steps}; checkpoint saved to {saved_at}")
     return records
+
+
+class _Saver:
+    """The run's checkpoints: written in the step (``save_checkpoint``), or with ``run.async_save`` in the background
+    (``AsyncSave``: at most one in flight; the last save of a run, and one on a stop signal, is written in the step
+    after the one in flight has finished). A failed save ends the run with one line (``safety.save_error``)."""
+
+    def __init__(self, cfg: RunConfig, plan: RunPlan, world: WorldInfo, device: str, logs: "RunLog") -> None:
+        from q38.train.checkpoint import CHECKPOINTS
+
+        self.cfg, self.plan, self.world, self.logs = cfg, plan, world, logs
+        self.root = Path(cfg.run.out_dir) / CHECKPOINTS
+        self.pinned = device.split(":")[0] != "cpu"
+        self.pending = None
+        self.group = None
+        if cfg.run.async_save and world.world_size > 1:
+            import torch.distributed as dist
+
+            self.group = dist.new_group(backend="gloo")  # the background write's own collectives
+
+    def running(self) -> int:
+        """1 while this rank's background write is going (the trainer takes the max over ranks)."""
+        return int(self.pending is not None and self.pending.running())
+
+    def save(self, state, batches, *, background: bool) -> Path | None:
+        """Save the state of this step: the path, or None when it is being written in the background."""
+        from q38.train.checkpoint import AsyncSave, save_checkpoint
+
+        self.finish()  # at most one save in flight
+        step = int(state.step)
+        meta = _meta(self.cfg, state, batches, self.plan, self.world, self.logs.run_ids())
+        if background and self.cfg.run.async_save:
+            self.pending = self._guard(step, lambda: AsyncSave(self.root, state, meta, keep_last=self.cfg.run.keep_last,
+                                                                group=self.group, pinned=self.pinned))
+            return None
+        path = self._guard(step, lambda: save_checkpoint(self.root, state, meta, keep_last=self.cfg.run.keep_last))
+        _export_hf(self.cfg, path, step, self.logs.line)
+        return path
+
+    def finish(self) -> Path | None:
+        """Publish the save in flight (waiting for its write; collective); None when there is none."""
+        if self.pending is None:
+            return None
+        pending, self.pending = self.pending, None
+        path = self._guard(pending.step, pending.finish)
+        self.logs.line(f"step {pending.step}: checkpoint written in the background to {path}")
+        _export_hf(self.cfg, path, pending.step, self.logs.line)
+        return path
+
+    def _guard(self, step: int, fn):
+        from q38.train.safety import interrupted, save_error
+
+        try:
+            return fn()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            if interrupted(e):
+                raise KeyboardInterrupt from e
+            raise save_error(e, step, self.root) from e
 
 
 def _export_hf(cfg: RunConfig, ck: Path, step: int, log) -> None:
