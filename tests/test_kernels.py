@@ -202,7 +202,7 @@ def test_checkpoint_made_with_one_kernel_setting_resumes_with_another(tmp_path, 
 
 
 def test_the_resolved_gdn_chunk_reaches_the_core_and_the_layer_is_chunk_agnostic(monkeypatch):
-    """The layer runs the torch core in chunks of the active ``kernels.gdn_chunk_size`` (spied), packed rows included,
+    """The layer runs the torch core in chunks of the given ``kernels.gdn_chunk_size`` (spied), packed rows included,
     and the output does not depend on the chunk beyond rounding (fp32, 1e-5 relative)."""
     import torch
 
@@ -218,8 +218,8 @@ def test_the_resolved_gdn_chunk_reaches_the_core_and_the_layer_is_chunk_agnostic
     monkeypatch.setattr(gdn, "gated_delta_rule_chunked", lambda *a, **kw: seen.append(kw["chunk_size"]) or real(*a, **kw))
     outs = {}
     for chunk in (8, 16, 64):
-        with K.use_kernels(K.DEFAULT_KERNELS.replace(gdn_chunk_size=chunk)):
-            outs[chunk] = gdn.gdn_apply(p, x, cfg, seq_info(doc, 2, 40, "cpu"))
+        kernels = K.DEFAULT_KERNELS.replace(gdn_chunk_size=chunk)
+        outs[chunk] = gdn.gdn_apply(p, x, cfg, seq_info(doc, 2, 40, "cpu", kernels=kernels))
     assert seen == [8, 16, 64]
     for chunk in (8, 16):
         assert (outs[chunk] - outs[64]).abs().max() <= 1e-5 * outs[64].abs().max()

@@ -50,5 +50,6 @@ def layer_apply(
     else:
         h = gdn_apply(p.mixer, h, cfg, info)
     x = x + h
-    y, router_logits = moe_apply(p.moe, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps), cfg, dispatch, router_bias)
+    y, router_logits = moe_apply(p.moe, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps), cfg, dispatch, router_bias,
+                                 info.kernels)
     return x + y, router_logits

@@ -4,8 +4,6 @@
 import torch
 import torch.distributed as dist
 
-from q38.layers.moe import grouped_experts, swiglu_grouped
-
 from q38.parallel.collectives import _AllGather, _AllToAll
 
 # ---- EP dispatch -----------------------------------------------------------------------------------------------
@@ -60,7 +58,7 @@ class EPDispatch:
         self.loads: list[int] = []  # max per-rank received slots, one entry per call (for reports and tests)
         self.copies: list[int] = []  # with balance: expert copies the plan made, one entry per call
 
-    def __call__(self, x_md, w_m, expert_m, p, cfg):
+    def __call__(self, x_md, w_m, expert_m, p, cfg, experts):
         e_local = p.we_gate_up.shape[0]
         w_gu, w_dn = p.we_gate_up, p.we_down
         dest = torch.div(expert_m, e_local, rounding_mode="floor")
@@ -81,7 +79,7 @@ class EPDispatch:
         dist.all_to_all_single(e_recv, local_idx[order].contiguous(), recv_l, send_l, group=self.group)
         o = torch.argsort(e_recv, stable=True)
         counts = torch.bincount(e_recv, minlength=w_gu.shape[0])
-        y = swiglu_grouped(x_recv[o], counts, w_gu, w_dn, grouped_experts(), w_recv[o])
+        y = experts(x_recv[o], counts, w_gu, w_dn, w_recv[o])
         y_recv = torch.empty_like(y).index_copy(0, o, y)
         y_sorted = _AllToAll.apply(y_recv, send_l, recv_l, self.group)
         return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)

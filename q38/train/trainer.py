@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from q38.config import ConfigError, ModelConfig
-from q38.kernels import describe_kernels, use_kernels
+from q38.kernels import describe_kernels
 
 from q38.train.launch import (  # noqa: F401  (re-exported: the run's pieces by role)
     RunPlan, WorldInfo, _init_process_group, abstract_params_of, check_run, pick_backend, pick_device,
@@ -262,7 +262,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         params = empty_params(cfg.model, device=device, dtype=dtype, mesh=mesh)
     else:
         params = _initial_params(cfg, device, dtype, mesh)
-    state = state_from_params(params, cfg.model, cfg.train)
+    state = state_from_params(params, cfg.model, cfg.train, kernels=plan.kernels)  # what the steps' layers run
     start = 0
     if latest is not None:
         state, meta = load_checkpoint(latest, state)
@@ -324,7 +324,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
             raise save_error(e, int(state.step), ck_root) from e
 
     try:
-        with StopSignal() as stop, use_kernels(plan.kernels):
+        with StopSignal() as stop:
             for step in range(start + 1, cfg.run.steps + 1):
                 lb = {k: v.to(device) for k, v in next(batches).items()}
                 batch = shard_batch(lb, mesh, depths, local_rows=True) if mesh is not None else lb
