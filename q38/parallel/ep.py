@@ -4,6 +4,7 @@
 import torch
 import torch.distributed as dist
 
+from q38.layers.moe import swiglu_batched
 from q38.parallel.collectives import _AllGather, _AllToAll
 
 # ---- EP dispatch -----------------------------------------------------------------------------------------------
@@ -45,7 +46,8 @@ def plan_ep_balance(load_e: list[float], ep: int, e_local: int, max_dup: int) ->
 
 
 class EPDispatch:
-    """Send each routed slot to the rank owning its expert (uneven all-to-all), run local experts, send back.
+    """Send each routed slot to the rank owning its expert (uneven all-to-all), run its local experts through
+    ``experts`` (the ``kernels.experts`` callable ``moe_apply`` passes; default ``swiglu_batched``), send back.
 
     With ``balance`` (EP balance), hot experts are copied into up to ``max_dup`` spare slots per rank from the
     layer's global load; the copies' weights come through an autograd all-gather, so their gradients are summed
@@ -58,7 +60,7 @@ class EPDispatch:
         self.loads: list[int] = []  # max per-rank received slots, one entry per call (for reports and tests)
         self.copies: list[int] = []  # with balance: expert copies the plan made, one entry per call
 
-    def __call__(self, x_md, w_m, expert_m, p, cfg, experts):
+    def __call__(self, x_md, w_m, expert_m, p, cfg, experts=swiglu_batched):
         e_local = p.we_gate_up.shape[0]
         w_gu, w_dn = p.we_gate_up, p.we_down
         dest = torch.div(expert_m, e_local, rounding_mode="floor")
