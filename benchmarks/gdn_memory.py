@@ -14,10 +14,10 @@ import torch
 
 from q38.config import ModelConfig
 from q38.layers.context import SeqInfo
-from q38.layers.gdn import gdn_apply, gdn_backward
+from q38.layers.gdn import gdn_apply
 from q38.model import abstract_params
 from q38.layers.common import materialize
-from q38.kernels import GDN_CHUNK  # what gdn_apply runs outside use_kernels (DEFAULT_KERNELS)
+from q38.kernels import GDN_CHUNK  # the chunk of DEFAULT_KERNELS, which the SeqInfo below runs
 
 
 def saved_bytes(fn) -> int:
@@ -63,13 +63,13 @@ def main():
         core_in += [torch.randn(1, s, nv, device=dev, dtype=torch.float32, requires_grad=True) for _ in range(2)]
         from q38.layers.gdn import gated_delta_rule_chunked
 
-        rows = [("whole GDN layer", lambda: gdn_apply(p, x, cfg, info)),
-                ("gated delta rule", lambda: gated_delta_rule_chunked(*core_in, doc, chunk_size=GDN_CHUNK))]
+        rows = [("whole GDN layer", lambda mode: gdn_apply(p, x, cfg, info, backward=mode)),
+                ("gated delta rule",
+                 lambda mode: gated_delta_rule_chunked(*core_in, doc, chunk_size=GDN_CHUNK, backward=mode))]
         for name, fn in rows:
             n = {}
             for mode in ("autograd", "custom"):
-                with gdn_backward(mode):
-                    n[mode] = saved_bytes(fn)
+                n[mode] = saved_bytes(lambda: fn(mode))
             print(f"{s:>7} {name:<22}{n['autograd'] / 2**20:>16.1f}{n['custom'] / 2**20:>14.1f}"
                   f"{n['custom'] / n['autograd']:>17.3f}")
 

@@ -56,13 +56,13 @@ def run_variant(args) -> dict:
     hidden.requires_grad_(True)
     w_head.requires_grad_(True)
     if args.variant in ("chunked", "compiled"):
-        from q38.kernels import DEFAULT_KERNELS, use_kernels
+        from q38.kernels import DEFAULT_KERNELS
 
         kernels = DEFAULT_KERNELS.replace(loss="torch" if args.variant == "chunked" else "compiled")
 
         def loss_fn():
-            with use_kernels(kernels):
-                return chunked_lm_loss(hidden, w_head, targets, normalizer=normalizer, chunk_size=args.chunk)
+            return chunked_lm_loss(hidden, w_head, targets, normalizer=normalizer, chunk_size=args.chunk,
+                                   kernels=kernels)
     else:
         def loss_fn():
             return unchunked_lm_loss(hidden, w_head, targets, normalizer=normalizer)

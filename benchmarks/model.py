@@ -75,7 +75,7 @@ def main():
                     help="also time q38 with this kernels.gdn_chunk_size in the same interleaved loop (an A/B of the "
                          "chunk length; printed as its own row)")
     args = ap.parse_args()
-    from q38.kernels import KernelConfig, resolve_kernels, use_kernels
+    from q38.kernels import KernelConfig, resolve_kernels
     from q38.train.launch import tune_cpu_allocator
 
     if args.malloc == "tuned":
@@ -85,12 +85,13 @@ def main():
                                            experts=args.experts_kernel, gdn_chunk_size=args.gdn_chunk),
                                device=args.device, dtype=args.dtype, model=bench_config(args))
     print(f"kernels: {kernels.to_dict()}")
-    with use_kernels(kernels):
-        run(args, None if args.vs_gdn_chunk is None else kernels.replace(gdn_chunk_size=args.vs_gdn_chunk))
+    run(args, kernels, None if args.vs_gdn_chunk is None else kernels.replace(gdn_chunk_size=args.vs_gdn_chunk))
 
 
-def run(args, other_kernels=None):
+def run(args, kernels, other_kernels=None):
     from transformers import Qwen3_5MoeForCausalLM
+
+    from q38.layers.context import seq_info
 
     dtype = getattr(torch, args.dtype)
     cfg = bench_config(args)
@@ -102,8 +103,8 @@ def run(args, other_kernels=None):
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=args.device)
     leaves = [t.requires_grad_() for t in torch.utils._pytree.tree_leaves(params)]
 
-    def run_q38():
-        out = q38.forward(params, ids, cfg)
+    def run_q38(kc=kernels):
+        out = q38.forward(params, ids, cfg, info=seq_info(None, args.batch, args.seq, args.device, kernels=kc))
         loss = (out.hidden.float() ** 2).mean()
         torch.autograd.grad(loss, leaves, allow_unused=True)
 
@@ -113,10 +114,7 @@ def run(args, other_kernels=None):
         torch.autograd.grad(loss, [p for p in hf.model.parameters()], allow_unused=True)
 
     def run_other():
-        from q38.kernels import use_kernels
-
-        with use_kernels(other_kernels):
-            run_q38()
+        run_q38(other_kernels)
 
     more = () if other_kernels is None else (run_other,)
     pairs: list[float] = []
@@ -144,10 +142,10 @@ def run(args, other_kernels=None):
     print(f"paired: each q38 call / the transformers call right after it, over all {len(pairs)} pairs: median "
           f"{qs[1]:.3f} (quartiles {qs[0]:.3f}–{qs[2]:.3f}; slow drift of the machine's load cancels in each pair)")
     if args.layers:
-        per_layer(args, cfg, params, hf, dtype)
+        per_layer(args, cfg, params, hf, dtype, kernels)
 
 
-def per_layer(args, cfg, params, hf, dtype):
+def per_layer(args, cfg, params, hf, dtype, kernels):
     """fwd+bwd of one GDN, attention and MoE layer of each implementation on the same random input."""
     from q38.layers.attention import attention_apply
     from q38.layers.context import seq_info
@@ -156,7 +154,7 @@ def per_layer(args, cfg, params, hf, dtype):
 
     b, s, d = args.batch, args.seq, cfg.hidden_size
     x = torch.randn(b, s, d, device=args.device, dtype=dtype, requires_grad=True)
-    info = seq_info(None, b, s, args.device)
+    info = seq_info(None, b, s, args.device, kernels=kernels)
     gdn_i = cfg.layer_types.index("linear_attention")
     att_i = cfg.layer_types.index("full_attention")
     # text positions as the (3, b, s) multimodal-RoPE ids transformers' Qwen3.5 rotary module takes (5.17 requires
@@ -171,7 +169,8 @@ def per_layer(args, cfg, params, hf, dtype):
          fb(lambda: hf.model.layers[gdn_i].linear_attn(x))),
         ("attention layer", fb(lambda: attention_apply(params.layers[att_i].mixer, x, cfg, info)),
          fb(lambda: hf.model.layers[att_i].self_attn(x, pos, None)[0])),
-        ("MoE layer", fb(lambda: moe_apply(params.layers[0].moe, x, cfg)[0]), fb(lambda: hf.model.layers[0].mlp(x))),
+        ("MoE layer", fb(lambda: moe_apply(params.layers[0].moe, x, cfg, kernels=kernels)[0]),
+         fb(lambda: hf.model.layers[0].mlp(x))),
     ]
     print(f"\n{'layer (fwd+bwd)':<28}{'q38 (s)':>12}{'transformers (s)':>18}{'ratio':>8}")
     for name, fq, fh in rows:

@@ -38,7 +38,7 @@ def main():
     a = ap.parse_args()
 
     from q38.config import ModelConfig
-    from q38.kernels import KernelConfig, resolve_kernels, use_kernels
+    from q38.kernels import KernelConfig, resolve_kernels
     from q38.parallel.budget import Hardware, estimate
     from q38.parallel.layout import Layout
     from q38.train.config import TrainConfig
@@ -58,7 +58,7 @@ def main():
                               dtype=a.dtype)
     tc = TrainConfig(loss_chunk_size=1024, recompute=a.recompute)
     dtype = getattr(torch, a.dtype)
-    state = init_state(cfg, tc, seed=0, device=a.device, dtype=dtype)
+    state = init_state(cfg, tc, seed=0, device=a.device, dtype=dtype, kernels=kernels)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq), generator=g).to(a.device)
     batch = {"input_ids": ids, "labels": ids}
@@ -68,8 +68,7 @@ def main():
             torch.cuda.synchronize()
 
     def step_once():
-        with use_kernels(kernels):
-            return train_step(state, batch)
+        return train_step(state, batch)
 
     step_once()  # warm-up
     sync()

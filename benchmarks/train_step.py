@@ -15,12 +15,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import q38  # noqa: E402
-from q38.kernels import KernelConfig, resolve_kernels, use_kernels  # noqa: E402
+from q38.kernels import KernelConfig, resolve_kernels  # noqa: E402
 from q38.train.config import TrainConfig  # noqa: E402
 from q38.train.state import init_state  # noqa: E402
 from q38.train.step import train_step  # noqa: E402
@@ -84,17 +85,16 @@ def main():
         except q38.ConfigError as e:
             rows.append((f"q38 train_step, gdn={gdn}", None, f"refused: {e}"))
             continue
-        holder = {"s": state}
+        holder = {"s": attrs.evolve(state, kernels=kern)}
 
         def step():
             holder["s"], m = train_step(holder["s"], batch)
             float(m.loss)
 
-        with use_kernels(kern):
-            try:
-                rows.append((f"q38 train_step, gdn={kern.gdn}", timed(step, args.steps, dev), ""))
-            except Exception as e:  # report and go on: the other rows are still worth having
-                rows.append((f"q38 train_step, gdn={gdn}", None, f"failed: {type(e).__name__}: {e}"[:200]))
+        try:
+            rows.append((f"q38 train_step, gdn={kern.gdn}", timed(step, args.steps, dev), ""))
+        except Exception as e:  # report and go on: the other rows are still worth having
+            rows.append((f"q38 train_step, gdn={gdn}", None, f"failed: {type(e).__name__}: {e}"[:200]))
         del holder
     try:
         from transformers import Qwen3_5MoeForCausalLM

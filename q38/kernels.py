@@ -3,8 +3,23 @@ every implementation needs and supports, ``auto`` resolution, and the up-front c
 
 Ops: ``gdn`` (the gated delta rule core), ``causal_conv1d`` (the GDN depthwise conv), ``attention`` (the full
 attention core), ``experts`` (the routed experts' SwiGLU over slots sorted by expert), ``loss`` (the chunked LM
-loss's per-block epilogues). Layers read the active choice with ``active_kernels()``; a run enters
-``use_kernels(resolved)`` around its steps. The torch paths are the oracle and run everywhere.
+loss's per-block epilogues). The torch paths are the oracle and run everywhere.
+
+Each ``KernelImpl`` holds the callable that implements it (``fn``: the callable, or a ``module:attr`` path imported on
+first use, so optional packages such as flash-linear-attention load only when their implementation runs). A resolved
+``KernelConfig`` travels with the step (``TrainState.kernels`` → ``SeqInfo.kernels``); a layer calls
+``info.kernels.fn(op)(...)`` and never asks which implementation it got. What an implementation cannot do is said
+once, here (``KernelImpl`` fields and ``problem``), and checked by ``resolve_kernels``; the callables assume a
+resolved config. Their call contracts, per op:
+
+- ``gdn``: ``fn(q, k, v, g, beta, info, *, chunk_size, backward) -> o`` with ``q, k [b s hk a]`` (per key head),
+  ``v [b s h p]``, ``g, beta [b s h]``; ``chunk_size`` and ``backward`` (``custom`` | ``autograd``) steer the torch
+  core only.
+- ``causal_conv1d``: ``fn(x [b s ch], w [ch w], info) -> y [b s ch]`` (no activation).
+- ``attention``: ``fn(q [b h s c], k [b g t c], v [b g t c], mask [b 1 s t] | None, scale) -> o [b h s c]``
+  (``mask`` None: causal).
+- ``experts``: ``fn(x_md, counts_e, we_gate_up, we_down, w_m) -> y_md`` over slots sorted by expert.
+- ``loss``: ``fn(hidden [n d], w_head [v d], targets [n], chunk, ignore_index) -> Σ CE`` (the chunked loss's sum).
 
 One tuning knob rides along: ``gdn_chunk_size``, the chunk length of the torch GDN core (the result is the same
 up to rounding for any chunk; only speed and memory change). ``auto`` takes ``GDN_CHUNK`` (64, FLA's chunk and the
@@ -18,7 +33,7 @@ model identity.
 
 from __future__ import annotations
 
-import contextlib
+import importlib
 import importlib.metadata
 from typing import Any, Callable, Mapping
 
@@ -122,47 +137,80 @@ class KernelImpl:
     problem: Callable[[], str | None] = lambda: None  # why it cannot run in this environment (None: it can)
     auto: bool = True  # ``auto`` may pick it (False: only when named, e.g. until measured faster on a device)
     note: str = ""
+    # the callable that implements it, or its ``module:attr`` path (imported on first use; None: not wired into q38)
+    fn: Callable | str | None = None
+    # (module, what provides it): the optional package the callable imports
+    requires: tuple[str, str] | None = None
+
+    def load(self, op: str, name: str) -> Callable:
+        """The callable ``fn`` names, its module and ``requires`` imported now if they were not (an ``ImportError``
+        naming ``kernels.<op>`` and what to install when ``requires`` is missing)."""
+        if self.fn is None:
+            raise NotImplementedError(f"kernels.{op}: {name}: {self.problem() or 'not wired into q38'}")
+        if self.requires is not None:
+            try:
+                importlib.import_module(self.requires[0])
+            except ImportError as e:
+                portable = list(REGISTRY[op])[-1]
+                raise ImportError(f"kernels.{op}: {name} needs {self.requires[1]}; set kernels.{op}: {portable} to "
+                                  "use the reference path") from e
+        if callable(self.fn):
+            return self.fn
+        module, attr = self.fn.split(":")
+        return getattr(importlib.import_module(module), attr)
 
 
 # Per op: implementations in ``auto`` preference order (fastest first); the last is the portable torch path.
 REGISTRY: dict[str, dict[str, KernelImpl]] = {
     "gdn": {
         "fla": KernelImpl(devices=("cuda",), cp=False, packed=True, backward=True, problem=_fla_problem,
-                          note="flash-linear-attention chunk kernels; packed rows via cu_seqlens"),
+                          note="flash-linear-attention chunk kernels; packed rows via cu_seqlens",
+                          fn="q38.layers.gdn:gdn_core_fla",
+                          requires=("fla", "flash-linear-attention (pip install 'q38[cuda]') and a CUDA device")),
         "npu": KernelImpl(devices=("npu",), cp=False, packed=False, backward=False,
                           problem=lambda: "MindSpeed's Ascend GDN kernels are not wired into q38 yet"),
         "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
-                            note="chunked WY form with its own backward (docs/gdn_backward.md)"),
+                            note="chunked WY form with its own backward (docs/gdn_backward.md)",
+                            fn="q38.layers.gdn:gdn_core_torch"),
     },
     "causal_conv1d": {
         "cuda": KernelImpl(devices=("cuda",), cp=False, packed=False, backward=True,
-                           problem=_import_problem("causal_conv1d", "pip install causal-conv1d")),
+                           problem=_import_problem("causal_conv1d", "pip install causal-conv1d"),
+                           fn="q38.layers.gdn:conv_cuda",
+                           requires=("causal_conv1d", "the causal-conv1d package (pip install causal-conv1d) and a "
+                                                      "CUDA device")),
         "npu": KernelImpl(devices=("npu",), cp=False, packed=False, backward=False,
                           problem=lambda: "torch_npu's causal conv kernel is not wired into q38 yet"),
-        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True),
+        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+                            fn="q38.layers.gdn:conv_torch"),
     },
     "attention": {
         "sdpa": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
-                           note="F.scaled_dot_product_attention (a boolean mask for packed rows / CP)"),
+                           note="F.scaled_dot_product_attention (a boolean mask for packed rows / CP)",
+                           fn="q38.layers.attention:sdpa_attention"),
         "eager": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
-                            note="explicit fp32 softmax(QKᵀ)V; the reference"),
+                            note="explicit fp32 softmax(QKᵀ)V; the reference", fn="q38.layers.attention:eager_attention"),
     },
     "experts": {
         "grouped_mm": KernelImpl(devices=("cpu", "cuda", "meta"), cp=True, packed=True, backward=True,
                                  dtypes={"cuda": ("bfloat16",), "meta": ("bfloat16",)}, min_capability=(8, 0),
                                  problem=_grouped_mm_problem,
-                                 note="F.grouped_mm over the slots sorted by expert: no padding, no per-expert Python"),
+                                 note="F.grouped_mm over the slots sorted by expert: no padding, no per-expert Python",
+                                 fn="q38.layers.moe:swiglu_grouped_mm"),
         "batched": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
-                              note="slots scattered into [experts, capacity, d] and one padded bmm per projection"),
+                              note="slots scattered into [experts, capacity, d] and one padded bmm per projection",
+                              fn="q38.layers.moe:swiglu_batched"),
     },
     "loss": {
         "compiled": KernelImpl(devices=("cpu", "cuda"), cp=True, packed=True, backward=True, auto=False,
                                problem=_compile_problem,
                                note="torch.compile'd block epilogues: one pass per logits block in forward and in "
                                     "backward instead of five and four; auto does not pick it until a device run "
-                                    "measures it faster (benchmarks/gpu.sh)"),
+                                    "measures it faster (benchmarks/gpu.sh)",
+                               fn="q38.train.loss:chunked_loss_sum_compiled"),
         "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
-                            note="eager passes over fp32 copies of each logits block"),
+                            note="eager passes over fp32 copies of each logits block",
+                            fn="q38.train.loss:chunked_loss_sum_eager"),
     },
 }
 
@@ -207,6 +255,14 @@ class KernelConfig:
     @property
     def resolved(self) -> bool:
         return all(getattr(self, op) != "auto" for op in (*OPS, "gdn_chunk_size"))
+
+    def fn(self, op: str) -> Callable:
+        """The callable of ``op``'s chosen implementation (its contract: the module docstring). Needs a resolved
+        choice (``resolve_kernels``), which has also checked that the implementation serves the run."""
+        name = getattr(self, op)
+        if name == "auto":
+            raise ValueError(f"kernels.{op} is auto: resolve_kernels first (the layers run a resolved KernelConfig)")
+        return REGISTRY[op][name].load(op, name)
 
 
 def _cuda_capability() -> tuple[int, int] | None:
@@ -325,27 +381,7 @@ def describe_kernels(
     return "kernels: " + ", ".join(parts)
 
 
-# ---- the active choice -----------------------------------------------------------------------------------------
-
-# Process-wide, not thread-local: autograd runs backward (and so activation recompute) on its own threads.
-_ACTIVE: dict[str, KernelConfig | None] = {"kernels": None}
+# the paths that run everywhere (torch GDN and conv, ``sdpa`` attention, ``batched`` experts, the eager loss; GDN
+# chunks of ``GDN_CHUNK``): what a layer runs when its caller passes no kernels
 DEFAULT_KERNELS = KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa", experts="batched", loss="torch",
                                gdn_chunk_size=GDN_CHUNK)
-
-
-def active_kernels() -> KernelConfig:
-    """What the layers run now: the innermost ``use_kernels``, else the paths that run everywhere (torch GDN and
-    conv, ``sdpa`` attention, ``batched`` experts, the eager loss; GDN chunks of ``GDN_CHUNK``)."""
-    return _ACTIVE["kernels"] or DEFAULT_KERNELS
-
-
-@contextlib.contextmanager
-def use_kernels(kc: KernelConfig):
-    """Run the enclosed forward/backward with ``kc`` (must be resolved: no ``auto``)."""
-    if not kc.resolved:
-        raise ValueError(f"use_kernels needs resolved kernels (resolve_kernels first), got {kc}")
-    prev, _ACTIVE["kernels"] = _ACTIVE["kernels"], kc
-    try:
-        yield kc
-    finally:
-        _ACTIVE["kernels"] = prev

@@ -11,6 +11,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from q38.config import ModelConfig
+from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.layers.block import abstract_layer, layer_apply
 from q38.layers.common import ParamInfo, materialize
 from q38.layers.context import SeqInfo, seq_info
@@ -217,9 +218,13 @@ def logits(
     config: ModelConfig,
     *,
     doc_ids: Int[Tensor, "b s"] | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> Float[Tensor, "b s v"]:
-    """Full ``[b, s, v]`` logits of the main head (evaluation and parity; training uses the chunked loss)."""
-    out = forward(params, input_ids, config, doc_ids=doc_ids)
+    """Full ``[b, s, v]`` logits of the main head (evaluation and parity; training uses the chunked loss), the layers
+    running ``kernels`` (resolved)."""
+    b, s = input_ids.shape
+    info = seq_info(doc_ids, b, s, input_ids.device, kernels=kernels)
+    out = forward(params, input_ids, config, doc_ids=doc_ids, info=info)
     return F.linear(out.hidden, head_weight(params))
 
 

@@ -5,7 +5,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from q38.kernels import DEFAULT_KERNELS, REGISTRY, KernelConfig, resolve_kernels, use_kernels
+from q38.kernels import DEFAULT_KERNELS, REGISTRY, KernelConfig, resolve_kernels
 from q38.train.loss import chunked_lm_loss, dynamic_chunk_size, unchunked_lm_loss
 
 _NO_COMPILE = REGISTRY["loss"]["compiled"].problem()  # kernels.loss: compiled needs torch.compile to work here
@@ -249,8 +249,8 @@ def test_fused_epilogues_match_eager(dtype):
     kw = dict(normalizer=norm, chunk_size=7, scale=-3.0)  # 7 * 1000 // 50 = 140 columns: a partial last block
     ref = _loss_and_grads(unchunked_lm_loss, hidden, w_head, targets, normalizer=norm, scale=-3.0)
     eager = _loss_and_grads(chunked_lm_loss, hidden, w_head, targets, **kw)
-    with use_kernels(DEFAULT_KERNELS.replace(loss="compiled")):
-        fused = _loss_and_grads(chunked_lm_loss, hidden, w_head, targets, **kw)
+    fused = _loss_and_grads(chunked_lm_loss, hidden, w_head, targets, kernels=DEFAULT_KERNELS.replace(loss="compiled"),
+                            **kw)
     for r, e, f in zip(ref, eager, fused):
         assert f.dtype == e.dtype and f.shape == e.shape
         if dtype == torch.float32:

@@ -7,7 +7,8 @@ import torch
 
 import q38
 from q38.config import ConfigError, ModelConfig
-from q38.kernels import DEFAULT_KERNELS, KernelConfig, use_kernels
+from q38.kernels import DEFAULT_KERNELS, KernelConfig
+from q38.layers.context import seq_info
 from q38.train.config import TrainConfig, validate_run
 
 
@@ -122,9 +123,9 @@ def test_cross_config_rules():
 
 def test_unavailable_kernel_raises_naming_the_option_and_install(tiny_cfg):
     p = q38.init_params(tiny_cfg, seed=0)
-    with use_kernels(DEFAULT_KERNELS.replace(gdn="fla")):
-        with pytest.raises(ImportError, match="kernels.gdn: fla needs flash-linear-attention"):
-            q38.forward(p, torch.zeros(1, 8, dtype=torch.long), tiny_cfg)
+    info = seq_info(None, 1, 8, "cpu", kernels=DEFAULT_KERNELS.replace(gdn="fla"))
+    with pytest.raises(ImportError, match="kernels.gdn: fla needs flash-linear-attention"):
+        q38.forward(p, torch.zeros(1, 8, dtype=torch.long), tiny_cfg, info=info)
 
 
 def test_eager_attention_matches_sdpa(tiny_cfg):
@@ -132,6 +133,5 @@ def test_eager_attention_matches_sdpa(tiny_cfg):
     doc = torch.tensor([[0] * 15 + [1] * 25, [0] * 40])
     p = q38.init_params(tiny_cfg.replace(initializer_range=0.1), seed=0)
     a = q38.logits(p, ids, tiny_cfg, doc_ids=doc)
-    with use_kernels(DEFAULT_KERNELS.replace(attention="eager")):
-        b = q38.logits(p, ids, tiny_cfg, doc_ids=doc)
+    b = q38.logits(p, ids, tiny_cfg, doc_ids=doc, kernels=DEFAULT_KERNELS.replace(attention="eager"))
     assert (a - b).abs().max() <= 1e-5

@@ -22,7 +22,7 @@ import torch
 
 import q38
 from q38.pytree import tree_leaves, tree_map
-from q38.kernels import KernelConfig, resolve_kernels, use_kernels
+from q38.kernels import KernelConfig, resolve_kernels
 from q38.layers.context import seq_info
 
 DEVICE = os.environ.get("Q38_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else None)
@@ -70,9 +70,9 @@ def _layer_grads(apply, layer_params, cfg, device, dtype, kernels: KernelConfig,
     xd = x.to(device=device, dtype=dtype).requires_grad_()
     doc = _doc_ids().to(device) if packed else None
     leaves = [xd, *tree_leaves(p)]
-    with use_kernels(resolve_kernels(kernels, device=device, dtype=str(dtype).removeprefix("torch."), model=cfg)):
-        y = apply(p, xd, cfg, seq_info(doc, B, S, device))
-        grads = torch.autograd.grad(y, leaves, dy.to(device=device, dtype=dtype))
+    resolved = resolve_kernels(kernels, device=device, dtype=str(dtype).removeprefix("torch."), model=cfg)
+    y = apply(p, xd, cfg, seq_info(doc, B, S, device, kernels=resolved))
+    grads = torch.autograd.grad(y, leaves, dy.to(device=device, dtype=dtype))
     return [y, *grads]
 
 
@@ -93,7 +93,7 @@ def test_moe_layer_on_the_device_matches_cpu_fp32(experts):
     params = attrs.evolve(params, w_router=params.w_router * 20.0)
 
     def apply(p, x, cfg, info):
-        return moe_apply(p, x, cfg)[0]
+        return moe_apply(p, x, cfg, kernels=info.kernels)[0]
 
     ref = _layer_grads(apply, params, cfg, "cpu", torch.float32, KernelConfig(experts="batched"), packed=False)
     got = _layer_grads(apply, params, cfg, DEVICE, torch.bfloat16, KernelConfig(experts=experts), packed=False)
@@ -140,9 +140,8 @@ def test_a_bf16_train_step_on_the_device_tracks_cpu_fp32():
     for key, where, dtype in (("ref", "cpu", "float32"), ("device", DEVICE, "bfloat16")):
         tc = TrainConfig(param_dtype=dtype, loss_chunk_size=64, aux_loss_coef=0.01)
         kernels = resolve_kernels(KernelConfig(), device=where, dtype=dtype, model=cfg)
-        state = init_state(cfg, tc, seed=0, device=where)
-        with use_kernels(kernels):
-            new, m = train_step(state, {k: v.to(where) for k, v in batch.items()})
+        state = init_state(cfg, tc, seed=0, device=where, kernels=kernels)
+        new, m = train_step(state, {k: v.to(where) for k, v in batch.items()})
         out[key] = m.as_dict()
         if key == "device":
             for t in tree_leaves(new.params):

@@ -50,7 +50,6 @@ def test_a_new_layer_type_is_one_record(monkeypatch, tiny_cfg, tmp_path):
     import q38.layers.kinds as kinds
     from q38.flops import step_flops
     from q38.hf import load_hf, save_hf
-    from q38.layers.common import kernel_region
     from q38.layers.hf_keys import renames
     from q38.model import abstract_params, count_params, forward, init_params
     from q38.parallel.budget import estimate
@@ -66,7 +65,7 @@ def test_a_new_layer_type_is_one_record(monkeypatch, tiny_cfg, tmp_path):
                                          axes=("toy_out", "embed")))
 
     def toy_apply(p, x, cfg, info):
-        with kernel_region("toy"):
+        with info.region("toy"):
             return F.linear(x, p.w_mix)
 
     def toy_flops(cfg, w):

@@ -198,3 +198,27 @@ def test_key_heads_shared_by_value_heads(gen, masked):
     ref = _run(repeated, ins, doc, s0, chunk_size=64, backward="autograd")
     for name, x, y in zip(NAMES, custom, ref):
         assert x.shape == y.shape and _close(x, y), (name, (x - y).abs().max().item())
+
+
+def test_the_layer_takes_its_gdn_backward_as_an_argument(gen, monkeypatch):
+    """``gdn_apply(..., backward=...)`` reaches the torch core: ``autograd`` runs the autograd reference (spied),
+    ``custom`` does not, and both give the same output and gradients (the core-level comparisons are above)."""
+    import q38.layers.gdn as gdn
+    from q38.config import ModelConfig
+    from q38.layers.context import seq_info
+    from q38.model import init_params
+
+    cfg = ModelConfig.preset("tiny")
+    p = init_params(cfg, seed=0).layers[cfg.layer_types.index("linear_attention")].mixer
+    leaves = [t.requires_grad_() for t in torch.utils._pytree.tree_leaves(p)]
+    x = torch.randn(2, 40, cfg.hidden_size, generator=gen, requires_grad=True)
+    info = seq_info(torch.tensor([[0] * 15 + [1] * 25, [0] * 40]), 2, 40, "cpu")
+    ran, real = [], gdn.gated_delta_rule_chunked_autograd
+    monkeypatch.setattr(gdn, "gated_delta_rule_chunked_autograd", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    out = {}
+    for mode in ("custom", "autograd"):
+        ran.clear()
+        y = gdn.gdn_apply(p, x, cfg, info, backward=mode)
+        out[mode] = (y, *torch.autograd.grad((y * torch.sin(y.detach())).sum(), [x, *leaves]))
+        assert bool(ran) == (mode == "autograd")
+    assert all(_close(c, r) for c, r in zip(out["custom"], out["autograd"]))

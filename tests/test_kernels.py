@@ -202,7 +202,7 @@ def test_checkpoint_made_with_one_kernel_setting_resumes_with_another(tmp_path, 
 
 
 def test_the_resolved_gdn_chunk_reaches_the_core_and_the_layer_is_chunk_agnostic(monkeypatch):
-    """The layer runs the torch core in chunks of the active ``kernels.gdn_chunk_size`` (spied), packed rows included,
+    """The layer runs the torch core in chunks of the given ``kernels.gdn_chunk_size`` (spied), packed rows included,
     and the output does not depend on the chunk beyond rounding (fp32, 1e-5 relative)."""
     import torch
 
@@ -218,8 +218,8 @@ def test_the_resolved_gdn_chunk_reaches_the_core_and_the_layer_is_chunk_agnostic
     monkeypatch.setattr(gdn, "gated_delta_rule_chunked", lambda *a, **kw: seen.append(kw["chunk_size"]) or real(*a, **kw))
     outs = {}
     for chunk in (8, 16, 64):
-        with K.use_kernels(K.DEFAULT_KERNELS.replace(gdn_chunk_size=chunk)):
-            outs[chunk] = gdn.gdn_apply(p, x, cfg, seq_info(doc, 2, 40, "cpu"))
+        kernels = K.DEFAULT_KERNELS.replace(gdn_chunk_size=chunk)
+        outs[chunk] = gdn.gdn_apply(p, x, cfg, seq_info(doc, 2, 40, "cpu", kernels=kernels))
     assert seen == [8, 16, 64]
     for chunk in (8, 16):
         assert (outs[chunk] - outs[64]).abs().max() <= 1e-5 * outs[64].abs().max()
@@ -275,3 +275,89 @@ def test_the_run_log_line_says_what_auto_passed_over_and_why(monkeypatch):
     # on the CPU nothing is passed over: every preferred implementation is for another device
     cpu = K.describe_kernels(KernelConfig(), resolve_kernels(KernelConfig(), device="cpu"), device="cpu")
     assert "passed over" not in cpu and cpu.startswith("kernels: gdn=torch (auto), causal_conv1d=torch (auto)")
+
+
+def _spied(monkeypatch, calls: list):
+    """Every registered implementation that has a callable, wrapped to record ``(op, name)`` in ``calls`` when run."""
+    for op, impls in K.REGISTRY.items():
+        for name, impl in list(impls.items()):
+            if impl.fn is None or impl.requires is not None:  # not wired, or needs a package the CPU lacks
+                continue
+
+            def spy(*a, _fn=impl.load(op, name), _key=(op, name), **kw):
+                calls.append(_key)
+                return _fn(*a, **kw)
+
+            monkeypatch.setitem(impls, name, attrs.evolve(impl, fn=spy))
+
+
+def test_kernels_are_arguments_two_forwards_in_one_process_each_run_their_own(monkeypatch):
+    """Two kernel choices passed explicitly and interleaved in one process (A, B, A): each forward calls only its
+    own implementations (spied registry entries), A gives the same bits before and after B (nothing B chose
+    lingers), and the two choices agree within fp32 rounding. A layer reading process state would fail this."""
+    import torch
+
+    import q38
+    from q38.kernels import DEFAULT_KERNELS
+    from q38.layers.context import seq_info
+
+    grouped = resolve_kernels(KernelConfig(), device="cpu").experts  # grouped_mm where this torch has it
+    a_k = DEFAULT_KERNELS  # sdpa, batched experts, chunks of 64
+    b_k = DEFAULT_KERNELS.replace(attention="eager", experts=grouped, gdn_chunk_size=16)
+    calls: list = []
+    _spied(monkeypatch, calls)
+    chunks: list = []
+    real_core = K.REGISTRY["gdn"]["torch"].fn  # the spy
+
+    def core(*a, chunk_size, **kw):
+        chunks.append(chunk_size)
+        return real_core(*a, chunk_size=chunk_size, **kw)
+
+    monkeypatch.setitem(K.REGISTRY["gdn"], "torch", attrs.evolve(K.REGISTRY["gdn"]["torch"], fn=core))
+
+    cfg = ModelConfig.preset("tiny").replace(initializer_range=0.1)
+    p = q38.init_params(cfg, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    doc = torch.tensor([[0] * 15 + [1] * 25, [0] * 40])
+
+    def run(kc):
+        calls.clear()
+        chunks.clear()
+        h = q38.forward(p, ids, cfg, info=seq_info(doc, 2, 40, "cpu", kernels=kc)).hidden
+        return h, set(calls), set(chunks)
+
+    (h_a, calls_a, chunks_a), (h_b, calls_b, chunks_b), (h_a2, calls_a2, _) = run(a_k), run(b_k), run(a_k)
+    both = {("causal_conv1d", "torch"), ("gdn", "torch")}
+    assert calls_a == calls_a2 == {("attention", "sdpa"), ("experts", "batched"), *both}
+    assert calls_b == {("attention", "eager"), ("experts", b_k.experts), *both}
+    assert chunks_a == {64} and chunks_b == {16}
+    assert torch.equal(h_a, h_a2)
+    assert (h_a - h_b).abs().max() <= 1e-5 * max(1.0, h_a.abs().max().item())
+
+
+def test_the_step_runs_the_kernels_of_its_state(monkeypatch):
+    """``train_step``'s layers and loss run ``state.kernels``: two states in one process, two sets of calls."""
+    import torch
+
+    from q38.kernels import DEFAULT_KERNELS
+    from q38.model import init_params
+    from q38.train.config import TrainConfig
+    from q38.train.state import state_from_params
+    from q38.train.step import loss_and_grads
+
+    calls: list = []
+    _spied(monkeypatch, calls)
+    cfg = ModelConfig.preset("tiny").replace(mtp_num_layers=0)
+    params = init_params(cfg, seed=0)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    for kc in (DEFAULT_KERNELS, DEFAULT_KERNELS.replace(attention="eager")):
+        calls.clear()
+        loss_and_grads(state_from_params(params, cfg, TrainConfig(loss_chunk_size=16), kernels=kc),
+                       {"input_ids": ids, "labels": ids})
+        seen[kc.attention] = set(calls)
+    assert seen["sdpa"] - seen["eager"] == {("attention", "sdpa")}
+    assert seen["eager"] - seen["sdpa"] == {("attention", "eager")}
+    assert ("loss", "torch") in seen["sdpa"] and ("gdn", "torch") in seen["sdpa"]
+    with pytest.raises(ValueError, match="resolve_kernels first"):
+        state_from_params(params, cfg, TrainConfig(), kernels=KernelConfig())

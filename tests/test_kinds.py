@@ -8,7 +8,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from q38.config import ConfigError, ModelConfig
-from q38.layers.common import current_region
 from q38.layers.context import seq_info
 from q38.layers.kinds import MIXER_KINDS, RECOMPUTE_MODES, kept_regions, kind_of, layer_kinds
 from q38.model import count_params, init_params
@@ -50,12 +49,14 @@ def test_each_layer_holds_its_kinds_params(tiny_cfg):
 
 
 class _Regions(TorchDispatchMode):
-    def __init__(self):
+    """Records the step's region (``KernelRegions.current``) at every op."""
+
+    def __init__(self, regions):
         super().__init__()
-        self.seen = set()
+        self.regions, self.seen = regions, set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.add(current_region())
+        self.seen.add(self.regions.current)
         return func(*args, **(kwargs or {}))
 
 
@@ -65,8 +66,11 @@ def test_a_kinds_region_is_the_one_its_apply_marks(tiny_cfg, name):
     params = init_params(tiny_cfg, seed=0)
     p = next(lp.mixer for lp in params.layers if kind_of(lp.mixer) is kind)
     x = torch.randn(1, 8, tiny_cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    with _Regions() as spy:
-        kind.apply(p, x, tiny_cfg, seq_info(None, 1, 8, "cpu"))
+    from q38.train.remat import KernelRegions
+
+    regions = KernelRegions()
+    with _Regions(regions) as spy:
+        kind.apply(p, x, tiny_cfg, attrs.evolve(seq_info(None, 1, 8, "cpu"), region=regions.enter))
     assert spy.seen - {None} == {kind.region}
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import q38
 from q38.layers.gdn import causal_conv1d, gated_delta_rule_chunked, gated_delta_rule_recurrent
-from q38.kernels import DEFAULT_KERNELS, use_kernels
+from q38.kernels import DEFAULT_KERNELS
 from q38.layers.moe import MoEParams, moe_apply
 from q38.layers.norm import gated_rms_norm, rms_norm
 from q38.model import init_params
@@ -213,12 +213,11 @@ def test_moe_matches_naive_and_is_permutation_invariant(gen, grouped, top_k):
     cfg = _moe_cfg(num_experts_per_tok=top_k, initializer_range=0.3)
     p = init_params(cfg, seed=1).layers[0].moe
     x = torch.randn(1, 23, 16, generator=gen)
-    with use_kernels(_experts(grouped)):
-        y, logits = moe_apply(p, x, cfg)
-        assert logits.shape == (23, 6)
-        assert (y[0] - _naive_moe(p, x[0], cfg)).abs().max() <= TOL
-        perm = torch.randperm(23, generator=gen)
-        y_perm, _ = moe_apply(p, x[:, perm], cfg)
+    y, logits = moe_apply(p, x, cfg, kernels=_experts(grouped))
+    assert logits.shape == (23, 6)
+    assert (y[0] - _naive_moe(p, x[0], cfg)).abs().max() <= TOL
+    perm = torch.randperm(23, generator=gen)
+    y_perm, _ = moe_apply(p, x[:, perm], cfg, kernels=_experts(grouped))
     assert (y_perm - y[:, perm]).abs().max() <= TOL
 
 
@@ -280,8 +279,7 @@ def test_moe_grads_grouped_vs_batched(gen):
         cfg = _moe_cfg(initializer_range=0.3)
         p = init_params(cfg, seed=1).layers[0].moe
         leaves = [p.we_gate_up.requires_grad_(), p.we_down.requires_grad_(), p.w_router.requires_grad_()]
-        with use_kernels(_experts(grouped)):
-            y, _ = moe_apply(p, x, cfg)
+        y, _ = moe_apply(p, x, cfg, kernels=_experts(grouped))
         grads.append(torch.autograd.grad((y * torch.linspace(-1, 1, 16)).sum(), leaves))
     for a, b in zip(*grads):
         assert (a - b).abs().max() <= TOL
@@ -437,8 +435,7 @@ def test_attention_grouped_kv_heads_match_eager(packed):
     dy = torch.randn(2, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
 
     def run(kernels):
-        with use_kernels(kernels):
-            y = attention_apply(p, x, cfg, info)
+        y = attention_apply(p, x, cfg, seq_info(doc, 2, 24, "cpu", kernels=kernels))
         return [y, *torch.autograd.grad(y, [x, *leaves], dy)]
 
     got, want = run(DEFAULT_KERNELS), run(DEFAULT_KERNELS.replace(attention="eager"))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from q38.config import ModelConfig
-from q38.kernels import DEFAULT_KERNELS, use_kernels
+from q38.kernels import DEFAULT_KERNELS
 from q38.parallel.budget import estimate
 from q38.parallel.layout import Layout
 from q38.train.config import TrainConfig
@@ -43,7 +43,7 @@ def _measure(rank, world, preset, layout_name, mesh_sizes, recompute):
 
     cfg = _cfg(preset)
     tc = TrainConfig(loss_chunk_size=256, recompute=recompute == "full")
-    state = init_state(cfg, tc, seed=0)
+    state = init_state(cfg, tc, seed=0, kernels=DEFAULT_KERNELS.replace(experts="grouped_mm"))  # as CPU `auto` picks
     ids = torch.randint(0, cfg.vocab_size, (ROWS * world, SEQ), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     mesh = None
@@ -51,7 +51,7 @@ def _measure(rank, world, preset, layout_name, mesh_sizes, recompute):
         mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)
         state = shard(state, mesh)
         batch = shard_batch(batch, mesh, cfg.mtp_num_layers)
-    with PeakMemory(state) as pm, use_kernels(DEFAULT_KERNELS.replace(experts="grouped_mm")):  # as CPU `auto` picks
+    with PeakMemory(state) as pm:
         train_step(state, batch, mesh)
     return pm.peak
 

@@ -14,7 +14,7 @@ from torch.utils.flop_counter import (FlopCounterMode, bmm_flop, conv_flop_count
                                       sdpa_flop_count)
 
 from q38.config import ModelConfig
-from q38.kernels import DEFAULT_KERNELS, use_kernels
+from q38.kernels import DEFAULT_KERNELS
 from q38.flops import step_flops
 from q38.train.config import TrainConfig
 from q38.train.state import init_state
@@ -77,9 +77,9 @@ GROUPED = DEFAULT_KERNELS.replace(experts="grouped_mm")  # the experts as the CP
 
 
 def _measure(cfg, tc, b, s):
-    state = init_state(cfg, tc, seed=0)
+    state = init_state(cfg, tc, seed=0, kernels=GROUPED)
     ids = torch.randint(0, cfg.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
-    with FlopCounterMode(display=False, custom_mapping=MAPPING) as fc, use_kernels(GROUPED):
+    with FlopCounterMode(display=False, custom_mapping=MAPPING) as fc:
         train_step(state, {"input_ids": ids, "labels": ids})
     return fc.get_total_flops(), fc.get_flop_counts()["Global"]
 

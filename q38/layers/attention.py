@@ -11,8 +11,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from q38.config import ModelConfig
-from q38.kernels import active_kernels
-from q38.layers.common import ParamInfo, kernel_region
+from q38.layers.common import ParamInfo
 from q38.layers.context import SeqInfo
 from q38.layers.norm import rms_norm
 from q38.layers.rope import apply_rope, rope_cos_sin
@@ -72,8 +71,8 @@ def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, 
 
     q_bhsc = rearrange(q_bshc, "b s h c -> b h s c")
     k_bgtc, v_bgtc = rearrange(k_btgc, "b t g c -> b g t c"), rearrange(v_btgc, "b t g c -> b g t c")
-    with kernel_region("attention"):
-        o_bhsc = _attend(q_bhsc, k_bgtc, v_bgtc, mask, cfg, c)
+    with info.region("attention"):
+        o_bhsc = info.kernels.fn("attention")(q_bhsc, k_bgtc, v_bgtc, mask, c**-0.5)
     # sigmoid before the merge of (h c): the gate is a strided half of the projection, whose merge would copy it;
     # the sigmoid's output is contiguous, so the merge is a view
     o_bsd = rearrange(o_bhsc, "b h s c -> b s (h c)") * rearrange(torch.sigmoid(gate_bshc), "b s h c -> b s (h c)")
@@ -91,20 +90,34 @@ def _native_gqa(q_bhsc: Tensor, mask: Tensor | None) -> bool:
     return mask is None and (dev == "cpu" or (dev == "cuda" and dt in (torch.float16, torch.bfloat16)))
 
 
-def _attend(q_bhsc: Tensor, k_bgtc: Tensor, v_bgtc: Tensor, mask: Tensor | None, cfg: ModelConfig, c: int) -> Tensor:
-    """Attention of ``h`` query heads over ``g`` kv heads (query head ``i`` reads kv head ``i // (h / g)``)."""
+def _repeat_kv(k_bgtc: Tensor, v_bgtc: Tensor, r: int) -> tuple[Tensor, Tensor]:
+    """The kv heads repeated to the query heads (query head ``i`` reads kv head ``i // r``)."""
+    return k_bgtc.repeat_interleave(r, dim=1), v_bgtc.repeat_interleave(r, dim=1)
+
+
+def sdpa_attention(
+    q_bhsc: Tensor, k_bgtc: Tensor, v_bgtc: Tensor, mask: Tensor | None, scale: float
+) -> Tensor:
+    """``kernels.attention: sdpa``: ``F.scaled_dot_product_attention`` of ``h`` query heads over ``g`` kv heads,
+    causal when ``mask`` is None, else under the boolean ``mask`` ``[b, 1, s, t]``."""
     r = q_bhsc.shape[1] // k_bgtc.shape[1]
-    sdpa = active_kernels().attention != "eager"
-    if sdpa and r > 1 and _native_gqa(q_bhsc, mask):
-        return F.scaled_dot_product_attention(q_bhsc, k_bgtc, v_bgtc, is_causal=True, scale=c**-0.5, enable_gqa=True)
-    k_bhtc, v_bhtc = k_bgtc.repeat_interleave(r, dim=1), v_bgtc.repeat_interleave(r, dim=1)
-    if not sdpa:
-        scores = torch.einsum("bhsc,bhtc->bhst", q_bhsc.float(), k_bhtc.float()) * c**-0.5
-        if mask is None:
-            s, t = scores.shape[-2:]
-            mask = torch.ones(s, t, dtype=torch.bool, device=q_bhsc.device).tril()[None, None]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        return torch.einsum("bhst,bhtc->bhsc", scores.softmax(-1), v_bhtc.float()).to(q_bhsc.dtype)
+    if r > 1 and _native_gqa(q_bhsc, mask):
+        return F.scaled_dot_product_attention(q_bhsc, k_bgtc, v_bgtc, is_causal=True, scale=scale, enable_gqa=True)
+    k_bhtc, v_bhtc = _repeat_kv(k_bgtc, v_bgtc, r)
     if mask is None:
-        return F.scaled_dot_product_attention(q_bhsc, k_bhtc, v_bhtc, is_causal=True, scale=c**-0.5)
-    return F.scaled_dot_product_attention(q_bhsc, k_bhtc, v_bhtc, attn_mask=mask, scale=c**-0.5)
+        return F.scaled_dot_product_attention(q_bhsc, k_bhtc, v_bhtc, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q_bhsc, k_bhtc, v_bhtc, attn_mask=mask, scale=scale)
+
+
+def eager_attention(
+    q_bhsc: Tensor, k_bgtc: Tensor, v_bgtc: Tensor, mask: Tensor | None, scale: float
+) -> Tensor:
+    """``kernels.attention: eager``: explicit fp32 ``softmax(QKᵀ · scale)V`` (the reference), same contract as
+    ``sdpa_attention``."""
+    k_bhtc, v_bhtc = _repeat_kv(k_bgtc, v_bgtc, q_bhsc.shape[1] // k_bgtc.shape[1])
+    scores = torch.einsum("bhsc,bhtc->bhst", q_bhsc.float(), k_bhtc.float()) * scale
+    if mask is None:
+        s, t = scores.shape[-2:]
+        mask = torch.ones(s, t, dtype=torch.bool, device=q_bhsc.device).tril()[None, None]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("bhst,bhtc->bhsc", scores.softmax(-1), v_bhtc.float()).to(q_bhsc.dtype)

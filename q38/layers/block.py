@@ -49,5 +49,6 @@ def layer_apply(
     layer's expert-selection bias (aux-loss-free balancing), or None."""
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
     x = x + kind_of(p.mixer).apply(p.mixer, h, cfg, info)
-    y, router_logits = moe_apply(p.moe, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps), cfg, dispatch, router_bias)
+    y, router_logits = moe_apply(p.moe, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps), cfg, dispatch, router_bias,
+                                 info.kernels)
     return x + y, router_logits

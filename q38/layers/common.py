@@ -96,25 +96,3 @@ def materialize(
         raise ValueError(f"unknown init rule {info.init!r} for parameter {path}")
     return t.to(device=device, dtype=dtype)
 
-
-# ---- kernel regions ------------------------------------------------------------------------------------
-# Layers mark the span of a hot kernel (attention, GDN core) so selective recompute can keep its outputs
-# (``skip_flash_attn_recompute`` / ``skip_gdn_recompute``). A thread-local name; no effect on the math.
-import contextlib
-import threading
-
-_REGION = threading.local()
-
-
-@contextlib.contextmanager
-def kernel_region(name: str):
-    prev = getattr(_REGION, "name", None)
-    _REGION.name = name
-    try:
-        yield
-    finally:
-        _REGION.name = prev
-
-
-def current_region() -> str | None:
-    return getattr(_REGION, "name", None)

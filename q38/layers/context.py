@@ -4,12 +4,15 @@ the few sequence-dimension exchanges context parallelism needs. On one device ev
 Layers never import ``torch.distributed``; ``q38.parallel`` provides a ``SeqComm`` that does the collectives.
 """
 
-from typing import Any, Protocol, runtime_checkable
+import contextlib
+from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
 
 import attrs
 import torch
 from jaxtyping import Int
 from torch import Tensor
+
+from q38.kernels import DEFAULT_KERNELS, KernelConfig
 
 
 class SeqComm(Protocol):
@@ -99,13 +102,22 @@ class StepRuntime(Protocol):
         ...
 
 
+def no_region(name: str) -> ContextManager:
+    """``SeqInfo.region`` when nothing marks kernel regions (no selective recompute)."""
+    return contextlib.nullcontext()
+
+
 @attrs.frozen
 class SeqInfo:
-    """Per-token facts every layer may need, for this rank's tokens.
+    """What every layer of a step may need, for this rank's tokens.
 
     ``doc_ids``: document of each token (padding = -1); ``positions``: RoPE position (restarts per document);
     ``seq_idx``: index of the token in the full (un-split) row, for causal masks across CP ranks.
     ``packed``: whether any row holds more than one document (lets layers take the fast unmasked path).
+    ``comm``: the CP exchanges. ``kernels``: the step's resolved ``KernelConfig`` (a layer calls
+    ``kernels.fn(op)``). ``region(name)``: a context the layer enters around its hot kernel (``attention``,
+    ``gdn``), so that selective recompute can keep that kernel's outputs (``q38.train.remat``); it never changes
+    the math.
     """
 
     doc_ids: Int[Tensor, "b s"]
@@ -113,14 +125,22 @@ class SeqInfo:
     seq_idx: Int[Tensor, "b s"]
     packed: bool
     comm: object = attrs.field(factory=LocalSeqComm)
+    kernels: KernelConfig = attrs.field(default=DEFAULT_KERNELS, kw_only=True)
+    region: Callable[[str], ContextManager] = attrs.field(default=no_region, kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.kernels.resolved:
+            raise ValueError(f"SeqInfo needs resolved kernels (resolve_kernels first), got {self.kernels}")
 
 
-def seq_info(doc_ids: Tensor | None, batch: int, seq: int, device) -> SeqInfo:
-    """``SeqInfo`` for an un-split batch (one device)."""
+def seq_info(doc_ids: Tensor | None, batch: int, seq: int, device, *,
+             kernels: KernelConfig = DEFAULT_KERNELS) -> SeqInfo:
+    """``SeqInfo`` for an un-split batch (one device), running ``kernels``."""
     from q38.layers.rope import positions_from_docs
 
     seq_idx = torch.arange(seq, device=device).expand(batch, seq)
     if doc_ids is None:
-        return SeqInfo(torch.zeros(batch, seq, dtype=torch.long, device=device), seq_idx, seq_idx, False)
+        return SeqInfo(torch.zeros(batch, seq, dtype=torch.long, device=device), seq_idx, seq_idx, False,
+                       kernels=kernels)
     packed = bool((doc_ids[:, 1:] != doc_ids[:, :-1]).any()) if seq > 1 else False
-    return SeqInfo(doc_ids, positions_from_docs(doc_ids), seq_idx, packed)
+    return SeqInfo(doc_ids, positions_from_docs(doc_ids), seq_idx, packed, kernels=kernels)

@@ -7,7 +7,6 @@ several documents gives exactly the outputs of the documents run one by one.
 Extra dims: ``u`` = position inside a chunk, ``j`` = chunk index, ``a``/``p`` = key/value state dims.
 """
 
-import contextlib
 import math
 
 import attrs
@@ -18,8 +17,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from q38.config import ModelConfig
-from q38.kernels import active_kernels
-from q38.layers.common import ParamInfo, kernel_region
+from q38.layers.common import ParamInfo
 from q38.layers.context import SeqInfo
 from q38.layers.norm import gated_rms_norm
 from q38.pytree import pytree_node
@@ -156,45 +154,23 @@ class _CausalConv(torch.autograd.Function):
         return dx.to(x.dtype), dw.to(w.dtype), (None if dhalo is None else dhalo.to(halo.dtype)), None
 
 
-def _conv(x: Tensor, w: Tensor, cfg: ModelConfig, info: SeqInfo) -> Tensor:
+def conv_torch(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
+    """``kernels.causal_conv1d: torch``: ``causal_conv1d`` with the document mask (packed rows or CP) and the CP halo
+    (the previous rank's last ``K - 1`` inputs)."""
     kw = w.shape[1]
     comm = info.comm
     local = comm.is_local
-    impl = active_kernels().causal_conv1d
-    if impl == "cuda":
-        return _cuda_conv(x, w, info) if local else _unsupported_cp("kernels.causal_conv1d: cuda")
-    if impl == "npu":
-        return _npu_conv(x, w, info)
     halo = None if local else comm.prev_tail(x, kw - 1, 1)
     halo_doc = None if local else comm.prev_tail(info.doc_ids + 2, kw - 1, 1) - 2  # zeros from rank 0 → -2
     doc_ids = info.doc_ids if (info.packed or not local) else None
     return causal_conv1d(x, w, doc_ids, halo, halo_doc)
 
 
-def _unsupported_cp(what: str):
-    raise NotImplementedError(f"{what} is not supported with context parallelism; use the torch implementation")
+def conv_cuda(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
+    """``kernels.causal_conv1d: cuda``: the causal-conv1d package's kernel (one document per row, no CP)."""
+    from causal_conv1d import causal_conv1d_fn  # type: ignore
 
-
-def _cuda_conv(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
-    try:
-        from causal_conv1d import causal_conv1d_fn  # type: ignore
-    except ImportError as e:
-        raise ImportError(
-            "kernels.causal_conv1d: cuda needs the causal-conv1d package (pip install causal-conv1d) "
-            "and a CUDA device; set kernels.causal_conv1d: torch to use the reference path"
-        ) from e
-    if info.packed:
-        raise NotImplementedError(
-            "kernels.causal_conv1d: cuda is not wired for packed rows; use kernels.causal_conv1d: torch"
-        )
     return causal_conv1d_fn(x.transpose(1, 2), w, None, activation=None).transpose(1, 2)
-
-
-def _npu_conv(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
-    raise NotImplementedError(
-        "kernels.causal_conv1d: npu is not available in q38 yet (it needs torch_npu's causal conv kernel); "
-        "use kernels.causal_conv1d: torch"
-    )
 
 
 # ---- the gated delta rule -------------------------------------------------------------------------------
@@ -239,21 +215,7 @@ def gated_delta_rule_recurrent(
     return rearrange(o, "b h s p -> b s h p").to(dtype), S
 
 
-GDN_BACKWARDS = ("custom", "autograd")
-_BACKWARD = {"mode": "custom"}
-
-
-@contextlib.contextmanager
-def gdn_backward(mode: str):
-    """Internal switch for the layer's torch GDN core: ``custom`` (default) or ``autograd`` (today's reference path,
-    every per-chunk intermediate saved). For tests and ``benchmarks/gdn_memory.py``; not a run setting."""
-    if mode not in GDN_BACKWARDS:
-        raise ValueError(f"gdn_backward must be one of {GDN_BACKWARDS}, got {mode!r}")
-    prev, _BACKWARD["mode"] = _BACKWARD["mode"], mode
-    try:
-        yield
-    finally:
-        _BACKWARD["mode"] = prev
+GDN_BACKWARDS = ("custom", "autograd")  # the torch core's backward: its own (docs/gdn_backward.md), or autograd
 
 
 def gated_delta_rule_chunked(
@@ -265,7 +227,7 @@ def gated_delta_rule_chunked(
     doc_ids: Int[Tensor, "b s"] | None = None,
     initial_state: Float[Tensor, "b h a p"] | None = None,
     chunk_size: int = 64,
-    backward: str | None = None,
+    backward: str = "custom",
 ) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
     """Chunked (WY/UT) gated delta rule in fp32 (docs/model.md#the-chunked-form), document-masked.
 
@@ -276,10 +238,8 @@ def gated_delta_rule_chunked(
 
     ``backward="custom"`` (default) runs the core as ``_ChunkGatedDeltaRule``: forward saves only its inputs and the
     state at the start of every chunk, backward recomputes the in-chunk WY factors and runs the reverse chunk
-    recurrence (docs/gdn_backward.md). ``backward="autograd"`` is the plain-autograd reference. ``None`` takes the
-    mode set by ``gdn_backward`` (``custom`` unless changed).
+    recurrence (docs/gdn_backward.md). ``backward="autograd"`` is the plain-autograd reference.
     """
-    backward = backward or _BACKWARD["mode"]
     if backward == "autograd":
         q, k = _repeat_kv_heads(q, k, v.shape[2])
         return gated_delta_rule_chunked_autograd(q, k, v, g, beta, doc_ids, initial_state, chunk_size)
@@ -570,7 +530,7 @@ def gated_delta_rule_chunked_autograd(
 ) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
     """Chunked (WY/UT) gated delta rule in fp32 (docs/model.md#the-chunked-form), document-masked, differentiated by plain
     autograd through the chunk loop (every per-chunk intermediate is saved). The reference the custom backward of
-    ``gated_delta_rule_chunked`` is tested against (``gdn_backward="autograd"`` selects it).
+    ``gated_delta_rule_chunked`` is tested against (``backward="autograd"`` selects it).
 
     ``initial_state`` belongs to the document of the first token (``doc_ids[:, 0]``). Returns the outputs and the
     state after the last token (for the document the row ends in).
@@ -639,21 +599,16 @@ def gated_delta_rule_chunked_autograd(
     return o.to(dtype), S
 
 
-def _gdn_core(q, k, v, g, beta, info: SeqInfo) -> Tensor:
+def gdn_core_torch(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, info: SeqInfo, *, chunk_size: int, backward: str
+) -> Tensor:
+    """``kernels.gdn: torch``: ``gated_delta_rule_chunked`` (chunks of ``chunk_size``, ``backward`` custom or autograd),
+    document-masked for packed rows; under context parallelism the ranks' states are composed by ``info.comm``."""
     comm = info.comm
     local = comm.is_local
     doc_ids = info.doc_ids if (info.packed or not local) else None
-    kernels = active_kernels()
-    impl, chunk = kernels.gdn, kernels.gdn_chunk_size
-    if impl == "fla":
-        return _fla_gdn(*_repeat_kv_heads(q, k, v.shape[2]), v, g, beta, info)
-    if impl == "npu":
-        raise NotImplementedError(
-            "kernels.gdn: npu is not available in q38 yet (it needs MindSpeed's Ascend GDN kernels); "
-            "use kernels.gdn: torch"
-        )
     if local:
-        return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size=chunk)[0]
+        return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size=chunk_size, backward=backward)[0]
     # Context parallel: the output and final state are affine in the initial state S0. Running extra value columns
     # (zero values, identity initial state) gives the response to S0 in the same pass; the comm then composes the
     # ranks' (final state, transition) pairs into this rank's true S0 (architecture of fla's KCP, exact in fp32).
@@ -662,7 +617,8 @@ def _gdn_core(q, k, v, g, beta, info: SeqInfo) -> Tensor:
     v_aug = torch.cat([v, v.new_zeros(b, s, h, a)], dim=-1)
     eye = torch.eye(a, dtype=torch.float32, device=v.device).expand(b, h, a, a)
     s0 = torch.cat([torch.zeros(b, h, a, pv, dtype=torch.float32, device=v.device), eye], dim=-1)
-    o_aug, s_aug = gated_delta_rule_chunked(q, k, v_aug, g, beta, doc_ids, s0, chunk_size=chunk)
+    o_aug, s_aug = gated_delta_rule_chunked(q, k, v_aug, g, beta, doc_ids, s0, chunk_size=chunk_size,
+                                            backward=backward)
     o_zero, o_resp = o_aug[..., :pv].float(), o_aug[..., pv:].float()  # [b s h p], [b s h a]
     s_zero, transition = s_aug[..., :pv], s_aug[..., pv:]  # [b h a p], [b h a a]
     init = comm.gdn_carry(s_zero, transition, info.doc_ids)  # [b h a p]
@@ -670,16 +626,15 @@ def _gdn_core(q, k, v, g, beta, info: SeqInfo) -> Tensor:
     return o.to(v.dtype)
 
 
-def _fla_gdn(q, k, v, g, beta, info: SeqInfo) -> Tensor:
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
-    except ImportError as e:
-        raise ImportError(
-            "kernels.gdn: fla needs flash-linear-attention (pip install 'q38[cuda]') and a CUDA device; "
-            "set kernels.gdn: torch to use the reference path"
-        ) from e
-    if not info.comm.is_local:
-        _unsupported_cp("kernels.gdn: fla")
+def gdn_core_fla(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, info: SeqInfo, *, chunk_size: int, backward: str
+) -> Tensor:
+    """``kernels.gdn: fla``: flash-linear-attention's ``chunk_gated_delta_rule`` (its own chunks of 64 and its own
+    backward: ``chunk_size`` and ``backward`` steer the torch core only); packed rows as one row with cumulative
+    sequence lengths; no CP."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
+
+    q, k = _repeat_kv_heads(q, k, v.shape[2])
     cu_seqlens = None
     if info.packed:
         # FLA takes packed documents as one batch row with cumulative sequence lengths.
@@ -697,10 +652,14 @@ def _fla_gdn(q, k, v, g, beta, info: SeqInfo) -> Tensor:
     return o
 
 
-def gdn_apply(p: GDNParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, info: SeqInfo) -> Float[Tensor, "b s d"]:
-    """Gated DeltaNet token mixer (Qwen3.5 projection layout)."""
-    nk, nv, dk, dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    qkv = F.silu(_conv(F.linear(x, p.w_qkv), p.conv_w, cfg, info))
+def gdn_apply(
+    p: GDNParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, info: SeqInfo, *, backward: str = "custom"
+) -> Float[Tensor, "b s d"]:
+    """Gated DeltaNet token mixer (Qwen3.5 projection layout), with ``info.kernels``' conv and GDN core.
+    ``backward``: the torch core's backward (``GDN_BACKWARDS``: ``custom``, or the ``autograd`` reference)."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    kernels = info.kernels
+    qkv = F.silu(kernels.fn("causal_conv1d")(F.linear(x, p.w_qkv), p.conv_w, info))
     q, k, v = torch.split(qkv, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
     q = rearrange(q, "b s (g c) -> b s g c", g=nk)
     k = rearrange(k, "b s (g c) -> b s g c", g=nk)
@@ -709,7 +668,7 @@ def gdn_apply(p: GDNParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, info: S
     beta = torch.sigmoid(F.linear(x, p.w_b))
     g = -p.A_log.float().exp() * F.softplus(F.linear(x, p.w_a).float() + p.dt_bias)  # fp32 log-decay ≤ 0
     # q, k stay per key head (value head i reads key head i // (nv / nk)): the core expands them
-    with kernel_region("gdn"):
-        o = _gdn_core(q, k, v, g, beta, info)
+    with info.region("gdn"):
+        o = kernels.fn("gdn")(q, k, v, g, beta, info, chunk_size=int(kernels.gdn_chunk_size), backward=backward)
     o = gated_rms_norm(o, z, p.norm_w, cfg.rms_norm_eps)
     return F.linear(rearrange(o, "b s h c -> b s (h c)"), p.w_out)

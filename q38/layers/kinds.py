@@ -90,7 +90,7 @@ class MixerKind:
     """One kind of token mixer (``name``: its ``layer_types`` entry, as in the HF config).
 
     ``params``: its attrs params class; ``abstract(cfg)``: its ``ParamInfo`` tree; ``apply(p, x, cfg, info)``: the
-    layer math; ``region``: the ``kernel_region`` its apply marks (selective recompute keeps it when the train
+    layer math; ``region``: the region its apply marks with ``info.region`` (selective recompute keeps it when the train
     setting ``keep_flag`` is on); ``flops`` / ``saved`` / ``cp_exchange``: its formulas at a ``Workload``;
     ``hf_rules(cfg, layout, qp, hp, shapes)``: its checkpoint ``Rule`` s, q38 paths under ``qp`` (``….mixer.``), HF
     keys under the HF layer prefix ``hp``.

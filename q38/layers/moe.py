@@ -13,7 +13,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from q38.config import ModelConfig
-from q38.kernels import active_kernels
+from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.layers.common import ParamInfo
 from q38.pytree import pytree_node
 
@@ -70,21 +70,30 @@ def route(
     return w_nk.to(logits_ne.dtype), idx_nk
 
 
-def swiglu_grouped(
+def swiglu_grouped_mm(
     x_md: Float[Tensor, "m d"],
     counts_e: Int[Tensor, " e"],
     we_gate_up: Float[Tensor, "e f2 d"],
     we_down: Float[Tensor, "e d f"],
-    grouped_mm: bool,
     w_m: Float[Tensor, " m"],
 ) -> Float[Tensor, "m d"]:
-    """SwiGLU of rows already sorted by expert (``counts_e`` rows for expert 0, then expert 1, ...), each row's
-    activation scaled by its gate weight ``w_m`` before the down projection."""
-    if grouped_mm:
-        offs = torch.cumsum(counts_e, 0).to(torch.int32)
-        a_mf = _WeightedSwiGLU.apply(w_m, F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs))
-        return _GradContiguous.apply(F.grouped_mm(a_mf, we_down.transpose(-2, -1), offs=offs))
-    # Padded batched matmul: scatter rows into [e, capacity, d], one bmm per projection.
+    """``kernels.experts: grouped_mm``: SwiGLU of rows already sorted by expert (``counts_e`` rows for expert 0, then
+    expert 1, ...), each row's activation scaled by its gate weight ``w_m`` before the down projection; one
+    ``F.grouped_mm`` per projection."""
+    offs = torch.cumsum(counts_e, 0).to(torch.int32)
+    a_mf = _WeightedSwiGLU.apply(w_m, F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs))
+    return _GradContiguous.apply(F.grouped_mm(a_mf, we_down.transpose(-2, -1), offs=offs))
+
+
+def swiglu_batched(
+    x_md: Float[Tensor, "m d"],
+    counts_e: Int[Tensor, " e"],
+    we_gate_up: Float[Tensor, "e f2 d"],
+    we_down: Float[Tensor, "e d f"],
+    w_m: Float[Tensor, " m"],
+) -> Float[Tensor, "m d"]:
+    """``kernels.experts: batched``: the same SwiGLU as ``swiglu_grouped_mm``, the rows scattered into
+    ``[e, capacity, d]`` and one padded bmm per projection."""
     e = counts_e.shape[0]
     m = x_md.shape[0]
     if m == 0:
@@ -100,6 +109,11 @@ def swiglu_grouped(
     a_eqf = _WeightedSwiGLU.apply(w_q, h_qf2).view(e, cap, -1)
     y_eqd = torch.bmm(a_eqf, we_down.transpose(-2, -1))
     return y_eqd.reshape(e * cap, -1).index_select(0, flat)
+
+
+# The routed experts' SwiGLU over slots sorted by expert: ``swiglu_grouped_mm`` or ``swiglu_batched`` (the
+# ``kernels.experts`` callable).
+ExpertsFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 class _WeightedSwiGLU(torch.autograd.Function):
@@ -140,11 +154,6 @@ class _WeightedSwiGLU(torch.autograd.Function):
         return (dw, *(g.to(t.dtype) for g, t in zip(grads, saved)))
 
 
-def grouped_experts() -> bool:
-    """Whether the active kernels run the experts as grouped GEMMs (``kernels.experts: grouped_mm``)."""
-    return active_kernels().experts == "grouped_mm"
-
-
 class _GradContiguous(torch.autograd.Function):
     """Identity whose backward makes the incoming gradient contiguous (CPU grouped_mm backward needs it)."""
 
@@ -157,38 +166,40 @@ class _GradContiguous(torch.autograd.Function):
         return g.contiguous()
 
 
-# How routed slots reach their experts: ``(x_md, w_m, expert_m, params, cfg) -> y_md``, ``y`` already scaled by the
-# slot's gate weight ``w_m`` (applied to the activation, ``_WeightedSwiGLU``). ``local_experts`` runs every expert here
+# How routed slots reach their experts: ``(x_md, w_m, expert_m, params, cfg, experts) -> y_md``, ``y`` already scaled
+# by the slot's gate weight ``w_m`` (applied to the activation, ``_WeightedSwiGLU``), ``experts`` the ``ExpertsFn``
+# that runs them. ``local_experts`` runs every expert here
 # (the reference for the contract; ``moe_apply`` without a dispatch fuses it with the token gather and scatter,
 # ``_local_routed``); expert parallelism (q38.parallel) sends the slots and their weights to the ranks that own their
 # experts and back.
-ExpertDispatch = Callable[[Tensor, Tensor, Tensor, MoEParams, ModelConfig], Tensor]
+ExpertDispatch = Callable[[Tensor, Tensor, Tensor, MoEParams, ModelConfig, ExpertsFn], Tensor]
 
 
 def _sorted_swiglu(
     rows: Tensor, w_m: Tensor, expert_m: Tensor, row_of_slot: Callable[[Tensor], Tensor], p: MoEParams,
-    cfg: ModelConfig,
+    cfg: ModelConfig, experts: ExpertsFn,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Slots sorted by expert, each reading row ``row_of_slot(slot)`` of ``rows`` and scaled by its weight, through one
-    grouped matmul. Returns ``(y_sorted, order, row_sorted)``: the outputs in sorted order, the sort, and the rows
+    """Slots sorted by expert, each reading row ``row_of_slot(slot)`` of ``rows`` and scaled by its weight, through
+    ``experts``. Returns ``(y_sorted, order, row_sorted)``: the outputs in sorted order, the sort, and the rows
     they read."""
     order = torch.argsort(expert_m, stable=True)
     counts_e = torch.bincount(expert_m, minlength=cfg.num_experts)
     row_sorted = row_of_slot(order)
-    y_sorted = swiglu_grouped(rows.index_select(0, row_sorted), counts_e, p.we_gate_up, p.we_down, grouped_experts(),
-                              w_m[order])
+    y_sorted = experts(rows.index_select(0, row_sorted), counts_e, p.we_gate_up, p.we_down, w_m[order])
     return y_sorted, order, row_sorted
 
 
-def local_experts(x_md: Tensor, w_m: Tensor, expert_m: Tensor, p: MoEParams, cfg: ModelConfig) -> Tensor:
-    """Every expert is on this device: sort slots by expert, one grouped matmul, unsort."""
-    y_sorted, order, _ = _sorted_swiglu(x_md, w_m, expert_m, lambda slot: slot, p, cfg)
+def local_experts(
+    x_md: Tensor, w_m: Tensor, expert_m: Tensor, p: MoEParams, cfg: ModelConfig, experts: ExpertsFn = swiglu_batched
+) -> Tensor:
+    """Every expert is on this device: sort slots by expert, one ``experts`` call, unsort."""
+    y_sorted, order, _ = _sorted_swiglu(x_md, w_m, expert_m, lambda slot: slot, p, cfg, experts)
     return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
 
 
 def _local_routed(
     x_nd: Float[Tensor, "n d"], w_nk: Float[Tensor, "n k"], idx_nk: Int[Tensor, "n k"], p: MoEParams, cfg: ModelConfig,
-    base_nd: Float[Tensor, "n d"],
+    base_nd: Float[Tensor, "n d"], experts: ExpertsFn,
 ) -> Float[Tensor, "n d"]:
     """``base_nd`` plus the routed experts with every expert on this device, in one gather and one scatter-add: slots
     sorted by expert read their token's row directly (``order // k``) and add their weighted output straight into
@@ -197,7 +208,7 @@ def _local_routed(
     compared with one process at ~1e-5)."""
     k = idx_nk.shape[1]
     y_sorted, _, token_sorted = _sorted_swiglu(x_nd, w_nk.reshape(-1), idx_nk.reshape(-1), lambda slot: slot // k, p,
-                                               cfg)
+                                               cfg, experts)
     return base_nd.index_add(0, token_sorted, y_sorted)
 
 
@@ -218,21 +229,24 @@ def moe_apply(
     cfg: ModelConfig,
     dispatch: ExpertDispatch | None = None,
     router_bias: Float[Tensor, " e"] | None = None,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> tuple[Float[Tensor, "b s d"], Float[Tensor, "n e"]]:
     """Routed + shared experts. Returns the output and the raw router logits (for the aux loss).
 
-    ``router_bias``: per-expert selection bias (aux-loss-free balancing); not a parameter, no gradient."""
+    ``router_bias``: per-expert selection bias (aux-loss-free balancing); not a parameter, no gradient.
+    ``kernels``: the step's resolved kernels (``kernels.experts`` runs the routed experts)."""
     b, s, d = x.shape
     x_nd = x.reshape(-1, d)
     logits_ne = F.linear(x_nd, p.w_router)
     w_nk, idx_nk = route(logits_ne, cfg.num_experts_per_tok, cfg.norm_topk_prob, router_bias)
     k = idx_nk.shape[1]
+    experts = kernels.fn("experts")
     shared_nd = shared_expert(p, x_nd)
     # the routed outputs are added into the shared expert's output (no zero-filled buffer and no separate sum)
     if dispatch is None:
-        out_nd = _local_routed(x_nd, w_nk, idx_nk, p, cfg, shared_nd)
+        out_nd = _local_routed(x_nd, w_nk, idx_nk, p, cfg, shared_nd, experts)
     else:
         token_m = torch.arange(x_nd.shape[0], device=x.device).repeat_interleave(k)
-        y_md = dispatch(x_nd[token_m], w_nk.reshape(-1), idx_nk.reshape(-1), p, cfg)
+        y_md = dispatch(x_nd[token_m], w_nk.reshape(-1), idx_nk.reshape(-1), p, cfg, experts)
         out_nd = shared_nd.index_add(0, token_m, y_md)
     return out_nd.reshape(b, s, d), logits_ne

@@ -4,8 +4,7 @@
 import torch
 import torch.distributed as dist
 
-from q38.layers.moe import grouped_experts, swiglu_grouped
-
+from q38.layers.moe import swiglu_batched
 from q38.parallel.collectives import _AllGather, _AllToAll
 
 # ---- EP dispatch -----------------------------------------------------------------------------------------------
@@ -47,7 +46,8 @@ def plan_ep_balance(load_e: list[float], ep: int, e_local: int, max_dup: int) ->
 
 
 class EPDispatch:
-    """Send each routed slot to the rank owning its expert (uneven all-to-all), run local experts, send back.
+    """Send each routed slot to the rank owning its expert (uneven all-to-all), run its local experts through
+    ``experts`` (the ``kernels.experts`` callable ``moe_apply`` passes; default ``swiglu_batched``), send back.
 
     With ``balance`` (EP balance), hot experts are copied into up to ``max_dup`` spare slots per rank from the
     layer's global load; the copies' weights come through an autograd all-gather, so their gradients are summed
@@ -60,7 +60,7 @@ class EPDispatch:
         self.loads: list[int] = []  # max per-rank received slots, one entry per call (for reports and tests)
         self.copies: list[int] = []  # with balance: expert copies the plan made, one entry per call
 
-    def __call__(self, x_md, w_m, expert_m, p, cfg):
+    def __call__(self, x_md, w_m, expert_m, p, cfg, experts=swiglu_batched):
         e_local = p.we_gate_up.shape[0]
         w_gu, w_dn = p.we_gate_up, p.we_down
         dest = torch.div(expert_m, e_local, rounding_mode="floor")
@@ -81,7 +81,7 @@ class EPDispatch:
         dist.all_to_all_single(e_recv, local_idx[order].contiguous(), recv_l, send_l, group=self.group)
         o = torch.argsort(e_recv, stable=True)
         counts = torch.bincount(e_recv, minlength=w_gu.shape[0])
-        y = swiglu_grouped(x_recv[o], counts, w_gu, w_dn, grouped_experts(), w_recv[o])
+        y = experts(x_recv[o], counts, w_gu, w_dn, w_recv[o])
         y_recv = torch.empty_like(y).index_copy(0, o, y)
         y_sorted = _AllToAll.apply(y_recv, send_l, recv_l, self.group)
         return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import typing
 
+import attrs
 import torch
 
 from q38.model import LayerHooks, forward, head_weight
@@ -23,8 +24,8 @@ PROGRESS_AFTER_S = 3.0  # an eval that runs longer than this shows a progress ba
 def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: bool = True) -> dict[str, float]:
     """``batches``: this rank's eval batches (dicts of ``input_ids``, ``labels``, ``doc_ids``; on a mesh, this rank's
     rows as from ``EvalRows.batch``; an ``EvalRows`` itself gives the bar its total). Returns ``{"eval_loss",
-    "eval_mtp_1", ..., "eval_tokens"}``. With ``progress``, an eval longer than ``PROGRESS_AFTER_S`` seconds shows a
-    bar on rank 0 (only on a terminal)."""
+    "eval_mtp_1", ..., "eval_tokens"}``; the layers and the loss run ``state.kernels``. With ``progress``, an eval
+    longer than ``PROGRESS_AFTER_S`` seconds shows a bar on rank 0 (only on a terminal)."""
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -50,12 +51,13 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
             sb = shard_batch(b, mesh, depths, local_rows=True)
         else:
             sb = _as_step_batch(b, depths)
-        out = forward(p, sb.input_ids, mc, mtp_input_ids=sb.mtp_inputs, info=par.seq_info(sb), hooks=hooks)
+        info = attrs.evolve(par.seq_info(sb), kernels=state.kernels)
+        out = forward(p, sb.input_ids, mc, mtp_input_ids=sb.mtp_inputs, info=info, hooks=hooks)
         w_head = par.gather(head_weight(p))
-        main_sum = main_sum + lm_loss(out.hidden, w_head, sb.targets, one, tc).float().cpu()
+        main_sum = main_sum + lm_loss(out.hidden, w_head, sb.targets, one, tc, state.kernels).float().cpu()
         n_main = n_main + count_targets(sb.targets).float().cpu()
         for d, h in enumerate(out.mtp_hidden):
-            mtp_sum[d] = mtp_sum[d] + lm_loss(h, w_head, sb.mtp_targets[d], one, tc).float().cpu()
+            mtp_sum[d] = mtp_sum[d] + lm_loss(h, w_head, sb.mtp_targets[d], one, tc, state.kernels).float().cpu()
             n_mtp[d] = n_mtp[d] + count_targets(sb.mtp_targets[d]).float().cpu()
     if mesh is not None:  # sums over ranks (the step's runtime reduces on the device)
         main_sum, n_main = par.all_reduce_sum(main_sum.to(device)), par.all_reduce_sum(n_main.to(device))

@@ -18,6 +18,7 @@ from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
 from q38.batch import IGNORE_INDEX
+from q38.kernels import DEFAULT_KERNELS, KernelConfig
 
 __all__ = ["chunked_lm_loss", "dynamic_chunk_size", "unchunked_lm_loss"]
 
@@ -109,12 +110,6 @@ def _compiled(fn):
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
     return _COMPILED[fn]
-
-
-def _fused_epilogue() -> bool:
-    from q38.kernels import active_kernels
-
-    return active_kernels().loss == "compiled"
 
 
 class _ChunkedLMLossSum(torch.autograd.Function):
@@ -233,6 +228,7 @@ def chunked_lm_loss(
     chunk_size: int | None = None,
     chunk_budget_bytes: int | None = None,
     ignore_index: int = IGNORE_INDEX,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> Float[Tensor, ""]:
     """Same value and gradients as :func:`unchunked_lm_loss`, never holding more than ``chunk_size * v`` logits.
 
@@ -251,6 +247,8 @@ def chunked_lm_loss(
     gradient, also when every target is ignored. Gradients come back in the dtypes of ``hidden`` and ``w_head``;
     ``dhidden`` is accumulated over vocab blocks in at least fp32, and each ``dw_head`` row is one matmul over all
     tokens, as in the reference.
+
+    ``kernels.loss`` picks the block epilogues: ``torch`` (eager passes) or ``compiled`` (``torch.compile``'d).
     """
     if (chunk_size is None) == (chunk_budget_bytes is None):
         raise ValueError(
@@ -266,5 +264,17 @@ def chunked_lm_loss(
         chunk_size = dynamic_chunk_size(hidden.shape[0], w_head.shape[0], chunk_budget_bytes)
     elif chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    loss_sum = _ChunkedLMLossSum.apply(hidden, w_head, targets.long(), chunk_size, ignore_index, _fused_epilogue())
+    loss_sum = kernels.fn("loss")(hidden, w_head, targets.long(), chunk_size, ignore_index)
     return loss_sum / normalizer
+
+
+def chunked_loss_sum_eager(hidden: Tensor, w_head: Tensor, targets: Tensor, chunk: int, ignore_index: int) -> Tensor:
+    """``kernels.loss: torch``: ``_ChunkedLMLossSum`` with eager block epilogues."""
+    return _ChunkedLMLossSum.apply(hidden, w_head, targets, chunk, ignore_index, False)
+
+
+def chunked_loss_sum_compiled(
+    hidden: Tensor, w_head: Tensor, targets: Tensor, chunk: int, ignore_index: int
+) -> Tensor:
+    """``kernels.loss: compiled``: ``_ChunkedLMLossSum`` with the ``torch.compile``'d block epilogues."""
+    return _ChunkedLMLossSum.apply(hidden, w_head, targets, chunk, ignore_index, True)

@@ -45,6 +45,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.layers.moe import select_experts
 from q38.batch import (  # noqa: F401  (re-exported: the step and tests import them from here)
     IGNORE_INDEX,
@@ -58,9 +59,11 @@ from q38.train.loss import chunked_lm_loss, unchunked_lm_loss
 
 
 
-def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor, tc) -> Tensor:
+def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor, tc,
+            kernels: KernelConfig = DEFAULT_KERNELS) -> Tensor:
     """Sum of CE over valid targets / ``normalizer``; rows with ignored targets never reach the head. A term with no
-    valid targets in the whole step contributes 0 (the normalizer is clamped to >= 1), never NaN."""
+    valid targets in the whole step contributes 0 (the normalizer is clamped to >= 1), never NaN. ``kernels``: the
+    step's resolved kernels (``kernels.loss`` for the chunked loss)."""
     normalizer = normalizer.clamp(min=1) if isinstance(normalizer, Tensor) else max(normalizer, 1)
     d = hidden.shape[-1]
     h_nd, t_n = hidden.reshape(-1, d), targets.reshape(-1)
@@ -69,8 +72,9 @@ def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor,
     if tc.loss_chunk_size is None and not tc.dynamic_chunk_loss:
         return unchunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer)
     if tc.dynamic_chunk_loss:
-        return chunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer, chunk_budget_bytes=tc.loss_chunk_budget_bytes)
-    return chunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer, chunk_size=tc.loss_chunk_size)
+        return chunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer, chunk_budget_bytes=tc.loss_chunk_budget_bytes,
+                               kernels=kernels)
+    return chunked_lm_loss(h_nd, w_head, t_n, normalizer=normalizer, chunk_size=tc.loss_chunk_size, kernels=kernels)
 
 
 # ---- router statistics ---------------------------------------------------------------------------------------------
@@ -188,6 +192,7 @@ class TermInput:
     par: object  # the runtime (all_reduce_sum, seq_all_reduce_sum, ...)
     model_config: object
     train_config: object
+    kernels: KernelConfig = DEFAULT_KERNELS  # the step's resolved kernels
 
 
 @attrs.frozen
@@ -204,13 +209,14 @@ def aux_mask(mb: StepBatch, tc) -> Tensor:
 
 
 def main_term(ti: TermInput) -> Tensor:
-    return lm_loss(ti.out.hidden, ti.w_head, ti.mb.targets, ti.step.n_main, ti.train_config)
+    return lm_loss(ti.out.hidden, ti.w_head, ti.mb.targets, ti.step.n_main, ti.train_config, ti.kernels)
 
 
 def mtp_term(depth: int) -> Callable[[TermInput], Tensor]:
     def fn(ti: TermInput) -> Tensor:
         d = depth - 1
-        return lm_loss(ti.out.mtp_hidden[d], ti.w_head, ti.mb.mtp_targets[d], ti.step.n_mtp[d], ti.train_config)
+        return lm_loss(ti.out.mtp_hidden[d], ti.w_head, ti.mb.mtp_targets[d], ti.step.n_mtp[d], ti.train_config,
+                       ti.kernels)
 
     return fn
 

@@ -1,34 +1,56 @@
 """Activation recompute (per layer, optionally selective) and activation offload to host memory."""
 
+import contextlib
 import functools
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from q38.layers.common import current_region
 from q38.layers.kinds import MIXER_KINDS
 from q38.train.config import TrainConfig
 
 
-def _policy(keep: frozenset):
+class KernelRegions:
+    """The hot-kernel region the running layer is in (``attention``, ``gdn`` or None), one per step: the layers
+    enter ``enter(name)`` (given to them as ``SeqInfo.region``) around their hot kernel, and the selective recompute
+    policy keeps the outputs of the ops inside a kept region. Forward and the recompute in backward run one after
+    the other, never at once, so one record serves both."""
+
+    def __init__(self) -> None:
+        self.current: str | None = None
+
+    @contextlib.contextmanager
+    def enter(self, name: str):
+        prev, self.current = self.current, name
+        try:
+            yield
+        finally:
+            self.current = prev
+
+
+def _policy(keep: frozenset, regions: KernelRegions):
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if current_region() in keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if regions.current in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
 
-def layer_wrapper(tc: TrainConfig, saved_hooks=None):
+def layer_wrapper(tc: TrainConfig, saved_hooks=None, regions: KernelRegions | None = None):
     """``wrap_layer(fn, params, x)`` for ``LayerHooks``: plain call, checkpoint, or selective checkpoint; with offload
     every tensor saved for backward lives in host memory until it is needed. ``saved_hooks`` (a context factory,
-    used without recompute): the FSDP reshard-after-forward hooks of the mesh runtime."""
+    used without recompute): the FSDP reshard-after-forward hooks of the mesh runtime. ``regions``: the step's
+    ``KernelRegions``, whose ``enter`` the layers' ``SeqInfo.region`` must be (needed for selective recompute)."""
     keep = frozenset(k.region for k in MIXER_KINDS.values() if getattr(tc, k.keep_flag))
+
+    if keep and regions is None:
+        raise ValueError("selective recompute (skip_*_recompute) needs the step's KernelRegions (regions=)")
 
     def wrap(fn, p, x):
         if not tc.recompute:
             return fn(p, x)
         kwargs = {}
         if keep:
-            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _policy(keep))
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _policy(keep, regions))
         return checkpoint(fn, p, x, use_reentrant=False, determinism_check="none", **kwargs)
 
     if saved_hooks is not None and not tc.recompute and not tc.offload_activations:

@@ -9,6 +9,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from q38.config import ModelConfig
+from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.model import ModelParams, init_params
 from q38.pytree import named_leaves, tree_map
 from q38.train.config import TrainConfig
@@ -17,7 +18,9 @@ from q38.train.config import TrainConfig
 @attrs.frozen
 class TrainState:
     """Leaves: ``params``, ``exp_avg``, ``exp_avg_sq`` (fp32, same tree as params) and ``step`` (0-dim int64).
-    ``model_config`` / ``train_config`` ride along as static metadata (the pytree context), never as leaves.
+    ``model_config`` / ``train_config`` / ``kernels`` ride along as static metadata (the pytree context), never as
+    leaves; ``kernels`` is the run's resolved ``KernelConfig`` (what the step's layers and loss run: a run setting,
+    so the same state trains under any kernels).
     ``router_bias``: ``[moe layers, e]`` fp32 expert-selection bias of aux-loss-free balancing (``aux_loss_free``),
     else None; train state, not a parameter (no gradient, replicated and identical on every rank, checkpointed)."""
 
@@ -28,17 +31,24 @@ class TrainState:
     model_config: ModelConfig
     train_config: TrainConfig
     router_bias: Tensor | None = None
+    kernels: KernelConfig = attrs.field(default=DEFAULT_KERNELS, kw_only=True)
+
+    @kernels.validator
+    def _resolved(self, attribute, value: KernelConfig) -> None:
+        if not value.resolved:
+            raise ValueError(f"TrainState.kernels must be resolved (resolve_kernels first), got {value}")
 
 
 def _flatten(s: TrainState):
     # an absent router bias lives in the context (no None leaf), as pytree_node does for optional fields
     extra = [] if s.router_bias is None else [s.router_bias]
-    return [s.params, s.exp_avg, s.exp_avg_sq, s.step, *extra], (s.model_config, s.train_config, bool(extra))
+    return [s.params, s.exp_avg, s.exp_avg_sq, s.step, *extra], (s.model_config, s.train_config, bool(extra),
+                                                                  s.kernels)
 
 
 def _unflatten(children, ctx):
     bias = children[4] if ctx[2] else None
-    return TrainState(*children[:4], model_config=ctx[0], train_config=ctx[1], router_bias=bias)
+    return TrainState(*children[:4], model_config=ctx[0], train_config=ctx[1], router_bias=bias, kernels=ctx[3])
 
 
 def _flatten_with_keys(s: TrainState):
@@ -54,13 +64,15 @@ pytree.register_pytree_node(
 
 
 def init_state(model_config: ModelConfig, train_config: TrainConfig, *, seed: int = 0, device=None,
-               dtype=None) -> TrainState:
-    """Fresh state: parameters from ``init_params`` (seed- and path-determined), zero fp32 moments, step 0."""
+               dtype=None, kernels: KernelConfig = DEFAULT_KERNELS) -> TrainState:
+    """Fresh state: parameters from ``init_params`` (seed- and path-determined), zero fp32 moments, step 0, running
+    ``kernels`` (resolved)."""
     params = init_params(model_config, seed=seed, device=device, dtype=dtype)
-    return state_from_params(params, model_config, train_config)
+    return state_from_params(params, model_config, train_config, kernels=kernels)
 
 
-def state_from_params(params: ModelParams, model_config: ModelConfig, train_config: TrainConfig) -> TrainState:
+def state_from_params(params: ModelParams, model_config: ModelConfig, train_config: TrainConfig, *,
+                      kernels: KernelConfig = DEFAULT_KERNELS) -> TrainState:
     zeros = lambda p: torch.zeros_like(p, dtype=torch.float32)  # noqa: E731
     return TrainState(
         params=params,
@@ -70,6 +82,7 @@ def state_from_params(params: ModelParams, model_config: ModelConfig, train_conf
         model_config=model_config,
         train_config=train_config,
         router_bias=initial_router_bias(model_config, train_config, params),
+        kernels=kernels,
     )
 
 

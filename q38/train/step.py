@@ -27,7 +27,7 @@ from q38.train.objective import (  # noqa: F401  (lm_loss: re-exported)
     step_context,
     total,
 )
-from q38.train.remat import layer_wrapper
+from q38.train.remat import KernelRegions, layer_wrapper
 from q38.train.state import TrainState, decay_mask, learning_rate
 
 import torch.utils._pytree as pytree
@@ -146,11 +146,12 @@ def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
     ]
 
 
-def make_layer_hooks(par, tc) -> LayerHooks:
+def make_layer_hooks(par, tc, regions: KernelRegions | None = None) -> LayerHooks:
     """How the model runs on ``par`` (from ``step_runtime``): gathers in the policy's ``param_dtype``, recompute /
-    offload / reshard-after-forward around each layer, EP dispatch, FSDP prefetch."""
+    offload / reshard-after-forward around each layer, EP dispatch, FSDP prefetch. ``regions``: the step's
+    ``KernelRegions`` (the layers' ``SeqInfo.region``), for selective recompute."""
     return LayerHooks(
-        gather=par.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(par, tc)), dispatch=par.dispatch,
+        gather=par.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(par, tc), regions), dispatch=par.dispatch,
         prefetch=par.prefetch if par.prefetch_enabled else None,
     )
 
@@ -167,13 +168,15 @@ def _reshard_hooks(par, tc):
 @typing.no_type_check
 def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients:
     """Forward and backward of the whole objective over all micro-batches; no update. ``terms``: the objective's
-    named terms (default ``default_terms``; see ``q38.train.objective``)."""
+    named terms (default ``default_terms``; see ``q38.train.objective``). The layers and the loss run
+    ``state.kernels``."""
     mc, tc = state.model_config, state.train_config
     terms = default_terms(mc, tc) if terms is None else tuple(terms)
     par = step_runtime(mesh, tc)
     depths = mc.mtp_num_layers
     mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
-    hooks = make_layer_hooks(par, tc)
+    regions = KernelRegions()
+    hooks = make_layer_hooks(par, tc, regions)
     bias = state.router_bias
 
     flat, spec = pytree.tree_flatten(state.params)
@@ -182,7 +185,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     par.bind(p)
 
     def run(mb: StepBatch):
-        info = par.seq_info(mb)
+        info = attrs.evolve(par.seq_info(mb), kernels=state.kernels, region=regions.enter)
         return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, hooks=hooks, router_bias=bias)
 
     def count_routing(mb: StepBatch):  # aux counts of the whole step need every micro-batch's routing first
@@ -197,7 +200,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     for i, mb in enumerate(mbs):
         out = run(mb)
         routes = routing(out.router_logits, mc.num_experts_per_tok, bias)
-        ti = TermInput(out, mb, i, routes, par.gather(head_weight(p)), ctx, par, mc, tc)
+        ti = TermInput(out, mb, i, routes, par.gather(head_weight(p)), ctx, par, mc, tc, state.kernels)
         values = {t.name: t.fn(ti) for t in terms}
         g = torch.autograd.grad(total(values, terms), leaves, allow_unused=True)
         grads = _accumulate(grads, g, tc.torch_reduce_dtype)

@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from q38.config import ConfigError, ModelConfig
-from q38.kernels import describe_kernels, use_kernels
+from q38.kernels import describe_kernels
 
 from q38.train.launch import RunPlan, WorldInfo, _init_process_group, check_run, pick_backend, pick_device, \
     tune_cpu_allocator
@@ -297,9 +297,10 @@ def _build_state(cfg: RunConfig, resume: _Resume, mesh, device: str, plan: RunPl
 
     dtype = torch.float32  # master weights (the mixed-precision policy computes in train.param_dtype)
     if resume.latest is None:
-        return state_from_params(_initial_params(cfg, device, dtype, mesh), cfg.model, cfg.train), 0
+        return state_from_params(_initial_params(cfg, device, dtype, mesh), cfg.model, cfg.train,
+                                 kernels=plan.kernels), 0  # the kernels the steps' layers run
     params = empty_params(cfg.model, device=device, dtype=dtype, mesh=mesh)
-    state, meta = load_checkpoint(resume.latest, state_from_params(params, cfg.model, cfg.train))
+    state, meta = load_checkpoint(resume.latest, state_from_params(params, cfg.model, cfg.train, kernels=plan.kernels))
     changes = _changes(meta, cfg, plan)
     if changes and lead:
         print(f"q38 train: note: settings changed since {resume.latest}: {'; '.join(changes)}", file=sys.stderr)
@@ -414,7 +415,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
     saver = _Saver(cfg, plan, world, device, logs)
 
     dog = StepWatchdog(cfg.run.step_timeout_s, cfg.run.out_dir, world.rank, world.world_size, store=_store())
-    with StopSignal() as stop, use_kernels(plan.kernels), contextlib.closing(dog):
+    with StopSignal() as stop, contextlib.closing(dog):
         for step in range(start + 1, cfg.run.steps + 1):
             with dog.step(step):
                 lb = {k: v.to(device) for k, v in next(batches).items()}
