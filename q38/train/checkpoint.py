@@ -492,13 +492,11 @@ class AsyncSave:
         sd = state if isinstance(state, dict) else state_dict_of(state)
         stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                               use_async_staging=False, use_non_blocking_copy=False))
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                self.future = dcp.async_save(sd, checkpoint_id=str(self.tmp), process_group=group,
-                                             async_stager=stager, no_dist=_dist() is None)
-        finally:
-            self._stager = stager
+        if _dist() is None:  # one process: DCP warns from its writer thread, after any catch_warnings here ended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        self._stager = stager
+        self.future = dcp.async_save(sd, checkpoint_id=str(self.tmp), process_group=group, async_stager=stager,
+                                     no_dist=_dist() is None)
 
     def running(self) -> bool:
         """Whether this rank's background write is still going."""
