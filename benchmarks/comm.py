@@ -87,12 +87,12 @@ def _rank_fn(rank, world, fsdp, ep, recompute, param_dtype="float32", reduce_dty
     batch = shard_batch({"input_ids": ids, "labels": ids}, mesh, cfg.mtp_num_layers)
     counts.clear()
     # Routed slots leaving this rank (for the EP minimum): recompute the routing of each MoE call.
-    from q38.parallel import runtime as rt
+    from q38.parallel import ep as rt
 
     off_rank = collections.Counter()
     orig_call = rt.EPDispatch.__call__
 
-    def counting_call(self, x_md, w_m, expert_m, p, cfg_):
+    def counting_call(self, x_md, w_m, expert_m, p, cfg_, *rest):
         # Off-rank slots this rank sends (S) and receives (R), from the same plan the dispatcher makes.
         e_local = p.we_gate_up.shape[0]
         send = torch.bincount(torch.div(expert_m, e_local, rounding_mode="floor"), minlength=self.size)
@@ -102,7 +102,7 @@ def _rank_fn(rank, world, fsdp, ep, recompute, param_dtype="float32", reduce_dty
         r_in = int(recv.sum() - recv[self.rank])
         row = x_md.shape[1] * x_md.element_size()
         off_rank["fwd"] += r_in * (row + w_m.element_size()) + s_out * row  # dispatch gets R rows + weights, combine S
-        return orig_call(self, x_md, w_m, expert_m, p, cfg_)
+        return orig_call(self, x_md, w_m, expert_m, p, cfg_, *rest)
 
     rt.EPDispatch.__call__ = counting_call
     train_step(state, batch, mesh)

@@ -244,7 +244,7 @@ def test_a_toy_extra_term_is_one_function_and_one_weight(tiny_cfg):
 
     import torch.utils._pytree as pytree
 
-    from q38.train.objective import prepare_batch
+    from q38.batch import prepare_batch
 
     flat, spec = pytree.tree_flatten(state.params)
     leaves = [t.detach().requires_grad_() for t in flat]

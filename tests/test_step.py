@@ -247,3 +247,26 @@ def test_the_step_is_importable_from_q38_train():
     assert list(inspect.signature(train_step).parameters)[:3] == ["params", "batch", "mesh"]
     with pytest.raises(AttributeError):
         q38.train.no_such_name
+
+
+def test_a_term_set_without_aux_steps_and_reports_its_own_terms(tiny_cfg, gen):
+    """Metrics are the terms the step ran plus the step's scalars: no term is assumed (an objective without the
+    load-balancing term steps and logs no ``aux``)."""
+    from q38.train.objective import default_terms
+
+    cfg = _cfg(tiny_cfg)
+    tc = TrainConfig(lr=1e-3, warmup_steps=0)
+    terms = tuple(t for t in default_terms(cfg, tc) if t.name != "aux")
+    state, m = train_step(init_state(cfg, tc, seed=0), _batch(cfg, gen), None, terms)
+    d = m.as_dict()
+    assert "aux" not in d and m.aux_loss is None
+    assert set(m.terms) == {t.name for t in terms} and d["loss"] == float(m.loss)
+    assert int(state.step) == 1
+
+
+def test_the_shape_hook_checks_the_entry_point(tiny_cfg):
+    """train_step is type-checked under the test-time jaxtyping + beartype hook (it is not exempted)."""
+    from jaxtyping import TypeCheckError
+
+    with pytest.raises(TypeCheckError, match="params"):
+        train_step({"not": "a train state"}, {}, None)

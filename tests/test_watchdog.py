@@ -2,7 +2,6 @@
 and ends the run with one line naming the rank that holds it up; ``run.timeout_s`` bounds every collective."""
 
 import os
-import signal
 import subprocess
 import sys
 import threading

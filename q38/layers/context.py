@@ -133,6 +133,11 @@ class SeqInfo:
             raise ValueError(f"SeqInfo needs resolved kernels (resolve_kernels first), got {self.kernels}")
 
 
+def is_packed(doc_ids: Tensor) -> bool:
+    """Whether any row holds more than one document (a doc id changes along the row)."""
+    return doc_ids.shape[1] > 1 and bool((doc_ids[:, 1:] != doc_ids[:, :-1]).any())
+
+
 def seq_info(doc_ids: Tensor | None, batch: int, seq: int, device, *,
              kernels: KernelConfig = DEFAULT_KERNELS) -> SeqInfo:
     """``SeqInfo`` for an un-split batch (one device), running ``kernels``."""
@@ -142,5 +147,4 @@ def seq_info(doc_ids: Tensor | None, batch: int, seq: int, device, *,
     if doc_ids is None:
         return SeqInfo(torch.zeros(batch, seq, dtype=torch.long, device=device), seq_idx, seq_idx, False,
                        kernels=kernels)
-    packed = bool((doc_ids[:, 1:] != doc_ids[:, :-1]).any()) if seq > 1 else False
-    return SeqInfo(doc_ids, positions_from_docs(doc_ids), seq_idx, packed, kernels=kernels)
+    return SeqInfo(doc_ids, positions_from_docs(doc_ids), seq_idx, is_packed(doc_ids), kernels=kernels)

@@ -661,14 +661,15 @@ def gdn_apply(
     kernels = info.kernels
     qkv = F.silu(kernels.fn("causal_conv1d")(F.linear(x, p.w_qkv), p.conv_w, info))
     q, k, v = torch.split(qkv, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
-    q = rearrange(q, "b s (g c) -> b s g c", g=nk)
-    k = rearrange(k, "b s (g c) -> b s g c", g=nk)
+    q = rearrange(q, "b s (hk c) -> b s hk c", hk=nk)
+    k = rearrange(k, "b s (hk c) -> b s hk c", hk=nk)
     v = rearrange(v, "b s (h c) -> b s h c", h=nv)
     z = rearrange(F.linear(x, p.w_z), "b s (h c) -> b s h c", h=nv)
     beta = torch.sigmoid(F.linear(x, p.w_b))
-    g = -p.A_log.float().exp() * F.softplus(F.linear(x, p.w_a).float() + p.dt_bias)  # fp32 log-decay ≤ 0
+    log_decay = -p.A_log.float().exp() * F.softplus(F.linear(x, p.w_a).float() + p.dt_bias)  # fp32, ≤ 0
     # q, k stay per key head (value head i reads key head i // (nv / nk)): the core expands them
     with info.region("gdn"):
-        o = kernels.fn("gdn")(q, k, v, g, beta, info, chunk_size=int(kernels.gdn_chunk_size), backward=backward)
+        o = kernels.fn("gdn")(q, k, v, log_decay, beta, info, chunk_size=int(kernels.gdn_chunk_size),
+                              backward=backward)
     o = gated_rms_norm(o, z, p.norm_w, cfg.rms_norm_eps)
     return F.linear(rearrange(o, "b s h c -> b s (h c)"), p.w_out)

@@ -6,7 +6,7 @@
 import torch
 from torch import Tensor
 
-from q38.layers.context import SeqInfo
+from q38.layers.context import SeqInfo, is_packed
 
 
 class LocalParallel:
@@ -20,9 +20,7 @@ class LocalParallel:
         self.param_dtype = param_dtype  # compute dtype (the mixed-precision policy); masters stay fp32
 
     def seq_info(self, mb) -> SeqInfo:
-        s = mb.doc_ids.shape[1]
-        packed = bool((mb.doc_ids[:, 1:] != mb.doc_ids[:, :-1]).any()) if s > 1 else False
-        return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, packed)
+        return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, is_packed(mb.doc_ids))
 
     def bind(self, params) -> None:
         pass

@@ -81,11 +81,9 @@ class MeshParallel:  # implements q38.layers.context.StepRuntime
             self._keep_local[id(leaf)] = dims
 
     def seq_info(self, mb: StepBatch) -> SeqInfo:
-        from q38.layers.context import LocalSeqComm
+        from q38.layers.context import LocalSeqComm, is_packed
 
-        s = mb.doc_ids.shape[1]
-        packed = bool((mb.doc_ids[:, 1:] != mb.doc_ids[:, :-1]).any()) if s > 1 else False
-        return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, packed, self.comm or LocalSeqComm())
+        return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, is_packed(mb.doc_ids), self.comm or LocalSeqComm())
 
     def _gather_dims(self, t) -> list[tuple[str, int]]:
         """(mesh dim, tensor dim) pairs this leaf all-gathers, innermost mesh dim first."""

@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from q38.model import LayerHooks, forward, head_weight
-from q38.train.objective import count_targets
+from q38.batch import count_targets
 
 PROGRESS_AFTER_S = 3.0  # an eval that runs longer than this shows a progress bar (on a terminal, on rank 0)
 
@@ -29,7 +29,8 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from q38.train.step import _as_step_batch, lm_loss, step_runtime
+    from q38.train.objective import lm_loss
+    from q38.train.step import _as_step_batch, step_runtime
 
     mc, tc = state.model_config, state.train_config
     par = step_runtime(mesh, tc)

@@ -47,14 +47,7 @@ from torch import Tensor
 
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.layers.moe import select_experts
-from q38.batch import (  # noqa: F401  (re-exported: the step and tests import them from here)
-    IGNORE_INDEX,
-    PAD_DOC_ID,
-    StepBatch,
-    count_targets,
-    prepare_batch,
-    split_micro_batches,
-)
+from q38.batch import IGNORE_INDEX, StepBatch, count_targets
 from q38.train.loss import chunked_lm_loss, unchunked_lm_loss
 
 

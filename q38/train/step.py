@@ -5,7 +5,6 @@ there for the formulas). Each LM term is ``Σ token CE / N_global`` (its own dep
 step), so micro-batches, data-parallel and CP ranks only ever *sum* gradients. Inputs are never mutated.
 """
 
-import typing
 
 import attrs
 import torch
@@ -14,19 +13,8 @@ from torch import Tensor
 from q38.model import LayerHooks, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
 from q38.train.optim import adamw_step
-from q38.train.objective import (  # noqa: F401  (lm_loss: re-exported)
-    StepBatch,
-    TermInput,
-    aux_mask,
-    default_terms,
-    expert_counts,
-    lm_loss,
-    prepare_batch,
-    routing,
-    split_micro_batches,
-    step_context,
-    total,
-)
+from q38.batch import StepBatch, prepare_batch, split_micro_batches
+from q38.train.objective import TermInput, aux_mask, default_terms, expert_counts, routing, step_context, total
 from q38.train.remat import KernelRegions, layer_wrapper
 from q38.train.state import TrainState, decay_mask, learning_rate
 
@@ -36,24 +24,36 @@ import torch.utils._pytree as pytree
 @pytree_node
 @attrs.frozen
 class Metrics:
-    """What one step reports (0-dim tensors, already reduced over ranks)."""
+    """What one step reports: the objective's terms by name (``terms``: whatever term set the step ran, e.g.
+    ``loss``, ``mtp_<depth>``, ``aux``), plus the step's scalars. Tensors are 0-dim and already reduced over
+    ranks."""
 
-    loss: Tensor  # main LM loss
-    mtp_losses: tuple  # one per depth
-    aux_loss: Tensor
-    objective: Tensor
+    terms: dict  # every objective term by name (reduced), the keys of the logs
+    objective: Tensor  # the weighted sum of the terms
     grad_norm: Tensor
     lr: float
     tokens: Tensor  # valid main targets in the step
     skipped: bool = False
-    terms: dict = attrs.field(factory=dict)  # every objective term by name (reduced), the keys of the logs
     router_load: Tensor | None = None  # [moe layers, e]: real tokens routed to each expert in the step (all ranks)
     mtp_tokens: tuple = ()  # valid targets per MTP depth (a depth with 0 reports loss 0 with count 0)
 
+    @property
+    def loss(self) -> Tensor:
+        """The main LM loss term."""
+        return self.terms["loss"]
+
+    @property
+    def mtp_losses(self) -> tuple:
+        """The MTP terms, one per depth (empty without MTP)."""
+        return tuple(v for k, v in self.terms.items() if k.startswith("mtp_"))
+
+    @property
+    def aux_loss(self) -> Tensor | None:
+        """The load-balancing term, or None when the step's term set has none."""
+        return self.terms.get("aux")
+
     def as_dict(self) -> dict[str, float]:
-        terms = self.terms or {"loss": self.loss, **{f"mtp_{i}": m for i, m in enumerate(self.mtp_losses, 1)},
-                               "aux": self.aux_loss}
-        d = {name: float(v) for name, v in terms.items()}
+        d = {name: float(v) for name, v in self.terms.items()}
         d.update({"objective": float(self.objective), "grad_norm": float(self.grad_norm), "lr": float(self.lr),
                   "tokens": int(self.tokens), "skipped": bool(self.skipped)})
         for i, n in enumerate(self.mtp_tokens, start=1):
@@ -134,8 +134,8 @@ class Gradients:
         return tuple(v for k, v in self.terms.items() if k.startswith("mtp_"))
 
     @property
-    def aux_loss(self) -> Tensor:
-        return self.terms["aux"]
+    def aux_loss(self) -> Tensor | None:
+        return self.terms.get("aux")
 
 
 def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
@@ -165,7 +165,6 @@ def _reshard_hooks(par, tc):
     return par.saved_tensor_hooks()
 
 
-@typing.no_type_check
 def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients:
     """Forward and backward of the whole objective over all micro-batches; no update. ``terms``: the objective's
     named terms (default ``default_terms``; see ``q38.train.objective``). The layers and the loss run
@@ -228,16 +227,15 @@ def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
     return bias + rate * torch.sign(load.mean(-1, keepdim=True) - load)
 
 
-@typing.no_type_check
 def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainState, Metrics]:
     """One optimizer step on ``batch`` (dict with ``input_ids``, ``labels``, optional ``doc_ids``, or a ``StepBatch``
-    from ``q38.parallel.shard_batch``). ``params`` is the ``TrainState``; ``mesh`` is None or a q38 mesh."""
+    from ``q38.parallel.shard_batch``). ``params`` is the whole train state (a ``TrainState``: parameters, AdamW moments,
+    step, router bias, and the kernels the layers run), as an optax-style train state is; ``mesh`` is None or a q38
+    mesh. ``terms``: the objective's named terms (default ``default_terms``)."""
     state = params
     tc = state.train_config
     r = loss_and_grads(state, batch, mesh, terms)
-    grads, loss, mtp_losses, aux_loss, objective, grad_norm, n_main = (
-        r.grads, r.loss, r.mtp_losses, r.aux_loss, r.objective, r.grad_norm, r.tokens
-    )
+    grads, loss, objective, grad_norm = r.grads, r.loss, r.objective, r.grad_norm
     flat, spec = pytree.tree_flatten(state.params)
     step = int(state.step) + 1
     lr = learning_rate(step, tc)
@@ -248,8 +246,8 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
                 f"non-finite loss or gradient at step {step} (loss={float(loss)}, grad_norm={float(grad_norm)}); "
                 "lower the learning rate, check the data, or set nan_policy: skip"
             )
-        metrics = Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, skipped=True,
-                          terms=r.terms, router_load=r.router_load, mtp_tokens=r.mtp_tokens)
+        metrics = Metrics(r.terms, objective, grad_norm, lr, r.tokens, skipped=True, router_load=r.router_load,
+                          mtp_tokens=r.mtp_tokens)
         return attrs.evolve(state, step=state.step + 1), metrics
 
     scale = 1.0
@@ -266,8 +264,8 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
     if state.router_bias is not None:
         new_state = attrs.evolve(new_state, router_bias=update_router_bias(state.router_bias, r.router_load,
                                                                            tc.router_bias_rate))
-    return new_state, Metrics(loss, mtp_losses, aux_loss, objective, grad_norm, lr, n_main, terms=r.terms,
-                              router_load=r.router_load, mtp_tokens=r.mtp_tokens)
+    return new_state, Metrics(r.terms, objective, grad_norm, lr, r.tokens, router_load=r.router_load,
+                              mtp_tokens=r.mtp_tokens)
 
 
 def _adamw(state: TrainState, flat: list[Tensor], grads: list[Tensor], scale, lr: float, step: int):

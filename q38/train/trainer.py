@@ -376,7 +376,7 @@ class RunLog:
         for t in self.trackers.values():
             t.log(rec)
         self.bar.update(1)
-        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", aux=f"{rec['aux']:.3f}",
+        self.bar.set_postfix(loss=f"{rec['loss']:.3f}", **({"aux": f"{rec['aux']:.3f}"} if "aux" in rec else {}),
                              **({"load": f"{rec['router_max_mean']:.2f}x"} if "router_max_mean" in rec else {}),
                              **({"eval": f"{rec['eval_loss']:.3f}"} if "eval_loss" in rec else {}))
         if rec["skipped"]:
