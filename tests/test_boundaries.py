@@ -135,7 +135,7 @@ def test_the_import_check_can_fail(tmp_path, monkeypatch):
     assert len(bad) == 1 and bad[0].endswith("layers/x.py imports q38.train.step")
 
 
-@pytest.mark.parametrize("cls_path", ["q38.parallel.local.LocalParallel", "q38.parallel.runtime.MeshParallel"])
+@pytest.mark.parametrize("cls_path", ["q38.parallel.local.LocalRuntime", "q38.parallel.runtime.MeshRuntime"])
 def test_runtimes_implement_the_step_protocol(cls_path):
     import importlib
 

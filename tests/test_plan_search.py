@@ -76,7 +76,7 @@ def test_written_layout_yaml_is_plain_data(tmp_path, monkeypatch, capsys):
 
 
 def test_prefetch_overlap_follows_the_runtime_rule():
-    """MeshParallel.prefetch starts a gather early only for a parameter gathered over exactly one mesh dim: pure
+    """MeshRuntime.prefetch starts a gather early only for a parameter gathered over exactly one mesh dim: pure
     fsdp layouts overlap all their forward gathers; under fsdp × ep the dense weights (gathered over fsdp and ep) are
     synchronous and only the experts (gathered over fsdp, EP-local) are prefetched."""
     from q38.parallel.budget import estimate

@@ -271,14 +271,14 @@ def _reshard_rank_fn(rank, world, tc):
     mesh = make_mesh(Layout.preset("fsdp").with_mesh(fsdp=2), world)
     state = shard(init_state(cfg, tc, seed=0), mesh)
     mb = shard_batch(_batch(), mesh, cfg.mtp_num_layers)
-    par = step_runtime(mesh, tc)
+    runtime = step_runtime(mesh, tc)
     flat, spec = pytree.tree_flatten(state.params)
     leaves = [t.detach().requires_grad_(True) for t in flat]
     p = pytree.tree_unflatten(leaves, spec)
-    par.bind(p)
-    out = forward(p, mb.input_ids, cfg, mtp_input_ids=mb.mtp_inputs, info=par.seq_info(mb),
-                  hooks=make_layer_hooks(par, tc))
-    live = par.live_gathered_bytes()  # at the end of the forward, before any backward
+    runtime.bind(p)
+    out = forward(p, mb.input_ids, cfg, mtp_input_ids=mb.mtp_inputs, info=runtime.seq_info(mb),
+                  hooks=make_layer_hooks(runtime, tc))
+    live = runtime.live_gathered_bytes()  # at the end of the forward, before any backward
     loss = out.hidden.float().square().mean() + sum(h.float().square().mean() for h in out.mtp_hidden)
     loss = loss + sum(r.float().square().mean() for r in out.router_logits)
     grads = torch.autograd.grad(loss, leaves, allow_unused=True)
@@ -286,7 +286,7 @@ def _reshard_rank_fn(rank, world, tc):
     layer = max(sum(t.numel() for t in pytree.tree_leaves(lp)) * nbytes for lp in [*p.layers, *p.mtp.layers])
     total = sum(t.numel() for t in flat) * nbytes
     full = {n: (g.full_tensor() if g is not None else None) for (n, _), g in zip(named_leaves(p), grads)}
-    return {"live": live, "layer": layer, "total": total, "regathers": par.regathers(), "grads": full}
+    return {"live": live, "layer": layer, "total": total, "regathers": runtime.regathers(), "grads": full}
 
 
 @pytest.mark.dist

@@ -56,7 +56,7 @@ class LocalSeqComm:
 @runtime_checkable
 class StepRuntime(Protocol):
     """What ``q38.train`` asks of a parallel runtime during a step, implemented by the one-device runtime
-    (``q38.parallel.local.LocalParallel``) and the mesh runtime (``q38.parallel.runtime.MeshParallel``); the step
+    (``q38.parallel.local.LocalRuntime``) and the mesh runtime (``q38.parallel.runtime.MeshRuntime``); the step
     never probes for anything else. ``mb`` is a ``q38.batch.StepBatch``."""
 
     is_local: bool

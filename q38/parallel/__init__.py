@@ -12,7 +12,7 @@ from q38.parallel.layout import (
 from q38.parallel.plan import PlanReport, format_plan, plan
 
 _MESH = ("Mesh", "make_mesh", "shard", "unshard", "shard_batch", "init_sharded")
-_RUNTIME = (*_MESH, "MeshParallel")
+_RUNTIME = (*_MESH, "MeshRuntime")
 
 
 def __getattr__(name):

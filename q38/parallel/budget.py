@@ -24,7 +24,7 @@ SDPA on CPU; checked against a live-storage measurement in tests/test_plan_budge
 **Time**: compute = executed FLOPs / (peak × achievable fraction); each collective's bytes over the link its group
 spans (NVLink/HCCS inside a node, the NIC across nodes). Overlap is what the runtime does: a forward all-gather is
 prefetched (hidden behind the previous layer's compute) only for a parameter gathered over exactly one mesh dim
-(``MeshParallel.prefetch``); every other gather, every reduce-scatter, all-reduce, EP all-to-all and CP exchange
+(``MeshRuntime.prefetch``); every other gather, every reduce-scatter, all-reduce, EP all-to-all and CP exchange
 runs synchronously on the compute stream. The optimizer step is bound by memory bandwidth.
 """
 

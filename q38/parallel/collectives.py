@@ -65,7 +65,7 @@ def _gather_forward(x: Tensor, steps: tuple, dtype, prefetched=None) -> Tensor:
     for st in steps:
         if st.kind != "gather":
             continue
-        if prefetched is not None:  # the first gather was started early (MeshParallel.prefetch)
+        if prefetched is not None:  # the first gather was started early (MeshRuntime.prefetch)
             work, parts = prefetched
             prefetched = None
             work.wait()

@@ -9,7 +9,7 @@ from torch import Tensor
 from q38.layers.context import SeqInfo, is_packed
 
 
-class LocalParallel:
+class LocalRuntime:
     """``q38.layers.context.StepRuntime`` on one device."""
 
     is_local = True

@@ -1,4 +1,4 @@
-"""The mesh runtime ``train_step`` uses (``MeshParallel``, a ``q38.layers.context.StepRuntime``): FSDP gathers just in
+"""The mesh runtime ``train_step`` uses (``MeshRuntime``, a ``q38.layers.context.StepRuntime``): FSDP gathers just in
 time (prefetched a layer early on accelerators), composed with the pieces in their own files by role:
 ``collectives`` (differentiable collectives, the mixed-precision gather), ``mesh`` (meshes, ``shard`` / ``unshard``,
 ``shard_batch``), ``ep`` (expert dispatch and balance), ``cp`` (sequence exchanges). ``mesh_runtime(mesh,
@@ -41,7 +41,7 @@ def _keep_local_dims(layout: Layout, sizes: tuple, shapes: tuple) -> tuple[froze
 # ---- the runtime -----------------------------------------------------------------------------------------------
 
 
-class MeshParallel:  # implements q38.layers.context.StepRuntime
+class MeshRuntime:  # implements q38.layers.context.StepRuntime
     is_local = False
 
     def __init__(self, mesh: Mesh, ep_balance: bool = False, max_dup_experts: int = 2, prefetch: bool | None = None,
@@ -135,7 +135,7 @@ class MeshParallel:  # implements q38.layers.context.StepRuntime
         if not isinstance(t, DTensor):
             return t.to(self.param_dtype) if t.is_floating_point() else t
         if id(t) not in self._keep_local:
-            raise RuntimeError("MeshParallel.gather: parameter not bound; call bind(params) first")
+            raise RuntimeError("MeshRuntime.gather: parameter not bound; call bind(params) first")
         x = t.to_local(grad_placements=t.placements)
         steps = self._steps(t)
         prefetched = None
@@ -237,12 +237,12 @@ class MeshParallel:  # implements q38.layers.context.StepRuntime
         return self.all_reduce_sum(total)
 
 
-def mesh_runtime(mesh: Mesh, train_config=None) -> MeshParallel:
+def mesh_runtime(mesh: Mesh, train_config=None) -> MeshRuntime:
     """The runtime of one step on ``mesh``; EP balance, FSDP prefetch and the mixed-precision policy come from the
     train config (None: the defaults, fp32 throughout)."""
     if train_config is None:
-        return MeshParallel(mesh)
+        return MeshRuntime(mesh)
     tc = train_config
-    return MeshParallel(mesh, tc.enable_ep_balance, tc.max_dup_experts_num, getattr(tc, "fsdp_prefetch", None),
+    return MeshRuntime(mesh, tc.enable_ep_balance, tc.max_dup_experts_num, getattr(tc, "fsdp_prefetch", None),
                         param_dtype=tc.torch_param_dtype, reduce_dtype=tc.torch_reduce_dtype,
                         reshard_after_forward=tc.reshard_after_forward)

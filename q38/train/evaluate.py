@@ -33,11 +33,11 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
     from q38.train.step import _as_step_batch, step_runtime
 
     mc, tc = state.model_config, state.train_config
-    par = step_runtime(mesh, tc)
+    runtime = step_runtime(mesh, tc)
     depths = mc.mtp_num_layers
-    hooks = LayerHooks(gather=par.gather, dispatch=par.dispatch)
+    hooks = LayerHooks(gather=runtime.gather, dispatch=runtime.dispatch)
     p = state.params
-    par.bind(p)
+    runtime.bind(p)
     one = torch.ones(())
     main_sum, n_main = torch.zeros(()), torch.zeros(())
     mtp_sum, n_mtp = [torch.zeros(()) for _ in range(depths)], [torch.zeros(()) for _ in range(depths)]
@@ -52,18 +52,18 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
             sb = shard_batch(b, mesh, depths, local_rows=True)
         else:
             sb = _as_step_batch(b, depths)
-        info = attrs.evolve(par.seq_info(sb), kernels=state.kernels)
+        info = attrs.evolve(runtime.seq_info(sb), kernels=state.kernels)
         out = forward(p, sb.input_ids, mc, mtp_input_ids=sb.mtp_inputs, info=info, hooks=hooks)
-        w_head = par.gather(head_weight(p))
+        w_head = runtime.gather(head_weight(p))
         main_sum = main_sum + lm_loss(out.hidden, w_head, sb.targets, one, tc, state.kernels).float().cpu()
         n_main = n_main + count_targets(sb.targets).float().cpu()
         for d, h in enumerate(out.mtp_hidden):
             mtp_sum[d] = mtp_sum[d] + lm_loss(h, w_head, sb.mtp_targets[d], one, tc, state.kernels).float().cpu()
             n_mtp[d] = n_mtp[d] + count_targets(sb.mtp_targets[d]).float().cpu()
     if mesh is not None:  # sums over ranks (the step's runtime reduces on the device)
-        main_sum, n_main = par.all_reduce_sum(main_sum.to(device)), par.all_reduce_sum(n_main.to(device))
-        mtp_sum = [par.all_reduce_sum(m.to(device)) for m in mtp_sum]
-        n_mtp = [par.all_reduce_sum(n.to(device)) for n in n_mtp]
+        main_sum, n_main = runtime.all_reduce_sum(main_sum.to(device)), runtime.all_reduce_sum(n_main.to(device))
+        mtp_sum = [runtime.all_reduce_sum(m.to(device)) for m in mtp_sum]
+        n_mtp = [runtime.all_reduce_sum(n.to(device)) for n in n_mtp]
     out = {"eval_loss": float(main_sum) / max(float(n_main), 1.0), "eval_tokens": int(n_main)}
     for d in range(depths):
         out[f"eval_mtp_{d + 1}"] = float(mtp_sum[d]) / max(float(n_mtp[d]), 1.0)

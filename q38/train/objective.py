@@ -182,7 +182,7 @@ class TermInput:
     routes: list  # routing(out.router_logits, ...)
     w_head: Tensor
     step: StepContext
-    par: object  # the runtime (all_reduce_sum, seq_all_reduce_sum, ...)
+    runtime: object  # the runtime (all_reduce_sum, seq_all_reduce_sum, ...)
     model_config: object
     train_config: object
     kernels: KernelConfig = DEFAULT_KERNELS  # the step's resolved kernels
@@ -220,13 +220,13 @@ def aux_term(ti: TermInput) -> Tensor:
     if tc.aux_loss_type == "sequence":
         d, seg_tokens, n_seq = st.seq[ti.index]
         seg = _segment_index(ti.mb, d)
-        part = sequence_aux(ti.routes, mask, seg, seg_tokens.numel(), seg_tokens, n_seq, ti.par.seq_all_reduce_sum)
+        part = sequence_aux(ti.routes, mask, seg, seg_tokens.numel(), seg_tokens, n_seq, ti.runtime.seq_all_reduce_sum)
     else:
         probs = prob_sums(ti.routes, mask)
         if st.aux_counts is not None:
             counts, n = st.aux_counts, st.n_aux
         else:
-            counts, n = ti.par.all_reduce_sum(expert_counts(ti.routes, mask)), st.aux_mb[ti.index]
+            counts, n = ti.runtime.all_reduce_sum(expert_counts(ti.routes, mask)), st.aux_mb[ti.index]
         part = aux_from_stats(tc.aux_loss_type, counts, probs, n)
     if tc.aux_loss_scope == "micro_batch":
         part = part / st.n_mb
@@ -254,7 +254,8 @@ def total(values: dict, terms) -> Tensor:
     return out if out is not None else 0 * next(iter(values.values()))
 
 
-def step_context(mbs: list[StepBatch], par, mc, tc, count_routing: Callable[[StepBatch], Tensor] | None) -> StepContext:
+def step_context(mbs: list[StepBatch], runtime, mc, tc,
+                 count_routing: Callable[[StepBatch], Tensor] | None) -> StepContext:
     """Normalisers and aux tables for the step (a few batched collectives). ``count_routing(mb)`` returns the
     micro-batch's aux expert counts ``[l, e]`` from a no-grad forward; it is called only for ``pooled`` /
     ``per_layer`` with ``global_batch`` scope and more than one micro-batch."""
@@ -263,42 +264,42 @@ def step_context(mbs: list[StepBatch], par, mc, tc, count_routing: Callable[[Ste
     dev = mbs[0].input_ids.device
     per_mb = [torch.stack([count_targets(mb.targets), *(count_targets(t) for t in mb.mtp_targets),
                            aux_mask(mb, tc).sum()]) for mb in mbs]
-    counts = par.all_reduce_sum(torch.stack(per_mb))  # [n_mb, 2 + depths]: one collective
+    counts = runtime.all_reduce_sum(torch.stack(per_mb))  # [n_mb, 2 + depths]: one collective
     step_counts = counts.sum(0)
     n_main, n_mtp, n_aux = step_counts[0], tuple(step_counts[1 : 1 + depths]), step_counts[1 + depths]
     aux_mb = tuple(counts[:, 1 + depths])
     aux_counts, seq = None, ()
     if tc.aux_loss_type == "sequence":
-        seq = _sequence_tables(mbs, par, tc, dev)
+        seq = _sequence_tables(mbs, runtime, tc, dev)
     elif tc.aux_loss_scope == "global_batch":
         if n_mb > 1:
             with torch.no_grad():
-                aux_counts = par.all_reduce_sum(sum(count_routing(mb) for mb in mbs))
+                aux_counts = runtime.all_reduce_sum(sum(count_routing(mb) for mb in mbs))
         # one micro-batch: its own counts are the step's (computed in the aux term, no extra forward)
     return StepContext(n_main=n_main, n_mtp=n_mtp, n_aux=n_aux, n_mb=n_mb, aux_counts=aux_counts, aux_mb=aux_mb,
                        seq=seq)
 
 
-def _sequence_tables(mbs: list[StepBatch], par, tc, dev) -> tuple:
+def _sequence_tables(mbs: list[StepBatch], runtime, tc, dev) -> tuple:
     """Per micro-batch ``(D, T_s [b·D], S)``: the sequence table width (identical on the CP ranks of a row), each
     sequence's counted tokens summed over CP, and the number of sequences with a counted token (``global_batch``:
     the whole step's, the same for every micro-batch)."""
     widths = torch.stack([mb.segments.max() + 1 if mb.segments.numel() else torch.zeros((), dtype=torch.long,
                                                                                         device=dev) for mb in mbs])
-    widths = par.seq_all_reduce_sum(widths)  # ≥ every CP rank's own count: an upper bound they all agree on
+    widths = runtime.seq_all_reduce_sum(widths)  # ≥ every CP rank's own count: an upper bound they all agree on
     tokens = []
     for mb, d in zip(mbs, widths.tolist()):
         seg = _segment_index(mb, int(d))
         tokens.append(torch.zeros(mb.segments.shape[0] * int(d), device=dev).index_add(
             0, seg, aux_mask(mb, tc).reshape(-1).float()))
     sizes = [t.numel() for t in tokens]
-    tokens = par.seq_all_reduce_sum(torch.cat(tokens)).split(sizes)
+    tokens = runtime.seq_all_reduce_sum(torch.cat(tokens)).split(sizes)
     # Σ over counted tokens of 1 / T_(its sequence) counts each sequence once, however CP splits it.
     per_mb = []
     for mb, d, t in zip(mbs, widths.tolist(), tokens):
         m = aux_mask(mb, tc).reshape(-1).float()
         per_mb.append((m / t.clamp(min=1)[_segment_index(mb, int(d))]).sum())
-    n_seq = par.all_reduce_sum(torch.stack(per_mb)).round()
+    n_seq = runtime.all_reduce_sum(torch.stack(per_mb)).round()
     if tc.aux_loss_scope == "global_batch":
         n_seq = n_seq.sum().expand(len(mbs))
     return tuple((int(d), t, s) for d, t, s in zip(widths.tolist(), tokens, n_seq))

@@ -76,12 +76,12 @@ def router_metrics(load: Tensor) -> dict[str, float]:
 
 
 def step_runtime(mesh, train_config=None):
-    """The ``StepRuntime`` for ``mesh`` (``q38.layers.context``): the one-device ``LocalParallel`` for ``None``, else
-    the mesh's ``MeshParallel``."""
+    """The ``StepRuntime`` for ``mesh`` (``q38.layers.context``): the one-device ``LocalRuntime`` for ``None``, else
+    the mesh's ``MeshRuntime``."""
     if mesh is None:
-        from q38.parallel.local import LocalParallel
+        from q38.parallel.local import LocalRuntime
 
-        return LocalParallel(train_config.torch_param_dtype if train_config is not None else torch.float32)
+        return LocalRuntime(train_config.torch_param_dtype if train_config is not None else torch.float32)
     from q38.parallel.mesh import Mesh
     from q38.parallel.runtime import mesh_runtime
 
@@ -146,23 +146,24 @@ def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
     ]
 
 
-def make_layer_hooks(par, tc, regions: KernelRegions | None = None) -> LayerHooks:
-    """How the model runs on ``par`` (from ``step_runtime``): gathers in the policy's ``param_dtype``, recompute /
+def make_layer_hooks(runtime, tc, regions: KernelRegions | None = None) -> LayerHooks:
+    """How the model runs on ``runtime`` (from ``step_runtime``): gathers in the policy's ``param_dtype``, recompute /
     offload / reshard-after-forward around each layer, EP dispatch, FSDP prefetch. ``regions``: the step's
     ``KernelRegions`` (the layers' ``SeqInfo.region``), for selective recompute."""
     return LayerHooks(
-        gather=par.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(par, tc), regions), dispatch=par.dispatch,
-        prefetch=par.prefetch if par.prefetch_enabled else None,
+        gather=runtime.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(runtime, tc), regions),
+        dispatch=runtime.dispatch,
+        prefetch=runtime.prefetch if runtime.prefetch_enabled else None,
     )
 
 
-def _reshard_hooks(par, tc):
+def _reshard_hooks(runtime, tc):
     """FSDP reshard-after-forward without recompute (recompute re-gathers inside the recomputed layer anyway).
     Not with EP balance: its graph differs per rank (which experts a rank hosts copies of), so backward re-gathers
     would not line up across ranks (measured: a gloo collective mismatch on fsdp_ep_cp with bf16)."""
     if tc.recompute or tc.offload_activations or tc.enable_ep_balance:
         return None
-    return par.saved_tensor_hooks()
+    return runtime.saved_tensor_hooks()
 
 
 def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients:
@@ -171,27 +172,27 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     ``state.kernels``."""
     mc, tc = state.model_config, state.train_config
     terms = default_terms(mc, tc) if terms is None else tuple(terms)
-    par = step_runtime(mesh, tc)
+    runtime = step_runtime(mesh, tc)
     depths = mc.mtp_num_layers
     mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
     regions = KernelRegions()
-    hooks = make_layer_hooks(par, tc, regions)
+    hooks = make_layer_hooks(runtime, tc, regions)
     bias = state.router_bias
 
     flat, spec = pytree.tree_flatten(state.params)
     leaves = [t.detach().requires_grad_(True) for t in flat]
     p = pytree.tree_unflatten(leaves, spec)
-    par.bind(p)
+    runtime.bind(p)
 
     def run(mb: StepBatch):
-        info = attrs.evolve(par.seq_info(mb), kernels=state.kernels, region=regions.enter)
+        info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels, region=regions.enter)
         return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, hooks=hooks, router_bias=bias)
 
     def count_routing(mb: StepBatch):  # aux counts of the whole step need every micro-batch's routing first
         return expert_counts(routing(run(mb).router_logits, mc.num_experts_per_tok, bias), aux_mask(mb, tc))
 
     # Global normalisers and aux tables, known before the forwards (docs/objective.md#terms).
-    ctx = step_context(mbs, par, mc, tc, count_routing)
+    ctx = step_context(mbs, runtime, mc, tc, count_routing)
 
     grads = [None] * len(leaves)
     sums = None  # {term name: Σ over micro-batches of this rank's partials}
@@ -199,7 +200,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     for i, mb in enumerate(mbs):
         out = run(mb)
         routes = routing(out.router_logits, mc.num_experts_per_tok, bias)
-        ti = TermInput(out, mb, i, routes, par.gather(head_weight(p)), ctx, par, mc, tc, state.kernels)
+        ti = TermInput(out, mb, i, routes, runtime.gather(head_weight(p)), ctx, runtime, mc, tc, state.kernels)
         values = {t.name: t.fn(ti) for t in terms}
         g = torch.autograd.grad(total(values, terms), leaves, allow_unused=True)
         grads = _accumulate(grads, g, tc.torch_reduce_dtype)
@@ -211,13 +212,13 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
 
     # One collective for every term and the router loads.
     names = [t.name for t in terms]
-    packed = par.all_reduce_sum(torch.cat([torch.stack([sums[n].float() for n in names]), load.reshape(-1)]))
+    packed = runtime.all_reduce_sum(torch.cat([torch.stack([sums[n].float() for n in names]), load.reshape(-1)]))
     reduced = dict(zip(names, packed[: len(names)]))
     router_load = packed[len(names) :].view_as(load)
-    grad_norm = par.grad_sq_norm(grads).sqrt()
-    loads, copies = par.ep_stats()
+    grad_norm = runtime.grad_sq_norm(grads).sqrt()
+    loads, copies = runtime.ep_stats()
     return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
-                     par.prefetched, copies, tuple(ctx.n_mtp))
+                     runtime.prefetched, copies, tuple(ctx.n_mtp))
 
 
 def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
