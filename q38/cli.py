@@ -399,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"q38: unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     from q38.config import ConfigError
+    from q38.errors import RunError
 
     world = os.environ.get("WORLD_SIZE", "1")
     who = f"q38 {cmd}" + (f" [rank {os.environ.get('RANK', '?')}]" if world not in ("", "1") else "")
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # every other failure: one line (the traceback only with --debug / Q38_DEBUG=1)
         if debug:
             traceback.print_exc()
-        if isinstance(e, (ConfigError, ValueError, OSError, FloatingPointError, NotImplementedError)) or \
+        if isinstance(e, (ConfigError, ValueError, OSError, FloatingPointError, NotImplementedError, RunError)) or \
                 type(e).__name__ in ("CheckpointException", "SafetensorError", "DistError", "DistBackendError",
                                      "DistNetworkError", "DistStoreError"):  # torch.distributed: e.g. a timeout
             print(f"{who}: error: {_one_line(e)}", file=sys.stderr)

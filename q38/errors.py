@@ -20,6 +20,11 @@ class DataError(ValueError):
     """Bad data, tokenizer or loader settings; the message names the file/line or setting and the fix."""
 
 
+class RunError(RuntimeError):
+    """The run cannot go on (out of device memory, an unusable profile setting); the message says why and what to
+    change."""
+
+
 def need(cond: bool, msg: str) -> None:
     """A config rule: ``ConfigError(msg)`` unless ``cond``."""
     if not cond:

@@ -132,12 +132,32 @@ def structure(cls, d: Mapping[str, Any], section: str, *, where: str | None = No
             if name in fields:
                 if isinstance(exc, ConfigError):
                     raise ConfigError(_prefix(str(exc), section, fields)) from None
+                inner = _nested_error(exc, f"{section}.{name}")  # a section inside the section (run.profile)
+                if inner is not None:
+                    raise inner from None
                 raise ConfigError(
                     f"{section}.{name} must be {describe(fields[name].type)}, got {d[name]!r}"
                 ) from None
         raise ConfigError(f"{section}: {' '.join(str(e).split())}") from None
     except ConfigError as e:  # a range validator or __attrs_post_init__ rule
         raise ConfigError(_prefix(str(e), section, fields)) from None
+
+
+def _nested_error(exc: BaseException, where: str) -> ConfigError | None:
+    """The first ``ConfigError`` (or unknown key) inside a nested class's structuring error, or None."""
+    from cattrs.errors import ForbiddenExtraKeysError
+
+    stack = [exc]
+    while stack:
+        e = stack.pop(0)
+        if isinstance(e, ConfigError):
+            return ConfigError(str(e))
+        if isinstance(e, ForbiddenExtraKeysError):
+            valid = ", ".join(a.name for a in attrs.fields(e.cl))
+            return ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, sorted(e.extra_fields)))}; valid keys: "
+                               f"{valid}")
+        stack.extend(getattr(e, "exceptions", ()))
+    return None
 
 
 # ---- range validators (attrs validators raising ConfigError; None passes, for optional fields) ---------------------

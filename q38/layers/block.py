@@ -6,6 +6,7 @@ from typing import Union
 import attrs
 from jaxtyping import Float
 from torch import Tensor
+from torch.profiler import record_function
 
 from q38.config import ModelConfig
 from q38.layers.common import ParamInfo
@@ -48,7 +49,10 @@ def layer_apply(
     """``x + mixer(norm(x))``, then ``x + moe(norm(x))``; returns the router logits too. ``router_bias``: the MoE
     layer's expert-selection bias (aux-loss-free balancing), or None."""
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
-    x = x + kind_of(p.mixer).apply(p.mixer, h, cfg, info)
-    y, router_logits = moe_apply(p.moe, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps), cfg, dispatch, router_bias,
-                                 info.kernels)
+    kind = kind_of(p.mixer)
+    with record_function(f"q38.{kind.name}"):  # phase names in a profiler trace (run.profile)
+        x = x + kind.apply(p.mixer, h, cfg, info)
+    with record_function("q38.moe"):
+        y, router_logits = moe_apply(p.moe, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps), cfg, dispatch, router_bias,
+                                     info.kernels)
     return x + y, router_logits

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.profiler import record_function
 
 
 
@@ -18,6 +19,11 @@ from torch import Tensor
 def _ag(x: Tensor, dim: int, group, sizes=None) -> Tensor:
     """All-gather equal shards (``sizes`` None) or DTensor's uneven ``torch.chunk`` shards (zero-padded for the
     collective, trimmed after) along ``dim``."""
+    with record_function("q38.gather"):
+        return _ag_impl(x, dim, group, sizes)
+
+
+def _ag_impl(x: Tensor, dim: int, group, sizes) -> Tensor:
     if sizes is None:
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
@@ -32,6 +38,11 @@ def _ag(x: Tensor, dim: int, group, sizes=None) -> Tensor:
 
 def _rs(g: Tensor, dim: int, group, sizes=None) -> Tensor:
     """Reduce-scatter (sum): the backward of ``_ag``."""
+    with record_function("q38.reduce_scatter"):
+        return _rs_impl(g, dim, group, sizes)
+
+
+def _rs_impl(g: Tensor, dim: int, group, sizes) -> Tensor:
     if sizes is None:
         chunks = [c.contiguous() for c in g.chunk(dist.get_world_size(group), dim=dim)]
         out = torch.empty_like(chunks[0])

@@ -3,6 +3,7 @@
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from q38.layers.moe import swiglu_batched
 from q38.parallel.collectives import _AllGather, _AllToAll
@@ -61,6 +62,19 @@ class EPDispatch:
         self.copies: list[int] = []  # with balance: expert copies the plan made, one entry per call
 
     def __call__(self, x_md, w_m, expert_m, p, cfg, experts=swiglu_batched):
+        with record_function("q38.dispatch"):
+            x_recv, w_recv, e_recv, order, send_l, recv_l, w_gu, w_dn = self._dispatch(x_md, w_m, expert_m, p, cfg)
+        with record_function("q38.experts"):
+            o = torch.argsort(e_recv, stable=True)
+            counts = torch.bincount(e_recv, minlength=w_gu.shape[0])
+            y = experts(x_recv[o], counts, w_gu, w_dn, w_recv[o])
+        with record_function("q38.combine"):
+            y_recv = torch.empty_like(y).index_copy(0, o, y)
+            y_sorted = _AllToAll.apply(y_recv, send_l, recv_l, self.group)
+            return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+
+    def _dispatch(self, x_md, w_m, expert_m, p, cfg):
+        """Each slot (and its gate weight and local expert index) sent to the rank that owns its expert."""
         e_local = p.we_gate_up.shape[0]
         w_gu, w_dn = p.we_gate_up, p.we_down
         dest = torch.div(expert_m, e_local, rounding_mode="floor")
@@ -79,12 +93,7 @@ class EPDispatch:
         w_recv = _AllToAll.apply(w_m[order], recv_l, send_l, self.group)  # gate weights travel with their slots
         e_recv = torch.empty(sum(recv_l), dtype=expert_m.dtype, device=expert_m.device)
         dist.all_to_all_single(e_recv, local_idx[order].contiguous(), recv_l, send_l, group=self.group)
-        o = torch.argsort(e_recv, stable=True)
-        counts = torch.bincount(e_recv, minlength=w_gu.shape[0])
-        y = experts(x_recv[o], counts, w_gu, w_dn, w_recv[o])
-        y_recv = torch.empty_like(y).index_copy(0, o, y)
-        y_sorted = _AllToAll.apply(y_recv, send_l, recv_l, self.group)
-        return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+        return x_recv, w_recv, e_recv, order, send_l, recv_l, w_gu, w_dn
 
     def _balance(self, expert_m, dest, local_idx, w_gu, w_dn, num_experts):
         e_local = w_gu.shape[0]

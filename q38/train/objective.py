@@ -44,6 +44,7 @@ import attrs
 import torch
 from jaxtyping import Float
 from torch import Tensor
+from torch.profiler import record_function
 
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.layers.moe import select_experts
@@ -57,6 +58,11 @@ def lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor,
     """Sum of CE over valid targets / ``normalizer``; rows with ignored targets never reach the head. A term with no
     valid targets in the whole step contributes 0 (the normalizer is clamped to >= 1), never NaN. ``kernels``: the
     step's resolved kernels (``kernels.loss`` for the chunked loss)."""
+    with record_function("q38.loss"):
+        return _lm_loss(hidden, w_head, targets, normalizer, tc, kernels)
+
+
+def _lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor, tc, kernels: KernelConfig) -> Tensor:
     normalizer = normalizer.clamp(min=1) if isinstance(normalizer, Tensor) else max(normalizer, 1)
     d = hidden.shape[-1]
     h_nd, t_n = hidden.reshape(-1, d), targets.reshape(-1)

@@ -11,6 +11,7 @@ from q38.config import SPECS_DIR, ModelConfig
 from q38.errors import ConfigError, check_keys, need
 from q38.kernels import KernelConfig
 from q38.train.config import TrainConfig
+from q38.train.profile import ProfileOptions
 from q38.typed_config import structure
 
 
@@ -91,6 +92,8 @@ class RunOptions:
     # write checkpoints between run.save_every steps in the background (staged to host memory first; the final one
     # and one on a stop signal are written in the step)
     async_save: bool = False
+    # a torch.profiler trace per rank of some steps ({start, steps, memory}; q38.train.profile); None: no profiling
+    profile: ProfileOptions | None = None
     # seconds a process-group rendezvous or a collective may wait before it fails (torch's own default: 30 min for
     # gloo, 10 min for NCCL)
     timeout_s: float = 1800.0

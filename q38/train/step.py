@@ -9,6 +9,7 @@ step), so micro-batches, data-parallel and CP ranks only ever *sum* gradients. I
 import attrs
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from q38.model import LayerHooks, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
@@ -235,7 +236,8 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
     mesh. ``terms``: the objective's named terms (default ``default_terms``)."""
     state = params
     tc = state.train_config
-    r = loss_and_grads(state, batch, mesh, terms)
+    with record_function("q38.forward_backward"):
+        r = loss_and_grads(state, batch, mesh, terms)
     grads, loss, objective, grad_norm = r.grads, r.loss, r.objective, r.grad_norm
     flat, spec = pytree.tree_flatten(state.params)
     step = int(state.step) + 1
@@ -254,7 +256,8 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
     scale = 1.0
     if tc.grad_clip is not None:
         scale = torch.clamp(tc.grad_clip / (grad_norm + 1e-6), max=1.0)
-    new_p, new_m, new_v = _adamw(state, flat, grads, scale, lr, step)
+    with record_function("q38.optimizer"):
+        new_p, new_m, new_v = _adamw(state, flat, grads, scale, lr, step)
     new_state = attrs.evolve(
         state,
         params=pytree.tree_unflatten(new_p, spec),

@@ -404,6 +404,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
     / SIGINT finish the step, save and stop."""
     from q38.parallel.mesh import shard_batch
     from q38.train.evaluate import eval_losses
+    from q38.train.profile import StepProfiler, out_of_memory
     from q38.train.step import train_step
     from q38.train.watchdog import StepWatchdog
 
@@ -415,15 +416,21 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
     saver = _Saver(cfg, plan, world, device, logs)
 
     dog = StepWatchdog(cfg.run.step_timeout_s, cfg.run.out_dir, world.rank, world.world_size, store=_store())
-    with StopSignal() as stop, contextlib.closing(dog):
+    prof = StepProfiler(cfg.run.profile, cfg.run.out_dir, world.rank, device)
+    with StopSignal() as stop, contextlib.closing(dog), contextlib.closing(prof):
         for step in range(start + 1, cfg.run.steps + 1):
+            prof.begin(step)
             with dog.step(step):
                 lb = {k: v.to(device) for k, v in next(batches).items()}
                 batch = shard_batch(lb, mesh, cfg.model.mtp_num_layers, local_rows=True) if mesh is not None else lb
                 t0 = time.perf_counter()
-                state, metrics = train_step(state, batch, mesh)
+                try:
+                    state, metrics = train_step(state, batch, mesh)
+                except torch.OutOfMemoryError as e:
+                    raise out_of_memory(e, step, cfg.run.out_dir, world.rank, device) from e
                 dt = time.perf_counter() - t0
                 m = metrics.as_dict()
+            prof.end(step, logs.line)
             if evals is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0)
                                       or step == cfg.run.steps):
                 m.update(eval_losses(state, evals, mesh, device, progress=cfg.run.progress and logs.lead))
