@@ -21,7 +21,7 @@ from q38.parallel.layout import Layout
 from q38.pytree import named_leaves
 from q38.batch import StepBatch
 
-from q38.parallel.collectives import _chunk_sizes, _GatherParam, _Regather, _Resharded, _Step
+from q38.parallel.collectives import CommClock, _chunk_sizes, _GatherParam, _Regather, _Resharded, _Step
 from q38.parallel.cp import CPComm
 from q38.parallel.ep import EPDispatch
 from q38.parallel.mesh import Mesh
@@ -211,14 +211,16 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
         t = torch.as_tensor(t, device=self.device).detach().clone()
-        dist.all_reduce(t)
+        with CommClock.timed():
+            dist.all_reduce(t)
         return t
 
     def seq_all_reduce_sum(self, t: Tensor) -> Tensor:
         """Sum over the CP group (the ranks holding other parts of the same rows); identity without CP."""
         t = torch.as_tensor(t).detach().clone()
         if self.comm is not None:
-            dist.all_reduce(t, group=self.comm.group)
+            with CommClock.timed():
+                dist.all_reduce(t, group=self.comm.group)
         return t
 
     def grad_sq_norm(self, grads) -> Tensor:

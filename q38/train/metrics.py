@@ -65,6 +65,9 @@ def known_peak_flops(device: str, dtype: str) -> float | None:
     return next((v for k, v in PEAK_FLOPS_16BIT.items() if k in name), None)
 
 
+SLOW_RANK = 1.2  # the progress line names the slowest rank when it is busy this much longer than the median
+
+
 def format_metrics(step: int, m: dict, tput: Throughput, step_time: float | None = None,
                    terms: list[str] | None = None) -> str:
     """One progress line: the objective's terms by name (default: loss, mtp_<d>, aux), grad norm, LR, the worst
@@ -86,6 +89,8 @@ def format_metrics(step: int, m: dict, tput: Throughput, step_time: float | None
         parts += [f"eval {k[5:]} {m[k]:.4f}" for k in sorted(m) if k.startswith("eval_mtp_")]
     if m.get("skipped"):
         parts.append("SKIPPED (non-finite)")
+    if m.get("busy_median") and m["busy_max"] > SLOW_RANK * m["busy_median"]:
+        parts.append(f"slowest rank {m['slowest_rank']}: busy {m['busy_max']:.2f}s (median {m['busy_median']:.2f}s)")
     return " | ".join(parts)
 
 

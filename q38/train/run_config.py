@@ -42,6 +42,7 @@ class DataConfig:
     train_on: str = "assistant"  # chat records' targets: assistant | all | last_assistant (q38.train.chat)
     eval_split: float = 0.0  # fraction of each source's rows held out for evaluation (its last rows)
     eval_path: str | None = None  # or a separate eval set (JSONL or a prepared directory)
+    prefetch: int = 1  # batches read ahead on a background thread while the step runs (0: read in the step)
 
     def __attrs_post_init__(self) -> None:
         from q38.train.chat import TRAIN_ON
@@ -52,6 +53,8 @@ class DataConfig:
         need(not (self.eval_split and self.eval_path is not None),
               "data.eval_split and data.eval_path are both set; hold out a fraction or name an eval set, not both")
 
+        need(_is_int(self.prefetch) and self.prefetch >= 0,
+             f"data.prefetch must be an integer >= 0 (batches read ahead), got {self.prefetch!r}")
         need(_is_int(self.seq_len) and self.seq_len > 0, f"data.seq_len must be a positive integer, got {self.seq_len!r}")
         need(_is_int(self.batch_size) and self.batch_size > 0,
               f"data.batch_size must be a positive integer, got {self.batch_size!r}")

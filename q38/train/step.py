@@ -6,6 +6,8 @@ step), so micro-batches, data-parallel and CP ranks only ever *sum* gradients. I
 """
 
 
+import time
+
 import attrs
 import torch
 from torch import Tensor
@@ -37,6 +39,7 @@ class Metrics:
     skipped: bool = False
     router_load: Tensor | None = None  # [moe layers, e]: real tokens routed to each expert in the step (all ranks)
     mtp_tokens: tuple = ()  # valid targets per MTP depth (a depth with 0 reports loss 0 with count 0)
+    forward_backward_s: float = 0.0  # seconds of forward + backward + gradient reduction (until the device is done)
 
     @property
     def loss(self) -> Tensor:
@@ -56,7 +59,8 @@ class Metrics:
     def as_dict(self) -> dict[str, float]:
         d = {name: float(v) for name, v in self.terms.items()}
         d.update({"objective": float(self.objective), "grad_norm": float(self.grad_norm), "lr": float(self.lr),
-                  "tokens": int(self.tokens), "skipped": bool(self.skipped)})
+                  "tokens": int(self.tokens), "skipped": bool(self.skipped),
+                  "time_forward_backward": float(self.forward_backward_s)})
         for i, n in enumerate(self.mtp_tokens, start=1):
             d[f"mtp_{i}_tokens"] = int(n)
         if self.router_load is not None:
@@ -236,13 +240,15 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
     mesh. ``terms``: the objective's named terms (default ``default_terms``)."""
     state = params
     tc = state.train_config
+    t0 = time.perf_counter()
     with record_function("q38.forward_backward"):
         r = loss_and_grads(state, batch, mesh, terms)
     grads, loss, objective, grad_norm = r.grads, r.loss, r.objective, r.grad_norm
     flat, spec = pytree.tree_flatten(state.params)
     step = int(state.step) + 1
     lr = learning_rate(step, tc)
-    finite = bool(torch.isfinite(objective)) and bool(torch.isfinite(grad_norm))
+    finite = bool(torch.isfinite(objective)) and bool(torch.isfinite(grad_norm))  # waits for the device
+    forward_backward_s = time.perf_counter() - t0
     if not finite:
         if tc.nan_policy == "stop":
             raise FloatingPointError(
@@ -250,7 +256,7 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
                 "lower the learning rate, check the data, or set nan_policy: skip"
             )
         metrics = Metrics(r.terms, objective, grad_norm, lr, r.tokens, skipped=True, router_load=r.router_load,
-                          mtp_tokens=r.mtp_tokens)
+                          mtp_tokens=r.mtp_tokens, forward_backward_s=forward_backward_s)
         return attrs.evolve(state, step=state.step + 1), metrics
 
     scale = 1.0
@@ -269,7 +275,7 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
         new_state = attrs.evolve(new_state, router_bias=update_router_bias(state.router_bias, r.router_load,
                                                                            tc.router_bias_rate))
     return new_state, Metrics(r.terms, objective, grad_norm, lr, r.tokens, router_load=r.router_load,
-                              mtp_tokens=r.mtp_tokens)
+                              mtp_tokens=r.mtp_tokens, forward_backward_s=forward_backward_s)
 
 
 def _adamw(state: TrainState, flat: list[Tensor], grads: list[Tensor], scale, lr: float, step: int):

@@ -62,16 +62,25 @@ class StopSignal:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
 
-def _any_rank(flags: list[int], device: str) -> list[int]:
-    """The max of each flag over ranks, in one all-reduce (one process: ``flags``)."""
+def _any_rank(flags: list[float], device: str) -> list[float]:
+    """The max of each value over ranks, in one all-reduce (one process: ``flags``)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
         return list(flags)
     dev = device if dist.get_backend() in ("nccl", "hccl") else "cpu"
-    t = torch.tensor(flags, dtype=torch.int32, device=dev)
+    t = torch.tensor(flags, dtype=torch.float32, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return [int(x) for x in t.tolist()]
+    return t.tolist()
+
+
+def step_times(busy: list[float]) -> dict:
+    """Each rank's busy seconds (data wait + step - waiting in collectives) -> the slowest rank, its busy time and
+    the median over ranks."""
+    import statistics
+
+    slow = max(range(len(busy)), key=lambda r: busy[r])
+    return {"busy_max": busy[slow], "busy_median": statistics.median(busy), "slowest_rank": slow}
 
 
 def _store():
@@ -210,6 +219,10 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     mesh, dp_rank = _make_mesh(plan, world, device)
     batches, evals = data.iterators(cfg.data.batch_size, dp_rank=dp_rank, dp_size=plan.dp_size, seed=cfg.run.seed,
                                     shuffle=cfg.data.shuffle, eval_batches=cfg.run.eval_batches)
+    if cfg.data.prefetch:
+        from q38.train.prefetch import Prefetch
+
+        batches = Prefetch(batches, cfg.data.prefetch)
     state, start = _build_state(cfg, resume, mesh, device, plan, batches, lead)
     if start >= cfg.run.steps:
         if lead:
@@ -224,6 +237,8 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         return _loop(cfg, world, device, plan, mesh, state, start, batches, evals, logs, on_step)
     finally:
         logs.close()
+        if hasattr(batches, "close"):
+            batches.close()
 
 
 def _open_data(cfg: RunConfig):
@@ -402,6 +417,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
           logs: RunLog, on_step) -> list[dict]:
     """Steps ``start + 1 .. run.steps``: step, evaluate, log, save every ``run.save_every`` and at the end; SIGTERM
     / SIGINT finish the step, save and stop."""
+    from q38.parallel.collectives import CommClock
     from q38.parallel.mesh import shard_batch
     from q38.train.evaluate import eval_losses
     from q38.train.profile import StepProfiler, out_of_memory
@@ -414,6 +430,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
     records: list[dict] = []
     saved_at = None
     saver = _Saver(cfg, plan, world, device, logs)
+    save_s = 0.0  # seconds the last save held training up (reported with the next step)
 
     dog = StepWatchdog(cfg.run.step_timeout_s, cfg.run.out_dir, world.rank, world.world_size, store=_store())
     prof = StepProfiler(cfg.run.profile, cfg.run.out_dir, world.rank, device)
@@ -421,6 +438,8 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
         for step in range(start + 1, cfg.run.steps + 1):
             prof.begin(step)
             with dog.step(step):
+                CommClock.take()  # count this step's waiting in collectives only
+                t_data = time.perf_counter()
                 lb = {k: v.to(device) for k, v in next(batches).items()}
                 batch = shard_batch(lb, mesh, cfg.model.mtp_num_layers, local_rows=True) if mesh is not None else lb
                 t0 = time.perf_counter()
@@ -428,24 +447,37 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
                     state, metrics = train_step(state, batch, mesh)
                 except torch.OutOfMemoryError as e:
                     raise out_of_memory(e, step, cfg.run.out_dir, world.rank, device) from e
+                m = metrics.as_dict()  # on the host: the step has finished on the device too
                 dt = time.perf_counter() - t0
-                m = metrics.as_dict()
+                waited = CommClock.take()
             prof.end(step, logs.line)
             if evals is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0)
                                       or step == cfg.run.steps):
                 m.update(eval_losses(state, evals, mesh, device, progress=cfg.run.progress and logs.lead))
             tput.update(step, m["tokens"], dt)
-            rec = dict(m, step=step, step_time=dt, tokens_per_s=tput.tokens_per_s, mfu=tput.mfu)
+            wait = t0 - t_data
+            rec = dict(m, step=step, step_time=dt, tokens_per_s=tput.tokens_per_s, mfu=tput.mfu, time_data=wait,
+                       time_optimizer=max(dt - m["time_forward_backward"], 0.0), time_save=save_s,
+                       time_comm_wait=waited)
             records.append(rec)
-            logs.step(rec, tput, list(metrics.terms) or None)
             if on_step is not None:
                 on_step(rec)
-            stopping, writing = _any_rank([int(stop.signum or 0), saver.running()], device)
+            # one small all-reduce: the stop signal, whether a background save still writes, and each rank's busy
+            # time (data wait + step - waiting in collectives: the rank the others wait for has the most)
+            busy = max(wait + dt - waited, 0.0)
+            flags = _any_rank([float(stop.signum or 0), float(saver.running()),
+                               *(busy if r == world.rank else 0.0 for r in range(world.world_size))], device)
+            stopping, writing, times = int(flags[0]), flags[1] > 0, flags[2:]
+            rec.update(step_times(times))
+            logs.step(rec, tput, list(metrics.terms) or None)
+            t_save, save_s = time.perf_counter(), 0.0
             if saver.pending is not None and not writing:  # every rank's background write has finished
                 saved_at = saver.finish()
+                save_s = time.perf_counter() - t_save
             last = stopping or step == cfg.run.steps
             if last or (cfg.run.save_every and step % cfg.run.save_every == 0):
                 saved_at = saver.save(state, batches, background=not last) or saved_at
+                save_s = time.perf_counter() - t_save
             if stopping:
                 logs.end(f"q38 train: stopped by {signal.Signals(stopping).name} at step {step}; checkpoint saved "
                          f"to {saved_at} (run the same command again to resume)")
