@@ -24,22 +24,10 @@ from q38.train.state import TrainState, decay_mask, learning_rate
 import torch.utils._pytree as pytree
 
 
-@pytree_node
-@attrs.frozen
-class Metrics:
-    """What one step reports: the objective's terms by name (``terms``: whatever term set the step ran, e.g.
-    ``loss``, ``mtp_<depth>``, ``aux``), plus the step's scalars. Tensors are 0-dim and already reduced over
-    ranks."""
+class _Terms:
+    """The named terms of a step's objective (``self.terms``), read by the names the default objective uses."""
 
-    terms: dict  # every objective term by name (reduced), the keys of the logs
-    objective: Tensor  # the weighted sum of the terms
-    grad_norm: Tensor
-    lr: float
-    tokens: Tensor  # valid main targets in the step
-    skipped: bool = False
-    router_load: Tensor | None = None  # [moe layers, e]: real tokens routed to each expert in the step (all ranks)
-    mtp_tokens: tuple = ()  # valid targets per MTP depth (a depth with 0 reports loss 0 with count 0)
-    forward_backward_s: float = 0.0  # seconds of forward + backward + gradient reduction (until the device is done)
+    terms: dict
 
     @property
     def loss(self) -> Tensor:
@@ -55,6 +43,24 @@ class Metrics:
     def aux_loss(self) -> Tensor | None:
         """The load-balancing term, or None when the step's term set has none."""
         return self.terms.get("aux")
+
+
+@pytree_node
+@attrs.frozen
+class Metrics(_Terms):
+    """What one step reports: the objective's terms by name (``terms``: whatever term set the step ran, e.g.
+    ``loss``, ``mtp_<depth>``, ``aux``), plus the step's scalars. Tensors are 0-dim and already reduced over
+    ranks."""
+
+    terms: dict  # every objective term by name (reduced), the keys of the logs
+    objective: Tensor  # the weighted sum of the terms
+    grad_norm: Tensor
+    lr: float
+    tokens: Tensor  # valid main targets in the step
+    skipped: bool = False
+    router_load: Tensor | None = None  # [moe layers, e]: real tokens routed to each expert in the step (all ranks)
+    mtp_tokens: tuple = ()  # valid targets per MTP depth (a depth with 0 reports loss 0 with count 0)
+    forward_backward_s: float = 0.0  # seconds of forward + backward + gradient reduction (until the device is done)
 
     def as_dict(self) -> dict[str, float]:
         d = {name: float(v) for name, v in self.terms.items()}
@@ -114,7 +120,7 @@ def _as_step_batch(batch, depths: int) -> StepBatch:
 
 
 @attrs.frozen
-class Gradients:
+class Gradients(_Terms):
     """``grads``: one tensor per parameter leaf (flatten order), summed over micro-batches (and, on a mesh, ranks);
     ``terms``: each objective term's value by name (reduced over ranks); ``router_load``: real tokens per expert and
     MoE layer in the step (reduced over ranks, router bias included in the routing)."""
@@ -129,18 +135,6 @@ class Gradients:
     prefetched: int = 0  # FSDP gathers that were started a layer early and consumed
     ep_copies: tuple = ()  # EP balance: expert copies the plan made, per MoE layer call
     mtp_tokens: tuple = ()  # valid targets of each MTP depth in the step (0: that term is 0, not NaN)
-
-    @property
-    def loss(self) -> Tensor:
-        return self.terms["loss"]
-
-    @property
-    def mtp_losses(self) -> tuple:
-        return tuple(v for k, v in self.terms.items() if k.startswith("mtp_"))
-
-    @property
-    def aux_loss(self) -> Tensor | None:
-        return self.terms.get("aux")
 
 
 def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
