@@ -33,9 +33,11 @@ GOLDEN_MESHES = {
     "fsdp_cp": (4, {}),
     "fsdp_ep_cp": (8, {}),
     "qwen3_8_2_4t": (8, {"ep": 2}),  # the production mesh shrunk to tiny's 8 experts
+    "hsdp": (4, {"fsdp": 2}),  # 2 "nodes" of 2
 }
 # layout → world size for the qwen3_8_2_4t preset
-BIG_WORLDS = {"single": 1, "fsdp": 64, "fsdp_ep": 64, "fsdp_cp": 64, "fsdp_ep_cp": 64, "qwen3_8_2_4t": 1024}
+BIG_WORLDS = {"single": 1, "fsdp": 64, "fsdp_ep": 64, "fsdp_cp": 64, "fsdp_ep_cp": 64, "qwen3_8_2_4t": 1024,
+              "hsdp": 64}
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +287,7 @@ def test_error_small_static_mistakes():
     with pytest.raises(LayoutError, match=r"compute\['expert'\] = \['fsdp'\] must be a leading part of rules\['expert'\]"):
         Layout.from_dict(d)
     with pytest.raises(LayoutError, match=r"unknown parallel layout 'fsdp_epp' \(did you mean 'fsdp_ep'\?\); "
-                                          r"known layouts: fsdp, fsdp_cp, fsdp_ep, fsdp_ep_cp, qwen3_8_2_4t, single"):
+                                          r"known layouts: fsdp, fsdp_cp, fsdp_ep, fsdp_ep_cp, hsdp, qwen3_8_2_4t, single"):
         Layout.preset("fsdp_epp")
 
 

@@ -78,6 +78,7 @@ CASES = [
     ("fsdp_ep", {"fsdp": 2, "ep": 2}, 4),
     ("fsdp_cp", {"fsdp": 2, "cp": 2}, 4),
     ("fsdp_ep_cp", {"fsdp": 1, "ep": 2, "cp": 2}, 4),
+    ("hsdp", {"dp_replicate": 2, "fsdp": 2}, 4),
 ]
 
 
