@@ -137,3 +137,22 @@ def test_the_plan_says_whether_the_peak_fits_the_hardware(capsys):
     assert short.fit_line().startswith("DOES NOT FIT: ") and "--recompute full" in short.fit_line()
     assert short.fit_line() in format_budget(short)
     assert attrs.evolve(b, hbm_bytes=None).fit_line() is None
+
+
+def test_the_search_covers_hsdp_and_charges_each_collective_on_its_link(tmp_path):
+    """On 16 H200s (2 nodes of 8) the search prices HSDP (fsdp 8 inside a node, replicated over the 2 nodes): its
+    gathers and reduce-scatters on NVLink, its gradient all-reduce on the NIC. The layout it would write is accepted
+    by ``q38 train``'s checks."""
+    from q38.parallel.layout import Layout
+    from q38.parallel.search import candidate_layout
+
+    cfg = ModelConfig.preset("tiny")
+    cands, _ = search(cfg, 16, Hardware.load("h200"), seq_len=128, global_batch=16)
+    hsdp = [c for c in cands if c.layout_dict["name"] == "hsdp_r2_f8"]
+    assert len(hsdp) >= 1
+    links = {(t.collective, t.mesh_dim): t.link for t in hsdp[0].budget.comm}
+    assert links[("all-reduce grads", "dp_replicate")] == "inter"
+    assert links[("reduce-scatter grads", "fsdp")] == "intra"
+    assert not any(d == "dp_replicate" and c.startswith("all-gather") for c, d in links)  # replicated: not gathered
+    layout = Layout.from_dict(candidate_layout(cfg, 8, 1, 1, 2), source="hsdp")
+    assert layout.resolve_mesh(16) == {"dp_replicate": 2, "fsdp": 8}

@@ -40,8 +40,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layout(cfg: ModelConfig, fsdp: int, cp: int, ep: int) -> dict:
-    """The layout table for one factorisation: the shipped layout of that shape, resized."""
+def candidate_layout(cfg: ModelConfig, fsdp: int, cp: int, ep: int, dp_replicate: int = 1) -> dict:
+    """The layout table for one factorisation: the shipped layout of that shape, resized (``dp_replicate`` > 1:
+    ``hsdp``, FSDP over ``fsdp`` consecutive ranks and replicated ``dp_replicate`` times; without cp and ep)."""
+    if dp_replicate > 1:
+        if cp > 1 or ep > 1:
+            raise ValueError("the search builds HSDP candidates without cp and ep")
+        d = {"include": "hsdp.yaml", "name": f"hsdp_r{dp_replicate}_f{fsdp}",
+             "mesh": {"dp_replicate": dp_replicate, "fsdp": fsdp}}
+        if cfg.vocab_size % fsdp:
+            d["uneven"] = ["embed", "lm_head"]
+        return d
     tpl = TEMPLATES[(cp > 1, ep > 1)]
     mesh = {"fsdp": fsdp}
     if cp > 1:
@@ -56,7 +65,8 @@ def candidate_layout(cfg: ModelConfig, fsdp: int, cp: int, ep: int) -> dict:
 
 
 def factorisations(cfg: ModelConfig, world: int, seq_len: int, global_batch: int) -> tuple[list[tuple], list[str]]:
-    """Valid (fsdp, cp, ep) triples and, for the error message, why the others were dropped."""
+    """Valid (fsdp, cp, ep, dp_replicate) factorisations and, for the error message, why the others were
+    dropped."""
     ok, why = [], []
     for ep in _divisors(world):
         if cfg.num_experts % ep:
@@ -69,7 +79,9 @@ def factorisations(cfg: ModelConfig, world: int, seq_len: int, global_batch: int
             if global_batch % (fsdp * ep):
                 why.append(f"fsdp×ep={fsdp * ep} does not divide the global batch {global_batch}")
                 continue
-            ok.append((fsdp, cp, ep))
+            ok.append((fsdp, cp, ep, 1))
+    if global_batch % world == 0:  # HSDP: fsdp shards inside a replica, the rows split over every rank
+        ok += [(world // r, 1, 1, r) for r in _divisors(world) if 1 < r < world]
     return ok, why
 
 
@@ -99,15 +111,15 @@ def search(
     abstract = abstract_params(cfg)
     fits: list[Candidate] = []
     smallest: tuple[float, str] | None = None
-    for fsdp, cp, ep in facts:
-        d = candidate_layout(cfg, fsdp, cp, ep)
+    for fsdp, cp, ep, dpr in facts:
+        d = candidate_layout(cfg, fsdp, cp, ep, dpr)
         try:
             layout = Layout.from_dict(d, source=d["name"])
             mesh = layout.resolve_mesh(world)
             pl = layout.placements(abstract, mesh)
         except LayoutError:
             continue
-        rows = global_batch // (fsdp * ep)
+        rows = global_batch // (fsdp * ep * dpr)
         for mb in _divisors(rows):
             for rc in recompute_modes:
                 b = estimate(cfg, layout, world, seq_len=seq_len, rows_per_rank=rows, micro_batches=mb,
