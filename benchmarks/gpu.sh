@@ -94,3 +94,8 @@ step plan_step 45 python3 benchmarks/plan_step.py "${dev[@]}" "${plan_size[@]}" 
 step plan_step_recompute 45 python3 benchmarks/plan_step.py "${dev[@]}" "${plan_size[@]}" --gdn "$plan_gdn" --recompute
 # bf16 mixed-precision policy: the tiny run on the device (bf16 compute, fp32 masters) vs the CPU fp32 losses
 step bf16_train 60 python3 benchmarks/bf16_train.py --device "${dev[1]}" --steps "$bf16_steps" --out "$out/bf16_train"
+# run.profile (issue 27): a trace of 2 steps of the embedded run, with memory (on CUDA also the allocator's history)
+step profile_memory 60 python3 -m q38.cli train --set run.device="$test_device" --set run.steps=4 \
+    --set run.eval_every=0 --set "run.profile={start: 2, steps: 2, memory: true}" --set run.out_dir="$out/profile_run" \
+    --set run.progress=false
+ls -l "$out/profile_run/profile" 2>&1 | tee "$out/profile_files.txt"
