@@ -385,6 +385,14 @@ def _one_line(e: BaseException) -> str:
     return " ".join(line.strip() for line in msg.splitlines() if line.strip())
 
 
+def _collective_timeout(e: BaseException) -> bool:
+    """A gloo / NCCL collective that ran past the process group's timeout (torch raises a plain RuntimeError, or a
+    DistBackendError, whose text names the backend)."""
+    msg = str(e).lower()
+    return isinstance(e, RuntimeError) and "timed out" in msg and any(w in msg for w in ("gloo", "nccl", "hccl",
+                                                                                          "collective"))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("Q38_DEBUG", "") not in ("", "0")
@@ -416,6 +424,11 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:  # every other failure: one line (the traceback only with --debug / Q38_DEBUG=1)
         if debug:
             traceback.print_exc()
+        if _collective_timeout(e):
+            print(f"{who}: error: a collective waited longer than run.timeout_s ({_one_line(e)}): another rank is "
+                  "stopped, dead or much slower; run.step_timeout_s names it and dumps every rank's stacks",
+                  file=sys.stderr)
+            return 2
         if isinstance(e, (ConfigError, ValueError, OSError, FloatingPointError, NotImplementedError, RunError)) or \
                 type(e).__name__ in ("CheckpointException", "SafetensorError", "DistError", "DistBackendError",
                                      "DistNetworkError", "DistStoreError"):  # torch.distributed: e.g. a timeout

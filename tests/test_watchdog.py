@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,40 @@ def test_bad_timeouts_are_one_line(tmp_path):
         run_config(tmp_path, run={"timeout_s": 0})
     with pytest.raises(ConfigError, match=r"run.step_timeout_s must be a positive number of seconds or null, got -1"):
         run_config(tmp_path, run={"step_timeout_s": -1})
+
+
+@pytest.mark.dist
+def test_run_timeout_s_bounds_a_collective_wait(tmp_path):
+    """2 gloo ranks; rank 1 is stopped (SIGSTOP) mid-run. With run.timeout_s: 5 rank 0's next collective fails
+    within seconds, with one error line, instead of waiting torch's 30 minutes."""
+    import signal
+
+    from tests.test_trainer import _children, _wait_for_step
+
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "run.yaml", run_dict(out, steps=400, layout="fsdp", run={"timeout_s": 5}))
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             "-m", "q38.cli", "train", str(cfg)], stdout=log, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO, env=env, start_new_session=True)
+    try:
+        _wait_for_step(out, 2, proc, timeout=240)
+        workers = sorted(_children(proc.pid))
+        assert len(workers) == 2
+        rank1 = next(w for w in workers if b"RANK=1" in Path(f"/proc/{w}/environ").read_bytes().split(b"\0"))
+        os.kill(rank1, signal.SIGSTOP)
+        t0 = time.time()
+        while time.time() - t0 < 60 and "q38 train [rank 0]: error:" not in (tmp_path / "log.txt").read_text():
+            time.sleep(0.2)
+        waited = time.time() - t0
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+    text = (tmp_path / "log.txt").read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("q38 train [rank 0]: error:")]
+    assert len(lines) == 1, text[-3000:]
+    assert waited < 40  # the 5 s timeout, plus the step in flight
+    assert "run.timeout_s" in lines[0] and "internal error" not in text
