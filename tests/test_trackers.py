@@ -154,3 +154,18 @@ def test_only_rank_0_opens_trackers(tmp_path):
     log = RunLog(cfg, 0, lead=False, plan=check_run(cfg, 1, "cpu"))
     assert log.trackers == {} and log.run_ids() == {}
     log.close()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None,
+                    reason="tensorboard is not installed (pip install 'q38[trackers]')")
+def test_tensorboard_records_what_metrics_jsonl_holds(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from q38.train.trainer import train
+
+    out = tmp_path / "run"
+    train(run_config(out, steps=3, run={"trackers": ["tensorboard"]}))
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    got = {(tag, ev.step): float(ev.value) for tag in acc.Tags()["scalars"] for ev in acc.Scalars(tag)}
+    _assert_same(got, _expected(out))
