@@ -16,6 +16,7 @@ the checkpoints directory. Parameters sharded as DTensors are saved sharded; DCP
 saved on N ranks loads on M ranks or on one process, e.g. for ``q38 convert --to-hf``).
 """
 
+import contextlib
 import json
 import os
 import re
@@ -23,7 +24,7 @@ import shutil
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.utils._pytree as pytree
@@ -402,9 +403,7 @@ def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any], *
     if not final.name:
         raise ValueError(f"checkpoint path {str(final)!r} has no directory name")
     rank = _rank()
-    tmp = _new_tmp(final)
-    ok = False
-    try:
+    with shared_tmp_dir(_tmp_name(final)) as tmp:
         sd = state if isinstance(state, dict) else state_dict_of(state)
         _dcp_save(sd, tmp) if planner is None else _dcp_save(sd, tmp, planner)
         (tmp / "rng").mkdir(exist_ok=True)
@@ -412,23 +411,37 @@ def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any], *
         _barrier()
         if rank == 0:
             _publish(tmp, final, meta)
-        ok = True
-    finally:
-        if not ok and rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
     _barrier()
     return final
 
 
-def _new_tmp(final: Path) -> Path:
-    """A fresh temporary sibling of ``final``, made by rank 0 (every rank gets its name). Collective."""
+def _tmp_name(final: Path) -> Path:
+    """A fresh temporary sibling of ``final``, the same name on every rank. Collective."""
     token = _broadcast(f"{os.getpid()}x{int(time.time() * 1000) % 10**8}")
-    tmp = final.parent / f"{final.name}.tmp-{token}"
+    return final.parent / f"{final.name}.tmp-{token}"
+
+
+def _make_shared_dir(tmp: Path) -> Path:
+    """``tmp`` made by rank 0 for every rank to write into. Collective."""
     if _rank() == 0:
-        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
     _barrier()
     return tmp
+
+
+@contextlib.contextmanager
+def shared_tmp_dir(tmp: Path) -> Iterator[Path]:
+    """``tmp`` made by rank 0 for every rank to write into, and removed by rank 0 when the enclosed writes fail (a
+    complete one is renamed away by then). Collective on entry."""
+    _make_shared_dir(tmp)
+    ok = False
+    try:
+        yield tmp
+        ok = True
+    finally:
+        if not ok and _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _publish(tmp: Path, final: Path, meta: Mapping[str, Any]) -> None:
@@ -486,7 +499,7 @@ class AsyncSave:
         self.root, self.meta, self.keep_last = Path(root), dict(meta), keep_last
         self.step = int(meta["step"])
         self.final = self.root / step_dir_name(self.step)
-        self.tmp = _new_tmp(self.final)
+        self.tmp = _make_shared_dir(_tmp_name(self.final))
         (self.tmp / "rng").mkdir(exist_ok=True)
         torch.save(rng_state(), self.tmp / "rng" / f"rank_{_rank():05d}.pt")
         sd = state if isinstance(state, dict) else state_dict_of(state)

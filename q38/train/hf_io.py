@@ -22,7 +22,6 @@ the conv weight reshaped, grouped projections split); the slice reader serves ea
 """
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,7 +31,7 @@ from q38.config import ConfigError, ModelConfig
 from q38.hf import DEFAULT_MAX_SHARD_BYTES, HFReader, export_tmp_dir, open_hf, plan_export, publish_export
 from q38.train.checkpoint import (
     _barrier, _broadcast, _dcp_load, _dist, _fsync_dir, _rank, checkpoint_reader, read_meta, saved_tensors,
-    write_checkpoint,
+    shared_tmp_dir, write_checkpoint,
 )
 
 
@@ -127,14 +126,7 @@ def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype: t
         return reader, saved, export
 
     reader, saved, export = all_ranks_ok(prepare, f"reading checkpoint {ck}")
-    token = _broadcast(os.urandom(4).hex())
-    tmp = export_tmp_dir(out, token)
-    if rank == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-    _barrier()
-    ok = False
-    try:
+    with shared_tmp_dir(export_tmp_dir(out, _broadcast(os.urandom(4).hex()))) as tmp:
         def write():
             load = _leaf_loader(ck, reader, saved, dtype)
             for i in range(rank, len(export.files), world):
@@ -146,11 +138,7 @@ def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype: t
             _fsync_dir(tmp)
             publish_export(tmp, out)
             _fsync_dir(out.parent)
-        ok = True
-    finally:
-        if not ok and rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _barrier()
+    _barrier()
     return out
 
 
