@@ -2,8 +2,6 @@
 policy (cast before the gather, reduce in ``reduce_dtype``, reshard after forward), all-gather / all-to-all with
 their reverse in backward."""
 
-import contextlib
-import time
 import weakref
 
 import attrs
@@ -13,32 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.profiler import record_function
 
+from q38.parallel import links
 
-
-# ---- how long this process waits in collectives ------------------------------------------------------------------
-
-
-class CommClock:
-    """Host seconds this process spent inside the step's blocking collectives (observability only: it decides
-    nothing). The trainer reads and resets it every step: a rank's own time is its step time minus this, so the
-    rank the others wait for is the one with the most own time. On NCCL the collectives return before the device
-    has run them, so the waiting shows up where the host next waits for the device instead."""
-
-    seconds = 0.0
-
-    @classmethod
-    @contextlib.contextmanager
-    def timed(cls):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            cls.seconds += time.perf_counter() - t0
-
-    @classmethod
-    def take(cls) -> float:
-        s, cls.seconds = cls.seconds, 0.0
-        return s
 
 
 # ---- differentiable collectives on local tensors ------------------------------------------------------------------
@@ -54,15 +28,13 @@ def _ag(x: Tensor, dim: int, group, sizes=None) -> Tensor:
 def _ag_impl(x: Tensor, dim: int, group, sizes) -> Tensor:
     if sizes is None:
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        with CommClock.timed():
-            dist.all_gather(parts, x.contiguous(), group=group)
+        links.all_gather(parts, x.contiguous(), group)
         return torch.cat(parts, dim=dim)
     full = max(sizes)
     pad = [0, 0] * (x.dim() - 1 - dim) + [0, full - x.shape[dim]]
     xp = F.pad(x, pad).contiguous()
     parts = [torch.empty_like(xp) for _ in sizes]
-    with CommClock.timed():
-        dist.all_gather(parts, xp, group=group)
+    links.all_gather(parts, xp, group)
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
 
@@ -76,8 +48,7 @@ def _rs_impl(g: Tensor, dim: int, group, sizes) -> Tensor:
     if sizes is None:
         chunks = [c.contiguous() for c in g.chunk(dist.get_world_size(group), dim=dim)]
         out = torch.empty_like(chunks[0])
-        with CommClock.timed():
-            dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group)
+        links.reduce_scatter(out, chunks, group)
         return out
     full = max(sizes)
     chunks = []
@@ -85,8 +56,7 @@ def _rs_impl(g: Tensor, dim: int, group, sizes) -> Tensor:
         pad = [0, 0] * (g.dim() - 1 - dim) + [0, full - c.shape[dim]]
         chunks.append(F.pad(c, pad).contiguous())
     out = torch.empty_like(chunks[0])
-    with CommClock.timed():
-        dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group)
+    links.reduce_scatter(out, chunks, group)
     return out.narrow(dim, 0, sizes[dist.get_rank(group)])
 
 
@@ -111,8 +81,7 @@ def _gather_forward(x: Tensor, steps: tuple, dtype, prefetched=None) -> Tensor:
         if prefetched is not None:  # the first gather was started early (MeshRuntime.prefetch)
             work, parts = prefetched
             prefetched = None
-            with CommClock.timed():
-                work.wait()
+            work.wait()
             y = torch.cat(parts, dim=st.dim)
         else:
             y = _ag(y, st.dim, st.group, st.sizes)
@@ -139,8 +108,7 @@ class _GatherParam(torch.autograd.Function):
                 g = _rs(g, st.dim, st.group, st.sizes)
             else:
                 g = g.contiguous().clone()
-                with CommClock.timed():
-                    dist.all_reduce(g, group=st.group)
+                links.all_reduce(g, st.group)
         return g.to(ctx.in_dtype), None, None, None, None
 
 
@@ -204,15 +172,13 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits, in_splits, group):
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        with CommClock.timed():
-            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        links.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, g):
         out = g.new_empty((sum(ctx.in_splits), *g.shape[1:]))
-        with CommClock.timed():
-            dist.all_to_all_single(out, g.contiguous(), ctx.in_splits, ctx.out_splits, group=ctx.group)
+        links.all_to_all_single(out, g.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
         return out, None, None, None
 
 

@@ -2,11 +2,11 @@
 
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 
-from q38.parallel.collectives import CommClock, _AllGather
+from q38.parallel import links
+from q38.parallel.collectives import _AllGather
 
 # ---- CP exchanges ----------------------------------------------------------------------------------------------
 
@@ -23,8 +23,7 @@ class CPComm:
         if x.is_floating_point() and x.requires_grad:
             return _AllGather.apply(x, dim, self.group)
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        with CommClock.timed():
-            dist.all_gather(parts, x.contiguous(), group=self.group)
+        links.all_gather(parts, x.contiguous(), self.group)
         return torch.cat(parts, dim=dim)
 
     def prev_tail(self, x: Tensor, n: int, dim: int) -> Tensor:

@@ -6,7 +6,8 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from q38.layers.moe import swiglu_batched
-from q38.parallel.collectives import CommClock, _AllGather, _AllToAll
+from q38.parallel import links
+from q38.parallel.collectives import _AllGather, _AllToAll
 
 # ---- EP dispatch -----------------------------------------------------------------------------------------------
 
@@ -84,25 +85,21 @@ class EPDispatch:
         order = torch.argsort(dest, stable=True)
         send = torch.bincount(dest, minlength=self.size)
         recv = torch.empty_like(send)
-        with CommClock.timed():
-            dist.all_to_all_single(recv, send, group=self.group)
+        links.all_to_all_single(recv, send, group=self.group)
         send_l, recv_l = send.tolist(), recv.tolist()
         load = torch.tensor(sum(recv_l), device=x_md.device)
-        with CommClock.timed():
-            dist.all_reduce(load, op=dist.ReduceOp.MAX, group=self.group)
+        links.all_reduce(load, self.group, op=dist.ReduceOp.MAX)
         self.loads.append(int(load))
         x_recv = _AllToAll.apply(x_md[order], recv_l, send_l, self.group)
         w_recv = _AllToAll.apply(w_m[order], recv_l, send_l, self.group)  # gate weights travel with their slots
         e_recv = torch.empty(sum(recv_l), dtype=expert_m.dtype, device=expert_m.device)
-        with CommClock.timed():
-            dist.all_to_all_single(e_recv, local_idx[order].contiguous(), recv_l, send_l, group=self.group)
+        links.all_to_all_single(e_recv, local_idx[order].contiguous(), recv_l, send_l, self.group)
         return x_recv, w_recv, e_recv, order, send_l, recv_l, w_gu, w_dn
 
     def _balance(self, expert_m, dest, local_idx, w_gu, w_dn, num_experts):
         e_local = w_gu.shape[0]
         load = torch.bincount(expert_m, minlength=num_experts).float()
-        with CommClock.timed():
-            dist.all_reduce(load, group=self.group)
+        links.all_reduce(load, self.group)
         plan = plan_ep_balance(load.tolist(), self.size, e_local, self.max_dup)
         self.copies.append(sum(len(reps) - 1 for reps in plan.values()))
         if not plan:

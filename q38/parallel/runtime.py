@@ -21,7 +21,8 @@ from q38.parallel.layout import Layout
 from q38.pytree import named_leaves
 from q38.batch import StepBatch
 
-from q38.parallel.collectives import CommClock, _chunk_sizes, _GatherParam, _Regather, _Resharded, _Step
+from q38.parallel import links
+from q38.parallel.collectives import _chunk_sizes, _GatherParam, _Regather, _Resharded, _Step
 from q38.parallel.cp import CPComm
 from q38.parallel.ep import EPDispatch
 from q38.parallel.mesh import Mesh
@@ -109,7 +110,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             name, dim = dims[0]
             x = t.to_local().detach().to(self.param_dtype).contiguous()
             parts = [torch.empty_like(x) for _ in range(self.mesh.sizes[name])]
-            work = dist.all_gather(parts, x, group=self.mesh.group(name), async_op=True)
+            work = links.all_gather(parts, x, self.mesh.group(name), async_op=True)
             self._pending[id(t)] = (name, work, parts)
 
     def _steps(self, t) -> tuple:
@@ -211,16 +212,14 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
         t = torch.as_tensor(t, device=self.device).detach().clone()
-        with CommClock.timed():
-            dist.all_reduce(t)
+        links.all_reduce(t)
         return t
 
     def seq_all_reduce_sum(self, t: Tensor) -> Tensor:
         """Sum over the CP group (the ranks holding other parts of the same rows); identity without CP."""
         t = torch.as_tensor(t).detach().clone()
         if self.comm is not None:
-            with CommClock.timed():
-                dist.all_reduce(t, group=self.comm.group)
+            links.all_reduce(t, self.comm.group)
         return t
 
     def grad_sq_norm(self, grads) -> Tensor:

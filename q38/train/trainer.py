@@ -417,7 +417,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
           logs: RunLog, on_step) -> list[dict]:
     """Steps ``start + 1 .. run.steps``: step, evaluate, log, save every ``run.save_every`` and at the end; SIGTERM
     / SIGINT finish the step, save and stop."""
-    from q38.parallel.collectives import CommClock
+    from q38.parallel.links import CommClock
     from q38.parallel.mesh import shard_batch
     from q38.train.evaluate import eval_losses
     from q38.train.profile import StepProfiler, out_of_memory
