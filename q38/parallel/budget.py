@@ -28,6 +28,7 @@ prefetched (hidden behind the previous layer's compute) only for a parameter gat
 runs synchronously on the compute stream. The optimizer step is bound by memory bandwidth.
 """
 
+import functools
 import math
 from typing import Any, Mapping
 
@@ -39,6 +40,7 @@ from q38.flops import StepFlops, step_flops
 from q38.kernels import GDN_CHUNK
 from q38.layers.kinds import MIXER_KINDS, RECOMPUTE_MODES, Workload, kept_regions, layer_kinds
 from q38.parallel.layout import Layout
+from q38.parallel.links import LinkModel, Topology
 from q38.parallel.plan import local_numel_grid
 
 GIB = 2**30
@@ -207,11 +209,13 @@ class CommTerm:
     """One collective over one mesh dim: bytes received per rank in a step, and its exposed time."""
 
     collective: str
-    mesh_dim: str
+    mesh_dim: str  # the mesh dims of the group, joined by "·" when one collective spans several
     bytes: float
-    link: str  # intra | inter
+    link: str  # intra | inter (some of its bytes cross nodes: ``inter_bytes``)
     seconds: float
-    overlapped: bool
+    overlapped: bool  # issued async by the runtime, hidden behind the compute of its phase as far as that lasts
+    phase: str = "forward"  # forward | backward (recompute and gradient reductions run in backward)
+    inter_bytes: float = 0.0
 
 
 @attrs.frozen
@@ -237,6 +241,7 @@ class Budget:
     global_tokens: int
     hbm_bytes: float | None = None  # the hardware's device memory (None: no --hardware)
     start_phase: tuple[Item, ...] = ()  # loading the state (resume / init_from): shards + one read in flight
+    compute_fwd_s: float = 0.0  # the forward's share of compute_s (the rest, recompute included, is backward)
 
     def fit_line(self, fixes: str = "try --recompute full, a fused GDN kernel (--gdn-kernel fla keeps 16-bit outputs, "
                                       "not fp32 per-chunk states), more ranks, or q38 plan --search") -> str | None:
@@ -280,14 +285,27 @@ class Budget:
         return max(phases, key=phases.get)
 
     @property
-    def comm_exposed_s(self) -> float:
+    def comm_sync_s(self) -> float:
         return sum(t.seconds for t in self.comm if not t.overlapped)
 
     @property
+    def comm_exposed_s(self) -> float:
+        """Communication the step waits for: every synchronous collective, plus the async ones (prefetched gathers,
+        async reductions, EP exchanges in flight during expert compute) beyond the compute of their phase: each
+        phase takes ``sync + max(compute, async)`` (one link queue, so async work cannot run during sync work)."""
+        extra = 0.0
+        for phase, compute in (("forward", self.compute_fwd_s), ("backward", self.compute_s - self.compute_fwd_s)):
+            hidden = sum(t.seconds for t in self.comm if t.overlapped and t.phase == phase)
+            extra += max(0.0, hidden - compute)
+        return self.comm_sync_s + extra
+
+    @property
+    def comm_hidden_s(self) -> float:
+        return sum(t.seconds for t in self.comm) - self.comm_exposed_s
+
+    @property
     def step_s(self) -> float:
-        # prefetched gathers hide behind compute; whatever they do not hide shows up
-        hidden = sum(t.seconds for t in self.comm if t.overlapped)
-        return self.compute_s + self.comm_exposed_s + max(0.0, hidden - self.compute_s) + self.optimizer_s
+        return self.compute_s + self.comm_exposed_s + self.optimizer_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -306,19 +324,23 @@ class Budget:
             if not t.overlapped:
                 key = f"{t.collective} over {t.mesh_dim} ({t.link})"
                 terms[key] = terms.get(key, 0.0) + t.seconds
+        if self.comm_exposed_s > self.comm_sync_s:
+            terms["async communication beyond compute"] = self.comm_exposed_s - self.comm_sync_s
         return max(terms.items(), key=lambda kv: kv[1])[0]
 
 
 @attrs.frozen
 class ParamStats:
-    """What the parameters cost on a mesh, independent of batch, recompute and hardware (computed once per mesh)."""
+    """What the parameters cost on a mesh, independent of batch, recompute and hardware (computed once per mesh).
+    Gathers are keyed by the mesh dims of one collective (``("cp", "ep")``: one all-gather over their flattened
+    group), as ``MeshRuntime`` runs them."""
 
     numel: int  # parameters on the fullest rank
     largest_shard: int
     largest_layer: int  # compute-form elements of the largest layer (fullest rank)
     largest_layer_local: int  # stored elements of the largest layer (fullest rank)
     gathered_layers: int  # compute − local elements over all layers
-    gather_dim: dict  # mesh dim → elements received per forward gather
+    gather_group: dict  # mesh dims of one collective → elements received per forward gather
     gather_prefetchable: dict
     layer_gather: dict
     allreduce_dim: dict
@@ -327,8 +349,26 @@ class ParamStats:
 _STATS_CACHE: dict = {}
 
 
-def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamStats:
-    ck = (id(placements), tuple(mesh.items()), prefetch)
+def gather_collectives(pp, names: list[str], mesh: Mapping[str, int], flatten: bool) -> list[tuple[str, ...]]:
+    """The collectives that gather one parameter (``pp``: its placement) into compute form, in the order they run:
+    each is the tuple of mesh dims it spans. With ``flatten`` (``MeshRuntime``'s rule), the gathered mesh dims that
+    all shard the same tensor dim into even chunks are one all-gather over their flattened group; otherwise one per
+    mesh dim, innermost first."""
+    sd, sdc = pp.shard_dims(False), pp.shard_dims(True)
+    gathered = [n for n, a, b in zip(names, sd, sdc) if a is not None and b is None and mesh[n] > 1]
+    if not gathered:
+        return []
+    dims = {sd[names.index(n)] for n in gathered}
+    if flatten and len(gathered) > 1 and len(dims) == 1:
+        tdim = dims.pop()
+        split = math.prod(mesh[n] for n, a in zip(names, sd) if a == tdim)
+        if pp.shape[tdim] % split == 0:
+            return [tuple(gathered)]
+    return [(n,) for n in reversed(gathered)]
+
+
+def param_stats(placements, mesh: Mapping[str, int], prefetch: bool, flatten: bool = True) -> ParamStats:
+    ck = (id(placements), tuple(mesh.items()), prefetch, flatten)
     hit = _STATS_CACHE.get(ck)
     if hit is not None and hit[0] is placements:
         return hit[1]
@@ -345,9 +385,9 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
     held = torch.zeros(sizes, dtype=torch.int64)
     layer_compute: dict[str, int] = {}
     layer_local: dict[str, int] = {}
-    gather_dim = {n: 0.0 for n in names}  # elements received per forward gather, per mesh dim (fullest rank)
-    gather_prefetchable = {n: 0.0 for n in names}
-    layer_gather = {n: 0.0 for n in names}  # elements of layer params only (recompute re-gathers these)
+    gather_group: dict = {}  # elements received per forward gather, per collective's mesh dims (fullest rank)
+    gather_prefetchable: dict = {}
+    layer_gather: dict = {}  # elements of layer params only (recompute re-gathers these)
     allreduce_dim = {n: 0.0 for n in names}
     for path, pp in placements.items():
         local, comp = grid(pp, False), grid(pp, True)
@@ -358,19 +398,21 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
             key = _layer_key(path)
             layer_compute[key] = layer_compute.get(key, 0) + cmax
             layer_local[key] = layer_local.get(key, 0) + lmax
-        sd, sdc = pp.shard_dims(False), pp.shard_dims(True)
-        gathered = [n for n, a, b in zip(names, sd, sdc) if a is not None and b is None]
-        # gathers run innermost mesh dim first; each multiplies what the rank holds
+        sd = pp.shard_dims(False)
+        colls = gather_collectives(pp, names, mesh, flatten)
+        # each collective multiplies what the rank holds
         cur = lmax
-        for n in reversed(names):
-            if n in gathered:
-                recv = cur * (mesh[n] - 1)
-                gather_dim[n] += recv
-                if in_layer:
-                    layer_gather[n] += recv
-                if len(gathered) == 1 and pp.shape[sd[names.index(n)]] % mesh[n] == 0 and prefetch:
-                    gather_prefetchable[n] += recv
-                cur *= mesh[n]
+        for g in colls:
+            n = math.prod(mesh[x] for x in g)
+            recv = cur * (n - 1)
+            gather_group[g] = gather_group.get(g, 0.0) + recv
+            if in_layer:
+                layer_gather[g] = layer_gather.get(g, 0.0) + recv
+            # prefetched: a parameter gathered by one collective of even chunks (MeshRuntime.prefetch)
+            even = all(pp.shape[sd[names.index(x)]] % mesh[x] == 0 for x in g)
+            if prefetch and len(colls) == 1 and even:
+                gather_prefetchable[g] = gather_prefetchable.get(g, 0.0) + recv
+            cur *= n
         sharding = {n for n, a in zip(names, sd) if a is not None}
         for n in names:
             if n not in sharding and mesh[n] > 1:  # replicated: gradient all-reduce (ring) over this dim
@@ -380,18 +422,33 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
     gathered_layers = sum(layer_compute[k] - layer_local[k] for k in layer_compute)
 
     stats = ParamStats(numel, max((int(grid(pp, False).max()) for pp in placements.values()), default=0),
-                       largest_layer, max(layer_local.values(), default=0), gathered_layers, gather_dim, gather_prefetchable, layer_gather, allreduce_dim)
+                       largest_layer, max(layer_local.values(), default=0), gathered_layers, gather_group,
+                       gather_prefetchable, layer_gather, allreduce_dim)
     if len(_STATS_CACHE) > 64:
         _STATS_CACHE.clear()
     _STATS_CACHE[ck] = (placements, stats)
     return stats
 
 
+@functools.lru_cache(maxsize=256)
+def group_shape(mesh_items: tuple, dims: tuple, devices_per_node: int) -> tuple[int, int, int]:
+    """(ranks, nodes spanned, ranks in each node) of a group over mesh dims ``dims``: ranks are numbered row-major
+    over the mesh (the last mesh dim innermost) and consecutive ranks share a node, so every group of these dims
+    has the shape of rank 0's."""
+    names = [n for n, _ in mesh_items]
+    sizes = dict(mesh_items)
+    ranks = [0]
+    for d in dims:
+        stride = math.prod(sizes[n] for n in names[names.index(d) + 1:])
+        ranks = [r + i * stride for r in ranks for i in range(sizes[d])]
+    topo = Topology(devices_per_node)
+    nodes, per_node = topo.group_shape(ranks)
+    return len(ranks), nodes, per_node
+
+
 def _group_link(mesh: Mapping[str, int], dim: str, devices_per_node: int) -> str:
     """``intra`` when every group of ``dim`` lies inside one node (ranks numbered row-major over the mesh)."""
-    names = list(mesh)
-    stride = math.prod(mesh[n] for n in names[names.index(dim) + 1:])
-    return "intra" if stride * mesh[dim] <= devices_per_node else "inter"
+    return "intra" if group_shape(tuple(mesh.items()), (dim,), devices_per_node)[1] == 1 else "inter"
 
 
 @attrs.frozen(kw_only=True)
@@ -418,6 +475,9 @@ class _Step:
     gdn_kernel: bool
     kv_native: bool
     gdn_chunk: int
+    async_reduce: bool = False  # gradient reduce-scatters / all-reduces issued async in backward
+    ep_dispatch: str = "flat"  # flat | hierarchical
+    ep_overlap: bool = False  # the EP exchange of one half of the slots in flight while the other half computes
 
     @property
     def cp(self) -> int:
@@ -572,36 +632,49 @@ def _start_items(cfg: ModelConfig, st: _Step, ps: ParamStats) -> list[Item]:
     ]
 
 
-def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Hardware | None) -> list[CommTerm]:
-    """Every collective of the step per mesh dim: FSDP gathers (prefetched or not, again for recompute or after a
-    reshard), gradient reduce-scatters and all-reduces, the EP all-to-all, each mixer kind's CP exchange."""
+def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Hardware | None,
+                moe_compute_s: float = 0.0) -> list[CommTerm]:
+    """Every collective of the step per group: FSDP gathers (prefetched or not, again for recompute or after a
+    reshard), gradient reduce-scatters and all-reduces, the EP all-to-all, each mixer kind's CP exchange; each
+    priced by ``links.LinkModel`` on the links its group spans. ``moe_compute_s``: the routed and shared experts'
+    compute of the step (what an overlapped EP exchange can hide behind)."""
     comm: list[CommTerm] = []
     mesh, mb, act, red, recompute = st.mesh, st.micro_batches, st.act, st.red, st.recompute
+    items = tuple(mesh.items())
+    model = LinkModel.from_hardware(hw) if hw else None
 
-    def add(coll: str, dim: str, nbytes: float | int, overlapped: bool = False) -> None:
+    def shape(dims: tuple) -> tuple[int, int, int]:
+        return group_shape(items, dims, hw.devices_per_node) if hw else (math.prod(mesh[d] for d in dims), 1, 1)
+
+    def add(coll: str, dims, nbytes: float | int, overlapped: bool = False, phase: str = "forward",
+            kind: str = "all_gather", inter: float | None = None) -> None:
         if nbytes <= 0:
             return
-        link = _group_link(mesh, dim, hw.devices_per_node) if hw else "intra"
-        bw = (hw.intra_node_bandwidth if link == "intra" else hw.inter_node_bandwidth) if hw else 0.0
-        comm.append(CommTerm(coll, dim, nbytes, link, nbytes / bw if bw else 0.0, overlapped))
+        dims = (dims,) if isinstance(dims, str) else tuple(dims)
+        n, nodes, per_node = shape(dims)
+        if inter is None:  # ring collectives: all through the NIC once the group spans nodes; all-to-all: per peer
+            inter = (nbytes if nodes > 1 else 0.0) if kind != "all_to_all" else nbytes * (n - per_node) / max(n - 1, 1)
+        secs = model.seconds(kind, nbytes - inter, inter, per_node) if model else 0.0
+        comm.append(CommTerm(coll, "·".join(dims), nbytes, "inter" if inter > 0 else "intra", secs, overlapped,
+                             phase, inter))
 
     re_gather = recompute != "none" or st.resharded
-    for n in mesh:
-        per_mb_fwd = ps.gather_dim[n] * act
-        pre = ps.gather_prefetchable[n] * act
-        add("all-gather fwd (prefetched)", n, pre * mb, overlapped=True)
-        add("all-gather fwd", n, (per_mb_fwd - pre) * mb)
+    groups = list(dict.fromkeys([*ps.gather_group, *ps.layer_gather]))
+    for g in sorted(groups, key=lambda g: [list(mesh).index(x) for x in g]):
+        per_mb_fwd = ps.gather_group.get(g, 0.0) * act
+        pre = ps.gather_prefetchable.get(g, 0.0) * act
+        add("all-gather fwd (prefetched)", g, pre * mb, overlapped=True)
+        add("all-gather fwd", g, (per_mb_fwd - pre) * mb)
         if re_gather:
-            add("all-gather recompute" if recompute != "none" else "all-gather backward (reshard)", n,
-                ps.layer_gather[n] * act * mb)
-        add("reduce-scatter grads", n, ps.gather_dim[n] * red * mb)
-        add("all-reduce grads", n, ps.allreduce_dim[n] * red * mb)
-    d = cfg.hidden_size
+            add("all-gather recompute" if recompute != "none" else "all-gather backward (reshard)", g,
+                ps.layer_gather.get(g, 0.0) * act * mb, phase="backward")
+        add("reduce-scatter grads", g, ps.gather_group.get(g, 0.0) * red * mb, overlapped=st.async_reduce,
+            phase="backward", kind="reduce_scatter")
+    for n in mesh:
+        add("all-reduce grads", n, ps.allreduce_dim[n] * red * mb, overlapped=st.async_reduce, phase="backward",
+            kind="all_reduce")
     if st.ep > 1:
-        off = st.n_mb * cfg.num_experts_per_tok * (st.ep - 1) / st.ep * act  # slots leaving a rank, uniform routing
-        calls = 2 if recompute != "none" else 1
-        # each call: dispatch (d + 1: the row and its gate weight), combine (d); backward: the reverse of both
-        add("all-to-all tokens", "ep", off * (2 * d + 1) * len(kinds) * mb * (calls + 1))
+        _ep_terms(cfg, st, kinds, add, shape, moe_compute_s, model)
     if st.cp > 1:
         w = Workload(rows=st.rows_mb, seq=st.seq, cp=st.cp, act_bytes=act)
         keep = kept_regions(recompute)
@@ -610,6 +683,47 @@ def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Ha
             times = ex.recompute_calls if recompute != "none" and kind.region not in keep else ex.calls
             add(ex.collective, "cp", ex.bytes * sum(1 for k in kinds if k is kind) * mb * times)
     return comm
+
+
+def distinct_nodes(experts: int, top_k: int, nodes: int) -> float:
+    """Expected number of distinct nodes a token's ``top_k`` experts sit on, the ``experts`` split evenly over
+    ``nodes`` and chosen uniformly without replacement: ``nodes · (1 − C(E − E/nodes, k) / C(E, k))``."""
+    if nodes <= 1:
+        return 1.0
+    per = experts // nodes
+    miss = math.comb(experts - per, top_k) / math.comb(experts, top_k)
+    return nodes * (1.0 - miss)
+
+
+def _ep_terms(cfg: ModelConfig, st: _Step, kinds: list, add, shape, moe_compute_s: float, model) -> None:
+    """The EP all-to-all of every MoE layer, uniform routing: dispatch (the row and its gate weight) and combine
+    (the row), and their reverse in backward; with recompute the forward exchange runs again in backward.
+    ``hierarchical``: a token crosses to each remote node holding any of its experts once, then fans out inside
+    the node (and its outputs are summed there before they cross back)."""
+    d, k = cfg.hidden_size, cfg.num_experts_per_tok
+    n_tok = st.n_mb * len(kinds) * st.micro_batches  # tokens through MoE layers per pass
+    calls = 2 if st.recompute != "none" else 1
+    ep, nodes, per_node = shape(("ep",))
+    row = (2 * d + 1) * st.act  # dispatch d + its gate weight, combine d
+    flat_off = n_tok * k * (ep - 1) / ep  # slots leaving the rank
+    if st.ep_dispatch == "hierarchical" and nodes > 1:
+        remote_nodes = distinct_nodes(cfg.num_experts, k, nodes) * (nodes - 1) / nodes
+        inter = n_tok * remote_nodes * row
+        # inside the destination node each slot goes to its owner: all but the share landing on the owner itself
+        intra = n_tok * k * (per_node - 1) / per_node * row
+    else:
+        inter = flat_off * (ep - per_node) / max(ep - 1, 1) * row
+        intra = flat_off * (per_node - 1) / max(ep - 1, 1) * row
+    for phase, passes in (("forward", 1), ("backward", calls)):
+        b_intra, b_inter = intra * passes, inter * passes
+        if st.ep_overlap and model is not None:
+            share = 0.5  # half of the slots' exchange is in flight while the other half's experts compute
+            add("all-to-all tokens (overlapped)", "ep", (b_intra + b_inter) * share, overlapped=True, phase=phase,
+                kind="all_to_all", inter=b_inter * share)
+            add("all-to-all tokens", "ep", (b_intra + b_inter) * (1 - share), phase=phase, kind="all_to_all",
+                inter=b_inter * (1 - share))
+        else:
+            add("all-to-all tokens", "ep", b_intra + b_inter, phase=phase, kind="all_to_all", inter=b_inter)
 
 
 def estimate(
@@ -640,6 +754,10 @@ def estimate(
     adamw_impl: str | None = None,
     packed_rows: bool = True,
     gdn_chunk: int = GDN_CHUNK,
+    async_reduce: bool = False,
+    flatten_gathers: bool = False,
+    ep_dispatch: str = "flat",
+    ep_overlap: bool = False,
 ) -> Budget:
     """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
     data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
@@ -675,8 +793,11 @@ def estimate(
         resharded=recompute == "none" and reshard_after_forward and not offload_activations,
         ep_balance=ep_balance, max_dup_experts=max_dup_experts, gdn_kernel=bool(gdn_kernel),
         kv_native=not packed_rows and cp == 1 and (hardware is None or act == 2), gdn_chunk=gdn_chunk,
+        async_reduce=async_reduce, ep_dispatch=ep_dispatch, ep_overlap=ep_overlap,
     )
-    ps = param_stats(placements, mesh, prefetch)
+    if ep_dispatch not in ("flat", "hierarchical"):
+        raise ConfigError(f"ep_dispatch must be 'flat' or 'hierarchical', got {ep_dispatch!r}")
+    ps = param_stats(placements, mesh, prefetch, flatten_gathers)
     kinds = layer_kinds(cfg)
     memory = _forward_backward_items(cfg, st, ps, kinds,
                                      _loss_workspace(cfg, st, loss_chunk_tokens, loss_chunk_budget_bytes))
@@ -684,6 +805,9 @@ def estimate(
                     gdn_chunk=gdn_chunk, aux_global=aux_global, causal_skip=True)
     hw = hardware
     peak = hw.peak(param_dtype) if hw else None
+    rate = peak * hw.achievable_fraction if hw else 0.0
+    fwd_flops = (fl.model - fl.head) / 3 + fl.head / 3  # forward ≈ a third of fwd + bwd; recompute runs in backward
+    moe_s = (fl.experts + _shared_expert_flops(cfg, rows_per_rank * st.seq)) / rate if hw else 0.0
     opt_bytes = ps.numel * (st.mst * 2 + st.red + 8 * 2)
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
     return Budget(
@@ -691,12 +815,19 @@ def estimate(
         seq_len=seq_len, rows_per_rank=rows_per_rank, micro_batches=micro_batches, recompute=recompute,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory=tuple(memory),
         optimizer_phase=tuple(_optimizer_items(st, ps.numel, grad_clip, impl)),
-        start_phase=tuple(_start_items(cfg, st, ps)), flops=fl, comm=tuple(_comm_terms(cfg, st, ps, kinds, hw)),
-        compute_s=fl.executed / (peak * hw.achievable_fraction) if hw else 0.0,
+        start_phase=tuple(_start_items(cfg, st, ps)), flops=fl,
+        comm=tuple(_comm_terms(cfg, st, ps, kinds, hw, moe_s)),
+        compute_s=fl.executed / rate if hw else 0.0, compute_fwd_s=fwd_flops / rate if hw else 0.0,
         optimizer_s=opt_bytes / hw.hbm_bandwidth if hw else 0.0,
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
         hbm_bytes=hw.hbm_bytes if hw else None,
     )
+
+
+def _shared_expert_flops(cfg: ModelConfig, tokens: int) -> float:
+    """Forward + backward FLOPs of the shared expert (gate, up, down and its sigmoid gate) over ``tokens``."""
+    d, f = cfg.hidden_size, cfg.shared_expert_intermediate_size
+    return 6.0 * tokens * (3 * d * f + d) * cfg.num_hidden_layers
 
 
 def _layer_key(path: str) -> str:
@@ -750,12 +881,13 @@ def format_budget(b: Budget) -> str:
     if b.comm:
         lines.append("communication per rank and step (bytes received; time on the link its group spans)")
         for t in b.comm:
-            lines.append(f"  {t.collective:<30} {t.mesh_dim:<5} {_fmt_bytes(t.bytes):>14}  {t.link:<5} "
-                         f"{_fmt_s(t.seconds) if b.hardware else '':>10}{'  (overlapped)' if t.overlapped else ''}")
+            lines.append(f"  {t.collective:<30} {t.mesh_dim:<9} {t.phase:<8} {_fmt_bytes(t.bytes):>14}  {t.link:<5} "
+                         f"{_fmt_s(t.seconds) if b.hardware else '':>10}{'  (async)' if t.overlapped else ''}")
     if b.hardware:
         lines.append(
             f"step time on {b.hardware}: {_fmt_s(b.step_s)} = compute {_fmt_s(b.compute_s)} + exposed comm "
-            f"{_fmt_s(b.comm_exposed_s)} + optimizer {_fmt_s(b.optimizer_s)}; bound by {b.bound}")
+            f"{_fmt_s(b.comm_exposed_s)} (of {_fmt_s(b.comm_exposed_s + b.comm_hidden_s)}; "
+            f"{_fmt_s(b.comm_hidden_s)} hidden) + optimizer {_fmt_s(b.optimizer_s)}; bound by {b.bound}")
         mfu = b.mfu
         lines.append(f"  {b.tokens_per_s:,.0f} tokens/s over {b.global_tokens:,} tokens per step; "
                      f"MFU {100 * mfu:.1f}%" if mfu is not None else "")

@@ -85,7 +85,7 @@ class LinkModel:
         return cls(hw.intra_node_bandwidth, hw.inter_node_bandwidth, getattr(hw, "intra_node_latency", 0.0),
                    getattr(hw, "inter_node_latency", 0.0))
 
-    def seconds(self, kind: str, intra_bytes: float, inter_bytes: float, ranks_per_node: int = 1) -> float:
+    def seconds(self, kind: str, intra_bytes: float | int, inter_bytes: float | int, ranks_per_node: int = 1) -> float:
         """Time of one collective of ``kind`` receiving these bytes per rank; ``ranks_per_node``: the group's ranks
         in each node (the NICs a ring collective drives)."""
         nics = max(1, ranks_per_node) if kind in RING else 1
@@ -155,9 +155,10 @@ class _Sim:
 
 
 @contextlib.contextmanager
-def simulate(model: LinkModel, topology: Topology):
+def simulate(model: LinkModel | None, topology: Topology):
     """Every collective of this module inside the context takes at least its ``model`` time on ``topology``'s links
-    (queued one after another per rank): gloo ranks on one host behave like a cluster with slow links."""
+    (queued one after another per rank): gloo ranks on one host behave like a cluster with slow links. ``model``
+    None: only the topology (the ledger classifies bytes by it; nothing is held)."""
     prev = (_Sim.model, _Sim.topology)
     _Sim.model, _Sim.topology, _Sim.free_at = model, topology, 0.0
     try:

@@ -30,6 +30,7 @@ MAX_CP = 16
 class Candidate:
     layout_dict: dict = attrs.field(eq=False)
     budget: Budget
+    ep_dispatch: str = "flat"
 
     @property
     def mesh(self) -> str:
@@ -40,9 +41,12 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layout(cfg: ModelConfig, fsdp: int, cp: int, ep: int, dp_replicate: int = 1) -> dict:
+def candidate_layout(cfg: ModelConfig, fsdp: int, cp: int, ep: int, dp_replicate: int = 1,
+                     order: tuple[str, ...] | None = None) -> dict:
     """The layout table for one factorisation: the shipped layout of that shape, resized (``dp_replicate`` > 1:
-    ``hsdp``, FSDP over ``fsdp`` consecutive ranks and replicated ``dp_replicate`` times; without cp and ep)."""
+    ``hsdp``, FSDP over ``fsdp`` consecutive ranks and replicated ``dp_replicate`` times; without cp and ep).
+    ``order``: the mesh dims major → minor (the last one is innermost: its groups are consecutive ranks, inside a
+    node when small enough); None: the template's order (fsdp, cp, ep)."""
     if dp_replicate > 1:
         if cp > 1 or ep > 1:
             raise ValueError("the search builds HSDP candidates without cp and ep")
@@ -59,9 +63,33 @@ def candidate_layout(cfg: ModelConfig, fsdp: int, cp: int, ep: int, dp_replicate
         mesh["ep"] = ep
     d = {"include": f"{tpl}.yaml", "name": f"{tpl}_f{fsdp}" + (f"_c{cp}" if cp > 1 else "") + (f"_e{ep}" if ep > 1
                                                                                               else ""), "mesh": mesh}
+    if order is not None and tuple(order) != tuple(mesh):
+        if sorted(order) != sorted(mesh):
+            raise ValueError(f"order {order} does not name the mesh dims {tuple(mesh)}")
+        # every mesh dim takes the FSDP role and every one but cp splits the batch, listed in mesh order
+        d["name"] += "_" + "".join(n[0] for n in order)
+        d["mesh"] = {n: mesh[n] for n in order}
+        d["fsdp"] = list(order)
+        d["activations"] = {"batch": [n for n in order if n != "cp"]}
     if cfg.vocab_size % (fsdp * cp * ep):
         d["uneven"] = ["embed", "lm_head"]
     return d
+
+
+def mesh_orders(fsdp: int, cp: int, ep: int) -> list[tuple[str, ...] | None]:
+    """The mesh orders the search tries for one factorisation: the template's, then every other order of the dims
+    larger than 1 (which dim is innermost decides which groups stay inside a node), size-1 dims first."""
+    import itertools
+
+    dims = [n for n, s in (("fsdp", fsdp), ("cp", cp), ("ep", ep)) if s > 1 or n == "fsdp"]
+    big = [n for n in dims if {"fsdp": fsdp, "cp": cp, "ep": ep}[n] > 1]
+    small = [n for n in dims if n not in big]
+    out: list[tuple[str, ...] | None] = [None]
+    for perm in itertools.permutations(big):
+        o = (*small, *perm)
+        if o != tuple(dims):
+            out.append(o)
+    return out
 
 
 def factorisations(cfg: ModelConfig, world: int, seq_len: int, global_batch: int) -> tuple[list[tuple], list[str]]:
@@ -95,6 +123,7 @@ def search(
     memory_cap: float | int | None = None,
     recompute_modes=RECOMPUTE_MODES,
     model_name: str | None = None,
+    ep_dispatches: tuple[str, ...] = ("flat",),
     **kw,
 ) -> tuple[list[Candidate], float]:
     """All fitting candidates, fastest first, and the memory cap used (bytes). Raises ConfigError (one line) when
@@ -112,22 +141,26 @@ def search(
     fits: list[Candidate] = []
     smallest: tuple[float, str] | None = None
     for fsdp, cp, ep, dpr in facts:
-        d = candidate_layout(cfg, fsdp, cp, ep, dpr)
-        try:
-            layout = Layout.from_dict(d, source=d["name"])
-            mesh = layout.resolve_mesh(world)
-            pl = layout.placements(abstract, mesh)
-        except LayoutError:
-            continue
-        rows = global_batch // (fsdp * ep * dpr)
-        for mb in _divisors(rows):
-            for rc in recompute_modes:
-                b = estimate(cfg, layout, world, seq_len=seq_len, rows_per_rank=rows, micro_batches=mb,
-                             recompute=rc, hardware=hardware, placements=pl, model_name=model_name, **kw)
-                if smallest is None or b.peak_bytes < smallest[0]:
-                    smallest = (b.peak_bytes, f"{d['name']} mb={mb} recompute={rc}")
-                if b.peak_bytes <= cap:
-                    fits.append(Candidate(d, b))
+        orders = mesh_orders(fsdp, cp, ep) if dpr == 1 else [None]
+        for order in orders:
+            d = candidate_layout(cfg, fsdp, cp, ep, dpr, order)
+            try:
+                layout = Layout.from_dict(d, source=d["name"])
+                mesh = layout.resolve_mesh(world)
+                pl = layout.placements(abstract, mesh)
+            except LayoutError:
+                continue
+            rows = global_batch // (fsdp * ep * dpr)
+            for disp in (ep_dispatches if ep > 1 else ("flat",)):
+                for mb in _divisors(rows):
+                    for rc in recompute_modes:
+                        b = estimate(cfg, layout, world, seq_len=seq_len, rows_per_rank=rows, micro_batches=mb,
+                                     recompute=rc, hardware=hardware, placements=pl, model_name=model_name,
+                                     ep_dispatch=disp, **kw)
+                        if smallest is None or b.peak_bytes < smallest[0]:
+                            smallest = (b.peak_bytes, f"{d['name']} mb={mb} recompute={rc}")
+                        if b.peak_bytes <= cap:
+                            fits.append(Candidate(d, b, disp))
     if not fits:
         need = f"{smallest[0] / GIB:,.1f} GiB ({smallest[1]})" if smallest else "n/a"
         raise ConfigError(f"no layout fits the memory cap of {cap / GIB:,.1f} GiB per device; the smallest needs "
