@@ -137,3 +137,25 @@ def test_plan_bytes_per_link_equal_the_ledger_of_a_real_step():
     assert a2a["inter"] == 0  # ep groups are one node each
     rows = led["all_to_all"]["intra"]  # the data exchanges and their small index / count exchanges
     assert abs(a2a["intra"] / rows - 1) < 0.3
+
+
+def _spans_fn(rank, world, layout, sizes):
+    from q38.parallel.layout import Layout
+    from q38.parallel.mesh import make_mesh
+
+    mesh = make_mesh(Layout.preset(layout).with_mesh(**sizes), world, topology=Topology(2))
+    return {n: mesh.spans([n]) for n in mesh.sizes}, mesh.describe_links()
+
+
+@pytest.mark.parametrize("layout,sizes", [("fsdp_ep", {"fsdp": 2, "ep": 2}), ("hsdp", {"dp_replicate": 2, "fsdp": 2}),
+                                          ("fsdp_ep_cp", {"fsdp": 1, "cp": 2, "ep": 2})])
+def test_the_runtime_and_the_plan_agree_on_which_groups_cross_nodes(layout, sizes):
+    from q38.parallel.budget import group_shape
+    from q38.parallel.layout import Layout
+
+    mesh = Layout.preset(layout).with_mesh(**sizes).resolve_mesh(4)
+    for spans, text in run_distributed(_spans_fn, 4, layout, sizes):
+        for n, (nodes, per_node) in spans.items():
+            assert group_shape(tuple(mesh.items()), (n,), 2) == (mesh[n], nodes, per_node), n
+        inner = list(mesh)[-1]  # the innermost dim of size 2 is one node's two ranks
+        assert f"{inner}=2 (inside a node)" in text

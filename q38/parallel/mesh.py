@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from q38.parallel.layout import Layout
+from q38.parallel.links import Topology, current_topology
 from q38.pytree import named_leaves
 from q38.batch import StepBatch
 
@@ -24,6 +25,24 @@ class Mesh:
     device_mesh: DeviceMesh
     layout: Layout
     sizes: dict
+    topology: Topology = attrs.field(factory=current_topology)  # which ranks share a node
+
+    def spans(self, names) -> tuple[int, int]:
+        """(nodes, ranks per node) of the groups over mesh dims ``names`` (every group has the shape of this
+        rank's: ranks are numbered row-major over the mesh)."""
+        coords = self.device_mesh.get_coordinate() or [0] * len(self.sizes)
+        mesh = self.device_mesh.mesh
+        idx = tuple(slice(None) if n in names else c for n, c in zip(self.sizes, coords))
+        return self.topology.group_shape(mesh[idx].flatten().tolist())
+
+    def describe_links(self) -> str:
+        """``fsdp=2 (across nodes) × ep=2 (inside a node)``: where each mesh dim's collectives travel."""
+        parts = []
+        for n, s in self.sizes.items():
+            if s > 1:
+                nodes, _ = self.spans([n])
+                parts.append(f"{n}={s} ({'inside a node' if nodes == 1 else f'across {nodes} nodes'})")
+        return " × ".join(parts) + f"; {self.topology.ranks_per_node} ranks per node"
 
     def group(self, name: str):
         return self.device_mesh.get_group(name)
@@ -35,13 +54,15 @@ class Mesh:
         return self.device_mesh.get_local_rank(name) if self.size(name) > 1 else 0
 
 
-def make_mesh(layout: Layout, world_size: int | None = None, device_type: str = "cpu") -> Mesh:
-    """``init_device_mesh`` over the layout's mesh dims (sizes resolved against ``world_size``)."""
+def make_mesh(layout: Layout, world_size: int | None = None, device_type: str = "cpu",
+              topology: Topology | None = None) -> Mesh:
+    """``init_device_mesh`` over the layout's mesh dims (sizes resolved against ``world_size``); ``topology``: the
+    ranks per node (default: the launcher's, ``links.launcher_topology``, or a simulation's)."""
     world_size = world_size if world_size is not None else dist.get_world_size()
     sizes = layout.resolve_mesh(world_size)
     names = tuple(sizes)
     dm = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
-    return Mesh(dm, layout, dict(sizes))
+    return Mesh(dm, layout, dict(sizes), topology or current_topology())
 
 
 def _placements(mesh: Mesh, params) -> dict:
@@ -68,7 +89,7 @@ def shard(tree, mesh: Mesh, layout: Layout | None = None):
     import torch.utils._pytree as pytree
 
     if layout is not None and layout != mesh.layout:
-        mesh = Mesh(mesh.device_mesh, layout, dict(layout.resolve_mesh(mesh.device_mesh.size())))
+        mesh = Mesh(mesh.device_mesh, layout, dict(layout.resolve_mesh(mesh.device_mesh.size())), mesh.topology)
         if tuple(mesh.sizes) != tuple(mesh.device_mesh.mesh_dim_names or ()):
             raise ValueError(
                 f"layout {layout.name!r} has mesh dims {tuple(mesh.sizes)} but the mesh was built with "

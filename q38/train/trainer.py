@@ -300,6 +300,8 @@ def _make_mesh(plan: RunPlan, world: WorldInfo, device: str):
     from q38.parallel.mesh import batch_row_rank, make_mesh
 
     mesh = make_mesh(plan.layout, world.world_size, device.split(":")[0])
+    if world.rank == 0:
+        print(f"q38 train: mesh {mesh.describe_links()}", file=sys.stderr)
     return mesh, batch_row_rank(mesh)[0]
 
 
