@@ -716,14 +716,18 @@ def _ep_terms(cfg: ModelConfig, st: _Step, kinds: list, add, shape, moe_compute_
         intra = flat_off * (per_node - 1) / max(ep - 1, 1) * row
     for phase, passes in (("forward", 1), ("backward", calls)):
         b_intra, b_inter = intra * passes, inter * passes
+        share = 0.0
         if st.ep_overlap and model is not None:
-            share = 0.5  # half of the slots' exchange is in flight while the other half's experts compute
+            # half of the slots' exchange is in flight while the other half's (and the shared) experts compute:
+            # hidden at most for as long as that compute lasts in this phase (a third of it in forward)
+            half = model.seconds("all_to_all", b_intra / 2, b_inter / 2)
+            # (moe_compute_s is forward + backward: a third forward; backward also reruns the forward on recompute)
+            moe_phase = moe_compute_s / 3 if phase == "forward" else moe_compute_s * (2 + calls - 1) / 3
+            share = 0.5 * min(1.0, moe_phase / half) if half else 0.0
             add("all-to-all tokens (overlapped)", "ep", (b_intra + b_inter) * share, overlapped=True, phase=phase,
                 kind="all_to_all", inter=b_inter * share)
-            add("all-to-all tokens", "ep", (b_intra + b_inter) * (1 - share), phase=phase, kind="all_to_all",
-                inter=b_inter * (1 - share))
-        else:
-            add("all-to-all tokens", "ep", b_intra + b_inter, phase=phase, kind="all_to_all", inter=b_inter)
+        add("all-to-all tokens", "ep", (b_intra + b_inter) * (1 - share), phase=phase, kind="all_to_all",
+            inter=b_inter * (1 - share))
 
 
 def estimate(
