@@ -90,19 +90,21 @@ class EPDispatch:
         first exchanges are in flight; None: zero)."""
         with record_function("q38.dispatch"):
             dest_nk, key_nk, w_gu, w_dn = self._route(idx_nk, p, cfg)
-            node_of, rail_of, nodes = self._nodes(idx_nk.device)
+            node_of, rail_of, nodes, me = self._nodes(idx_nk.device)
         hier = self.hierarchical and nodes > 1
         n = x_nd.shape[0]
         cuts = [0, n // 2, n] if self.overlap else [0, n]
         halves = []
         for a, b in zip(cuts, cuts[1:]):
-            args = (x_nd[a:b], w_nk[a:b], dest_nk[a:b], key_nk[a:b], node_of, nodes, w_gu, w_dn, experts)
+            args = (x_nd[a:b], w_nk[a:b], dest_nk[a:b], key_nk[a:b], node_of, nodes, w_gu, w_dn, experts, me)
             halves.append(self._hier(*args, rail_of) if hier else self._flat(*args))
         base, parts = _drive(halves, shared if shared is not None else lambda: x_nd.new_zeros(x_nd.shape))
         with record_function("q38.combine"):
-            for a, (token_u, partial_ud, received) in zip(cuts, parts):
-                base = base.index_add(0, token_u + a, partial_ud)
-            load = torch.tensor(sum(r for _, _, r in parts), device=x_nd.device)
+            # the canonical order: own-node slot outputs (by owner), then the remote nodes' partials in node order
+            for a, (adds, _) in zip(cuts, parts):
+                for token, rows in adds:
+                    base = base.index_add(0, token + a, rows)
+            load = torch.tensor(sum(r for _, r in parts), device=x_nd.device)
             links.all_reduce(load, self.group, op=dist.ReduceOp.MAX)
             self.loads.append(int(load))
         return base
@@ -120,10 +122,10 @@ class EPDispatch:
         key = local_idx * self.size + self.rank
         return dest.view_as(idx_nk), key.view_as(idx_nk), w_gu, w_dn
 
-    def _nodes(self, device) -> tuple[Tensor, Tensor, int]:
+    def _nodes(self, device) -> tuple[Tensor, Tensor, int, int]:
         """``node_of[r]``: the node index (0, 1, ... within the group) of EP rank r under
         ``links.current_topology()``; ``rail_of[b]``: the EP rank on node b with this rank's local index (hierarchical
-        only); the number of nodes the group spans."""
+        only); the number of nodes the group spans; this rank's node index."""
         topo = links.current_topology()
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.size))
         nodes = sorted({topo.node(r) for r in ranks})
@@ -140,64 +142,78 @@ class EPDispatch:
             local = node_of[: self.rank].count(node_of[self.rank])
             rail = [b * per[0] + local for b in range(len(nodes))]
         return (torch.tensor(node_of, dtype=torch.long, device=device),
-                torch.tensor(rail, dtype=torch.long, device=device), len(nodes))
+                torch.tensor(rail, dtype=torch.long, device=device), len(nodes), node_of[self.rank])
 
-    def _flat(self, x_nd, w_nk, dest_nk, key_nk, node_of, nodes, w_gu, w_dn, experts):
-        """One hop: every slot to its owner and back; the outputs summed per (token, node) unit at the source.
-        A generator: yields the works of each async exchange, returns ``(token_u, partial_ud, slots received)``."""
+    def _flat(self, x_nd, w_nk, dest_nk, key_nk, node_of, nodes, w_gu, w_dn, experts, me):
+        """One hop: every slot to its owner and back. A generator: yields the works of each async exchange, returns
+        the contributions to add, in order (``_contributions``), and the slots this rank's experts received."""
         n, k = dest_nk.shape
         token_m = torch.arange(n, device=x_nd.device).repeat_interleave(k)
         dest_m = dest_nk.reshape(-1)
-        units, unit_m = torch.unique(token_m * nodes + node_of[dest_m], sorted=True, return_inverse=True)
         order = torch.argsort(dest_m, stable=True)
+        token_s, node_s = token_m[order], node_of[dest_m][order]
+        remote_s = node_s != me
+        units, unit_r = torch.unique((token_s * nodes + node_s)[remote_s], sorted=True, return_inverse=True)
+        token_u = torch.div(units, nodes, rounding_mode="floor")  # remote (token, node) units, token-major
+        # rows gathered as the hierarchical path gathers them, so backward sums them alike: own-node slots straight
+        # from the token, remote ones through their unit (slot order within it)
+        rows = torch.cat([x_nd.index_select(0, token_s[~remote_s]),
+                          x_nd.index_select(0, token_u).index_select(0, unit_r)])
+        n_own = int((~remote_s).sum())
+        pos = torch.where(remote_s, n_own + torch.cumsum(remote_s, 0) - 1, torch.cumsum(~remote_s, 0) - 1)
         send_l, recv_l = _exchange_counts(torch.bincount(dest_m, minlength=self.size), self.group)
-        unit_sorted = unit_m[order]
         works: list = []
-        # the token rows gathered per unit, then per slot: backward sums per unit (slot order), then per token
-        x_send = x_nd.index_select(0, torch.div(units, nodes, rounding_mode="floor")).index_select(0, unit_sorted)
-        x_r, w_r, key_r = _send([x_send, w_nk.reshape(-1)[order], key_nk.reshape(-1)[order]], recv_l, send_l,
-                                self.group, works)
+        x_r, w_r, key_r = _send([rows.index_select(0, pos), w_nk.reshape(-1)[order], key_nk.reshape(-1)[order]],
+                                recv_l, send_l, self.group, works)
         yield works
-        y_back = yield from self._experts_round_trip(x_r, w_r, key_r, w_gu, w_dn, experts, send_l, recv_l)
-        partial = y_back.new_zeros(units.shape[0], y_back.shape[1]).index_add(0, unit_sorted, y_back)
-        return torch.div(units, nodes, rounding_mode="floor"), partial, sum(recv_l)
+        y_s = yield from self._experts_round_trip(x_r, w_r, key_r, w_gu, w_dn, experts, send_l, recv_l)
+        partial = y_s.new_zeros(units.shape[0], y_s.shape[1]).index_add(0, unit_r, y_s[remote_s])
+        return [(token_s[~remote_s], y_s[~remote_s]), (token_u, partial)], sum(recv_l)
 
-    def _hier(self, x_nd, w_nk, dest_nk, key_nk, node_of, nodes, w_gu, w_dn, experts, rail_of):
-        """Two hops: each (node, token) unit to the rail peer on that node (inter-node), fanned out there to the
-        owners (intra-node); outputs summed per unit on the rail peer, the unit sent back. A generator as
-        ``_flat``."""
+    def _hier(self, x_nd, w_nk, dest_nk, key_nk, node_of, nodes, w_gu, w_dn, experts, me, rail_of):
+        """Two hops for remote slots: each (node, token) unit to the rail peer on that node (inter-node), fanned
+        out there to the owners with that node's own slots (intra-node); outputs summed per unit on the rail peer,
+        the unit sent back. Own-node slots go straight to their owners. A generator as ``_flat``."""
         n, k = dest_nk.shape
+        dev = x_nd.device
         node_nk = node_of[dest_nk]
-        token_nk = torch.arange(n, device=x_nd.device)[:, None].expand(n, k)
-        units = torch.unique((node_nk * n + token_nk).reshape(-1), sorted=True)  # node-major: rail-peer order
+        token_nk = torch.arange(n, device=dev)[:, None].expand(n, k)
+        remote_nk = node_nk != me
+        units = torch.unique((node_nk * n + token_nk)[remote_nk], sorted=True)  # node-major: rail-peer order
         node_u, token_u = torch.div(units, n, rounding_mode="floor"), units % n
         on_uk = node_nk.index_select(0, token_u) == node_u[:, None]  # the unit's slots: its token's slots there
-        span = _KEY_SPAN  # a slot's code: dest · span + key; -1 for a slot on another node
-        code_uk = torch.where(on_uk, dest_nk.index_select(0, token_u) * span + key_nk.index_select(0, token_u), -1)
-        w_uk = torch.where(on_uk, w_nk.index_select(0, token_u), 0.0)
+        code_uk = torch.where(on_uk, dest_nk.index_select(0, token_u) * _KEY_SPAN + key_nk.index_select(0, token_u),
+                              -1)  # a slot's code: owner · span + key; -1 for a slot on another node
         send_l, recv_l = _exchange_counts(torch.bincount(rail_of[node_u], minlength=self.size), self.group)
         works: list = []
-        x_ru, w_ruk, code_ruk = _send([x_nd.index_select(0, token_u), w_uk, code_uk], recv_l, send_l,
-                                      self.group, works)
+        x_ru, w_ruk, code_ruk = _send([x_nd.index_select(0, token_u), w_nk.index_select(0, token_u).where(on_uk, 0.0),
+                                       code_uk], recv_l, send_l, self.group, works)
         yield works
-        # fan out inside the node: the received units' slots, in (unit, slot) order, sorted by owner
+        # fan out inside the node: this rank's own-node slots (by owner), then the received units' slots
+        own_m = torch.nonzero(~remote_nk.reshape(-1))[:, 0]
+        own_m = own_m[torch.argsort(dest_nk.reshape(-1)[own_m], stable=True)]
         valid = code_ruk >= 0
-        unit_s = torch.nonzero(valid)[:, 0]
         code_s = code_ruk[valid]
-        dest_s = torch.div(code_s, span, rounding_mode="floor")
+        n_own = own_m.shape[0]
+        row_s = torch.cat([torch.arange(n_own, device=dev), n_own + torch.nonzero(valid)[:, 0]])
+        dest_s = torch.cat([dest_nk.reshape(-1)[own_m], torch.div(code_s, _KEY_SPAN, rounding_mode="floor")])
         order = torch.argsort(dest_s, stable=True)
+        rows = torch.cat([x_nd.index_select(0, own_m // k), x_ru])
+        w_s = torch.cat([w_nk.reshape(-1)[own_m], w_ruk[valid]])
+        key_s = torch.cat([key_nk.reshape(-1)[own_m], code_s % _KEY_SPAN])
         send2_l, recv2_l = _exchange_counts(torch.bincount(dest_s, minlength=self.size), self.group)
-        unit_sorted = unit_s[order]
         works = []
-        x_r, w_r, key_r = _send([x_ru.index_select(0, unit_sorted), w_ruk[valid][order], (code_s % span)[order]],
-                                recv2_l, send2_l, self.group, works)
+        x_r, w_r, key_r = _send([rows.index_select(0, row_s[order]), w_s[order], key_s[order]], recv2_l, send2_l,
+                                self.group, works)
         yield works
-        y_back = yield from self._experts_round_trip(x_r, w_r, key_r, w_gu, w_dn, experts, send2_l, recv2_l)
-        partial_ru = y_back.new_zeros(x_ru.shape[0], y_back.shape[1]).index_add(0, unit_sorted, y_back)
+        y_s = yield from self._experts_round_trip(x_r, w_r, key_r, w_gu, w_dn, experts, send2_l, recv2_l)
+        row_o = row_s[order]
+        own_o = row_o < n_own
+        partial_ru = y_s.new_zeros(x_ru.shape[0], y_s.shape[1]).index_add(0, row_o[~own_o] - n_own, y_s[~own_o])
         works = []
         (partial_u,) = _send([partial_ru], send_l, recv_l, self.group, works)
         yield works
-        return token_u, partial_u, sum(recv2_l)
+        return [(own_m[row_o[own_o]] // k, y_s[own_o]), (token_u, partial_u)], sum(recv2_l)
 
     def _experts_round_trip(self, x_r, w_r, key_r, w_gu, w_dn, experts, send_l, recv_l):
         """The owner's experts over its received rows in key order (local expert, then source rank, then arrival),
