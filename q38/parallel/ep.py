@@ -64,9 +64,10 @@ class EPDispatch:
     EP rank there with the sender's local index (rail-aligned), which fans it out to the owning ranks of its node
     and sums their outputs before the unit crosses back once. Inside one node it is the flat path.
 
-    Both paths combine in one canonical order, so they agree bit for bit: a token's slot outputs are summed per
-    destination node (each node's slots in (owner rank, slot) order), then the node partials are added to the
-    shared expert's output in node order; each expert runs its rows in (source rank, slot) order.
+    Both paths combine in one canonical order, so they agree bit for bit: into the shared expert's output go a
+    token's own-node slot outputs (in (owner rank, slot) order), then each remote node's sum of its slots there
+    (summed in the same order) in node order; each expert runs its rows in (source rank, slot) order, and the rows'
+    gradients are summed back in the mirror order.
 
     ``overlap`` (``train.ep_overlap``): the tokens are split in two halves, each a chain of async all-to-alls; the
     shared expert runs while both halves' first exchange is in flight, and each half's experts run while the other
@@ -145,8 +146,9 @@ class EPDispatch:
                 torch.tensor(rail, dtype=torch.long, device=device), len(nodes), node_of[self.rank])
 
     def _flat(self, x_nd, w_nk, dest_nk, key_nk, node_of, nodes, w_gu, w_dn, experts, me):
-        """One hop: every slot to its owner and back. A generator: yields the works of each async exchange, returns
-        the contributions to add, in order (``_contributions``), and the slots this rank's experts received."""
+        """One hop: every slot to its owner and back. A generator: yields the works of each async exchange;
+        returns the ``(token index, rows)`` to add into the output, in order (own-node slots, then remote units'
+        sums), and the slots this rank's experts received."""
         n, k = dest_nk.shape
         token_m = torch.arange(n, device=x_nd.device).repeat_interleave(k)
         dest_m = dest_nk.reshape(-1)
