@@ -31,6 +31,7 @@ def _run(rank, world, hierarchical, overlap, balance):
     from q38.layers.moe import MoEParams
     from q38.parallel import links
     from q38.parallel.ep import EPDispatch
+    from tests.device_check import FactoryDeviceMode
 
     cfg = ModelConfig.preset("tiny").replace(num_experts=E, num_experts_per_tok=K)
     g = torch.Generator().manual_seed(0)
@@ -42,11 +43,13 @@ def _run(rank, world, hierarchical, overlap, balance):
     shared = torch.randn(N, D, generator=g)
     disp = EPDispatch(torch.distributed.group.WORLD, rank, world, balance=balance, max_dup=2,
                       hierarchical=hierarchical, overlap=overlap)
+    cot = torch.randn(N, D, generator=g)
     links.Ledger.reset()
-    y = disp(x, w, idx, MoEParams(None, gu, dn, None, None, None, None), cfg, shared=lambda: shared.clone())
-    sent = dict(links.Ledger.by_kind.get("all_to_all", {}))  # forward only: dispatch and combine
-    cot = torch.randn(y.shape, generator=g)
-    grads = torch.autograd.grad((y * cot).sum(), [x, w, gu, dn])
+    with FactoryDeviceMode() as mode:  # every tensor the dispatch makes names its device (DESIGN.md decision 10)
+        y = disp(x, w, idx, MoEParams(None, gu, dn, None, None, None, None), cfg, shared=lambda: shared.clone())
+        sent = dict(links.Ledger.by_kind.get("all_to_all", {}))  # forward only: dispatch and combine
+        grads = torch.autograd.grad((y * cot).sum(), [x, w, gu, dn])
+    assert mode.calls == [], mode.calls
     return {"y": y.detach(), "grads": [t.detach() for t in grads], "a2a": sent, "copies": disp.copies}
 
 
