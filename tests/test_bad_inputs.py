@@ -115,6 +115,8 @@ SET_CASES = [  # --set KEY=VALUE on a valid config: the line names KEY (typed co
     ("train.skip_gdn_recompute=true", "train.skip_gdn_recompute: true needs recompute: true"),
     ("train.nan_policy=ignore", "train.nan_policy must be one of stop, skip"),
     ("train.max_dup_experts_num=-1", "train.max_dup_experts_num must be >= 0"),
+    ("train.ep_dispatch=ring", "train.ep_dispatch must be one of flat, hierarchical, got 'ring'"),
+    ("train.ep_overlap=maybe", "train.ep_overlap must be true or false, got 'maybe'"),
     ("train.no_decay=abc", "train.no_decay must be a list of strings, got 'abc'"),
     ("train.no_decay=[1, 2]", "train.no_decay must be a list of strings"),
     ("train.offload_activations=x", "train.offload_activations must be true or false"),

@@ -153,17 +153,21 @@ def _dispatch_fn(rank, world, balance):
     gu_l = gu[rank * e_local : (rank + 1) * e_local].clone().requires_grad_()
     dn_l = dn[rank * e_local : (rank + 1) * e_local].clone().requires_grad_()
     gx = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(200, cfg.hidden_size, generator=gx, requires_grad=True)
-    hot = torch.rand(200, generator=gx) < 0.85  # 85% of slots go to experts 0 and 1, both on EP rank 0
-    expert = torch.where(hot, torch.randint(0, 2, (200,), generator=gx), torch.randint(0, 8, (200,), generator=gx))
-    gate_w = torch.rand(200, generator=gx, requires_grad=True)
+    x = torch.randn(100, cfg.hidden_size, generator=gx, requires_grad=True)  # 100 tokens, 2 slots each
+    hot = torch.rand(100, 2, generator=gx) < 0.85  # 85% of slots go to experts 0 and 1, both on EP rank 0
+    expert = torch.where(hot, torch.randint(0, 2, (100, 2), generator=gx),
+                         torch.randint(0, 8, (100, 2), generator=gx))
+    gate_w = torch.rand(100, 2, generator=gx, requires_grad=True)
     p = MoEParams(None, gu_l, dn_l, None, None, None, None)
     disp = EPDispatch(torch.distributed.group.WORLD, rank, world, balance=balance, max_dup=2)
     y = disp(x, gate_w, expert, p, cfg)
     w = torch.randn(y.shape, generator=gx)
     gxs = torch.autograd.grad((y * w).sum(), [x, gate_w, gu_l, dn_l])
-    # the dense reference on this rank's slots (all experts local)
-    ref = local_experts(x, gate_w, expert, MoEParams(None, gu, dn, None, None, None, None), cfg)
+    # the dense reference on this rank's slots (all experts local), summed per token
+    token_m = torch.arange(100).repeat_interleave(2)
+    ref_m = local_experts(x[token_m], gate_w.reshape(-1), expert.reshape(-1),
+                          MoEParams(None, gu, dn, None, None, None, None), cfg)
+    ref = torch.zeros_like(x).index_add(0, token_m, ref_m)
     return {"y": y.detach(), "ref": ref.detach(), "grads": [t.detach() for t in gxs], "loads": disp.loads}
 
 

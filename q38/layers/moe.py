@@ -96,8 +96,8 @@ def swiglu_batched(
     ``[e, capacity, d]`` and one padded bmm per projection."""
     e = counts_e.shape[0]
     m = x_md.shape[0]
-    if m == 0:
-        return x_md.new_zeros(0, x_md.shape[1])
+    if m == 0:  # empty, but connected to the inputs: an EP exchange that fed them still runs its backward
+        return x_md * w_m[:, None]
     cap = int(counts_e.max())
     starts = torch.cumsum(counts_e, 0) - counts_e
     expert_m = torch.repeat_interleave(torch.arange(e, device=x_md.device), counts_e, output_size=m)
@@ -166,13 +166,14 @@ class _GradContiguous(torch.autograd.Function):
         return g.contiguous()
 
 
-# How routed slots reach their experts: ``(x_md, w_m, expert_m, params, cfg, experts) -> y_md``, ``y`` already scaled
-# by the slot's gate weight ``w_m`` (applied to the activation, ``_WeightedSwiGLU``), ``experts`` the ``ExpertsFn``
-# that runs them. ``local_experts`` runs every expert here
-# (the reference for the contract; ``moe_apply`` without a dispatch fuses it with the token gather and scatter,
-# ``_local_routed``); expert parallelism (q38.parallel) sends the slots and their weights to the ranks that own their
-# experts and back.
-ExpertDispatch = Callable[[Tensor, Tensor, Tensor, MoEParams, ModelConfig, ExpertsFn], Tensor]
+# How routed slots reach their experts when they are spread over ranks: ``(x_nd, w_nk, idx_nk, params, cfg, experts,
+# shared) -> out_nd``, the shared expert's output (``shared()``, a thunk the dispatch may run while its exchanges are
+# in flight) plus every token's routed outputs, each scaled by its slot's gate weight (applied to the activation,
+# ``_WeightedSwiGLU``); ``experts`` the ``ExpertsFn`` that runs them. The dispatch chooses the order in which a
+# token's slot outputs are summed (q38.parallel.ep.EPDispatch: per destination node, then node by node).
+# ``local_experts`` is the per-slot reference: every expert on this device (``moe_apply`` without a dispatch fuses it
+# with the token gather and scatter, ``_local_routed``).
+ExpertDispatch = Callable[[Tensor, Tensor, Tensor, MoEParams, ModelConfig, ExpertsFn, Callable[[], Tensor]], Tensor]
 
 
 def _sorted_swiglu(
@@ -239,14 +240,10 @@ def moe_apply(
     x_nd = x.reshape(-1, d)
     logits_ne = F.linear(x_nd, p.w_router)
     w_nk, idx_nk = route(logits_ne, cfg.num_experts_per_tok, cfg.norm_topk_prob, router_bias)
-    k = idx_nk.shape[1]
     experts = kernels.fn("experts")
-    shared_nd = shared_expert(p, x_nd)
-    # the routed outputs are added into the shared expert's output (no zero-filled buffer and no separate sum)
     if dispatch is None:
-        out_nd = _local_routed(x_nd, w_nk, idx_nk, p, cfg, shared_nd, experts)
+        # the routed outputs are added into the shared expert's output (no zero-filled buffer and no separate sum)
+        out_nd = _local_routed(x_nd, w_nk, idx_nk, p, cfg, shared_expert(p, x_nd), experts)
     else:
-        token_m = torch.arange(x_nd.shape[0], device=x.device).repeat_interleave(k)
-        y_md = dispatch(x_nd[token_m], w_nk.reshape(-1), idx_nk.reshape(-1), p, cfg, experts)
-        out_nd = shared_nd.index_add(0, token_m, y_md)
+        out_nd = dispatch(x_nd, w_nk, idx_nk, p, cfg, experts, lambda: shared_expert(p, x_nd))
     return out_nd.reshape(b, s, d), logits_ne

@@ -166,20 +166,33 @@ class _AllGather(torch.autograd.Function):
 
 
 class _AllToAll(torch.autograd.Function):
-    """Uneven ``all_to_all_single`` whose backward is the reverse exchange."""
+    """Uneven ``all_to_all_single`` of each of ``xs`` (same splits), whose backward is the reverse exchange of their
+    gradients, synchronous and in ``xs`` order: one autograd node per exchange, so every rank runs the reverse
+    exchanges of a stage together and in the same order, whichever of its outputs' gradients arrived first. With
+    ``works`` (a list) the forward is issued async and its works appended: the outputs are valid once those works
+    have been waited for. Called as ``apply(out_splits, in_splits, group, works, *xs)``; returns a tuple."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
+    def forward(ctx, out_splits, in_splits, group, works, *xs):
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        links.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group)
-        return out
+        outs = []
+        for x in xs:
+            out = x.new_empty((sum(out_splits), *x.shape[1:]))
+            work = links.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group,
+                                           async_op=works is not None)
+            if works is not None:
+                works.append(work)
+            outs.append(out)
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, g):
-        out = g.new_empty((sum(ctx.in_splits), *g.shape[1:]))
-        links.all_to_all_single(out, g.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
-        return out, None, None, None
+    def backward(ctx, *gs):
+        grads = []
+        for g in gs:
+            out = g.new_empty((sum(ctx.in_splits), *g.shape[1:]))
+            links.all_to_all_single(out, g.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
+            grads.append(out)
+        return (None, None, None, None, *grads)
 
 
 def _chunk_sizes(n: int, k: int) -> list[int]:

@@ -3,11 +3,17 @@
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 from torch.profiler import record_function
 
 from q38.layers.moe import swiglu_batched
 from q38.parallel import links
+from q38.errors import ConfigError
 from q38.parallel.collectives import _AllGather, _AllToAll
+
+# A slot's sort key (local expert · ep + source rank) is below this on every rank (the same on all ranks, also with
+# EP-balance copies): the hierarchical dispatch packs (owner, key) into one int64 code.
+_KEY_SPAN = 1 << 32
 
 # ---- EP dispatch -----------------------------------------------------------------------------------------------
 
@@ -48,53 +54,181 @@ def plan_ep_balance(load_e: list[float], ep: int, e_local: int, max_dup: int) ->
 
 
 class EPDispatch:
-    """Send each routed slot to the rank owning its expert (uneven all-to-all), run its local experts through
-    ``experts`` (the ``kernels.experts`` callable ``moe_apply`` passes; default ``swiglu_batched``), send back.
+    """Expert parallelism for one MoE layer (the ``q38.layers.moe.ExpertDispatch`` contract): each routed slot
+    travels to the rank owning its expert, runs there through ``experts`` (the ``kernels.experts`` callable
+    ``moe_apply`` passes; default ``swiglu_batched``), and its output travels back and is added, with the shared
+    expert's output, into its token's row. docs/parallel.md#expert-parallelism has the byte arithmetic.
+
+    ``hierarchical`` (``train.ep_dispatch: hierarchical``): when the EP group spans nodes, a token crosses to each
+    remote node once (a *unit*: its row, plus the expert codes and gate weights of its slots on that node), to the
+    EP rank there with the sender's local index (rail-aligned), which fans it out to the owning ranks of its node
+    and sums their outputs before the unit crosses back once. Inside one node it is the flat path.
+
+    Both paths combine in one canonical order, so they agree bit for bit: into the shared expert's output go a
+    token's own-node slot outputs (in (owner rank, slot) order), then each remote node's sum of its slots there
+    (summed in the same order) in node order; each expert runs its rows in (source rank, slot) order, and the rows'
+    gradients are summed back in the mirror order.
+
+    ``overlap`` (``train.ep_overlap``): the tokens are split in two halves, each a chain of async all-to-alls; the
+    shared expert runs while both halves' first exchange is in flight, and each half's experts run while the other
+    half's exchange is in flight. Backward exchanges are synchronous.
 
     With ``balance`` (EP balance), hot experts are copied into up to ``max_dup`` spare slots per rank from the
     layer's global load; the copies' weights come through an autograd all-gather, so their gradients are summed
     back into the originals by its reduce-scatter. Only where the work runs changes, not the math.
     """
 
-    def __init__(self, group, rank: int, size: int, balance: bool = False, max_dup: int = 2):
+    def __init__(self, group, rank: int, size: int, balance: bool = False, max_dup: int = 2,
+                 hierarchical: bool = False, overlap: bool = False):
         self.group, self.rank, self.size = group, rank, size
         self.balance, self.max_dup = balance, max_dup
+        self.hierarchical, self.overlap = hierarchical, overlap
         self.loads: list[int] = []  # max per-rank received slots, one entry per call (for reports and tests)
         self.copies: list[int] = []  # with balance: expert copies the plan made, one entry per call
 
-    def __call__(self, x_md, w_m, expert_m, p, cfg, experts=swiglu_batched):
+    def __call__(self, x_nd, w_nk, idx_nk, p, cfg, experts=swiglu_batched, shared=None):
+        """``shared() + Σ routed`` of every token (``shared``: the shared expert's output, computed while the
+        first exchanges are in flight; None: zero)."""
         with record_function("q38.dispatch"):
-            x_recv, w_recv, e_recv, order, send_l, recv_l, w_gu, w_dn = self._dispatch(x_md, w_m, expert_m, p, cfg)
-        with record_function("q38.experts"):
-            o = torch.argsort(e_recv, stable=True)
-            counts = torch.bincount(e_recv, minlength=w_gu.shape[0])
-            y = experts(x_recv[o], counts, w_gu, w_dn, w_recv[o])
+            dest_nk, key_nk, w_gu, w_dn = self._route(idx_nk, p, cfg)
+            node_of, rail_of, nodes, me = self._nodes(idx_nk.device)
+        hier = self.hierarchical and nodes > 1
+        n = x_nd.shape[0]
+        cuts = [0, n // 2, n] if self.overlap else [0, n]
+        halves = []
+        for a, b in zip(cuts, cuts[1:]):
+            args = (x_nd[a:b], w_nk[a:b], dest_nk[a:b], key_nk[a:b], node_of, nodes, w_gu, w_dn, experts, me)
+            halves.append(self._hier(*args, rail_of) if hier else self._flat(*args))
+        base, parts = _drive(halves, shared if shared is not None else lambda: x_nd.new_zeros(x_nd.shape))
         with record_function("q38.combine"):
-            y_recv = torch.empty_like(y).index_copy(0, o, y)
-            y_sorted = _AllToAll.apply(y_recv, send_l, recv_l, self.group)
-            return torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+            # the canonical order: own-node slot outputs (by owner), then the remote nodes' partials in node order
+            for a, (adds, _) in zip(cuts, parts):
+                for token, rows in adds:
+                    base = base.index_add(0, token + a, rows)
+            load = torch.tensor(sum(r for _, r in parts), device=x_nd.device)
+            links.all_reduce(load, self.group, op=dist.ReduceOp.MAX)
+            self.loads.append(int(load))
+        return base
 
-    def _dispatch(self, x_md, w_m, expert_m, p, cfg):
-        """Each slot (and its gate weight and local expert index) sent to the rank that owns its expert."""
+    def _route(self, idx_nk, p, cfg):
+        """Per slot: the EP rank that runs it (``dest``), and its sort key on that rank, ``local expert · ep +
+        source rank`` (which also orders the expert's rows canonically); the expert weights with any copies."""
         e_local = p.we_gate_up.shape[0]
         w_gu, w_dn = p.we_gate_up, p.we_down
+        expert_m = idx_nk.reshape(-1)
         dest = torch.div(expert_m, e_local, rounding_mode="floor")
         local_idx = expert_m - dest * e_local
         if self.balance:
             dest, local_idx, w_gu, w_dn = self._balance(expert_m, dest, local_idx, w_gu, w_dn, cfg.num_experts)
-        order = torch.argsort(dest, stable=True)
-        send = torch.bincount(dest, minlength=self.size)
-        recv = torch.empty_like(send)
-        links.all_to_all_single(recv, send, group=self.group)
-        send_l, recv_l = send.tolist(), recv.tolist()
-        load = torch.tensor(sum(recv_l), device=x_md.device)
-        links.all_reduce(load, self.group, op=dist.ReduceOp.MAX)
-        self.loads.append(int(load))
-        x_recv = _AllToAll.apply(x_md[order], recv_l, send_l, self.group)
-        w_recv = _AllToAll.apply(w_m[order], recv_l, send_l, self.group)  # gate weights travel with their slots
-        e_recv = torch.empty(sum(recv_l), dtype=expert_m.dtype, device=expert_m.device)
-        links.all_to_all_single(e_recv, local_idx[order].contiguous(), recv_l, send_l, self.group)
-        return x_recv, w_recv, e_recv, order, send_l, recv_l, w_gu, w_dn
+        key = local_idx * self.size + self.rank
+        return dest.view_as(idx_nk), key.view_as(idx_nk), w_gu, w_dn
+
+    def _nodes(self, device) -> tuple[Tensor, Tensor, int, int]:
+        """``node_of[r]``: the node index (0, 1, ... within the group) of EP rank r under
+        ``links.current_topology()``; ``rail_of[b]``: the EP rank on node b with this rank's local index (hierarchical
+        only); the number of nodes the group spans; this rank's node index."""
+        topo = links.current_topology()
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.size))
+        nodes = sorted({topo.node(r) for r in ranks})
+        node_of = [nodes.index(topo.node(r)) for r in ranks]
+        per = [node_of.count(b) for b in range(len(nodes))]
+        rail = []
+        if self.hierarchical and len(nodes) > 1:
+            if len(set(per)) != 1 or node_of != sorted(node_of):
+                raise ConfigError(
+                    f"train.ep_dispatch: hierarchical needs the EP group node-major with the same number of ranks "
+                    f"on every node; its ranks {ranks} lie on nodes {[topo.node(r) for r in ranks]}. Use "
+                    f"ep_dispatch: flat"
+                )
+            local = node_of[: self.rank].count(node_of[self.rank])
+            rail = [b * per[0] + local for b in range(len(nodes))]
+        return (torch.tensor(node_of, dtype=torch.long, device=device),
+                torch.tensor(rail, dtype=torch.long, device=device), len(nodes), node_of[self.rank])
+
+    def _flat(self, x_nd, w_nk, dest_nk, key_nk, node_of, nodes, w_gu, w_dn, experts, me):
+        """One hop: every slot to its owner and back. A generator: yields the works of each async exchange;
+        returns the ``(token index, rows)`` to add into the output, in order (own-node slots, then remote units'
+        sums), and the slots this rank's experts received."""
+        n, k = dest_nk.shape
+        token_m = torch.arange(n, device=x_nd.device).repeat_interleave(k)
+        dest_m = dest_nk.reshape(-1)
+        order = torch.argsort(dest_m, stable=True)
+        token_s, node_s = token_m[order], node_of[dest_m][order]
+        remote_s = node_s != me
+        units, unit_r = torch.unique((token_s * nodes + node_s)[remote_s], sorted=True, return_inverse=True)
+        token_u = torch.div(units, nodes, rounding_mode="floor")  # remote (token, node) units, token-major
+        # rows gathered as the hierarchical path gathers them, so backward sums them alike: own-node slots straight
+        # from the token, remote ones through their unit (slot order within it)
+        rows = torch.cat([x_nd.index_select(0, token_s[~remote_s]),
+                          x_nd.index_select(0, token_u).index_select(0, unit_r)])
+        n_own = int((~remote_s).sum())
+        pos = torch.where(remote_s, n_own + torch.cumsum(remote_s, 0) - 1, torch.cumsum(~remote_s, 0) - 1)
+        send_l, recv_l = _exchange_counts(torch.bincount(dest_m, minlength=self.size), self.group)
+        works: list = []
+        x_r, w_r, key_r = _send([rows.index_select(0, pos), w_nk.reshape(-1)[order], key_nk.reshape(-1)[order]],
+                                recv_l, send_l, self.group, works)
+        yield works
+        y_s = yield from self._experts_round_trip(x_r, w_r, key_r, w_gu, w_dn, experts, send_l, recv_l)
+        partial = y_s.new_zeros(units.shape[0], y_s.shape[1]).index_add(0, unit_r, y_s[remote_s])
+        return [(token_s[~remote_s], y_s[~remote_s]), (token_u, partial)], sum(recv_l)
+
+    def _hier(self, x_nd, w_nk, dest_nk, key_nk, node_of, nodes, w_gu, w_dn, experts, me, rail_of):
+        """Two hops for remote slots: each (node, token) unit to the rail peer on that node (inter-node), fanned
+        out there to the owners with that node's own slots (intra-node); outputs summed per unit on the rail peer,
+        the unit sent back. Own-node slots go straight to their owners. A generator as ``_flat``."""
+        n, k = dest_nk.shape
+        dev = x_nd.device
+        node_nk = node_of[dest_nk]
+        token_nk = torch.arange(n, device=dev)[:, None].expand(n, k)
+        remote_nk = node_nk != me
+        units = torch.unique((node_nk * n + token_nk)[remote_nk], sorted=True)  # node-major: rail-peer order
+        node_u, token_u = torch.div(units, n, rounding_mode="floor"), units % n
+        on_uk = node_nk.index_select(0, token_u) == node_u[:, None]  # the unit's slots: its token's slots there
+        code_uk = torch.where(on_uk, dest_nk.index_select(0, token_u) * _KEY_SPAN + key_nk.index_select(0, token_u),
+                              -1)  # a slot's code: owner · span + key; -1 for a slot on another node
+        send_l, recv_l = _exchange_counts(torch.bincount(rail_of[node_u], minlength=self.size), self.group)
+        works: list = []
+        x_ru, w_ruk, code_ruk = _send([x_nd.index_select(0, token_u), w_nk.index_select(0, token_u).where(on_uk, 0.0),
+                                       code_uk], recv_l, send_l, self.group, works)
+        yield works
+        # fan out inside the node: this rank's own-node slots (by owner), then the received units' slots
+        own_m = torch.nonzero(~remote_nk.reshape(-1))[:, 0]
+        own_m = own_m[torch.argsort(dest_nk.reshape(-1)[own_m], stable=True)]
+        valid = code_ruk >= 0
+        code_s = code_ruk[valid]
+        n_own = own_m.shape[0]
+        row_s = torch.cat([torch.arange(n_own, device=dev), n_own + torch.nonzero(valid)[:, 0]])
+        dest_s = torch.cat([dest_nk.reshape(-1)[own_m], torch.div(code_s, _KEY_SPAN, rounding_mode="floor")])
+        order = torch.argsort(dest_s, stable=True)
+        rows = torch.cat([x_nd.index_select(0, own_m // k), x_ru])
+        w_s = torch.cat([w_nk.reshape(-1)[own_m], w_ruk[valid]])
+        key_s = torch.cat([key_nk.reshape(-1)[own_m], code_s % _KEY_SPAN])
+        send2_l, recv2_l = _exchange_counts(torch.bincount(dest_s, minlength=self.size), self.group)
+        works = []
+        x_r, w_r, key_r = _send([rows.index_select(0, row_s[order]), w_s[order], key_s[order]], recv2_l, send2_l,
+                                self.group, works)
+        yield works
+        y_s = yield from self._experts_round_trip(x_r, w_r, key_r, w_gu, w_dn, experts, send2_l, recv2_l)
+        row_o = row_s[order]
+        own_o = row_o < n_own
+        partial_ru = y_s.new_zeros(x_ru.shape[0], y_s.shape[1]).index_add(0, row_o[~own_o] - n_own, y_s[~own_o])
+        works = []
+        (partial_u,) = _send([partial_ru], send_l, recv_l, self.group, works)
+        yield works
+        return [(own_m[row_o[own_o]] // k, y_s[own_o]), (token_u, partial_u)], sum(recv2_l)
+
+    def _experts_round_trip(self, x_r, w_r, key_r, w_gu, w_dn, experts, send_l, recv_l):
+        """The owner's experts over its received rows in key order (local expert, then source rank, then arrival),
+        the outputs sent back to where the rows came from (in their order). A generator step of a half."""
+        with record_function("q38.experts"):
+            o = torch.argsort(key_r, stable=True)
+            counts = torch.bincount(torch.div(key_r, self.size, rounding_mode="floor"), minlength=w_gu.shape[0])
+            y = experts(x_r[o], counts, w_gu, w_dn, w_r[o])
+            y_r = torch.empty_like(y).index_copy(0, o, y)
+        works: list = []
+        (y_back,) = _send([y_r], send_l, recv_l, self.group, works)
+        yield works
+        return y_back
 
     def _balance(self, expert_m, dest, local_idx, w_gu, w_dn, num_experts):
         e_local = w_gu.shape[0]
@@ -146,3 +280,48 @@ class EPDispatch:
         return dest, local_idx, w_gu, w_dn
 
 
+
+
+def _exchange_counts(send: Tensor, group) -> tuple[list[int], list[int]]:
+    """Rows this rank sends to / receives from each peer (one all-to-all of the counts)."""
+    recv = torch.empty_like(send)
+    links.all_to_all_single(recv, send, group=group)
+    return send.tolist(), recv.tolist()
+
+
+def _send(tensors: list[Tensor], recv_l: list[int], send_l: list[int], group, works: list) -> list[Tensor]:
+    """Start the uneven all-to-all of each tensor (rows in peer order); their works go to ``works``. The float
+    tensors go through one differentiable ``_AllToAll`` (backward: their reverse exchanges, together), integer ones
+    plain. The results are valid once every work has been waited for."""
+    floats = [t for t in tensors if t.is_floating_point()]
+    moved = iter(_AllToAll.apply(recv_l, send_l, group, works, *floats) if floats else ())
+    out = []
+    for t in tensors:
+        if t.is_floating_point():
+            out.append(next(moved))
+        else:
+            buf = t.new_empty((sum(recv_l), *t.shape[1:]))
+            works.append(links.all_to_all_single(buf, t.contiguous(), recv_l, send_l, group, async_op=True))
+            out.append(buf)
+    return out
+
+
+def _drive(halves: list, shared):
+    """Run the halves' exchange chains interleaved: each half issues its first exchange, then ``shared()`` runs
+    while they are in flight; then, in turn, each half waits for its pending exchange and computes up to its next
+    one (so one half computes while the other's exchange is in flight). Returns ``(shared(), [each half's
+    result])``; with one half this is the serial schedule."""
+    pending = [next(h) for h in halves]
+    base = shared()
+    results: list = [None] * len(halves)
+    live = list(range(len(halves)))
+    while live:
+        for i in list(live):
+            for w in pending[i]:
+                w.wait()
+            try:
+                pending[i] = halves[i].send(None)
+            except StopIteration as done:
+                results[i] = done.value
+                live.remove(i)
+    return base, results

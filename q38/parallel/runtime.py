@@ -46,7 +46,8 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
     is_local = False
 
     def __init__(self, mesh: Mesh, ep_balance: bool = False, max_dup_experts: int = 2, prefetch: bool | None = None,
-                 *, param_dtype=torch.float32, reduce_dtype=torch.float32, reshard_after_forward: bool = True):
+                 *, param_dtype=torch.float32, reduce_dtype=torch.float32, reshard_after_forward: bool = True,
+                 ep_dispatch: str = "flat", ep_overlap: bool = True):
         self.mesh = mesh
         # Prefetch the next layer's FSDP gathers on accelerators (overlap); on CPU only when asked (tests).
         self.prefetch_enabled = mesh.device_mesh.device_type != "cpu" if prefetch is None else prefetch
@@ -58,7 +59,8 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         self.dims = [(i, n, mesh.sizes[n]) for i, n in enumerate(names)]
         ep_size = mesh.size("ep")
         self.dispatch = (
-            EPDispatch(mesh.group("ep"), mesh.local_rank("ep"), ep_size, ep_balance, max_dup_experts)
+            EPDispatch(mesh.group("ep"), mesh.local_rank("ep"), ep_size, ep_balance, max_dup_experts,
+                       hierarchical=ep_dispatch == "hierarchical", overlap=ep_overlap)
             if ep_size > 1 else None
         )
         cp = mesh.size("cp")
@@ -239,11 +241,12 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
 
 
 def mesh_runtime(mesh: Mesh, train_config=None) -> MeshRuntime:
-    """The runtime of one step on ``mesh``; EP balance, FSDP prefetch and the mixed-precision policy come from the
-    train config (None: the defaults, fp32 throughout)."""
+    """The runtime of one step on ``mesh``; EP balance, dispatch and overlap, FSDP prefetch and the mixed-precision
+    policy come from the train config (None: the defaults, fp32 throughout)."""
     if train_config is None:
         return MeshRuntime(mesh)
     tc = train_config
     return MeshRuntime(mesh, tc.enable_ep_balance, tc.max_dup_experts_num, getattr(tc, "fsdp_prefetch", None),
                         param_dtype=tc.torch_param_dtype, reduce_dtype=tc.torch_reduce_dtype,
-                        reshard_after_forward=tc.reshard_after_forward)
+                        reshard_after_forward=tc.reshard_after_forward, ep_dispatch=tc.ep_dispatch,
+                        ep_overlap=tc.ep_overlap)

@@ -15,6 +15,7 @@ AUX_SCOPES = ("micro_batch", "global_batch")
 AUX_TYPES = ("pooled", "per_layer", "sequence")
 AUX_TOKENS = ("real", "labelled")
 NAN_POLICIES = ("stop", "skip")
+EP_DISPATCHES = ("flat", "hierarchical")
 # mixed precision (docs/parallel.md#mixed-precision): master weights and AdamW moments are always fp32
 PRECISION_DTYPES = ("float32", "bfloat16")
 DEFAULT_NO_DECAY = (
@@ -73,6 +74,11 @@ class TrainConfig:
     # expert-parallel balance (needs an `ep` mesh dim > 1)
     enable_ep_balance: bool = False
     max_dup_experts_num: int = attrs.field(default=2, validator=ge(0))
+    # EP token dispatch (docs/parallel.md#expert-parallelism): flat (every slot to its owner) or hierarchical (a
+    # token crosses to each remote node once); the same bits either way. Inside one node hierarchical is flat.
+    ep_dispatch: str = attrs.field(default="flat", validator=one_of(*EP_DISPATCHES))
+    # the EP all-to-alls of one half of the tokens in flight while the other half's (and the shared) experts run
+    ep_overlap: bool = attrs.field(default=True, validator=boolean)
     # failure handling
     nan_policy: str = attrs.field(default="stop", validator=one_of(*NAN_POLICIES))
     # mixed precision: fp32 master weights and moments; `param_dtype` for compute and FSDP gathers (each rank casts
