@@ -92,17 +92,18 @@ def _rank_fn(rank, world, fsdp, ep, recompute, param_dtype="float32", reduce_dty
     off_rank = collections.Counter()
     orig_call = rt.EPDispatch.__call__
 
-    def counting_call(self, x_md, w_m, expert_m, p, cfg_, *rest):
+    def counting_call(self, x_nd, w_nk, idx_nk, p, cfg_, *rest, **kw):
         # Off-rank slots this rank sends (S) and receives (R), from the same plan the dispatcher makes.
+        expert_m = idx_nk.reshape(-1)
         e_local = p.we_gate_up.shape[0]
         send = torch.bincount(torch.div(expert_m, e_local, rounding_mode="floor"), minlength=self.size)
         recv = torch.empty_like(send)
         orig["all_to_all_single"](recv, send, group=self.group)
         s_out = int(send.sum() - send[self.rank])
         r_in = int(recv.sum() - recv[self.rank])
-        row = x_md.shape[1] * x_md.element_size()
-        off_rank["fwd"] += r_in * (row + w_m.element_size()) + s_out * row  # dispatch gets R rows + weights, combine S
-        return orig_call(self, x_md, w_m, expert_m, p, cfg_, *rest)
+        row = x_nd.shape[1] * x_nd.element_size()
+        off_rank["fwd"] += r_in * (row + w_nk.element_size()) + s_out * row  # dispatch gets R rows + weights, combine S
+        return orig_call(self, x_nd, w_nk, idx_nk, p, cfg_, *rest, **kw)
 
     rt.EPDispatch.__call__ = counting_call
     train_step(state, batch, mesh)

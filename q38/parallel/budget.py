@@ -21,11 +21,16 @@ Activation formulas exist for two implementations: the pure-torch reference (``g
 SDPA on CPU; checked against a live-storage measurement in tests/test_plan_budget.py) and the accelerator kernels
 (``fla`` GDN, flash SDPA), written from the tensors those kernels save (not yet measured: benchmarks/gpu.sh).
 
-**Time**: compute = executed FLOPs / (peak × achievable fraction); each collective's bytes over the link its group
-spans (NVLink/HCCS inside a node, the NIC across nodes). Overlap is what the runtime does: a forward all-gather is
-prefetched (hidden behind the previous layer's compute) only for a parameter gathered over exactly one mesh dim
-(``MeshRuntime.prefetch``); every other gather, every reduce-scatter, all-reduce, EP all-to-all and CP exchange
-runs synchronously on the compute stream. The optimizer step is bound by memory bandwidth.
+**Time**: compute = executed FLOPs / (peak × achievable fraction), a third of it in forward. Each collective is
+priced by ``q38.parallel.links.LinkModel`` on the group it really spans (``group_shape``: ranks are numbered
+row-major over the mesh and consecutive ranks share a node, so the layout's mesh order decides which groups stay
+inside a node), the price the simulated cluster (benchmarks/cluster_sim.py) holds the real collectives to. Overlap
+is what the runtime does, switched by the same settings: prefetched forward gathers (``prefetch``, every parameter
+gathered by one collective; ``flatten_gathers``: several mesh dims sharding one tensor dim evenly are one
+collective), gradient reductions issued async in backward (``async_reduce``) and the EP exchange of one half of
+the slots in flight during the other half's experts (``ep_overlap``, hidden at most behind the MoE compute) hide
+behind the compute of their phase; every other collective is synchronous. Each phase takes ``sync + max(compute,
+async)``. The optimizer step is bound by memory bandwidth.
 """
 
 import functools
@@ -644,7 +649,10 @@ def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Ha
     model = LinkModel.from_hardware(hw) if hw else None
 
     def shape(dims: tuple) -> tuple[int, int, int]:
-        return group_shape(items, dims, hw.devices_per_node) if hw else (math.prod(mesh[d] for d in dims), 1, 1)
+        if hw:
+            return group_shape(items, dims, hw.devices_per_node)
+        n = math.prod(mesh[d] for d in dims)
+        return n, 1, n  # no hardware: one node
 
     def add(coll: str, dims, nbytes: float | int, overlapped: bool = False, phase: str = "forward",
             kind: str = "all_gather", inter: float | None = None) -> None:
@@ -695,38 +703,53 @@ def distinct_nodes(experts: int, top_k: int, nodes: int) -> float:
     return nodes * (1.0 - miss)
 
 
-def _ep_terms(cfg: ModelConfig, st: _Step, kinds: list, add, shape, moe_compute_s: float, model) -> None:
-    """The EP all-to-all of every MoE layer, uniform routing: dispatch (the row and its gate weight) and combine
-    (the row), and their reverse in backward; with recompute the forward exchange runs again in backward.
-    ``hierarchical``: a token crosses to each remote node holding any of its experts once, then fans out inside
-    the node (and its outputs are summed there before they cross back)."""
+def ep_exchange_bytes(cfg: ModelConfig, act: int, ep: int, nodes: int, per_node: int,
+                      hierarchical: bool) -> tuple[float, float, float, float]:
+    """Bytes one token's routed slots make a rank receive in one MoE layer's forward exchange (dispatch and
+    combine), uniform routing: ``(intra float, intra int, inter float, inter int)``, as q38.parallel.ep sends them.
+    Flat: each slot off the rank carries its row, gate weight and int64 expert key out, its output row back.
+    Hierarchical (several nodes): the slots of a token on one remote node are one unit that crosses once (the row,
+    then ``k`` keys and weights) to the rank of the same local index there, which fans its slots out to their
+    owners inside the node and sends the unit's summed output back once; own-node slots go straight to their
+    owners."""
     d, k = cfg.hidden_size, cfg.num_experts_per_tok
+    row, meta = d * act, act + 8
+    remote = k * (nodes - 1) / nodes  # slots on other nodes
+    own = k * (per_node - 1) / ep  # slots on other ranks of this node
+    if hierarchical and nodes > 1:
+        units = distinct_nodes(cfg.num_experts, k, nodes) * (nodes - 1) / nodes  # remote nodes the token reaches
+        relayed = remote * (per_node - 1) / per_node  # relayed slots whose owner is not the landing rank
+        intra = relayed + own
+        return intra * (2 * row + act), intra * 8, units * (2 * row + k * act), units * k * 8
+    return own * (row + meta - 8 + row), own * 8, remote * (row + meta - 8 + row), remote * 8
+
+
+def _ep_terms(cfg: ModelConfig, st: _Step, kinds: list, add, shape, moe_compute_s: float, model) -> None:
+    """The EP exchanges of every MoE layer (``ep_exchange_bytes`` per token): the forward, its rerun when the layer
+    is recomputed, and the reverse exchange of the float parts in backward. With ``ep_overlap`` the forward
+    exchanges (and their rerun) of one half of the tokens are in flight while the other half's experts and the
+    shared expert compute; the backward exchanges are synchronous."""
     n_tok = st.n_mb * len(kinds) * st.micro_batches  # tokens through MoE layers per pass
-    calls = 2 if st.recompute != "none" else 1
     ep, nodes, per_node = shape(("ep",))
-    row = (2 * d + 1) * st.act  # dispatch d + its gate weight, combine d
-    flat_off = n_tok * k * (ep - 1) / ep  # slots leaving the rank
-    if st.ep_dispatch == "hierarchical" and nodes > 1:
-        remote_nodes = distinct_nodes(cfg.num_experts, k, nodes) * (nodes - 1) / nodes
-        inter = n_tok * remote_nodes * row
-        # inside the destination node each slot goes to its owner: all but the share landing on the owner itself
-        intra = n_tok * k * (per_node - 1) / per_node * row
-    else:
-        inter = flat_off * (ep - per_node) / max(ep - 1, 1) * row
-        intra = flat_off * (per_node - 1) / max(ep - 1, 1) * row
-    for phase, passes in (("forward", 1), ("backward", calls)):
-        b_intra, b_inter = intra * passes, inter * passes
+    f_in, i_in, f_out, i_out = ep_exchange_bytes(cfg, st.act, ep, nodes, per_node,
+                                                 st.ep_dispatch == "hierarchical")
+    fwd = (n_tok * (f_in + i_in), n_tok * (f_out + i_out))  # (intra, inter) bytes of one forward pass
+    rev = (n_tok * f_in, n_tok * f_out)
+    passes = [("forward", fwd, True)]
+    if st.recompute != "none":
+        passes.append(("backward", fwd, True))
+    passes.append(("backward", rev, False))
+    for phase, (b_intra, b_inter), forward in passes:
         share = 0.0
-        if st.ep_overlap and model is not None:
-            # half of the slots' exchange is in flight while the other half's (and the shared) experts compute:
-            # hidden at most for as long as that compute lasts in this phase (a third of it in forward)
+        if st.ep_overlap and forward and model is not None:
+            # one half's exchange in flight while the other half computes: hidden at most for as long as the
+            # experts' and shared expert's forward lasts (a third of their forward + backward compute)
             half = model.seconds("all_to_all", b_intra / 2, b_inter / 2)
-            # (moe_compute_s is forward + backward: a third forward; backward also reruns the forward on recompute)
-            moe_phase = moe_compute_s / 3 if phase == "forward" else moe_compute_s * (2 + calls - 1) / 3
-            share = 0.5 * min(1.0, moe_phase / half) if half else 0.0
+            share = 0.5 * min(1.0, moe_compute_s / 3 / half) if half else 0.0
             add("all-to-all tokens (overlapped)", "ep", (b_intra + b_inter) * share, overlapped=True, phase=phase,
                 kind="all_to_all", inter=b_inter * share)
-        add("all-to-all tokens", "ep", (b_intra + b_inter) * (1 - share), phase=phase, kind="all_to_all",
+        name = "all-to-all tokens" if forward else "all-to-all tokens (reverse)"
+        add(name, "ep", (b_intra + b_inter) * (1 - share), phase=phase, kind="all_to_all",
             inter=b_inter * (1 - share))
 
 

@@ -114,7 +114,8 @@ class _GatherParam(torch.autograd.Function):
 
 class _Regather:
     """How to rebuild one gathered parameter for backward (reshard-after-forward): its local shard and steps.
-    The rebuilt tensor is shared by every saved view of it while it is alive."""
+    The rebuilt tensor is shared by every saved view of it and held until the last of them is unpacked (views saved
+    by several calls of one layer, e.g. the two token halves of an overlapped EP exchange, rebuild it once)."""
 
     def __init__(self, shard: Tensor, steps: tuple, dtype, gathered: Tensor):
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -123,6 +124,8 @@ class _Regather:
         self.storage = StorageWeakRef(gathered.untyped_storage())
         self.nbytes = gathered.untyped_storage().nbytes()
         self.cached = None
+        self.held: Tensor | None = None  # the rebuilt tensor while saved views of it are still to be unpacked
+        self.packed = 0  # saved views packed and not yet unpacked
         self.regathers = 0
 
     def alive(self) -> bool:
@@ -135,6 +138,12 @@ class _Regather:
                 t = _gather_forward(self.shard, self.steps, self.dtype)
             self.cached = weakref.ref(t)
             self.regathers += 1
+        return t
+
+    def unpack(self) -> Tensor:
+        t = self.full()
+        self.packed -= 1
+        self.held = t if self.packed > 0 else None
         return t
 
 

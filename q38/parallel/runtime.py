@@ -167,12 +167,13 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             return t
         if entry is None or not entry.alive() or t.dtype != entry.dtype:
             return t
+        entry.packed += 1
         return _Resharded(entry, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
     @staticmethod
     def _unpack(h):
         if isinstance(h, _Resharded):
-            return h.src.full().as_strided(h.size, h.stride, h.offset)
+            return h.src.unpack().as_strided(h.size, h.stride, h.offset)
         return h
 
     def ep_stats(self) -> tuple[tuple, tuple]:
