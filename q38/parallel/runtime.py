@@ -1,5 +1,5 @@
 """The mesh runtime ``train_step`` uses (``MeshRuntime``, a ``q38.layers.context.StepRuntime``): FSDP gathers just in
-time (prefetched a layer early on accelerators), composed with the pieces in their own files by role:
+time (prefetched a layer early, gradients reduced async: docs/parallel.md#communication-overlap), composed with the pieces in their own files by role:
 ``collectives`` (differentiable collectives, the mixed-precision gather), ``mesh`` (meshes, ``shard`` / ``unshard``,
 ``shard_batch``), ``ep`` (expert dispatch and balance), ``cp`` (sequence exchanges). ``mesh_runtime(mesh,
 train_config)`` builds the runtime of one step; a ``Mesh`` is plain data and knows nothing of it.
