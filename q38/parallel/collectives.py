@@ -109,12 +109,12 @@ class _GatherParam(torch.autograd.Function):
 
     With ``sink`` (a ``_Reductions``), the shard ``x`` is outside autograd and ``anchor`` (a 0-dim tensor that
     requires grad) connects the output: backward *issues* the first reduction async and hands it to ``sink``
-    instead of returning a gradient, so it overlaps the rest of backward; the caller waits and adds it to leaf
-    ``index``'s gradient after ``autograd.grad`` (``MeshRuntime.grad``)."""
+    instead of returning a gradient, so it overlaps the rest of backward; the caller waits and adds it to the
+    gradient of the leaf ``ticket`` names after ``autograd.grad`` (``MeshRuntime.grad``)."""
 
     @staticmethod
-    def forward(ctx, anchor, x, steps, param_dtype, reduce_dtype, prefetched, sink, index):
-        ctx.steps, ctx.reduce_dtype, ctx.in_dtype, ctx.sink, ctx.index = steps, reduce_dtype, x.dtype, sink, index
+    def forward(ctx, anchor, x, steps, param_dtype, reduce_dtype, prefetched, sink, ticket):
+        ctx.steps, ctx.reduce_dtype, ctx.in_dtype, ctx.sink, ctx.ticket = steps, reduce_dtype, x.dtype, sink, ticket
         ctx.anchor_dtype = anchor.dtype if anchor is not None else None
         y = _gather_forward(x, steps, param_dtype, prefetched)
         return x.view_as(x) if y is x else y
@@ -123,7 +123,7 @@ class _GatherParam(torch.autograd.Function):
     def backward(ctx, g):
         g = g.to(ctx.reduce_dtype)
         if ctx.sink is not None:
-            ctx.sink.issue(ctx.index, g, _reduction_order(ctx.steps), ctx.in_dtype)
+            ctx.sink.issue(ctx.ticket, g, _reduction_order(ctx.steps), ctx.in_dtype)
             return torch.zeros((), dtype=ctx.anchor_dtype, device=g.device), None, None, None, None, None, None, None
         for st in _reduction_order(ctx.steps):
             if st.kind == "gather":
@@ -138,8 +138,8 @@ class _Reduction:
     """One gradient contribution's reductions, each issued async after the previous one completed: the first from
     backward, the rest when the caller drains (``_Reductions.drain``)."""
 
-    def __init__(self, index: int, g: Tensor, todo: list, in_dtype):
-        self.index, self.todo, self.in_dtype = index, list(todo), in_dtype
+    def __init__(self, key: int, g: Tensor, todo: list, in_dtype):
+        self.key, self.todo, self.in_dtype = key, list(todo), in_dtype
         self.value, self.work, self._finish, self._keep = g, None, None, None
         self.advance()
 
@@ -169,25 +169,47 @@ class _Reduction:
 
 
 class _Reductions:
-    """The gradient reductions backward issued async, in issue order (the same on every rank)."""
+    """The gradient reductions backward issued async, in issue order (the same on every rank).
+
+    Each is issued with a ticket ``(leaf key, gather call)``: the leaves one ``MeshRuntime.gather`` call brought
+    into compute form (one layer) share a gather call. When backward issues the first reduction of a new gather
+    call, the reductions of the calls before the previous one complete their collective in flight (and issue the
+    next, e.g. the replicated dims' all-reduce of the shard): at most two layers' full-size gradients wait for
+    their reduce-scatter at once, as FSDP2 keeps one layer's reduce-scatter in flight behind the next one's
+    compute, instead of every layer's until the end of backward."""
 
     def __init__(self) -> None:
         self.pending: list[_Reduction] = []
         self.issued = 0  # reductions issued async from backward and waited after it (reported, checked by tests)
+        self._calls: list[int] = []  # gather calls in issue order, the newest last
+        self._call_of: dict[int, int] = {}  # id(reduction) -> its gather call
 
-    def issue(self, index: int, g: Tensor, todo: list, in_dtype) -> None:
-        self.pending.append(_Reduction(index, g, todo, in_dtype))
+    def issue(self, ticket: tuple[int, int], g: Tensor, todo: list, in_dtype) -> None:
+        key, call = ticket
+        if not self._calls or self._calls[-1] != call:
+            self._calls.append(call)
+            if len(self._calls) > 2:
+                self._settle(set(self._calls[:-2]))
+        r = _Reduction(key, g, todo, in_dtype)
+        self._call_of[id(r)] = call
+        self.pending.append(r)
         self.issued += 1
+
+    def _settle(self, calls: set) -> None:
+        """Complete the in-flight collective of every reduction of ``calls`` still waiting on its full gradient."""
+        for r in self.pending:
+            if self._call_of[id(r)] in calls and r.work is not None and r._keep is not None:
+                r.advance()
 
     def drain(self) -> list[tuple[int, Tensor]]:
         """Wait every pending reduction, each rank in the same order; a contribution with more steps (uneven
         per-dim reduce-scatters, then the all-reduces) issues its next step when its previous one completes, all
-        contributions stepping together. Returns (leaf index, reduced local gradient in the master dtype)."""
+        contributions stepping together. Returns (leaf key, reduced local gradient in the master dtype)."""
         live, done = list(self.pending), list(self.pending)
-        self.pending = []
+        self.pending, self._calls, self._call_of = [], [], {}
         while live:
             live = [r for r in live if r.advance()]
-        return [(r.index, r.result()) for r in done]
+        return [(r.key, r.result()) for r in done]
 
 
 class _Regather:

@@ -72,6 +72,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         self.prefetched = 0  # prefetched gathers consumed (reported in Gradients, checked by the tests)
         self._reductions = _Reductions()
         self._anchor: Tensor | None = None  # set by bind(defer_reductions=True) when overlapping
+        self._gather_calls = 0
         # Every compute-form tensor made by gather() in this step (storage weak refs): what reshard-after-forward
         # frees and rebuilds, and what tests measure (live_gathered_bytes).
         self.gathered: list[_Regather] = []
@@ -171,7 +172,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         elif self._anchor is not None:  # the shard leaves autograd; its reduced gradient comes back through grad()
             x = t.to_local().detach()
             y = _GatherParam.apply(self._anchor, x, steps, self.param_dtype, self.reduce_dtype, pending,
-                                   self._reductions, id(t))
+                                   self._reductions, (id(t), self._gather_calls))
         else:
             x = t.to_local(grad_placements=t.placements)
             y = _GatherParam.apply(None, x, steps, self.param_dtype, self.reduce_dtype, pending, None, None)
@@ -253,6 +254,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
     def gather(self, tree):
         import torch.utils._pytree as pytree
 
+        self._gather_calls += 1  # one call per layer: how backward's async reductions are grouped
         return pytree.tree_map(self._gather_one, tree)
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
