@@ -41,35 +41,41 @@ def _ag_impl(x: Tensor, dim: int, group, sizes) -> Tensor:
 def _rs(g: Tensor, dim: int, group, sizes=None) -> Tensor:
     """Reduce-scatter (sum): the backward of ``_ag``."""
     with record_function("q38.reduce_scatter"):
-        return _rs_impl(g, dim, group, sizes)
-
-
-def _rs_impl(g: Tensor, dim: int, group, sizes) -> Tensor:
-    if sizes is None:
-        chunks = [c.contiguous() for c in g.chunk(dist.get_world_size(group), dim=dim)]
-        out = torch.empty_like(chunks[0])
+        out, chunks = _rs_buffers(g, dim, dist.get_world_size(group), sizes)
         links.reduce_scatter(out, chunks, group)
-        return out
+        return _rs_mine(out, dim, group, sizes)
+
+
+def _rs_buffers(g: Tensor, dim: int, n: int, sizes) -> tuple[Tensor, list[Tensor]]:
+    """The output buffer and the ``n`` input chunks of a reduce-scatter along ``dim`` (uneven ``sizes``: each chunk
+    zero-padded to the largest)."""
+    if sizes is None:
+        chunks = [c.contiguous() for c in g.chunk(n, dim=dim)]
+        return torch.empty_like(chunks[0]), chunks
     full = max(sizes)
     chunks = []
     for c in g.split(list(sizes), dim=dim):
         pad = [0, 0] * (g.dim() - 1 - dim) + [0, full - c.shape[dim]]
         chunks.append(F.pad(c, pad).contiguous())
-    out = torch.empty_like(chunks[0])
-    links.reduce_scatter(out, chunks, group)
-    return out.narrow(dim, 0, sizes[dist.get_rank(group)])
+    return torch.empty_like(chunks[0]), chunks
+
+
+def _rs_mine(out: Tensor, dim: int, group, sizes) -> Tensor:
+    """This rank's reduced chunk: the buffer, trimmed of its padding when uneven."""
+    return out if sizes is None else out.narrow(dim, 0, sizes[dist.get_rank(group)])
 
 
 @attrs.frozen
 class _Step:
     """One collective of a parameter's gather: ``gather`` (all-gather along ``dim``; backward reduce-scatter) or
-    ``sum`` (identity; backward all-reduce, for a dim the parameter is replicated on)."""
+    ``sum`` (identity; backward all-reduce, for dims the parameter is replicated on). ``names``: the mesh dims it
+    spans; several when they run as one collective over their flattened group (``Mesh.group_of``)."""
 
     kind: str
     group: object
     dim: int = 0
     sizes: tuple | None = None  # uneven torch.chunk sizes, None when even
-    name: str = ""  # the mesh dim
+    names: tuple = ()  # the mesh dims, in mesh order
 
 
 def _gather_forward(x: Tensor, steps: tuple, dtype, prefetched=None) -> Tensor:
@@ -88,28 +94,122 @@ def _gather_forward(x: Tensor, steps: tuple, dtype, prefetched=None) -> Tensor:
     return y
 
 
+def _reduction_order(steps: tuple) -> list[_Step]:
+    """The gradient's collectives: the gathers' reduce-scatters in reverse (outermost mesh dim first), then the
+    all-reduces of the replicated dims, on the reduced shard (summing in either order is the same sum; reducing
+    the shard moves ``1 / gathered ranks`` of the bytes, as FSDP2's HSDP does)."""
+    return [st for st in reversed(steps) if st.kind == "gather"] + [st for st in steps if st.kind == "sum"]
+
+
 class _GatherParam(torch.autograd.Function):
     """A parameter shard → its compute form, as FSDP2's mixed-precision policy does it: the fp32 master shard is cast
     to ``param_dtype`` *before* the gathers; backward casts the gradient to ``reduce_dtype`` and runs the
-    reduce-scatters / all-reduces in reverse order, returning the shard's gradient in the master dtype. Nothing
-    is saved for backward (the gathered tensor is not kept by this function)."""
+    reduce-scatters, then the all-reduces, returning the shard's gradient in the master dtype. Nothing is saved for
+    backward (the gathered tensor is not kept by this function).
+
+    With ``sink`` (a ``_Reductions``), the shard ``x`` is outside autograd and ``anchor`` (a 0-dim tensor that
+    requires grad) connects the output: backward *issues* the first reduction async and hands it to ``sink``
+    instead of returning a gradient, so it overlaps the rest of backward; the caller waits and adds it to the
+    gradient of the leaf ``ticket`` names after ``autograd.grad`` (``MeshRuntime.grad``)."""
 
     @staticmethod
-    def forward(ctx, x, steps, param_dtype, reduce_dtype, prefetched):
-        ctx.steps, ctx.reduce_dtype, ctx.in_dtype = steps, reduce_dtype, x.dtype
+    def forward(ctx, anchor, x, steps, param_dtype, reduce_dtype, prefetched, sink, ticket):
+        ctx.steps, ctx.reduce_dtype, ctx.in_dtype, ctx.sink, ctx.ticket = steps, reduce_dtype, x.dtype, sink, ticket
+        ctx.anchor_dtype = anchor.dtype if anchor is not None else None
         y = _gather_forward(x, steps, param_dtype, prefetched)
         return x.view_as(x) if y is x else y
 
     @staticmethod
     def backward(ctx, g):
         g = g.to(ctx.reduce_dtype)
-        for st in reversed(ctx.steps):
+        if ctx.sink is not None:
+            ctx.sink.issue(ctx.ticket, g, _reduction_order(ctx.steps), ctx.in_dtype)
+            return torch.zeros((), dtype=ctx.anchor_dtype, device=g.device), None, None, None, None, None, None, None
+        for st in _reduction_order(ctx.steps):
             if st.kind == "gather":
                 g = _rs(g, st.dim, st.group, st.sizes)
             else:
                 g = g.contiguous().clone()
                 links.all_reduce(g, st.group)
-        return g.to(ctx.in_dtype), None, None, None, None
+        return None, g.to(ctx.in_dtype), None, None, None, None, None, None
+
+
+class _Reduction:
+    """One gradient contribution's reductions, each issued async after the previous one completed: the first from
+    backward, the rest when the caller drains (``_Reductions.drain``)."""
+
+    def __init__(self, key: int, g: Tensor, todo: list, in_dtype):
+        self.key, self.todo, self.in_dtype = key, list(todo), in_dtype
+        self.value, self.work, self._finish, self._keep = g, None, None, None
+        self.advance()
+
+    def advance(self) -> bool:
+        """Complete the collective in flight (if any) and issue the next one; False when none is left."""
+        if self.work is not None:
+            self.work.wait()
+            self.value, self.work, self._keep = self._finish(), None, None
+        if not self.todo:
+            return False
+        st = self.todo.pop(0)
+        if st.kind == "gather":
+            out, chunks = _rs_buffers(self.value, st.dim, dist.get_world_size(st.group), st.sizes)
+            with record_function("q38.reduce_scatter"):
+                self.work = links.reduce_scatter(out, chunks, st.group, async_op=True)
+            self._keep = chunks  # alive until the collective completes
+            self._finish = lambda: _rs_mine(out, st.dim, st.group, st.sizes)
+        else:
+            buf = self.value.contiguous().clone()
+            with record_function("q38.all_reduce"):
+                self.work = links.all_reduce(buf, st.group, async_op=True)
+            self._finish = lambda: buf
+        return True
+
+    def result(self) -> Tensor:
+        return self.value.to(self.in_dtype)
+
+
+class _Reductions:
+    """The gradient reductions backward issued async, in issue order (the same on every rank).
+
+    Each is issued with a ticket ``(leaf key, gather call)``: the leaves one ``MeshRuntime.gather`` call brought
+    into compute form (one layer) share a gather call. When backward issues the first reduction of a new gather
+    call, the reductions of the calls before the previous one complete their collective in flight (and issue the
+    next, e.g. the replicated dims' all-reduce of the shard): at most two layers' full-size gradients wait for
+    their reduce-scatter at once, as FSDP2 keeps one layer's reduce-scatter in flight behind the next one's
+    compute, instead of every layer's until the end of backward."""
+
+    def __init__(self) -> None:
+        self.pending: list[_Reduction] = []
+        self.issued = 0  # reductions issued async from backward and waited after it (reported, checked by tests)
+        self._calls: list[int] = []  # gather calls in issue order, the newest last
+        self._call_of: dict[int, int] = {}  # id(reduction) -> its gather call
+
+    def issue(self, ticket: tuple[int, int], g: Tensor, todo: list, in_dtype) -> None:
+        key, call = ticket
+        if not self._calls or self._calls[-1] != call:
+            self._calls.append(call)
+            if len(self._calls) > 2:
+                self._settle(set(self._calls[:-2]))
+        r = _Reduction(key, g, todo, in_dtype)
+        self._call_of[id(r)] = call
+        self.pending.append(r)
+        self.issued += 1
+
+    def _settle(self, calls: set) -> None:
+        """Complete the in-flight collective of every reduction of ``calls`` still waiting on its full gradient."""
+        for r in self.pending:
+            if self._call_of[id(r)] in calls and r.work is not None and r._keep is not None:
+                r.advance()
+
+    def drain(self) -> list[tuple[int, Tensor]]:
+        """Wait every pending reduction, each rank in the same order; a contribution with more steps (uneven
+        per-dim reduce-scatters, then the all-reduces) issues its next step when its previous one completes, all
+        contributions stepping together. Returns (leaf key, reduced local gradient in the master dtype)."""
+        live, done = list(self.pending), list(self.pending)
+        self.pending, self._calls, self._call_of = [], [], {}
+        while live:
+            live = [r for r in live if r.advance()]
+        return [(r.key, r.result()) for r in done]
 
 
 class _Regather:

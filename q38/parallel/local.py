@@ -15,6 +15,7 @@ class LocalRuntime:
     is_local = True
     prefetch_enabled = False
     prefetched = 0
+    async_reductions = 0
 
     def __init__(self, param_dtype=torch.float32):
         self.param_dtype = param_dtype  # compute dtype (the mixed-precision policy); masters stay fp32
@@ -22,8 +23,12 @@ class LocalRuntime:
     def seq_info(self, mb) -> SeqInfo:
         return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, is_packed(mb.doc_ids))
 
-    def bind(self, params) -> None:
+    def bind(self, params, defer_reductions: bool = False) -> None:
         pass
+
+    def grad(self, loss: Tensor, leaves: list) -> tuple:
+        """``autograd.grad(loss, leaves)``, None for a leaf without gradient (on a mesh: reductions waited too)."""
+        return tuple(torch.autograd.grad(loss, leaves, allow_unused=True))
 
     def gather(self, tree):
         """Parameters in compute form: cast to ``param_dtype`` (on a mesh: cast, then FSDP all-gather)."""

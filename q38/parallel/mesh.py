@@ -26,6 +26,7 @@ class Mesh:
     layout: Layout
     sizes: dict
     topology: Topology = attrs.field(factory=current_topology)  # which ranks share a node
+    _groups: dict = attrs.field(factory=dict, init=False, eq=False, repr=False)  # group_of's cache
 
     def spans(self, names) -> tuple[int, int]:
         """(nodes, ranks per node) of the groups over mesh dims ``names`` (every group has the shape of this
@@ -52,6 +53,28 @@ class Mesh:
 
     def local_rank(self, name: str) -> int:
         return self.device_mesh.get_local_rank(name) if self.size(name) > 1 else 0
+
+    def group_of(self, names: tuple[str, ...]):
+        """The process group over the mesh dims ``names`` together (one collective instead of one per dim): their
+        flattened sub-mesh, group ranks in mesh order, so an all-gather's parts in group-rank order are DTensor's
+        chunk order when those dims shard one tensor dim evenly. Collective on first use (every rank must ask for
+        the same groups in the same order); cached, ``names`` taken in mesh order."""
+        order = tuple(n for n in self.sizes if n in names)
+        if len(order) == 1:
+            return self.group(order[0])
+        if order not in self._groups:
+            self._groups[order] = self._flat_group(order)
+        return self._groups[order]
+
+    def _flat_group(self, order: tuple[str, ...]):
+        sub = self.device_mesh[order]
+        # DeviceMesh._flatten is how torch builds a group over several mesh dims (torchtitan uses it the same way)
+        group = sub._flatten("_".join(order)).get_group()
+        want = sub.mesh.flatten().tolist()
+        if dist.get_process_group_ranks(group) != want:
+            raise RuntimeError(f"flattened group over {order} has ranks {dist.get_process_group_ranks(group)}, "
+                               f"expected the sub-mesh order {want}")
+        return group
 
 
 def make_mesh(layout: Layout, world_size: int | None = None, device_type: str = "cpu",

@@ -1,5 +1,5 @@
 """The mesh runtime ``train_step`` uses (``MeshRuntime``, a ``q38.layers.context.StepRuntime``): FSDP gathers just in
-time (prefetched a layer early on accelerators), composed with the pieces in their own files by role:
+time (prefetched a layer early, gradients reduced async: docs/parallel.md#communication-overlap), composed with the pieces in their own files by role:
 ``collectives`` (differentiable collectives, the mixed-precision gather), ``mesh`` (meshes, ``shard`` / ``unshard``,
 ``shard_batch``), ``ep`` (expert dispatch and balance), ``cp`` (sequence exchanges). ``mesh_runtime(mesh,
 train_config)`` builds the runtime of one step; a ``Mesh`` is plain data and knows nothing of it.
@@ -22,7 +22,7 @@ from q38.pytree import named_leaves
 from q38.batch import StepBatch
 
 from q38.parallel import links
-from q38.parallel.collectives import _chunk_sizes, _GatherParam, _Regather, _Resharded, _Step
+from q38.parallel.collectives import _chunk_sizes, _GatherParam, _Reductions, _Regather, _Resharded, _Step
 from q38.parallel.cp import CPComm
 from q38.parallel.ep import EPDispatch
 from q38.parallel.mesh import Mesh
@@ -47,10 +47,12 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
 
     def __init__(self, mesh: Mesh, ep_balance: bool = False, max_dup_experts: int = 2, prefetch: bool | None = None,
                  *, param_dtype=torch.float32, reduce_dtype=torch.float32, reshard_after_forward: bool = True,
-                 ep_dispatch: str = "flat", ep_overlap: bool = True):
+                 overlap: bool = True, ep_dispatch: str = "flat", ep_overlap: bool = True):
         self.mesh = mesh
-        # Prefetch the next layer's FSDP gathers on accelerators (overlap); on CPU only when asked (tests).
-        self.prefetch_enabled = mesh.device_mesh.device_type != "cpu" if prefetch is None else prefetch
+        # Communication overlap (train.overlap_comm): prefetch the next layer's gathers, and reduce gradients async
+        # when the caller takes them through grad() (bind(..., defer_reductions=True)). ``prefetch`` None follows it.
+        self.overlap = overlap
+        self.prefetch_enabled = overlap if prefetch is None else prefetch
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         dt = mesh.device_mesh.device_type
         self.device = torch.device(dt) if dt == "cpu" else torch.device(dt, getattr(torch, dt).current_device())
@@ -65,61 +67,77 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         )
         cp = mesh.size("cp")
         self.comm = CPComm(mesh.group("cp"), mesh.local_rank("cp"), cp) if cp > 1 else None
-        self._keep_local: dict[int, set] = {}
-        self._pending: dict[int, tuple] = {}  # id(leaf) -> (mesh dim name, work, parts) of a prefetched gather
+        self._keep_local: dict[int, frozenset] = {}
+        self._steps_of: dict[int, tuple] = {}  # id(leaf) -> its collectives (``collectives(leaf)``)
+        self._pending: dict[int, tuple] = {}  # id(leaf) -> (work, parts) of a prefetched gather
         self.prefetched = 0  # prefetched gathers consumed (reported in Gradients, checked by the tests)
+        self._reductions = _Reductions()
+        self._anchor: Tensor | None = None  # set by bind(defer_reductions=True) when overlapping
+        self._gather_calls = 0
         # Every compute-form tensor made by gather() in this step (storage weak refs): what reshard-after-forward
         # frees and rebuilds, and what tests measure (live_gathered_bytes).
         self.gathered: list[_Regather] = []
         self._by_storage: dict[int, _Regather] = {}
 
-    def bind(self, params) -> None:
+    def bind(self, params, defer_reductions: bool = False) -> None:
         """Record, per parameter leaf, the mesh dims that stay sharded in compute form (the layout's ``compute``
-        map, e.g. experts on ``ep``); every other sharded dim is all-gathered just in time."""
+        map, e.g. experts on ``ep``; every other sharded dim is all-gathered just in time) and its collectives
+        (the flattened groups they use are created here, in leaf order, the same on every rank).
+        ``defer_reductions``: the caller takes gradients with ``grad()``, so with overlap on, backward issues the
+        gradient reductions async and ``grad()`` waits them (a caller of plain ``autograd.grad`` leaves it off)."""
         self._pending.clear()
         leaves = named_leaves(params)
         shapes = tuple((path, tuple(leaf.shape)) for path, leaf in leaves)
         keep = _keep_local_dims(self.mesh.layout, tuple(self.mesh.sizes.items()), shapes)
         for (path, leaf), dims in zip(leaves, keep):
             self._keep_local[id(leaf)] = dims
+            self._steps_of[id(leaf)] = self._steps(leaf) if isinstance(leaf, DTensor) else ()
+        self._reductions = _Reductions()
+        defer = self.overlap and defer_reductions
+        self._anchor = torch.zeros((), device=self.device, requires_grad=True) if defer else None
+
+    @property
+    def async_reductions(self) -> int:
+        """Gradient reductions issued async from backward and waited after it (reported in Gradients)."""
+        return self._reductions.issued
+
+    def collectives(self, leaf) -> tuple[_Step, ...]:
+        """The collectives that bring bound ``leaf`` into compute form (what the gathers run; tests and the plan)."""
+        return self._steps_of[id(leaf)]
 
     def seq_info(self, mb: StepBatch) -> SeqInfo:
         from q38.layers.context import LocalSeqComm, is_packed
 
         return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, is_packed(mb.doc_ids), self.comm or LocalSeqComm())
 
-    def _gather_dims(self, t) -> list[tuple[str, int]]:
-        """(mesh dim, tensor dim) pairs this leaf all-gathers, innermost mesh dim first."""
-        keep = self._keep_local[id(t)]
-        return [
-            (name, pl.dim) for (i, name, size), pl in reversed(list(zip(self.dims, t.placements)))
-            if size > 1 and isinstance(pl, Shard) and name not in keep
-        ]
-
     def prefetch(self, tree) -> None:
         """Start the all-gathers of ``tree`` (the next layer) now, so they overlap the current layer's compute
-        (on accelerators the collective runs on its own stream). Leaves gathered over one mesh dim are prefetched
-        (cast to ``param_dtype`` first, like every gather); the gather that consumes them waits, and its backward
-        is the usual reduce-scatter."""
+        (async: gloo runs it on its own thread, NCCL on its own stream). Each leaf's first gather is prefetched
+        (cast to ``param_dtype`` first, like every gather): the whole gather when it is one collective (one mesh
+        dim, or even shards of several mesh dims flattened into one group). Uneven (``torch.chunk``) gathers stay
+        unprefetched (their padded parts are trimmed per mesh dim in ``_ag``). The gather that consumes a prefetch
+        waits for it; its backward is the usual reduction."""
         import torch.utils._pytree as pytree
 
         for t in pytree.tree_leaves(tree):
-            if not isinstance(t, DTensor) or id(t) in self._pending or id(t) not in self._keep_local:
+            if not isinstance(t, DTensor) or id(t) in self._pending or id(t) not in self._steps_of:
                 continue
-            dims = self._gather_dims(t)
-            if len(dims) != 1 or t.shape[dims[0][1]] % self.mesh.sizes[dims[0][0]]:
+            first = next((st for st in self._steps_of[id(t)] if st.kind == "gather"), None)
+            if first is None or first.sizes is not None:
                 continue
-            name, dim = dims[0]
             x = t.to_local().detach().to(self.param_dtype).contiguous()
-            parts = [torch.empty_like(x) for _ in range(self.mesh.sizes[name])]
-            work = links.all_gather(parts, x, self.mesh.group(name), async_op=True)
-            self._pending[id(t)] = (name, work, parts)
+            parts = [torch.empty_like(x) for _ in range(dist.get_world_size(first.group))]
+            work = links.all_gather(parts, x, first.group, async_op=True)
+            self._pending[id(t)] = (work, parts)
 
     def _steps(self, t) -> tuple:
-        """The collectives that bring leaf ``t`` into compute form, innermost mesh dim first: gather its sharded
-        dims (except the compute-local ones), sum its gradient over the dims it is replicated on."""
+        """The collectives that bring leaf ``t`` into compute form: gather its sharded dims (except the
+        compute-local ones), innermost mesh dim first, then sum its gradient over the dims it is replicated on.
+        Gathers of one tensor dim with even shards on every mesh dim run as one all-gather over their flattened
+        group (the concatenation in group-rank order is DTensor's chunk order); uneven ones keep one step per
+        mesh dim. The replicated dims' all-reduces run as one over their flattened group."""
         keep = self._keep_local[id(t)]
-        steps = []
+        gathers, summed = [], []
         for i, name, size in reversed(self.dims):
             if size == 1:
                 continue
@@ -129,34 +147,61 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             if isinstance(pl, Shard):
                 total = self._level_size(t, i, pl.dim)
                 sizes = None if total % size == 0 else tuple(_chunk_sizes(total, size))
-                steps.append(_Step("gather", self.mesh.group(name), pl.dim, sizes, name))
+                gathers.append(_Step("gather", self.mesh.group(name), pl.dim, sizes, (name,)))
             else:
-                steps.append(_Step("sum", self.mesh.group(name), name=name))
-        return tuple(steps)
+                summed.append(name)
+        if len(gathers) > 1 and all(st.sizes is None and st.dim == gathers[0].dim for st in gathers):
+            names = tuple(n for st in reversed(gathers) for n in st.names)  # mesh order
+            gathers = [_Step("gather", self.mesh.group_of(names), gathers[0].dim, None, names)]
+        if summed:
+            names = tuple(reversed(summed))
+            gathers.append(_Step("sum", self.mesh.group_of(names), names=names))
+        return tuple(gathers)
 
     def _gather_one(self, t):
         if not isinstance(t, DTensor):
             return t.to(self.param_dtype) if t.is_floating_point() else t
         if id(t) not in self._keep_local:
             raise RuntimeError("MeshRuntime.gather: parameter not bound; call bind(params) first")
-        x = t.to_local(grad_placements=t.placements)
-        steps = self._steps(t)
-        prefetched = None
-        pending = self._pending.get(id(t))
-        first = next((st for st in steps if st.kind == "gather"), None)
-        if pending is not None and first is not None and first.name == pending[0]:
-            del self._pending[id(t)]
+        steps = self._steps_of[id(t)]
+        pending = self._pending.pop(id(t), None)
+        if pending is not None:
             self.prefetched += 1
-            prefetched = (pending[1], pending[2])
         if not steps:
+            x = t.to_local(grad_placements=t.placements)
             y = x.to(self.param_dtype)
+        elif self._anchor is not None:  # the shard leaves autograd; its reduced gradient comes back through grad()
+            x = t.to_local().detach()
+            y = _GatherParam.apply(self._anchor, x, steps, self.param_dtype, self.reduce_dtype, pending,
+                                   self._reductions, (id(t), self._gather_calls))
         else:
-            y = _GatherParam.apply(x, steps, self.param_dtype, self.reduce_dtype, prefetched)
+            x = t.to_local(grad_placements=t.placements)
+            y = _GatherParam.apply(None, x, steps, self.param_dtype, self.reduce_dtype, pending, None, None)
         if y is not x and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
             entry = _Regather(x.detach(), steps, self.param_dtype, y)
             self.gathered.append(entry)
             self._by_storage[y.untyped_storage().data_ptr()] = entry
         return y
+
+    def grad(self, loss: Tensor, leaves: list) -> tuple:
+        """``autograd.grad(loss, leaves)`` (None for a leaf without gradient). With deferred reductions, backward
+        has only issued each gathered leaf's reduction: they are waited here, after the whole backward, in issue
+        order, and added to their leaf's gradient (a leaf gathered twice, e.g. a tied embedding, sums its
+        contributions in that order)."""
+        if self._anchor is None:
+            return tuple(torch.autograd.grad(loss, leaves, allow_unused=True))
+        *g, _ = torch.autograd.grad(loss, [*leaves, self._anchor], allow_unused=True)
+        at = {id(t): j for j, t in enumerate(leaves)}
+        sums: dict[int, Tensor] = {}
+        for key, local in self._reductions.drain():
+            j = at[key]
+            sums[j] = local if j not in sums else sums[j] + local
+        for j, local in sums.items():
+            t = leaves[j]
+            d = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                   stride=t.stride())
+            g[j] = d if g[j] is None else g[j] + d
+        return tuple(g)
 
     # -- reshard after forward: saved gathered parameters are dropped and rebuilt for backward -----------------
 
@@ -211,6 +256,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
     def gather(self, tree):
         import torch.utils._pytree as pytree
 
+        self._gather_calls += 1  # one call per layer: how backward's async reductions are grouped
         return pytree.tree_map(self._gather_one, tree)
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
@@ -242,12 +288,13 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
 
 
 def mesh_runtime(mesh: Mesh, train_config=None) -> MeshRuntime:
-    """The runtime of one step on ``mesh``; EP balance, dispatch and overlap, FSDP prefetch and the mixed-precision
-    policy come from the train config (None: the defaults, fp32 throughout)."""
+    """The runtime of one step on ``mesh``; EP balance, dispatch and overlap, communication overlap
+    (``overlap_comm``, ``fsdp_prefetch``) and the mixed-precision policy come from the train config (None: the
+    defaults, fp32 throughout)."""
     if train_config is None:
         return MeshRuntime(mesh)
     tc = train_config
-    return MeshRuntime(mesh, tc.enable_ep_balance, tc.max_dup_experts_num, getattr(tc, "fsdp_prefetch", None),
-                        param_dtype=tc.torch_param_dtype, reduce_dtype=tc.torch_reduce_dtype,
-                        reshard_after_forward=tc.reshard_after_forward, ep_dispatch=tc.ep_dispatch,
-                        ep_overlap=tc.ep_overlap)
+    return MeshRuntime(mesh, tc.enable_ep_balance, tc.max_dup_experts_num, tc.fsdp_prefetch,
+                       param_dtype=tc.torch_param_dtype, reduce_dtype=tc.torch_reduce_dtype,
+                       reshard_after_forward=tc.reshard_after_forward, overlap=tc.overlap_comm,
+                       ep_dispatch=tc.ep_dispatch, ep_overlap=tc.ep_overlap)

@@ -70,7 +70,10 @@ class TrainConfig:
     skip_flash_attn_recompute: bool = False
     skip_gdn_recompute: bool = False
     offload_activations: bool = False
-    fsdp_prefetch: bool | None = None  # None: on accelerators only; true/false force it
+    # communication overlap on a mesh: prefetch the next layer's FSDP gathers, reduce gradients async (waited after
+    # each micro-batch's backward); same math as the serial schedule
+    overlap_comm: bool = attrs.field(default=True, validator=boolean)
+    fsdp_prefetch: bool | None = None  # None: follows overlap_comm; true/false force the prefetch alone
     # expert-parallel balance (needs an `ep` mesh dim > 1)
     enable_ep_balance: bool = False
     max_dup_experts_num: int = attrs.field(default=2, validator=ge(0))

@@ -133,6 +133,7 @@ class Gradients(_Terms):
     router_load: Tensor
     ep_max_load: tuple = ()  # EP: the largest per-rank count of routed slots, per MoE layer call
     prefetched: int = 0  # FSDP gathers that were started a layer early and consumed
+    async_reductions: int = 0  # gradient reductions issued async in backward and waited after it (overlap_comm)
     ep_copies: tuple = ()  # EP balance: expert copies the plan made, per MoE layer call
     mtp_tokens: tuple = ()  # valid targets of each MTP depth in the step (0: that term is 0, not NaN)
 
@@ -181,7 +182,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     flat, spec = pytree.tree_flatten(state.params)
     leaves = [t.detach().requires_grad_(True) for t in flat]
     p = pytree.tree_unflatten(leaves, spec)
-    runtime.bind(p)
+    runtime.bind(p, defer_reductions=True)  # gradients come from runtime.grad, which waits the reductions
 
     def run(mb: StepBatch):
         info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels, region=regions.enter)
@@ -201,7 +202,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
         routes = routing(out.router_logits, mc.num_experts_per_tok, bias)
         ti = TermInput(out, mb, i, routes, runtime.gather(head_weight(p)), ctx, runtime, mc, tc, state.kernels)
         values = {t.name: t.fn(ti) for t in terms}
-        g = torch.autograd.grad(total(values, terms), leaves, allow_unused=True)
+        g = runtime.grad(total(values, terms), leaves)
         grads = _accumulate(grads, g, tc.torch_reduce_dtype)
         values = pytree.tree_map(lambda v: v.detach(), values)
         sums = values if sums is None else pytree.tree_map(torch.add, sums, values)
@@ -217,7 +218,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     grad_norm = runtime.grad_sq_norm(grads).sqrt()
     loads, copies = runtime.ep_stats()
     return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
-                     runtime.prefetched, copies, tuple(ctx.n_mtp))
+                     runtime.prefetched, runtime.async_reductions, copies, tuple(ctx.n_mtp))
 
 
 def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
