@@ -39,12 +39,14 @@ CASES = {
     "hsdp": ("hsdp", {"dp_replicate": -1, "fsdp": 2}, {}),
     "fsdp_ep": ("fsdp_ep", {"fsdp": -1, "ep": 2}, {}),
     "ep4": ("fsdp_ep", {"fsdp": 1, "ep": -1}, {}),
+    "ep4_hier": ("fsdp_ep", {"fsdp": 1, "ep": -1}, {"ep_dispatch": "hierarchical"}),
     "fsdp_ep_cp": ("fsdp_ep_cp", {"fsdp": 1, "cp": 2, "ep": -1}, {}),
 }
 
 # what "overlap on" turns on in the runtime (train config keys), and how the plan models it (estimate kwargs)
-OVERLAP_TRAIN = {True: {"fsdp_prefetch": True}, False: {"fsdp_prefetch": False}}
-OVERLAP_PLAN = {True: {"prefetch": True}, False: {"prefetch": False}}
+OVERLAP_TRAIN = {True: {"overlap_comm": True, "ep_overlap": True}, False: {"overlap_comm": False, "ep_overlap": False}}
+OVERLAP_PLAN = {True: {"prefetch": True, "async_reduce": True, "ep_overlap": True},
+                False: {"prefetch": False, "async_reduce": False, "ep_overlap": False}}
 
 
 def _model():
@@ -121,7 +123,8 @@ def _plan(case, world, rpn, link, overlap, rows, seq, compute_s):
     dp_rows = rows  # rows per data-parallel rank (the benchmark's batch is `rows` per rank's row group)
     common = dict(seq_len=seq, rows_per_rank=dp_rows, recompute="none", param_dtype="fp32", reduce_dtype="fp32",
                   loss_chunk_tokens=64, grad_clip=tc.grad_clip is not None, adamw_impl="foreach", packed_rows=False,
-                  reshard_after_forward=tc.reshard_after_forward, **OVERLAP_PLAN[overlap])
+                  reshard_after_forward=tc.reshard_after_forward, ep_dispatch=extra.get("ep_dispatch", "flat"),
+                  **OVERLAP_PLAN[overlap])
     probe = estimate(cfg, layout, world, **common)
     rate = probe.flops.executed / compute_s
     hw = Hardware(name="simulated", peak_bf16_flops=rate, peak_fp32_flops=rate, achievable_fraction=1.0,

@@ -120,7 +120,7 @@ def test_activation_rules():
 
 
 def test_resolve_mesh():
-    assert Layout.preset("qwen3_8_2_4t").resolve_mesh(1024) == {"fsdp": 8, "cp": 2, "ep": 64}
+    assert Layout.preset("qwen3_8_2_4t").resolve_mesh(1024) == {"fsdp": 16, "cp": 2, "ep": 32}
     assert list(Layout.preset("fsdp_ep_cp").resolve_mesh(16)) == ["fsdp", "cp", "ep"]
     assert Layout.preset("single").resolve_mesh(1) == {}
 
@@ -341,19 +341,19 @@ def test_local_numel_matches_dtensor(shape, items, mesh):
 
 
 def _expected_rank0_numel_2_4t(c: ModelConfig) -> tuple[int, int]:
-    """Hand-written per-rank parameter count of the production layout on 1024 ranks (fsdp 8 × cp 2 × ep 64):
-    dense weights split 1024 ways on their largest dim, routed experts 64 ways on e and 16 ways on the ffn dim,
+    """Hand-written per-rank parameter count of the production layout on 1024 ranks (fsdp 16 × cp 2 × ep 32):
+    dense weights split 1024 ways on their largest dim, routed experts 32 ways on e and 32 ways on the ffn dim,
     norms and biases whole. Returns (rank 0 = the fullest rank, the last EP rank of the vocab split)."""
     d, W = c.hidden_size, 1024
-    vocab_rows = -(-(c.vocab_size // 16) // 64)  # 248320 / (fsdp·cp) = 15520 rows, then ceil over ep → 243
-    vocab_rows_last = c.vocab_size // 16 - 63 * vocab_rows  # 211 on EP rank 63
+    vocab_rows = -(-(c.vocab_size // 32) // 32)  # 248320 / (fsdp·cp) = 7760 rows, then ceil over ep → 243
+    vocab_rows_last = c.vocab_size // 32 - 31 * vocab_rows  # 227 on EP rank 31
     hc, gc = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     attn = (2 * hc * d + 2 * gc * d + d * hc) // W + 2 * c.head_dim
     nv = c.linear_num_value_heads
     gdn = (c.linear_conv_dim * d + c.linear_value_dim * d + 2 * nv * d + c.linear_conv_dim * c.linear_conv_kernel_dim
            + d * c.linear_value_dim) // W + 2 * nv + c.linear_value_head_dim
     moe = (c.num_experts * d + 3 * c.shared_expert_intermediate_size * d + d) // W
-    moe += (c.num_experts // 64) * 3 * (c.moe_intermediate_size // 16) * d
+    moe += (c.num_experts // 32) * 3 * (c.moe_intermediate_size // 32) * d
     layer = 2 * d + moe
     n_full, n_lin = c.num_full_layers, c.num_linear_layers
     body = n_full * attn + n_lin * gdn + c.num_hidden_layers * layer + d
@@ -372,18 +372,18 @@ def test_plan_2_4t_on_1024_ranks(big_cfg):
     assert report.param_bytes_max == report.grad_bytes_max == 4 * fullest
     assert report.optimizer_bytes_max == 8 * fullest
     assert report.total_params == count_params(big_cfg).total_with_mtp
-    assert report.experts.per_rank == 8 and list(report.experts.experts_of_rank(1023)) == list(range(504, 512))
-    assert list(report.experts.experts_of_rank(65)) == list(range(8, 16))  # ep is the innermost mesh dim
-    # one gathered layer: a GDN layer's dense weights whole + 8 local experts whole
+    assert report.experts.per_rank == 16 and list(report.experts.experts_of_rank(1023)) == list(range(496, 512))
+    assert list(report.experts.experts_of_rank(33)) == list(range(16, 32))  # ep is the innermost mesh dim
+    # one gathered layer: a GDN layer's dense weights whole + 16 local experts whole
     c = big_cfg
     d = c.hidden_size
     gdn_layer = (c.linear_conv_dim * d + 2 * c.linear_value_dim * d + 2 * c.linear_num_value_heads * d
                  + c.linear_conv_dim * c.linear_conv_kernel_dim + 2 * c.linear_num_value_heads
                  + c.linear_value_head_dim + 2 * d + c.num_experts * d + 3 * c.shared_expert_intermediate_size * d + d
-                 + 8 * 3 * c.moe_intermediate_size * d)
+                 + 16 * 3 * c.moe_intermediate_size * d)
     assert report.largest_layer == "layers.0" and report.largest_layer_bytes == 4 * gdn_layer
     text = format_plan(report)
-    assert "fsdp=8 × cp=2 × ep=64" in text and "*.moe.we_gate_up" in text
+    assert "fsdp=16 × cp=2 × ep=32" in text and "*.moe.we_gate_up" in text
 
 
 def test_plan_single_has_no_traffic(tiny_cfg):

@@ -25,9 +25,9 @@ SDPA on CPU; checked against a live-storage measurement in tests/test_plan_budge
 priced by ``q38.parallel.links.LinkModel`` on the group it really spans (``group_shape``: ranks are numbered
 row-major over the mesh and consecutive ranks share a node, so the layout's mesh order decides which groups stay
 inside a node), the price the simulated cluster (benchmarks/cluster_sim.py) holds the real collectives to. Overlap
-is what the runtime does, switched by the same settings: prefetched forward gathers (``prefetch``, every parameter
-gathered by one collective; ``flatten_gathers``: several mesh dims sharding one tensor dim evenly are one
-collective), gradient reductions issued async in backward (``async_reduce``) and the EP exchange of one half of
+is what the runtime does, switched by the same settings (``train.overlap_comm``, ``fsdp_prefetch``, ``ep_overlap``):
+prefetched forward gathers (``prefetch``: the first even gather of every parameter of the layers after the first
+and of the MTP block; several mesh dims sharding one tensor dim evenly are one collective), gradient reductions issued async in backward (``async_reduce``) and the EP exchange of one half of
 the slots in flight during the other half's experts (``ep_overlap``, hidden at most behind the MoE compute) hide
 behind the compute of their phase; every other collective is synchronous. Each phase takes ``sync + max(compute,
 async)``. The optimizer step is bound by memory bandwidth.
@@ -354,17 +354,17 @@ class ParamStats:
 _STATS_CACHE: dict = {}
 
 
-def gather_collectives(pp, names: list[str], mesh: Mapping[str, int], flatten: bool) -> list[tuple[str, ...]]:
+def gather_collectives(pp, names: list[str], mesh: Mapping[str, int]) -> list[tuple[str, ...]]:
     """The collectives that gather one parameter (``pp``: its placement) into compute form, in the order they run:
-    each is the tuple of mesh dims it spans. With ``flatten`` (``MeshRuntime``'s rule), the gathered mesh dims that
-    all shard the same tensor dim into even chunks are one all-gather over their flattened group; otherwise one per
-    mesh dim, innermost first."""
+    each is the tuple of mesh dims it spans. As ``MeshRuntime`` runs them: the gathered mesh dims that all shard the
+    same tensor dim into even chunks are one all-gather over their flattened group (``Mesh.group_of``); otherwise one
+    per mesh dim, innermost first."""
     sd, sdc = pp.shard_dims(False), pp.shard_dims(True)
     gathered = [n for n, a, b in zip(names, sd, sdc) if a is not None and b is None and mesh[n] > 1]
     if not gathered:
         return []
     dims = {sd[names.index(n)] for n in gathered}
-    if flatten and len(gathered) > 1 and len(dims) == 1:
+    if len(gathered) > 1 and len(dims) == 1:
         tdim = dims.pop()
         split = math.prod(mesh[n] for n, a in zip(names, sd) if a == tdim)
         if pp.shape[tdim] % split == 0:
@@ -372,8 +372,8 @@ def gather_collectives(pp, names: list[str], mesh: Mapping[str, int], flatten: b
     return [(n,) for n in reversed(gathered)]
 
 
-def param_stats(placements, mesh: Mapping[str, int], prefetch: bool, flatten: bool = True) -> ParamStats:
-    ck = (id(placements), tuple(mesh.items()), prefetch, flatten)
+def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamStats:
+    ck = (id(placements), tuple(mesh.items()), prefetch)
     hit = _STATS_CACHE.get(ck)
     if hit is not None and hit[0] is placements:
         return hit[1]
@@ -393,7 +393,7 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool, flatten: bo
     gather_group: dict = {}  # elements received per forward gather, per collective's mesh dims (fullest rank)
     gather_prefetchable: dict = {}
     layer_gather: dict = {}  # elements of layer params only (recompute re-gathers these)
-    allreduce_dim = {n: 0.0 for n in names}
+    allreduce_dim: dict = {}  # replicated mesh dims of one all-reduce → elements it reduces (ring-weighted)
     for path, pp in placements.items():
         local, comp = grid(pp, False), grid(pp, True)
         held += local
@@ -404,24 +404,26 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool, flatten: bo
             layer_compute[key] = layer_compute.get(key, 0) + cmax
             layer_local[key] = layer_local.get(key, 0) + lmax
         sd = pp.shard_dims(False)
-        colls = gather_collectives(pp, names, mesh, flatten)
-        # each collective multiplies what the rank holds
-        cur = lmax
-        for g in colls:
+        colls = gather_collectives(pp, names, mesh)
+        # MeshRuntime.prefetch starts the first gather of every leaf of the next layer when its chunks are even:
+        # layers after the first, and the MTP block (before the last layer); the edges are gathered when used
+        ahead = prefetch and (path.startswith("mtp.") or (in_layer and not path.startswith("layers.0.")))
+        cur = lmax  # each collective multiplies what the rank holds
+        for i, g in enumerate(colls):
             n = math.prod(mesh[x] for x in g)
             recv = cur * (n - 1)
             gather_group[g] = gather_group.get(g, 0.0) + recv
             if in_layer:
                 layer_gather[g] = layer_gather.get(g, 0.0) + recv
-            # prefetched: a parameter gathered by one collective of even chunks (MeshRuntime.prefetch)
             even = all(pp.shape[sd[names.index(x)]] % mesh[x] == 0 for x in g)
-            if prefetch and len(colls) == 1 and even:
+            if ahead and i == 0 and even:
                 gather_prefetchable[g] = gather_prefetchable.get(g, 0.0) + recv
             cur *= n
         sharding = {n for n, a in zip(names, sd) if a is not None}
-        for n in names:
-            if n not in sharding and mesh[n] > 1:  # replicated: gradient all-reduce (ring) over this dim
-                allreduce_dim[n] += 2 * (mesh[n] - 1) / mesh[n] * cmax
+        rep = tuple(n for n in names if n not in sharding and mesh[n] > 1)
+        if rep:  # replicated dims: one ring all-reduce of the reduce-scattered shard over their flattened group
+            k = math.prod(mesh[n] for n in rep)
+            allreduce_dim[rep] = allreduce_dim.get(rep, 0.0) + 2 * (k - 1) / k * lmax
     numel = int(held.max())
     largest_layer = max(layer_compute.values(), default=0)
     gathered_layers = sum(layer_compute[k] - layer_local[k] for k in layer_compute)
@@ -678,9 +680,8 @@ def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Ha
                 ps.layer_gather.get(g, 0.0) * act * mb, phase="backward")
         add("reduce-scatter grads", g, ps.gather_group.get(g, 0.0) * red * mb, overlapped=st.async_reduce,
             phase="backward", kind="reduce_scatter")
-    for n in mesh:
-        add("all-reduce grads", n, ps.allreduce_dim[n] * red * mb, overlapped=st.async_reduce, phase="backward",
-            kind="all_reduce")
+    for g, elems in ps.allreduce_dim.items():
+        add("all-reduce grads", g, elems * red * mb, overlapped=st.async_reduce, phase="backward", kind="all_reduce")
     if st.ep > 1:
         _ep_terms(cfg, st, kinds, add, shape, moe_compute_s, model)
     if st.cp > 1:
@@ -781,10 +782,9 @@ def estimate(
     adamw_impl: str | None = None,
     packed_rows: bool = True,
     gdn_chunk: int = GDN_CHUNK,
-    async_reduce: bool = False,
-    flatten_gathers: bool = False,
+    async_reduce: bool = True,
     ep_dispatch: str = "flat",
-    ep_overlap: bool = False,
+    ep_overlap: bool = True,
 ) -> Budget:
     """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
     data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
@@ -824,7 +824,7 @@ def estimate(
     )
     if ep_dispatch not in ("flat", "hierarchical"):
         raise ConfigError(f"ep_dispatch must be 'flat' or 'hierarchical', got {ep_dispatch!r}")
-    ps = param_stats(placements, mesh, prefetch, flatten_gathers)
+    ps = param_stats(placements, mesh, prefetch)
     kinds = layer_kinds(cfg)
     memory = _forward_backward_items(cfg, st, ps, kinds,
                                      _loss_workspace(cfg, st, loss_chunk_tokens, loss_chunk_budget_bytes))

@@ -123,13 +123,15 @@ def search(
     memory_cap: float | int | None = None,
     recompute_modes=RECOMPUTE_MODES,
     model_name: str | None = None,
-    ep_dispatches: tuple[str, ...] = ("flat",),
+    ep_dispatches: tuple[str, ...] = ("flat", "hierarchical"),
     **kw,
 ) -> tuple[list[Candidate], float]:
     """All fitting candidates, fastest first, and the memory cap used (bytes). Raises ConfigError (one line) when
-    the world size has no valid factorisation or no candidate fits."""
+    the world size has no valid factorisation or no candidate fits. Every candidate with EP is tried with each of
+    ``ep_dispatches`` (the run config's ``ep_dispatch`` in ``kw`` is the search's to choose)."""
     from q38.model import abstract_params
 
+    kw.pop("ep_dispatch", None)
     cap = float(memory_cap) if memory_cap is not None else MEMORY_HEADROOM * hardware.hbm_bytes
     facts, why = factorisations(cfg, world, seq_len, global_batch)
     if not facts:
@@ -182,6 +184,8 @@ def candidate_run_config(c: Candidate, model: str, layout_path: str, seq_len: in
     train.update({k.keep_flag: k.region in kept_regions(rc) for k in MIXER_KINDS.values()})
     if train.get("enable_ep_balance") and dict(b.mesh).get("ep", 1) <= 1:
         train["enable_ep_balance"] = False
+    if dict(b.mesh).get("ep", 1) > 1:
+        train["ep_dispatch"] = c.ep_dispatch
     out["train"] = train
     out["run"] = dict(out.get("run") or {}, dtype={"bf16": "bfloat16", "fp16": "float16"}.get(b.param_dtype,
                                                                                                 "float32"))
@@ -221,13 +225,14 @@ def format_search(cands: list[Candidate], cap: float | int, shipped: Budget | No
                 f"{b.tokens_per_s:>12,.0f} {100 * (b.mfu or 0):>5.1f}%  {b.bound}")
 
     for c in cands[:top]:
-        lines.append(row(c.mesh, c.budget))
+        lines.append(row(c.mesh + (" hier" if c.ep_dispatch == "hierarchical" else ""), c.budget))
     if shipped is not None:
         mesh = " × ".join(f"{n}={s}" for n, s in shipped.mesh)
         lines.append(f"shipped layout {shipped.layout}:")
         lines.append(row(mesh, shipped) + ("" if shipped.peak_bytes <= cap else "  (does not fit)"))
     best = cands[0].budget
-    lines.append(f"best: {cands[0].mesh}, {best.micro_batches} micro-batch(es), recompute {best.recompute}: "
+    disp = f", {cands[0].ep_dispatch} EP dispatch" if dict(best.mesh).get("ep", 1) > 1 else ""
+    lines.append(f"best: {cands[0].mesh}{disp}, {best.micro_batches} micro-batch(es), recompute {best.recompute}: "
                  f"{best.step_s:.2f} s/step, {best.tokens_per_s:,.0f} tokens/s, MFU {100 * (best.mfu or 0):.1f}%")
     return "\n".join(lines)
 
@@ -303,6 +308,10 @@ def budget_kwargs(train: Mapping[str, Any], *, gdn: str, chunk: int) -> dict[str
                 max_dup_experts=int(train.get("max_dup_experts_num", 2)),
                 loss_chunk_tokens=train.get("loss_chunk_size", 1024),
                 loss_chunk_budget_bytes=train.get("loss_chunk_budget_bytes") if train.get("dynamic_chunk_loss") else None,
+                prefetch=bool(train.get("overlap_comm", True) if train.get("fsdp_prefetch") is None
+                              else train["fsdp_prefetch"]),
+                async_reduce=bool(train.get("overlap_comm", True)),
+                ep_dispatch=str(train.get("ep_dispatch", "flat")), ep_overlap=bool(train.get("ep_overlap", True)),
                 offload_activations=bool(train.get("offload_activations", False)),
                 grad_clip=train.get("grad_clip", 1.0) is not None)
 
