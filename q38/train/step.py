@@ -136,6 +136,7 @@ class Gradients(_Terms):
     async_reductions: int = 0  # gradient reductions issued async in backward and waited after it (overlap_comm)
     ep_copies: tuple = ()  # EP balance: expert copies the plan made, per MoE layer call
     mtp_tokens: tuple = ()  # valid targets of each MTP depth in the step (0: that term is 0, not NaN)
+    cp_early: int = 0  # CP exchanges started async, before the compute that does not need them (overlap_comm)
 
 
 def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
@@ -218,7 +219,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     grad_norm = runtime.grad_sq_norm(grads).sqrt()
     loads, copies = runtime.ep_stats()
     return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
-                     runtime.prefetched, runtime.async_reductions, copies, tuple(ctx.n_mtp))
+                     runtime.prefetched, runtime.async_reductions, copies, tuple(ctx.n_mtp), runtime.cp_early)
 
 
 def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
