@@ -45,8 +45,8 @@ CASES = {
 
 # what "overlap on" turns on in the runtime (train config keys), and how the plan models it (estimate kwargs)
 OVERLAP_TRAIN = {True: {"overlap_comm": True, "ep_overlap": True}, False: {"overlap_comm": False, "ep_overlap": False}}
-OVERLAP_PLAN = {True: {"prefetch": True, "async_reduce": True, "ep_overlap": True},
-                False: {"prefetch": False, "async_reduce": False, "ep_overlap": False}}
+OVERLAP_PLAN = {True: {"prefetch": True, "async_reduce": True, "ep_overlap": True, "cp_early": True},
+                False: {"prefetch": False, "async_reduce": False, "ep_overlap": False, "cp_early": False}}
 
 
 def _model():

@@ -83,6 +83,7 @@ class CPExchange:
     bytes: float
     calls: int
     recompute_calls: int
+    early: bool = False  # its forward calls are started before the compute that does not need them (overlap_comm)
 
 
 @attrs.frozen(kw_only=True)
@@ -149,7 +150,7 @@ def _attention_saved(cfg: ModelConfig, w: Workload) -> MixerSaved:
 
 def _attention_cp(cfg: ModelConfig, w: Workload) -> CPExchange:
     kv = 2 * w.tokens * (w.cp - 1) * cfg.num_key_value_heads * cfg.head_dim * w.act_bytes
-    return CPExchange(collective="all-gather k/v", bytes=kv, calls=2, recompute_calls=3)
+    return CPExchange(collective="all-gather k/v", bytes=kv, calls=2, recompute_calls=3, early=True)
 
 
 def _attention_hf(cfg: ModelConfig, layout: CheckpointLayout, qp: str, hp: str, shapes: dict) -> list[Rule]:

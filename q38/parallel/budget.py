@@ -165,8 +165,8 @@ def _moe_saved(cfg: ModelConfig, n: float | int, act: int, ep: int, ep_balance: 
     # same function (moe.py: shared_expert): its h [n, 2fs] and activation [n, fs]
     elems = n * e + 2 * n + n * k + 3 * m * d + m * 2 * f + m * f + m + 3 * n * fs
     ints = n * k * 8 + 2 * m * 8
-    if ep > 1:  # the receive buffer of the dispatch and the combine's return, saved for the expert matmuls
-        elems += 2 * m * d
+    if ep > 1:  # the dispatch's receive buffer, saved for the expert matmuls (the combine adds the returned rows into
+        elems += m * d  # their tokens' rows by index_add, whose backward saves nothing of them)
     return elems * act + ints, m * 2 * f * act
 
 
@@ -485,6 +485,7 @@ class _Step:
     async_reduce: bool = False  # gradient reduce-scatters / all-reduces issued async in backward
     ep_dispatch: str = "flat"  # flat | hierarchical
     ep_overlap: bool = False  # the EP exchange of one half of the slots in flight while the other half computes
+    cp_early: bool = False  # CP exchanges marked ``early`` started before the compute that does not need them
 
     @property
     def cp(self) -> int:
@@ -690,7 +691,17 @@ def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Ha
         for kind in MIXER_KINDS.values():
             ex = kind.cp_exchange(cfg, w)
             times = ex.recompute_calls if recompute != "none" and kind.region not in keep else ex.calls
-            add(ex.collective, "cp", ex.bytes * sum(1 for k in kinds if k is kind) * mb * times)
+            per_call = ex.bytes * sum(1 for k in kinds if k is kind) * mb
+            if ex.early and st.cp_early:
+                # the forward call (and its rerun on recompute) is in flight during the layer's compute that does not
+                # need it; the backward's reduce-scatter is synchronous
+                add(ex.collective, "cp", per_call, overlapped=True)
+                if times > ex.calls:
+                    add(f"{ex.collective} (recompute)", "cp", per_call * (times - ex.calls), overlapped=True,
+                        phase="backward")
+                add(f"{ex.collective} (backward)", "cp", per_call * (ex.calls - 1), phase="backward")
+            else:
+                add(ex.collective, "cp", per_call * times)
     return comm
 
 
@@ -785,6 +796,7 @@ def estimate(
     async_reduce: bool = True,
     ep_dispatch: str = "flat",
     ep_overlap: bool = True,
+    cp_early: bool = True,
 ) -> Budget:
     """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
     data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
@@ -820,7 +832,7 @@ def estimate(
         resharded=recompute == "none" and reshard_after_forward and not offload_activations,
         ep_balance=ep_balance, max_dup_experts=max_dup_experts, gdn_kernel=bool(gdn_kernel),
         kv_native=not packed_rows and cp == 1 and (hardware is None or act == 2), gdn_chunk=gdn_chunk,
-        async_reduce=async_reduce, ep_dispatch=ep_dispatch, ep_overlap=ep_overlap,
+        async_reduce=async_reduce, ep_dispatch=ep_dispatch, ep_overlap=ep_overlap, cp_early=cp_early,
     )
     if ep_dispatch not in ("flat", "hierarchical"):
         raise ConfigError(f"ep_dispatch must be 'flat' or 'hierarchical', got {ep_dispatch!r}")

@@ -310,7 +310,7 @@ def budget_kwargs(train: Mapping[str, Any], *, gdn: str, chunk: int) -> dict[str
                 loss_chunk_budget_bytes=train.get("loss_chunk_budget_bytes") if train.get("dynamic_chunk_loss") else None,
                 prefetch=bool(train.get("overlap_comm", True) if train.get("fsdp_prefetch") is None
                               else train["fsdp_prefetch"]),
-                async_reduce=bool(train.get("overlap_comm", True)),
+                async_reduce=bool(train.get("overlap_comm", True)), cp_early=bool(train.get("overlap_comm", True)),
                 ep_dispatch=str(train.get("ep_dispatch", "flat")), ep_overlap=bool(train.get("ep_overlap", True)),
                 offload_activations=bool(train.get("offload_activations", False)),
                 grad_clip=train.get("grad_clip", 1.0) is not None)
