@@ -15,6 +15,7 @@ class LocalRuntime:
     is_local = True
     prefetch_enabled = False
     prefetched = 0
+    prefetched_backward = 0
     async_reductions = 0
 
     def __init__(self, param_dtype=torch.float32):
@@ -39,7 +40,7 @@ class LocalRuntime:
 
     dispatch = None
 
-    def prefetch(self, tree) -> None:
+    def prefetch(self, tree, when: str = "ahead") -> None:
         pass
 
     def saved_tensor_hooks(self):
