@@ -387,10 +387,13 @@ def _one_line(e: BaseException) -> str:
 
 def _collective_timeout(e: BaseException) -> bool:
     """A gloo / NCCL collective that ran past the process group's timeout (torch raises a plain RuntimeError, or a
-    DistBackendError, whose text names the backend)."""
+    DistBackendError, whose text names the backend; gloo's async works, which the overlapped step waits on, say
+    "Application timeout caused pair closure")."""
     msg = str(e).lower()
-    return isinstance(e, RuntimeError) and "timed out" in msg and any(w in msg for w in ("gloo", "nccl", "hccl",
-                                                                                          "collective"))
+    if not isinstance(e, RuntimeError):
+        return False
+    return ("timed out" in msg and any(w in msg for w in ("gloo", "nccl", "hccl", "collective"))) or \
+        "application timeout caused pair closure" in msg
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,8 @@ resolved config. Their call contracts, per op:
 - ``gdn``: ``fn(q, k, v, g, beta, info, *, chunk_size, backward) -> o`` with ``q, k [b s hk a]`` (per key head),
   ``v [b s h p]``, ``g, beta [b s h]``; ``chunk_size`` and ``backward`` (``custom`` | ``autograd``) steer the torch
   core only.
-- ``causal_conv1d``: ``fn(x [b s ch], w [ch w], info) -> y [b s ch]`` (no activation).
+- ``causal_conv1d``: ``fn(x [b s ch], w [ch w], info, halo) -> y [b s ch]`` (no activation); ``halo``: the CP halo
+  exchange the layer started (``q38.layers.gdn.ConvHalo``), None on one device.
 - ``attention``: ``fn(q [b h s c], k [b g t c], v [b g t c], mask [b 1 s t] | None, scale) -> o [b h s c]``
   (``mask`` None: causal).
 - ``experts``: ``fn(x_md, counts_e, we_gate_up, we_down, w_m) -> y_md`` over slots sorted by expert.

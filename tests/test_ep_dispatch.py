@@ -45,7 +45,7 @@ def _run(rank, world, hierarchical, overlap, balance):
                       hierarchical=hierarchical, overlap=overlap)
     cot = torch.randn(N, D, generator=g)
     links.Ledger.reset()
-    with FactoryDeviceMode() as mode:  # every tensor the dispatch makes names its device (DESIGN.md decision 10)
+    with FactoryDeviceMode() as mode:  # every tensor the dispatch makes names its device
         y = disp(x, w, idx, MoEParams(None, gu, dn, None, None, None, None), cfg, shared=lambda: shared.clone())
         sent = dict(links.Ledger.by_kind.get("all_to_all", {}))  # forward only: dispatch and combine
         grads = torch.autograd.grad((y * cot).sum(), [x, w, gu, dn])

@@ -76,9 +76,10 @@ def test_written_layout_yaml_is_plain_data(tmp_path, monkeypatch, capsys):
 
 
 def test_prefetch_overlap_follows_the_runtime_rule():
-    """MeshRuntime.prefetch starts a gather early only for a parameter gathered over exactly one mesh dim: pure
-    fsdp layouts overlap all their forward gathers; under fsdp × ep the dense weights (gathered over fsdp and ep) are
-    synchronous and only the experts (gathered over fsdp, EP-local) are prefetched."""
+    """MeshRuntime gathers a parameter sharded evenly on one tensor dim over several mesh dims by one collective over
+    their flattened group, and prefetches the first even gather of every parameter of the layers after the first
+    (and of the MTP block); the embedding, final norm, head and layer 0 are gathered when used. Gradient
+    reductions are async with ``train.overlap_comm`` (the default) and synchronous without."""
     from q38.parallel.budget import estimate
     from q38.parallel.layout import Layout
 
@@ -87,10 +88,18 @@ def test_prefetch_overlap_follows_the_runtime_rule():
     one = estimate(cfg, Layout.preset("fsdp"), 4, seq_len=128, rows_per_rank=1, hardware=hw)
     two = estimate(cfg, Layout.preset("fsdp_ep").with_mesh(fsdp=2, ep=2), 4, seq_len=128, rows_per_rank=1,
                    hardware=hw)
+    off = estimate(cfg, Layout.preset("fsdp"), 4, seq_len=128, rows_per_rank=1, hardware=hw, prefetch=False,
+                   async_reduce=False)
     fwd = lambda b: {(t.mesh_dim, t.overlapped) for t in b.comm if t.collective.startswith("all-gather fwd")}  # noqa
-    assert fwd(one) == {("fsdp", True)}
-    assert fwd(two) == {("fsdp", True), ("fsdp", False), ("ep", False)}
-    assert not any(t.collective.startswith("reduce-scatter") and t.overlapped for t in one.comm)
+    assert fwd(one) == {("fsdp", True), ("fsdp", False)}
+    # dense weights: one gather over fsdp·ep; experts (EP-local): over fsdp
+    assert fwd(two) == {("fsdp", True), ("fsdp", False), ("fsdp·ep", True), ("fsdp·ep", False)}
+    pre = sum(t.bytes for t in one.comm if t.collective == "all-gather fwd (prefetched)")
+    sync = sum(t.bytes for t in one.comm if t.collective == "all-gather fwd")
+    assert pre > 2 * sync  # layers 1..3 and the MTP block ahead; layer 0 and the edges when used
+    assert fwd(off) == {("fsdp", False)}
+    rs = lambda b: {t.overlapped for t in b.comm if t.collective.startswith("reduce-scatter")}  # noqa
+    assert rs(one) == {True} and rs(off) == {False}
 
 
 def test_plan_takes_the_gdn_kernel_and_chunk_from_the_run_config(tmp_path, capsys, monkeypatch):

@@ -51,23 +51,19 @@ def _attention_mask(info: SeqInfo, seq_idx_k: Tensor, doc_k: Tensor) -> Tensor:
 def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, info: SeqInfo) -> Float[Tensor, "b s d"]:
     """``o_proj(attn(q, k, v) * sigmoid(gate))`` with causal, per-document masking."""
     h, g, c = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg_bshc = rearrange(F.linear(x, p.w_q), "b s (h c2) -> b s h c2", h=h)
-    q_bshc, gate_bshc = qg_bshc.chunk(2, dim=-1)  # one cat in backward, not two zero-filled slice grads
-    q_bshc = rms_norm(q_bshc, p.q_norm, cfg.rms_norm_eps)
+    # Context parallel: the whole row's token indices and doc ids (for the mask), then its keys/values (identity on
+    # one device); each exchange starts as soon as its input exists and is waited where it is used.
+    comm = info.comm
+    ids = None if (comm.is_local and not info.packed) else comm.all_gather_seq_async((info.seq_idx, info.doc_ids), 1)
+    cos, sin = rope_cos_sin(info.positions, cfg.rotary_dim, cfg.rope_theta)
     k_bsgc = rms_norm(rearrange(F.linear(x, p.w_k), "b s (g c) -> b s g c", g=g), p.k_norm, cfg.rms_norm_eps)
     v_bsgc = rearrange(F.linear(x, p.w_v), "b s (g c) -> b s g c", g=g)
-    cos, sin = rope_cos_sin(info.positions, cfg.rotary_dim, cfg.rope_theta)
-    q_bshc, k_bsgc = apply_rope(q_bshc, cos, sin), apply_rope(k_bsgc, cos, sin)
-
-    # Context parallel: keys/values of the whole row (identity on one device).
-    comm = info.comm
-    k_btgc, v_btgc = comm.all_gather_seq(k_bsgc, 1), comm.all_gather_seq(v_bsgc, 1)
-    local = comm.is_local
-    mask = None
-    if not (local and not info.packed):
-        seq_idx_k = comm.all_gather_seq(info.seq_idx, 1)
-        doc_k = comm.all_gather_seq(info.doc_ids, 1)
-        mask = _attention_mask(info, seq_idx_k, doc_k)
+    kv = comm.all_gather_seq_async((apply_rope(k_bsgc, cos, sin), v_bsgc), 1)
+    qg_bshc = rearrange(F.linear(x, p.w_q), "b s (h c2) -> b s h c2", h=h)
+    q_bshc, gate_bshc = qg_bshc.chunk(2, dim=-1)  # one cat in backward, not two zero-filled slice grads
+    q_bshc = apply_rope(rms_norm(q_bshc, p.q_norm, cfg.rms_norm_eps), cos, sin)
+    mask = None if ids is None else _attention_mask(info, *ids.wait())
+    k_btgc, v_btgc = kv.wait()
 
     q_bhsc = rearrange(q_bshc, "b s h c -> b h s c")
     k_bgtc, v_bgtc = rearrange(k_btgc, "b t g c -> b g t c"), rearrange(v_btgc, "b t g c -> b g t c")

@@ -15,39 +15,64 @@ from torch import Tensor
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
 
 
+@runtime_checkable
+class SeqHandle(Protocol):
+    """A started sequence exchange: ``wait()`` returns its results (a tuple, one per exchanged tensor)."""
+
+    def wait(self) -> tuple[Tensor, ...]:
+        ...
+
+
 class SeqComm(Protocol):
-    """Sequence-dimension exchanges (all differentiable). ``LocalSeqComm`` is the one-device identity; ``is_local``
+    """Sequence-dimension exchanges (all differentiable), started early and waited where their result is needed, so
+    the compute that does not need them runs meanwhile. ``LocalSeqComm`` is the one-device identity; ``is_local``
     lets a layer take its single-device fast path."""
 
     is_local: bool
 
-    def all_gather_seq(self, x: Tensor, dim: int) -> Tensor:
-        """Concatenate every CP rank's ``x`` along ``dim`` in rank order (backward: reduce-scatter)."""
+    def all_gather_seq_async(self, xs: tuple[Tensor, ...], dim: int) -> SeqHandle:
+        """Start concatenating every CP rank's copy of each of ``xs`` along ``dim`` in rank order (backward:
+        reduce-scatter)."""
         ...
 
-    def prev_tail(self, x: Tensor, n: int, dim: int) -> Tensor:
-        """The last ``n`` entries along ``dim`` of the previous CP rank's ``x`` (zeros on the first rank)."""
+    def prev_tail_async(self, xs: tuple[Tensor, ...], n: int, dim: int) -> SeqHandle:
+        """Start fetching the last ``n`` entries along ``dim`` of the previous CP rank's copy of each of ``xs``
+        (zeros on the first rank)."""
         ...
 
-    def gdn_carry(self, state_zero: Tensor, transition: Tensor, doc_ids: Tensor) -> Tensor:
+    def gdn_carry(self, state_zero: Tensor, transition: Tensor, doc_ends: SeqHandle) -> Tensor:
         """Given every rank's final state from a zero start ``[b h a p]`` and its state transition ``[b h a a]``
         (zero when the rank's last document started inside the rank), return this rank's true initial state:
-        ``S0_r = [doc continues] · (M_{r-1} S0_{r-1} + S_{r-1})``, composed over the previous ranks."""
+        ``S0_r = [doc continues] · (M_{r-1} S0_{r-1} + S_{r-1})``, composed over the previous ranks. ``doc_ends``:
+        the started ``all_gather_seq_async`` along dim 0 of ``[1, 2, b]`` (each row's first and last doc id)."""
         ...
+
+
+@attrs.frozen
+class Ready:
+    """An exchange that is already complete (one device, or ``overlap_comm`` off): ``wait`` returns ``value``."""
+
+    value: tuple
+
+    def wait(self) -> tuple:
+        return self.value
 
 
 class LocalSeqComm:
     """One device (or no context parallelism): nothing to exchange."""
 
-    def all_gather_seq(self, x: Tensor, dim: int) -> Tensor:
-        return x
+    def all_gather_seq_async(self, xs: tuple[Tensor, ...], dim: int) -> Ready:
+        return Ready(tuple(xs))
 
-    def prev_tail(self, x: Tensor, n: int, dim: int) -> Tensor:
-        shape = list(x.shape)
-        shape[dim] = n
-        return x.new_zeros(shape)
+    def prev_tail_async(self, xs: tuple[Tensor, ...], n: int, dim: int) -> Ready:
+        def zeros(x: Tensor) -> Tensor:
+            shape = list(x.shape)
+            shape[dim] = n
+            return x.new_zeros(shape)
 
-    def gdn_carry(self, state_zero: Tensor, transition: Tensor, doc_ids: Tensor) -> Tensor:
+        return Ready(tuple(zeros(x) for x in xs))
+
+    def gdn_carry(self, state_zero: Tensor, transition: Tensor, doc_ends: SeqHandle) -> Tensor:
         return torch.zeros_like(state_zero)
 
     is_local = True
@@ -63,6 +88,7 @@ class StepRuntime(Protocol):
     prefetch_enabled: bool  # start the next layer's FSDP gathers early
     prefetched: int  # gathers prefetched in forward and consumed so far (reported, checked by the tests)
     prefetched_backward: int  # gathers prefetched in backward for the layer recomputed next, consumed so far
+    cp_early: int  # CP exchanges started before the compute that does not need them (reported, checked by tests)
     dispatch: Any  # the MoE expert dispatch (q38.layers.moe.ExpertDispatch) or None: experts run locally
 
     def seq_info(self, mb: Any) -> "SeqInfo":

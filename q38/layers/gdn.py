@@ -18,7 +18,7 @@ from torch import Tensor
 
 from q38.config import ModelConfig
 from q38.layers.common import ParamInfo
-from q38.layers.context import SeqInfo
+from q38.layers.context import SeqHandle, SeqInfo
 from q38.layers.norm import gated_rms_norm
 from q38.pytree import pytree_node
 
@@ -154,20 +154,38 @@ class _CausalConv(torch.autograd.Function):
         return dx.to(x.dtype), dw.to(w.dtype), (None if dhalo is None else dhalo.to(halo.dtype)), None
 
 
-def conv_torch(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
+@attrs.frozen
+class ConvHalo:
+    """The started CP exchanges of the conv halo: the previous rank's last ``K - 1`` conv inputs and doc ids
+    (``+ 2``, so rank 0's zeros read as no document)."""
+
+    x: SeqHandle
+    doc: SeqHandle
+
+
+def start_doc_halo(kw: int, info: SeqInfo) -> SeqHandle | None:
+    """Start the doc-id half of the conv halo (None on one device): it needs only ``info``, so it is issued at the
+    start of the layer."""
+    return None if info.comm.is_local else info.comm.prev_tail_async((info.doc_ids + 2,), kw - 1, 1)
+
+
+def start_conv_halo(x: Tensor, kw: int, info: SeqInfo, doc: SeqHandle | None) -> ConvHalo | None:
+    """Start the conv-input half of the halo of ``x`` ``[b s ch]`` as soon as ``x`` exists (None on one device)."""
+    return None if doc is None else ConvHalo(info.comm.prev_tail_async((x,), kw - 1, 1), doc)
+
+
+def conv_torch(x: Tensor, w: Tensor, info: SeqInfo, halo: ConvHalo | None = None) -> Tensor:
     """``kernels.causal_conv1d: torch``: ``causal_conv1d`` with the document mask (packed rows or CP) and the CP halo
-    (the previous rank's last ``K - 1`` inputs)."""
-    kw = w.shape[1]
-    comm = info.comm
-    local = comm.is_local
-    halo = None if local else comm.prev_tail(x, kw - 1, 1)
-    halo_doc = None if local else comm.prev_tail(info.doc_ids + 2, kw - 1, 1) - 2  # zeros from rank 0 → -2
-    doc_ids = info.doc_ids if (info.packed or not local) else None
-    return causal_conv1d(x, w, doc_ids, halo, halo_doc)
+    (the previous rank's last ``K - 1`` inputs and doc ids, started by the layer: ``start_conv_halo``)."""
+    if halo is None:
+        return causal_conv1d(x, w, info.doc_ids if info.packed else None)
+    (prev_x,), (prev_doc,) = halo.x.wait(), halo.doc.wait()
+    return causal_conv1d(x, w, info.doc_ids, prev_x, prev_doc - 2)  # zeros from rank 0 → doc -2
 
 
-def conv_cuda(x: Tensor, w: Tensor, info: SeqInfo) -> Tensor:
-    """``kernels.causal_conv1d: cuda``: the causal-conv1d package's kernel (one document per row, no CP)."""
+def conv_cuda(x: Tensor, w: Tensor, info: SeqInfo, halo: ConvHalo | None = None) -> Tensor:
+    """``kernels.causal_conv1d: cuda``: the causal-conv1d package's kernel (one document per row, no CP: ``halo`` is
+    always None)."""
     from causal_conv1d import causal_conv1d_fn  # type: ignore
 
     return causal_conv1d_fn(x.transpose(1, 2), w, None, activation=None).transpose(1, 2)
@@ -605,10 +623,11 @@ def gdn_core_torch(
     """``kernels.gdn: torch``: ``gated_delta_rule_chunked`` (chunks of ``chunk_size``, ``backward`` custom or autograd),
     document-masked for packed rows; under context parallelism the ranks' states are composed by ``info.comm``."""
     comm = info.comm
-    local = comm.is_local
-    doc_ids = info.doc_ids if (info.packed or not local) else None
-    if local:
+    if comm.is_local:
+        doc_ids = info.doc_ids if info.packed else None
         return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size=chunk_size, backward=backward)[0]
+    # The carry's doc ids (each row's first and last, per rank) need only ``info``: started before the core's pass.
+    doc_ends = comm.all_gather_seq_async((torch.stack([info.doc_ids[:, 0], info.doc_ids[:, -1]])[None],), 0)
     # Context parallel: the output and final state are affine in the initial state S0. Running extra value columns
     # (zero values, identity initial state) gives the response to S0 in the same pass; the comm then composes the
     # ranks' (final state, transition) pairs into this rank's true S0 (architecture of fla's KCP, exact in fp32).
@@ -617,11 +636,11 @@ def gdn_core_torch(
     v_aug = torch.cat([v, v.new_zeros(b, s, h, a)], dim=-1)
     eye = torch.eye(a, dtype=torch.float32, device=v.device).expand(b, h, a, a)
     s0 = torch.cat([torch.zeros(b, h, a, pv, dtype=torch.float32, device=v.device), eye], dim=-1)
-    o_aug, s_aug = gated_delta_rule_chunked(q, k, v_aug, g, beta, doc_ids, s0, chunk_size=chunk_size,
+    o_aug, s_aug = gated_delta_rule_chunked(q, k, v_aug, g, beta, info.doc_ids, s0, chunk_size=chunk_size,
                                             backward=backward)
     o_zero, o_resp = o_aug[..., :pv].float(), o_aug[..., pv:].float()  # [b s h p], [b s h a]
     s_zero, transition = s_aug[..., :pv], s_aug[..., pv:]  # [b h a p], [b h a a]
-    init = comm.gdn_carry(s_zero, transition, info.doc_ids)  # [b h a p]
+    init = comm.gdn_carry(s_zero, transition, doc_ends)  # [b h a p]
     o = o_zero + torch.einsum("bsha,bhap->bshp", o_resp, init)
     return o.to(v.dtype)
 
@@ -659,14 +678,19 @@ def gdn_apply(
     ``backward``: the torch core's backward (``GDN_BACKWARDS``: ``custom``, or the ``autograd`` reference)."""
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     kernels = info.kernels
-    qkv = F.silu(kernels.fn("causal_conv1d")(F.linear(x, p.w_qkv), p.conv_w, info))
+    # CP: the conv halo is started as soon as its inputs exist and waited by the conv, after the other projections.
+    kw = p.conv_w.shape[1]
+    doc_halo = start_doc_halo(kw, info)
+    mixed = F.linear(x, p.w_qkv)
+    halo = start_conv_halo(mixed, kw, info, doc_halo)
+    z = rearrange(F.linear(x, p.w_z), "b s (h c) -> b s h c", h=nv)
+    beta = torch.sigmoid(F.linear(x, p.w_b))
+    log_decay = -p.A_log.float().exp() * F.softplus(F.linear(x, p.w_a).float() + p.dt_bias)  # fp32, ≤ 0
+    qkv = F.silu(kernels.fn("causal_conv1d")(mixed, p.conv_w, info, halo))
     q, k, v = torch.split(qkv, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
     q = rearrange(q, "b s (hk c) -> b s hk c", hk=nk)
     k = rearrange(k, "b s (hk c) -> b s hk c", hk=nk)
     v = rearrange(v, "b s (h c) -> b s h c", h=nv)
-    z = rearrange(F.linear(x, p.w_z), "b s (h c) -> b s h c", h=nv)
-    beta = torch.sigmoid(F.linear(x, p.w_b))
-    log_decay = -p.A_log.float().exp() * F.softplus(F.linear(x, p.w_a).float() + p.dt_bias)  # fp32, ≤ 0
     # q, k stay per key head (value head i reads key head i // (nv / nk)): the core expands them
     with info.region("gdn"):
         o = kernels.fn("gdn")(q, k, v, log_decay, beta, info, chunk_size=int(kernels.gdn_chunk_size),

@@ -274,6 +274,30 @@ class _AllGather(torch.autograd.Function):
         return _rs(g, ctx.dim, ctx.group), None, None
 
 
+class _AllGatherAsync(torch.autograd.Function):
+    """Every rank's copy of each of ``xs``, stacked in rank order on a new leading dim (``[n, *x.shape]``), each
+    all-gather issued async with its work appended to ``works``: the outputs are valid once those works have been
+    waited for, so the caller computes what does not need them meanwhile (CP exchanges, ``q38.parallel.cp``).
+    Backward: the reduce-scatter of each gradient, synchronous and in ``xs`` order (one autograd node, so every rank
+    runs them together and in the same order). Called as ``apply(group, works, *xs)``; returns a tuple."""
+
+    @staticmethod
+    def forward(ctx, group, works, *xs):
+        ctx.group = group
+        n = dist.get_world_size(group)
+        outs = []
+        with record_function("q38.gather"):
+            for x in xs:
+                out = x.new_empty((n, *x.shape))
+                works.append(links.all_gather(list(out.unbind(0)), x.contiguous(), group, async_op=True))
+                outs.append(out)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        return (None, None, *(_rs(g, 0, ctx.group)[0] for g in gs))
+
+
 class _AllToAll(torch.autograd.Function):
     """Uneven ``all_to_all_single`` of each of ``xs`` (same splits), whose backward is the reverse exchange of their
     gradients, synchronous and in ``xs`` order: one autograd node per exchange, so every rank runs the reverse

@@ -17,6 +17,7 @@ class LocalRuntime:
     prefetched = 0
     prefetched_backward = 0
     async_reductions = 0
+    cp_early = 0
 
     def __init__(self, param_dtype=torch.float32):
         self.param_dtype = param_dtype  # compute dtype (the mixed-precision policy); masters stay fp32

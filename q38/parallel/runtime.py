@@ -66,7 +66,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             if ep_size > 1 else None
         )
         cp = mesh.size("cp")
-        self.comm = CPComm(mesh.group("cp"), mesh.local_rank("cp"), cp) if cp > 1 else None
+        self.comm = CPComm(mesh.group("cp"), mesh.local_rank("cp"), cp, overlap) if cp > 1 else None
         self._keep_local: dict[int, frozenset] = {}
         self._steps_of: dict[int, tuple] = {}  # id(leaf) -> its collectives (``collectives(leaf)``)
         self._pending: dict[int, tuple] = {}  # id(leaf) -> (work, parts, when) of a prefetched gather
@@ -103,6 +103,11 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
     def async_reductions(self) -> int:
         """Gradient reductions issued async from backward and waited after it (reported in Gradients)."""
         return self._reductions.issued
+
+    @property
+    def cp_early(self) -> int:
+        """CP exchanges started async and waited where used (reported in Gradients; 0 without CP)."""
+        return self.comm.early if self.comm is not None else 0
 
     def collectives(self, leaf) -> tuple[_Step, ...]:
         """The collectives that bring bound ``leaf`` into compute form (what the gathers run; tests and the plan)."""

@@ -137,6 +137,7 @@ class Gradients(_Terms):
     async_reductions: int = 0  # gradient reductions issued async in backward and waited after it (overlap_comm)
     ep_copies: tuple = ()  # EP balance: expert copies the plan made, per MoE layer call
     mtp_tokens: tuple = ()  # valid targets of each MTP depth in the step (0: that term is 0, not NaN)
+    cp_early: int = 0  # CP exchanges started async, before the compute that does not need them (overlap_comm)
 
 
 def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
@@ -220,7 +221,8 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     loads, copies = runtime.ep_stats()
     return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
                      prefetched=runtime.prefetched, prefetched_backward=runtime.prefetched_backward,
-                     async_reductions=runtime.async_reductions, ep_copies=copies, mtp_tokens=tuple(ctx.n_mtp))
+                     async_reductions=runtime.async_reductions, ep_copies=copies, mtp_tokens=tuple(ctx.n_mtp),
+                     cp_early=runtime.cp_early)
 
 
 def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
