@@ -57,14 +57,17 @@ class ModelOutput:
 class LayerHooks:
     """How the step runs the model; every hook is the identity on one device.
 
-    ``gather``: param subtree → compute form (FSDP all-gather); ``wrap_layer``: wraps each layer call (activation
-    checkpointing / offload); ``dispatch``: EP token dispatch; ``info``: per-token sequence facts (CP-aware).
+    ``gather``: param subtree → compute form (FSDP all-gather); ``wrap_layer(fn, params, x, on_forward,
+    on_recompute)``: wraps each layer call (activation checkpointing / offload), calling ``on_forward()`` /
+    ``on_recompute()`` (when not None) as the layer's checkpointed forward / its recompute in backward begins;
+    ``dispatch``: EP token dispatch; ``info``: per-token sequence facts (CP-aware); ``prefetch(tree, when)``: start
+    gathering a layer's params early (FSDP overlap, ``MeshRuntime.prefetch``).
     """
 
     gather: Callable[[Any], Any] = lambda p: p
     wrap_layer: Callable[..., Any] | None = None
     dispatch: ExpertDispatch | None = None
-    prefetch: Callable[[Any], None] | None = None  # start gathering the next layer's params (FSDP overlap)
+    prefetch: Callable[..., None] | None = None
 
 
 def abstract_params(cfg: ModelConfig) -> ModelParams:
@@ -148,11 +151,33 @@ def shift_tokens(
     return out
 
 
-def _run_layer(hooks: LayerHooks, p, x, cfg, info, router_bias=None):
+def _run_layer(hooks: LayerHooks, p, x, cfg, info, router_bias=None, recomputed_next=None):
+    """One layer through the hooks. ``recomputed_next``: the params of the layer backward recomputes after this
+    one (the one before it in forward; None for the first layer)."""
     fn = lambda p_, x_: layer_apply(hooks.gather(p_), x_, cfg, info, hooks.dispatch, router_bias)  # noqa: E731
-    if hooks.wrap_layer is not None:
-        return hooks.wrap_layer(fn, p, x)
-    return fn(p, x)
+    if hooks.wrap_layer is None:
+        return fn(p, x)
+    if hooks.prefetch is None:
+        return hooks.wrap_layer(fn, p, x, None, None)
+    return hooks.wrap_layer(fn, p, x, *_checkpoint_prefetches(hooks.prefetch, p, recomputed_next))
+
+
+def _checkpoint_prefetches(prefetch: Callable[..., None], p, recomputed_next) -> tuple[Callable, Callable]:
+    """What a checkpointed layer's forward and recompute start as they begin, outside the checkpoint's op recording:
+    in backward, the gathers of the layer recomputed next (so they overlap this layer's recompute and backward).
+    Selective recompute matches the recompute's ops one by one against the forward's, so each gather must be
+    consumed from a prefetch in both runs or in neither: the layer's own gathers not already prefetched (forward:
+    the first layer; backward: the first layer it reaches) are started here too, just in time."""
+
+    def on_forward() -> None:
+        prefetch(p, "now")
+
+    def on_recompute() -> None:
+        prefetch(p, "now")
+        if recomputed_next is not None:
+            prefetch(recomputed_next, "behind")
+
+    return on_forward, on_recompute
 
 
 def forward(
@@ -184,7 +209,8 @@ def forward(
     for i, lp in enumerate(params.layers):
         if hooks.prefetch is not None and torch.is_grad_enabled() and i < len(upcoming):
             hooks.prefetch(upcoming[i])
-        x, rl = _run_layer(hooks, lp, x, config, info, None if router_bias is None else router_bias[i])
+        x, rl = _run_layer(hooks, lp, x, config, info, None if router_bias is None else router_bias[i],
+                           params.layers[i - 1] if i > 0 else None)
         router_logits.append(rl)
     hidden = rms_norm(x, hooks.gather(params.final_norm), config.rms_norm_eps)
 
@@ -205,7 +231,8 @@ def forward(
                 fc,
             )
             bias = None if router_bias is None else router_bias[len(params.layers) + depth - 1]
-            h, rl = _run_layer(hooks, lp, h, config, info, bias)
+            before = mp.layers[depth - 2] if depth > 1 else params.layers[-1]  # backward recomputes it next
+            h, rl = _run_layer(hooks, lp, h, config, info, bias, before)
             router_logits.append(rl)
             h_prev = rms_norm(h, norm, config.rms_norm_eps)
             mtp_hidden.append(h_prev)

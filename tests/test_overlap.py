@@ -1,7 +1,8 @@
 """Communication overlap (``train.overlap_comm``) keeps the math: every layout of ``tests/test_parallel.py`` equals one
-process with the next layer's gathers prefetched and the gradient reductions issued async (waited after backward),
-recompute on (the on-by-default, recompute-off schedule is ``test_layout_matches_single_process``); and with overlap
-off. The counters show the overlap really happened, and gathers over several mesh dims run as one collective."""
+process with the next layer's gathers prefetched (in forward, and in backward for the layer recomputed next) and the
+gradient reductions issued async (waited after backward), recompute on, full or selective (the on-by-default,
+recompute-off schedule is ``test_layout_matches_single_process``); and with overlap off. The counters show the overlap
+really happened, and gathers over several mesh dims run as one collective."""
 
 import pytest
 
@@ -27,14 +28,16 @@ def _rank_fn(rank, world, layout_name, mesh_sizes, tc):
     rt = mesh_runtime(mesh, tc)
     rt.bind(state.params)
     steps = {n: [(st.kind, st.names, st.sizes) for st in rt.collectives(t)] for n, t in named_leaves(state.params)}
-    # Prefetched: every leaf of the layers after the first (and of the MTP block) whose first gather is even.
-    ahead = [n for n, s in steps.items() if (n.startswith("layers.") and not n.startswith("layers.0.")
-                                             or n.startswith("mtp."))
-             and next((sz is None for k, _, sz in s if k == "gather"), False)]
+    # Prefetched: every leaf of the layers after the first (and of the MTP block) whose first gather is even; in
+    # backward (recompute), those of every main layer: each is recomputed after the layer (or MTP depth) after it.
+    even = [n for n, s in steps.items() if next((sz is None for k, _, sz in s if k == "gather"), False)]
+    ahead = [n for n in even if n.startswith("layers.") and not n.startswith("layers.0.") or n.startswith("mtp.")]
+    behind = [n for n in even if n.startswith("layers.")]
     grads = {n: g.full_tensor() for n, g in zip(steps, r.grads)}  # collective: every rank
     out = {"loss": float(r.loss), "mtp": float(r.mtp_losses[0]), "aux": float(r.aux_loss),
            "grads": grads if rank == 0 else None,
            "prefetched": r.prefetched, "async": r.async_reductions, "steps": steps, "ahead": len(ahead),
+           "prefetched_backward": r.prefetched_backward, "behind": len(behind) if tc.recompute else 0,
            "reduced": sum(1 for s in steps.values() if s), "mesh": tuple(mesh.sizes)}
     state, _ = train_step(state, shard_batch(_batch(seed=0), mesh, cfg.mtp_num_layers), mesh)
     params = dict(named_leaves(unshard(state).params))
@@ -48,9 +51,10 @@ def _check(outs, ref, overlap):
         assert abs(o["mtp"] - ref["mtp"][0]) <= TOL
         if overlap:  # every evenly gathered leaf of the next layer was prefetched; every reduction was async
             assert o["prefetched"] == o["ahead"] > 0
+            assert o["prefetched_backward"] == o["behind"]
             assert o["async"] == o["reduced"] > 0
         else:
-            assert o["prefetched"] == o["async"] == 0
+            assert o["prefetched"] == o["prefetched_backward"] == o["async"] == 0
         for name, s in o["steps"].items():  # at most one gather and one all-reduce per leaf (all shards even)
             assert [k for k, _, _ in s] in ([], ["gather"], ["sum"], ["gather", "sum"]), (name, s)
     for name, g in ref["grads"].items():
@@ -64,7 +68,20 @@ def _check(outs, ref, overlap):
 def test_overlap_with_recompute_matches_single_process(layout, mesh_sizes, world):
     tc = TrainConfig(loss_chunk_size=16, aux_loss_coef=0.01, lr=1e-3, eps=1e-3, recompute=True)
     assert tc.overlap_comm and tc.fsdp_prefetch is None  # on by default, the prefetch following it
-    _check(run_distributed(_rank_fn, world, layout, mesh_sizes, tc), _reference(tc, 1), overlap=True)
+    outs = run_distributed(_rank_fn, world, layout, mesh_sizes, tc)
+    _check(outs, _reference(tc, 1), overlap=True)
+    assert all(o["behind"] > 0 for o in outs)  # the backward prefetch happened (every layout gathers the layers)
+
+
+def test_backward_prefetch_with_selective_recompute_matches_single_process():
+    """Selective recompute (the attention kernel's outputs kept) still recomputes each layer, gathers included:
+    the next layer's gathers are prefetched as its recompute begins, on the layout with EP, CP and flattened
+    gathers."""
+    tc = TrainConfig(loss_chunk_size=16, aux_loss_coef=0.01, lr=1e-3, eps=1e-3, recompute=True,
+                     skip_flash_attn_recompute=True)
+    outs = run_distributed(_rank_fn, 4, "fsdp_ep_cp", {"fsdp": 1, "ep": 2, "cp": 2}, tc)
+    _check(outs, _reference(tc, 1), overlap=True)
+    assert all(o["behind"] > 0 for o in outs)
 
 
 @pytest.mark.parametrize("layout,mesh_sizes,world", [("fsdp_ep_cp", {"fsdp": 1, "ep": 2, "cp": 2}, 4),

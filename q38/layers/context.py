@@ -86,7 +86,8 @@ class StepRuntime(Protocol):
 
     is_local: bool
     prefetch_enabled: bool  # start the next layer's FSDP gathers early
-    prefetched: int  # prefetched gathers consumed so far (reported, checked by the tests)
+    prefetched: int  # gathers prefetched in forward and consumed so far (reported, checked by the tests)
+    prefetched_backward: int  # gathers prefetched in backward for the layer recomputed next, consumed so far
     cp_early: int  # CP exchanges started before the compute that does not need them (reported, checked by tests)
     dispatch: Any  # the MoE expert dispatch (q38.layers.moe.ExpertDispatch) or None: experts run locally
 
@@ -102,8 +103,10 @@ class StepRuntime(Protocol):
         """Parameters in compute form, in the policy's ``param_dtype`` (FSDP all-gather on a mesh)."""
         ...
 
-    def prefetch(self, tree: Any) -> None:
-        """Start gathering ``tree`` now (consumed by the next ``gather`` of it)."""
+    def prefetch(self, tree: Any, when: str = "ahead") -> None:
+        """Start gathering ``tree`` now (consumed by the next ``gather`` of it); ``when``: what consumes it, the
+        next layer in forward (``ahead``), the layer recomputed next in backward (``behind``) or the layer about to
+        run (``now``)."""
         ...
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:

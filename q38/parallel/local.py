@@ -15,6 +15,7 @@ class LocalRuntime:
     is_local = True
     prefetch_enabled = False
     prefetched = 0
+    prefetched_backward = 0
     async_reductions = 0
     cp_early = 0
 
@@ -40,7 +41,7 @@ class LocalRuntime:
 
     dispatch = None
 
-    def prefetch(self, tree) -> None:
+    def prefetch(self, tree, when: str = "ahead") -> None:
         pass
 
     def saved_tensor_hooks(self):

@@ -69,8 +69,11 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         self.comm = CPComm(mesh.group("cp"), mesh.local_rank("cp"), cp, overlap) if cp > 1 else None
         self._keep_local: dict[int, frozenset] = {}
         self._steps_of: dict[int, tuple] = {}  # id(leaf) -> its collectives (``collectives(leaf)``)
-        self._pending: dict[int, tuple] = {}  # id(leaf) -> (work, parts) of a prefetched gather
-        self.prefetched = 0  # prefetched gathers consumed (reported in Gradients, checked by the tests)
+        self._pending: dict[int, tuple] = {}  # id(leaf) -> (work, parts, when) of a prefetched gather
+        # Prefetched gathers consumed (reported in Gradients, checked by the tests): started in forward a layer
+        # ahead, and in backward as the recompute of the layer after it began.
+        self.prefetched = 0
+        self.prefetched_backward = 0
         self._reductions = _Reductions()
         self._anchor: Tensor | None = None  # set by bind(defer_reductions=True) when overlapping
         self._gather_calls = 0
@@ -115,13 +118,16 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
 
         return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, is_packed(mb.doc_ids), self.comm or LocalSeqComm())
 
-    def prefetch(self, tree) -> None:
+    def prefetch(self, tree, when: str = "ahead") -> None:
         """Start the all-gathers of ``tree`` (the next layer) now, so they overlap the current layer's compute
         (async: gloo runs it on its own thread, NCCL on its own stream). Each leaf's first gather is prefetched
         (cast to ``param_dtype`` first, like every gather): the whole gather when it is one collective (one mesh
         dim, or even shards of several mesh dims flattened into one group). Uneven (``torch.chunk``) gathers stay
         unprefetched (their padded parts are trimmed per mesh dim in ``_ag``). The gather that consumes a prefetch
-        waits for it; its backward is the usual reduction."""
+        waits for it; its backward is the usual reduction. ``when`` says what the consumer is, for the counters:
+        ``ahead`` (forward: the next layer; ``prefetched``), ``behind`` (backward, as a layer's recompute begins:
+        the layer recomputed next; ``prefetched_backward``) or ``now`` (the layer about to run; not an overlap,
+        not counted: see ``q38.model._checkpoint_prefetches``)."""
         import torch.utils._pytree as pytree
 
         for t in pytree.tree_leaves(tree):
@@ -133,7 +139,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             x = t.to_local().detach().to(self.param_dtype).contiguous()
             parts = [torch.empty_like(x) for _ in range(dist.get_world_size(first.group))]
             work = links.all_gather(parts, x, first.group, async_op=True)
-            self._pending[id(t)] = (work, parts)
+            self._pending[id(t)] = (work, parts, when)
 
     def _steps(self, t) -> tuple:
         """The collectives that bring leaf ``t`` into compute form: gather its sharded dims (except the
@@ -163,15 +169,24 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             gathers.append(_Step("sum", self.mesh.group_of(names), names=names))
         return tuple(gathers)
 
+    def _take_prefetch(self, t) -> tuple | None:
+        """The ``(work, parts)`` of ``t``'s prefetched first gather (None if it was not prefetched), counted as
+        consumed by what it was started for (``prefetch``'s ``when``)."""
+        pending = self._pending.pop(id(t), None)
+        if pending is None:
+            return None
+        work, parts, when = pending
+        self.prefetched += when == "ahead"
+        self.prefetched_backward += when == "behind"
+        return work, parts
+
     def _gather_one(self, t):
         if not isinstance(t, DTensor):
             return t.to(self.param_dtype) if t.is_floating_point() else t
         if id(t) not in self._keep_local:
             raise RuntimeError("MeshRuntime.gather: parameter not bound; call bind(params) first")
         steps = self._steps_of[id(t)]
-        pending = self._pending.pop(id(t), None)
-        if pending is not None:
-            self.prefetched += 1
+        pending = self._take_prefetch(t)
         if not steps:
             x = t.to_local(grad_placements=t.placements)
             y = x.to(self.param_dtype)

@@ -35,8 +35,26 @@ def _policy(keep: frozenset, regions: KernelRegions):
     return policy
 
 
+def _checkpoint_contexts(inner, on_forward, on_recompute):
+    """``checkpoint``'s ``context_fn``: the forward and recompute contexts of ``inner`` (selective recompute's; None:
+    none), each calling its callback as it is entered, before the policy sees an op. Checkpoint enters the forward
+    context only when it records a backward, and the recompute one only in backward."""
+    fwd, rec = inner() if inner is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    return _calling_first(on_forward, fwd), _calling_first(on_recompute, rec)
+
+
+@contextlib.contextmanager
+def _calling_first(callback, ctx):
+    if callback is not None:
+        callback()
+    with ctx:
+        yield
+
+
 def layer_wrapper(tc: TrainConfig, saved_hooks=None, regions: KernelRegions | None = None):
-    """``wrap_layer(fn, params, x)`` for ``LayerHooks``: plain call, checkpoint, or selective checkpoint; with offload
+    """``wrap_layer(fn, params, x, on_forward, on_recompute)`` for ``LayerHooks``: plain call, checkpoint, or selective
+    checkpoint (``on_forward()`` / ``on_recompute()``, when given, run as the checkpointed forward / the recompute in
+    backward begins, before ``fn``, outside the selective policy's op recording); with offload
     every tensor saved for backward lives in host memory until it is needed. ``saved_hooks`` (a context factory,
     used without recompute): the FSDP reshard-after-forward hooks of the mesh runtime. ``regions``: the step's
     ``KernelRegions``, whose ``enter`` the layers' ``SeqInfo.region`` must be (needed for selective recompute)."""
@@ -45,17 +63,16 @@ def layer_wrapper(tc: TrainConfig, saved_hooks=None, regions: KernelRegions | No
     if keep and regions is None:
         raise ValueError("selective recompute (skip_*_recompute) needs the step's KernelRegions (regions=)")
 
-    def wrap(fn, p, x):
+    def wrap(fn, p, x, on_forward=None, on_recompute=None):
         if not tc.recompute:
             return fn(p, x)
-        kwargs = {}
-        if keep:
-            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _policy(keep, regions))
-        return checkpoint(fn, p, x, use_reentrant=False, determinism_check="none", **kwargs)
+        inner = functools.partial(create_selective_checkpoint_contexts, _policy(keep, regions)) if keep else None
+        contexts = functools.partial(_checkpoint_contexts, inner, on_forward, on_recompute)
+        return checkpoint(fn, p, x, use_reentrant=False, determinism_check="none", context_fn=contexts)
 
     if saved_hooks is not None and not tc.recompute and not tc.offload_activations:
 
-        def resharded(fn, p, x):
+        def resharded(fn, p, x, on_forward=None, on_recompute=None):  # no checkpoint: the callbacks are not due
             with saved_hooks():
                 return fn(p, x)
 
@@ -64,9 +81,9 @@ def layer_wrapper(tc: TrainConfig, saved_hooks=None, regions: KernelRegions | No
         return None
     if tc.offload_activations:
 
-        def offloaded(fn, p, x):
+        def offloaded(fn, p, x, on_forward=None, on_recompute=None):
             with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-                return wrap(fn, p, x)
+                return wrap(fn, p, x, on_forward, on_recompute)
 
         return offloaded
     return wrap

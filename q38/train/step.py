@@ -132,7 +132,8 @@ class Gradients(_Terms):
     tokens: Tensor
     router_load: Tensor
     ep_max_load: tuple = ()  # EP: the largest per-rank count of routed slots, per MoE layer call
-    prefetched: int = 0  # FSDP gathers that were started a layer early and consumed
+    prefetched: int = 0  # FSDP gathers that were started a layer early (in forward) and consumed
+    prefetched_backward: int = 0  # FSDP gathers started in backward for the next layer's recompute and consumed
     async_reductions: int = 0  # gradient reductions issued async in backward and waited after it (overlap_comm)
     ep_copies: tuple = ()  # EP balance: expert copies the plan made, per MoE layer call
     mtp_tokens: tuple = ()  # valid targets of each MTP depth in the step (0: that term is 0, not NaN)
@@ -219,7 +220,9 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     grad_norm = runtime.grad_sq_norm(grads).sqrt()
     loads, copies = runtime.ep_stats()
     return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
-                     runtime.prefetched, runtime.async_reductions, copies, tuple(ctx.n_mtp), runtime.cp_early)
+                     prefetched=runtime.prefetched, prefetched_backward=runtime.prefetched_backward,
+                     async_reductions=runtime.async_reductions, ep_copies=copies, mtp_tokens=tuple(ctx.n_mtp),
+                     cp_early=runtime.cp_early)
 
 
 def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
