@@ -5,7 +5,7 @@
 #
 #   NNODES=128 NODE_RANK=<0..127> MASTER_ADDR=<host of node 0> scripts/launch_qwen3_8_2_4t.sh [--set KEY=VALUE ...]
 #
-# The layout qwen3_8_2_4t (fsdp × cp 2 × ep 32) needs a multiple of 64 ranks: 128 nodes × 8 devices = 1024 ranks
+# The layout qwen3_8_2_4t (fsdp × ep 32 × cp 2) needs a multiple of 64 ranks: 128 nodes × 8 devices = 1024 ranks
 # gives fsdp 16. Device and backend are automatic (Ascend NPU + hccl, CUDA + nccl); out_dir must be on a file system
 # every node sees (the checkpoint shards of all ranks go into one directory). SIGTERM (e.g. the scheduler's
 # pre-emption signal) saves a checkpoint and exits; launching the same command again resumes.

@@ -120,7 +120,7 @@ def test_activation_rules():
 
 
 def test_resolve_mesh():
-    assert Layout.preset("qwen3_8_2_4t").resolve_mesh(1024) == {"fsdp": 16, "cp": 2, "ep": 32}
+    assert list(Layout.preset("qwen3_8_2_4t").resolve_mesh(1024).items()) == [("fsdp", 16), ("ep", 32), ("cp", 2)]
     assert list(Layout.preset("fsdp_ep_cp").resolve_mesh(16)) == ["fsdp", "cp", "ep"]
     assert Layout.preset("single").resolve_mesh(1) == {}
 
@@ -341,12 +341,12 @@ def test_local_numel_matches_dtensor(shape, items, mesh):
 
 
 def _expected_rank0_numel_2_4t(c: ModelConfig) -> tuple[int, int]:
-    """Hand-written per-rank parameter count of the production layout on 1024 ranks (fsdp 16 × cp 2 × ep 32):
+    """Hand-written per-rank parameter count of the production layout on 1024 ranks (fsdp 16 × ep 32 × cp 2):
     dense weights split 1024 ways on their largest dim, routed experts 32 ways on e and 32 ways on the ffn dim,
-    norms and biases whole. Returns (rank 0 = the fullest rank, the last EP rank of the vocab split)."""
+    norms and biases whole. Returns (rank 0 = the fullest rank, the last CP rank of the vocab split)."""
     d, W = c.hidden_size, 1024
-    vocab_rows = -(-(c.vocab_size // 32) // 32)  # 248320 / (fsdp·cp) = 7760 rows, then ceil over ep → 243
-    vocab_rows_last = c.vocab_size // 32 - 31 * vocab_rows  # 227 on EP rank 31
+    vocab_rows = -(-(c.vocab_size // 512) // 2)  # 248320 / (fsdp·ep) = 485 rows, then ceil over cp → 243
+    vocab_rows_last = c.vocab_size // 512 - vocab_rows  # 242 on CP rank 1
     hc, gc = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     attn = (2 * hc * d + 2 * gc * d + d * hc) // W + 2 * c.head_dim
     nv = c.linear_num_value_heads
@@ -373,7 +373,7 @@ def test_plan_2_4t_on_1024_ranks(big_cfg):
     assert report.optimizer_bytes_max == 8 * fullest
     assert report.total_params == count_params(big_cfg).total_with_mtp
     assert report.experts.per_rank == 16 and list(report.experts.experts_of_rank(1023)) == list(range(496, 512))
-    assert list(report.experts.experts_of_rank(33)) == list(range(16, 32))  # ep is the innermost mesh dim
+    assert list(report.experts.experts_of_rank(3)) == list(range(16, 32))  # ep is the middle mesh dim: stride cp 2
     # one gathered layer: a GDN layer's dense weights whole + 16 local experts whole
     c = big_cfg
     d = c.hidden_size
@@ -383,7 +383,7 @@ def test_plan_2_4t_on_1024_ranks(big_cfg):
                  + 16 * 3 * c.moe_intermediate_size * d)
     assert report.largest_layer == "layers.0" and report.largest_layer_bytes == 4 * gdn_layer
     text = format_plan(report)
-    assert "fsdp=16 × cp=2 × ep=32" in text and "*.moe.we_gate_up" in text
+    assert "fsdp=16 × ep=32 × cp=2" in text and "*.moe.we_gate_up" in text
 
 
 def test_plan_single_has_no_traffic(tiny_cfg):

@@ -27,7 +27,9 @@ row-major over the mesh and consecutive ranks share a node, so the layout's mesh
 inside a node), the price the simulated cluster (benchmarks/cluster_sim.py) holds the real collectives to. Overlap
 is what the runtime does, switched by the same settings (``train.overlap_comm``, ``fsdp_prefetch``, ``ep_overlap``):
 prefetched forward gathers (``prefetch``: the first even gather of every parameter of the layers after the first
-and of the MTP block; several mesh dims sharding one tensor dim evenly are one collective), gradient reductions issued async in backward (``async_reduce``) and the EP exchange of one half of
+and of the MTP block; several mesh dims sharding one tensor dim evenly are one collective), their recompute in
+backward (layer i-1's started when layer i's recompute begins), CP key/value gathers started before the query-side
+compute, gradient reductions issued async in backward (``async_reduce``) and the EP exchange of one half of
 the slots in flight during the other half's experts (``ep_overlap``, hidden at most behind the MoE compute) hide
 behind the compute of their phase; every other collective is synchronous. Each phase takes ``sync + max(compute,
 async)``. The optimizer step is bound by memory bandwidth.
@@ -349,6 +351,7 @@ class ParamStats:
     gather_prefetchable: dict
     layer_gather: dict
     allreduce_dim: dict
+    recompute_prefetchable: dict = attrs.field(factory=dict)  # layer gathers prefetched behind the next recompute
 
 
 _STATS_CACHE: dict = {}
@@ -392,6 +395,7 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
     layer_local: dict[str, int] = {}
     gather_group: dict = {}  # elements received per forward gather, per collective's mesh dims (fullest rank)
     gather_prefetchable: dict = {}
+    recompute_prefetchable: dict = {}
     layer_gather: dict = {}  # elements of layer params only (recompute re-gathers these)
     allreduce_dim: dict = {}  # replicated mesh dims of one all-reduce → elements it reduces (ring-weighted)
     for path, pp in placements.items():
@@ -418,6 +422,10 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
             even = all(pp.shape[sd[names.index(x)]] % mesh[x] == 0 for x in g)
             if ahead and i == 0 and even:
                 gather_prefetchable[g] = gather_prefetchable.get(g, 0.0) + recv
+            # in backward, layer i-1's gathers start when layer i's recompute begins (layer L-1's behind the MTP
+            # block's); the first layer backward recomputes (the last MTP depth) gathers its own
+            if prefetch and i == 0 and even and in_layer and not path.startswith("mtp."):
+                recompute_prefetchable[g] = recompute_prefetchable.get(g, 0.0) + recv
             cur *= n
         sharding = {n for n, a in zip(names, sd) if a is not None}
         rep = tuple(n for n in names if n not in sharding and mesh[n] > 1)
@@ -430,7 +438,7 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
 
     stats = ParamStats(numel, max((int(grid(pp, False).max()) for pp in placements.values()), default=0),
                        largest_layer, max(layer_local.values(), default=0), gathered_layers, gather_group,
-                       gather_prefetchable, layer_gather, allreduce_dim)
+                       gather_prefetchable, layer_gather, allreduce_dim, recompute_prefetchable)
     if len(_STATS_CACHE) > 64:
         _STATS_CACHE.clear()
     _STATS_CACHE[ck] = (placements, stats)
@@ -676,9 +684,12 @@ def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Ha
         pre = ps.gather_prefetchable.get(g, 0.0) * act
         add("all-gather fwd (prefetched)", g, pre * mb, overlapped=True)
         add("all-gather fwd", g, (per_mb_fwd - pre) * mb)
-        if re_gather:
-            add("all-gather recompute" if recompute != "none" else "all-gather backward (reshard)", g,
-                ps.layer_gather.get(g, 0.0) * act * mb, phase="backward")
+        if recompute != "none":  # prefetched behind the recompute of the layer after it (MeshRuntime, "behind")
+            ahead = ps.recompute_prefetchable.get(g, 0.0) * act
+            add("all-gather recompute (prefetched)", g, ahead * mb, overlapped=True, phase="backward")
+            add("all-gather recompute", g, (ps.layer_gather.get(g, 0.0) * act - ahead) * mb, phase="backward")
+        elif re_gather:
+            add("all-gather backward (reshard)", g, ps.layer_gather.get(g, 0.0) * act * mb, phase="backward")
         add("reduce-scatter grads", g, ps.gather_group.get(g, 0.0) * red * mb, overlapped=st.async_reduce,
             phase="backward", kind="reduce_scatter")
     for g, elems in ps.allreduce_dim.items():
