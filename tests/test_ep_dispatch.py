@@ -97,21 +97,27 @@ def test_hierarchical_equals_flat_bit_for_bit(overlap, balance):
     assert hier >= flat / fanout * 0.95  # and no better than the fan-out allows: the count is what it says
 
 
-def _model_fn(rank, world, tc):
+def _model_fn(rank, world, tc, layout, sizes):
     from tests.test_parallel import _rank_fn
 
     os.environ["Q38_RANKS_PER_NODE"] = "2"
-    return _rank_fn(rank, world, "fsdp_ep", {"fsdp": 1, "ep": 4}, tc, 1)
+    return _rank_fn(rank, world, layout, sizes, tc, 1)
 
 
-def test_hierarchical_overlapped_model_matches_one_process():
+# fsdp_ep: EP 4 over 2 nodes of 2. The production layout (fsdp × ep × cp, cp innermost) on 4 ranks: each EP group
+# has one rank in each node (stride cp), its CP pairs are inside a node; with recompute, as it is run.
+MODELS = [("fsdp_ep", {"fsdp": 1, "ep": 4}, False), ("qwen3_8_2_4t", {"fsdp": 1, "ep": 2, "cp": 2}, True)]
+
+
+@pytest.mark.parametrize("layout,sizes,recompute", MODELS, ids=[m[0] for m in MODELS])
+def test_hierarchical_overlapped_model_matches_one_process(layout, sizes, recompute):
     from q38.train.config import TrainConfig
     from tests.test_parallel import GTOL, TOL, _reference
 
     tc = TrainConfig(loss_chunk_size=16, aux_loss_coef=0.01, lr=1e-3, eps=1e-3, ep_dispatch="hierarchical",
-                     ep_overlap=True)
+                     ep_overlap=True, recompute=recompute)
     ref = _reference(tc, 1)
-    outs = run_distributed(_model_fn, 4, tc)
+    outs = run_distributed(_model_fn, 4, tc, layout, sizes)
     assert abs(outs[0]["loss"] - ref["loss"]) <= TOL
     # Relative to the gradient's scale (as for EP balance): summing a token's outputs per node first rounds
     # differently from one process (measured: 1.03e-5 on a GDN conv weight, the worst leaf).
@@ -120,6 +126,6 @@ def test_hierarchical_overlapped_model_matches_one_process():
         err = float((outs[0]["grads"][name] - g).abs().max())
         worst = max(worst, err)
         assert err <= GTOL * max(1.0, float(g.abs().max())), name
-    print(f"\nhierarchical + overlap, EP 4 on 2 nodes vs one process: max |grad diff| {worst:.3g}")
+    print(f"\nhierarchical + overlap, {layout} {sizes} on 2 nodes vs one process: max |grad diff| {worst:.3g}")
     for name, p in ref["params"].items():
         assert (outs[0]["params"][name] - p).abs().max() <= TOL, name
