@@ -206,6 +206,8 @@ def cpu_process_group() -> Iterator[WorldInfo]:
     created = world.world_size > 1 and _init_process_group("cpu", "gloo", world)
     try:
         yield world
+        if created:  # every rank is done with its collectives before any rank tears its process group down
+            dist.barrier()
     finally:
         if created:
             dist.destroy_process_group()
