@@ -165,3 +165,32 @@ def test_the_search_covers_hsdp_and_charges_each_collective_on_its_link(tmp_path
     assert not any(d == "dp_replicate" and c.startswith("all-gather") for c, d in links)  # replicated: not gathered
     layout = Layout.from_dict(candidate_layout(cfg, 8, 1, 1, 2), source="hsdp")
     assert layout.resolve_mesh(16) == {"dp_replicate": 2, "fsdp": 8}
+
+
+def test_the_search_tries_mesh_orders_and_both_dispatches_and_the_run_config_names_its_choice():
+    """On 16 ranks of 8 per node, fsdp 2 × ep 8 in the template order (ep innermost) keeps every EP group inside a
+    node; the order with fsdp innermost spreads each EP group over both nodes, where the hierarchical dispatch
+    crosses fewer inter-node bytes than the flat one. The written run config carries the chosen dispatch."""
+    from q38.parallel.budget import estimate
+    from q38.parallel.layout import Layout
+    from q38.parallel.search import candidate_layout, candidate_run_config, mesh_orders
+
+    cfg = ModelConfig.preset("tiny")
+    hw = Hardware.load("h200")
+    assert mesh_orders(2, 1, 8) == [None, ("ep", "fsdp")]
+    assert len(mesh_orders(2, 2, 4)) == 6  # the template and the 5 other orders of three dims
+    inner = Layout.from_dict(candidate_layout(cfg, 2, 1, 8, 1, ("ep", "fsdp")), source="t")
+    assert list(inner.resolve_mesh(16)) == ["ep", "fsdp"]
+    kw = dict(seq_len=128, rows_per_rank=1, hardware=hw)
+    ep_inter = lambda b: sum(t.inter_bytes for t in b.comm if t.mesh_dim == "ep")  # noqa: E731
+    template = estimate(cfg, Layout.from_dict(candidate_layout(cfg, 2, 1, 8), source="t"), 16, **kw)
+    assert ep_inter(template) == 0
+    flat = estimate(cfg, inner, 16, ep_dispatch="flat", **kw)
+    hier = estimate(cfg, inner, 16, ep_dispatch="hierarchical", **kw)
+    assert 0 < ep_inter(hier) < ep_inter(flat)
+    cands, _ = search(cfg, 16, hw, seq_len=128, global_batch=16)
+    seen = {(tuple(n for n, _ in c.budget.mesh), c.ep_dispatch) for c in cands if dict(c.budget.mesh).get("ep", 1) > 1}
+    assert {d for _, d in seen} == {"flat", "hierarchical"}
+    assert len({o for o, _ in seen}) > 1  # several mesh orders
+    hier_cand = next(c for c in cands if c.ep_dispatch == "hierarchical")
+    assert candidate_run_config(hier_cand, "tiny", "l.yaml", 128)["train"]["ep_dispatch"] == "hierarchical"

@@ -461,11 +461,6 @@ def group_shape(mesh_items: tuple, dims: tuple, devices_per_node: int) -> tuple[
     return len(ranks), nodes, per_node
 
 
-def _group_link(mesh: Mapping[str, int], dim: str, devices_per_node: int) -> str:
-    """``intra`` when every group of ``dim`` lies inside one node (ranks numbered row-major over the mesh)."""
-    return "intra" if group_shape(tuple(mesh.items()), (dim,), devices_per_node)[1] == 1 else "inter"
-
-
 @attrs.frozen(kw_only=True)
 class _Step:
     """One step as :func:`estimate` prices it, its arguments resolved: the mesh, one micro-batch's local shape
@@ -856,7 +851,7 @@ def estimate(
     hw = hardware
     peak = hw.peak(param_dtype) if hw else None
     rate = peak * hw.achievable_fraction if hw else 0.0
-    fwd_flops = (fl.model - fl.head) / 3 + fl.head / 3  # forward ≈ a third of fwd + bwd; recompute runs in backward
+    fwd_flops = fl.model / 3  # forward ≈ a third of forward + backward; recompute runs in backward
     moe_s = (fl.experts + _shared_expert_flops(cfg, rows_per_rank * st.seq)) / rate if hw else 0.0
     opt_bytes = ps.numel * (st.mst * 2 + st.red + 8 * 2)
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)

@@ -209,9 +209,6 @@ class _HeldWork:
             _hold(self.until)
         return True
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed() and time.perf_counter() >= self.until
-
 
 class _TimedWork:
     def __init__(self, work):
@@ -221,9 +218,6 @@ class _TimedWork:
         with CommClock.timed():
             self.work.wait(*args)
         return True
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
 
 
 def _hold(until: float) -> None:
