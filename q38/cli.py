@@ -5,23 +5,14 @@ Bad input ends with a one-line error naming the problem and the fix (exit code 2
 
 import argparse
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
 
 from q38.errors import reading
 
-USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data,kernels} ...
-  train [CONFIG] [--set SECTION.KEY=VALUE ...]
-                   train or resume (no CONFIG: the embedded tiny run); torchrun --nproc_per_node N for N ranks
-  prepare-data INPUT... --out DIR [--tokenizer T] [--train-on assistant|all|last_assistant] [--workers N] [--overwrite]
-                   tokenize JSONL/Parquet into token shards
-  plan --model M --layout L --world N     per-rank memory and communication plan
-  convert --to-hf RUN_DIR_OR_CHECKPOINT OUT_DIR [--drop-router-bias]  export a trained run's parameters as a Hugging Face checkpoint
-  convert --from-hf HF_DIR OUT_CHECKPOINT           import a Hugging Face checkpoint as a q38 checkpoint
-  init-hf --model PRESET OUT_DIR [--overwrite]      write a freshly initialised model as a Hugging Face checkpoint
-  kernels [--device D] [--dtype T] [--cp] [--unpacked]  what kernels.auto picks here, and why each other one is out
-  --debug (any command; or Q38_DEBUG=1)             print the traceback of an error (for bug reports)"""
+DEBUG_HELP = "  --debug (any command; or Q38_DEBUG=1): print the traceback of an error (for bug reports)"
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -138,7 +129,8 @@ def plan_cli(args: list[str]) -> int:
     from q38.train.safety import check_output_dir
 
     # argparse errors and the argument checks below: one line through main (exit 2)
-    ap = OneLineParser(prog="q38 plan", description="Per-rank memory and FSDP traffic of a layout.")
+    ap = OneLineParser(prog="q38 plan", description="Per-rank memory and traffic of a layout on the meta device; with --hardware also FLOPs, "
+                       "step time and MFU; with --search the layouts that fit, ranked.")
     ap.add_argument("--model", required=True, help="model preset name, q38 YAML, HF config.json or checkpoint dir")
     ap.add_argument("--layout", help="parallel layout preset name or YAML path (optional with --search)")
     ap.add_argument("--world", type=positive_int, required=True, help="number of ranks (WORLD_SIZE)")
@@ -396,6 +388,26 @@ def _collective_timeout(e: BaseException) -> bool:
         "application timeout caused pair closure" in msg
 
 
+def usage() -> str:
+    """The top-level help, read from each command's own parser (its usage and the first sentence of its
+    description), so it names every option the command accepts."""
+    import contextlib
+    import io
+
+    lines = ["usage: q38 {" + ",".join(COMMANDS) + "} ...   (q38 COMMAND --help: what each option means)"]
+    for fn in COMMANDS.values():
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+            fn(["--help"])
+        blocks = buf.getvalue().split("\n\n")
+        lines.append("  " + blocks[0].removeprefix("usage: ").replace("\n", "\n  "))
+        desc = blocks[1] if len(blocks) > 1 and not blocks[1].startswith(("options:", "positional")) else ""
+        if desc:
+            desc = " ".join(re.sub(r"(\w)-\n\s*(\w)", r"\1-\2", desc).split())
+            lines.append("      " + desc.split(". ")[0].rstrip(".") + ".")
+    return "\n".join([*lines, DEBUG_HELP])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = os.environ.get("Q38_DEBUG", "") not in ("", "0")
@@ -403,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         argv.remove("--debug")
         debug = True
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:

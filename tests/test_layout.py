@@ -1,7 +1,7 @@
 """Parallel layouts (specs/parallel/*.yaml): validation, placements, golden sharding files, and ``q38 plan``.
 
 Golden files: ``tests/golden/<layout>.json`` hold ``{param path: {"shape", "spec", "placements"}}`` for the tiny
-preset on the mesh given in ``GOLDEN_MESHES``. After an intended layout change, regenerate them with
+preset on the layout's small mesh (``small_mesh``, read from the YAML). After an intended layout change, regenerate them with
 
     Q38_UPDATE_GOLDEN=1 pytest tests/test_layout.py -k golden
 
@@ -25,19 +25,24 @@ from q38.parallel.plan import local_numel_grid
 from q38.pytree import named_leaves
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
-# layout → (world size, mesh size overrides) used for the golden file of the tiny preset
-GOLDEN_MESHES = {
-    "single": (1, {}),
-    "fsdp": (4, {}),
-    "fsdp_ep": (4, {}),
-    "fsdp_cp": (4, {}),
-    "fsdp_ep_cp": (8, {}),
-    "qwen3_8_2_4t": (8, {"ep": 2}),  # the production mesh shrunk to tiny's 8 experts
-    "hsdp": (4, {"fsdp": 2}),  # 2 "nodes" of 2
-}
-# layout → world size for the qwen3_8_2_4t preset
-BIG_WORLDS = {"single": 1, "fsdp": 64, "fsdp_ep": 64, "fsdp_cp": 64, "fsdp_ep_cp": 64, "qwen3_8_2_4t": 1024,
-              "hsdp": 64}
+REGENERATE = "Q38_UPDATE_GOLDEN=1 python -m pytest tests/test_layout.py -k golden"
+BIG_WORLD = 64  # every shipped layout is validated for the qwen3_8_2_4t preset at this world (or its fixed dims)
+
+
+def small_mesh(layout: Layout) -> tuple[int, dict[str, int]]:
+    """The tiny preset's test mesh of a layout, read from its YAML: every fixed dim shrunk to 2 (tiny has 8
+    experts and short rows), the ``-1`` dim taking what makes the world at least 4 (at least 2)."""
+    fixed = {n: min(s, 2) for n, s in layout.mesh if s != -1}
+    world = math.prod(fixed.values())
+    rest = [n for n, s in layout.mesh if s == -1]
+    if rest:
+        world *= max(2, 4 // world)
+    return world, {n: s for n, s in fixed.items() if s != dict(layout.mesh)[n]}
+
+
+def big_world(layout: Layout) -> int:
+    """The world the 2.4T preset is validated at: ``BIG_WORLD``, or the product of the fixed dims if larger."""
+    return max(BIG_WORLD, math.prod(s for _, s in layout.mesh if s != -1)) if layout.mesh else 1
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,7 @@ def big_cfg():
 
 
 def _tiny_layout(name: str) -> tuple[Layout, int]:
-    world, overrides = GOLDEN_MESHES[name]
+    world, overrides = small_mesh(Layout.preset(name))
     return Layout.preset(name).with_mesh(**overrides), world
 
 
@@ -66,20 +71,25 @@ def _base_dict() -> dict:
 # ---- shipped layouts ------------------------------------------------------------------------------------------------
 
 
-def test_every_shipped_layout_has_a_golden_mesh():
-    assert sorted(GOLDEN_MESHES) == Layout.presets() == sorted(BIG_WORLDS)
+def test_small_mesh_rule():
+    """The rule gives the meshes the golden files were written on (a new layout needs no entry anywhere)."""
+    assert small_mesh(Layout.preset("single")) == (1, {})
+    assert small_mesh(Layout.preset("fsdp")) == (4, {})
+    assert small_mesh(Layout.preset("fsdp_ep_cp")) == (8, {})
+    assert small_mesh(Layout.preset("qwen3_8_2_4t")) == (8, {"ep": 2})
+    assert small_mesh(Layout.preset("hsdp")) == (4, {"fsdp": 2})
 
 
-@pytest.mark.parametrize("name", sorted(GOLDEN_MESHES))
+@pytest.mark.parametrize("name", Layout.presets())
 def test_shipped_layout_validates_tiny(name, tiny_cfg):
     layout, world = _tiny_layout(name)
     pl = layout.validate(tiny_cfg, world)
     assert list(pl) == [p for p, _ in named_leaves(abstract_params(tiny_cfg), is_leaf=is_param_info)]
 
 
-@pytest.mark.parametrize("name", sorted(BIG_WORLDS))
+@pytest.mark.parametrize("name", Layout.presets())
 def test_shipped_layout_validates_2_4t(name, big_cfg):
-    pl = Layout.preset(name).validate(big_cfg, BIG_WORLDS[name])
+    pl = Layout.preset(name).validate(big_cfg, big_world(Layout.preset(name)))
     assert sum(math.prod(p.shape) for p in pl.values()) == count_params(big_cfg).total_with_mtp
 
 
@@ -128,7 +138,7 @@ def test_resolve_mesh():
 # ---- golden files ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(GOLDEN_MESHES))
+@pytest.mark.parametrize("name", Layout.presets())
 def test_golden_placements(name, tiny_cfg):
     """Compare exactly with tests/golden/<layout>.json; ``Q38_UPDATE_GOLDEN=1`` rewrites the files."""
     layout, world = _tiny_layout(name)
@@ -138,8 +148,10 @@ def test_golden_placements(name, tiny_cfg):
         GOLDEN_DIR.mkdir(exist_ok=True)
         rows = [f" {json.dumps(k)}: {json.dumps(v)}" for k, v in got.items()]  # one line per parameter
         path.write_text("{\n" + ",\n".join(rows) + "\n}\n")
-    assert path.is_file(), f"{path} missing: run Q38_UPDATE_GOLDEN=1 pytest tests/test_layout.py -k golden"
-    assert json.loads(path.read_text()) == got
+    assert path.is_file(), f"{path} missing (a new layout?): write it with `{REGENERATE}` and review it"
+    assert json.loads(path.read_text()) == got, (
+        f"{path} differs from the placements of layout {name!r}; if the change is intended, regenerate with "
+        f"`{REGENERATE}` and review the diff like code")
 
 
 # ---- validation errors ----------------------------------------------------------------------------------------------
@@ -287,7 +299,7 @@ def test_error_small_static_mistakes():
     with pytest.raises(LayoutError, match=r"compute\['expert'\] = \['fsdp'\] must be a leading part of rules\['expert'\]"):
         Layout.from_dict(d)
     with pytest.raises(LayoutError, match=r"unknown parallel layout 'fsdp_epp' \(did you mean 'fsdp_ep'\?\); "
-                                          r"known layouts: fsdp, fsdp_cp, fsdp_ep, fsdp_ep_cp, hsdp, qwen3_8_2_4t, single"):
+                                          r"known layouts: " + ", ".join(Layout.presets())):
         Layout.preset("fsdp_epp")
 
 

@@ -2,6 +2,7 @@
 real process, torchrun), metrics, throughput, NaN handling, shipped configs, convert / export."""
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import torch
 
 from q38.config import ModelConfig
 from q38.train import checkpoint as ck
+from q38.train.metrics import PROGRESS_LEGEND
 from q38.train.trainer import (
     RunConfig,
     Throughput,
@@ -61,7 +63,9 @@ def test_sigterm_then_resume_gives_the_uninterrupted_losses(tmp_path, reference,
     for key in ("mtp_1", "aux", "grad_norm", "lr"):
         assert [r[key] for r in first + second] == [r[key] for r in reference], key
     assert [r["step"] for r in metrics(out)] == list(range(1, STEPS + 1))
-    assert "resumed from" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed and PROGRESS_LEGEND in printed
+    assert "malloc" not in printed  # no internal noise in the run's output
     # once done, running it again trains nothing
     assert train(run_config(out, steps=STEPS)) == []
 
@@ -77,8 +81,13 @@ def test_metrics_records_and_console_line(reference):
     assert reference[0]["tokens_per_s"] is None and reference[2]["tokens_per_s"] > 0  # 2 warm-up steps skipped
     assert reference[-1]["loss"] < reference[0]["loss"]
     line = format_metrics(6, r, Throughput(0, 1.0, None), 0.5)
-    assert line.startswith("step 6 | loss ") and "| mtp_1 " in line and "| aux " in line and "| 0.50s |" in line
+    assert line.startswith("step 6 | loss ") and "| mtp_1 " in line and "| aux " in line and "| 0.50 s/step |" in line
     assert f"| load {r['router_max_mean']:.2f}x idle {r['router_idle']} |" in line
+    # every field's label is explained by the legend printed at the top of a run
+    labels = {re.sub(r"^mtp_\d+$", "mtp_<d>", w) for part in line.split(" | ")[1:] for w in part.split()
+              if not any(c.isdigit() for c in w.replace("mtp_", "")) and w != "n/a"}
+    missing = {w for w in labels if w not in PROGRESS_LEGEND.replace(",", " ").replace(";", " ").split()}
+    assert not missing, f"progress-line labels not in PROGRESS_LEGEND: {sorted(missing)}"
 
 
 def test_throughput_skips_warmup_and_never_divides_by_zero():

@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import os
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def known_peak_flops(device: str, dtype: str) -> float | None:
     return next((v for k, v in PEAK_FLOPS_16BIT.items() if k in name), None)
 
 
+PROGRESS_LEGEND = ("progress lines: loss, mtp_<d>, aux = the objective's terms; gnorm = gradient norm; lr = learning "
+                   "rate; load = the busiest expert's tokens over the mean (worst MoE layer), idle = experts that got "
+                   "no token; s/step = wall time of the step; tok/s = trained tokens per second")
 SLOW_RANK = 1.2  # the progress line names the slowest rank when it is busy this much longer than the median
 
 
@@ -73,13 +77,13 @@ def format_metrics(step: int, m: dict, tput: Throughput, step_time: float | None
     """One progress line: the objective's terms by name (default: loss, mtp_<d>, aux), grad norm, LR, the worst
     MoE layer's max/mean expert load and the count of idle experts, time, throughput."""
     if terms is None:
-        terms = ["loss", *sorted(k for k in m if k.startswith("mtp_")), "aux"]
+        terms = ["loss", *sorted(k for k in m if re.fullmatch(r"mtp_\d+", k)), "aux"]
     parts = [f"step {step}", *(f"{k} {m[k]:.4f}" for k in terms)]
     parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
     if "router_max_mean" in m:
         parts.append(f"load {m['router_max_mean']:.2f}x idle {m['router_idle']}")
     if step_time is not None:
-        parts.append(f"{step_time:.2f}s")
+        parts.append(f"{step_time:.2f} s/step")
     tps = tput.tokens_per_s
     parts.append(f"tok/s {tps:,.0f}" if tps is not None else "tok/s n/a")
     if tput.mfu is not None:

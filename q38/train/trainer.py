@@ -21,7 +21,7 @@ from q38.kernels import describe_kernels
 
 from q38.train.launch import RunPlan, WorldInfo, _init_process_group, check_run, pick_backend, pick_device, \
     tune_cpu_allocator
-from q38.train.metrics import Throughput, _truncate_metrics, flops_per_token, format_metrics, known_peak_flops
+from q38.train.metrics import PROGRESS_LEGEND, Throughput, _truncate_metrics, flops_per_token, format_metrics, known_peak_flops
 from q38.train.run_config import RunConfig
 
 
@@ -377,13 +377,13 @@ class RunLog:
     def startup(self, resumed_from: Path | None, device: str, plan: RunPlan) -> None:
         if resumed_from is not None:
             self.line(f"resumed from {resumed_from} (step {self.start})")
-        tuned = tune_cpu_allocator() if device == "cpu" else None
-        if tuned:
-            self.line(tuned)
+        if device == "cpu":
+            tune_cpu_allocator()  # internal (docs/operations.md): not worth a line of the run's output
         self.line(describe_kernels(self.cfg.kernels, plan.kernels, device=device, cp=plan.cp_size > 1,
                                    dtype=self.cfg.train.param_dtype))
         if plan.memory:
             self.line(plan.memory)
+        self.line(PROGRESS_LEGEND)
 
     def step(self, rec: dict, tput: Throughput, terms: list[str] | None) -> None:
         """One step's record: to every tracker; the bar's figures; a log line every ``run.log_every``."""
