@@ -32,6 +32,7 @@ import torch.utils._pytree as pytree
 
 from q38.config import ModelConfig
 from q38.pytree import named_leaves, tree_map
+from q38.train import untrusted
 from q38.train.untrusted import (  # noqa: F401  (CheckpointMismatch, UnsafeCheckpoint: re-exported)
     MAX_JSON_BYTES, SAVED_DTYPES, CheckpointMismatch, UnsafeCheckpoint, check_config_bounds, check_keys,
     hashing_writer, inside, load_json,
@@ -74,8 +75,10 @@ def write_manifest(ck_dir: Path) -> None:
         got = streamed.get(rel)
         if got is not None and got.get("size") == size:
             files[rel] = got if tiles(got) else {"size": size, "sha256": got["sha256"]}
-        else:
+        elif size <= SMALL_FILE_BYTES or untrusted.HASHING:
             files[rel] = {"size": size, "sha256": sha256_file(f)}
+        else:  # hashing switched off (benchmarks/checkpoint_io.py --hash-cost): sizes only, as before the hashes
+            files[rel] = {"size": size, "sha256": None}
     _write_json(ck_dir / MANIFEST_FILE, {"format": FORMAT, "files": files})
 
 

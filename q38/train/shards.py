@@ -340,10 +340,11 @@ class ShardRows(RowSource):
         if len(docs) and docs[0] == 0 and docs[-1] == n and (len(docs) < 2 or bool(np.all(np.diff(docs) >= 0))):
             return
         f = self.path / s["files"]["docs"]
+        out = (docs > n) | (docs < 0)
         if not len(docs) or docs[0] != 0:
             what = f"its first offset is {int(docs[0]) if len(docs) else 'missing'}, not 0"
-        elif docs[-1] != n:
-            at = int(np.argmax((docs > n) | (docs < 0))) if bool(np.any((docs > n) | (docs < 0))) else len(docs) - 1
+        elif bool(out.any()) or docs[-1] != n:
+            at = int(np.argmax(out)) if bool(out.any()) else len(docs) - 1
             what = f"offset {at} is {int(docs[at])}, the shard has {n} tokens"
         else:
             at = int(np.argmax(np.diff(docs) < 0)) + 1

@@ -41,7 +41,7 @@ SAVED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.fl
 
 HASH_SIDECAR_RE = re.compile(r"^__\d+_sha256\.json$")  # a rank's streamed hashes, merged into the manifest
 DISTCP_RE = re.compile(r"^__\d+_\d+\.distcp$")  # the shard files DCP's FileSystemWriter names
-HASHING = True  # benchmarks/checkpoint_io.py switches this off to measure what the hashes cost
+HASHING = True  # off only in benchmarks/checkpoint_io.py --hash-cost (what the hashes cost): no hash written or checked
 
 
 class CheckpointMismatch(ConfigError):
@@ -771,7 +771,7 @@ def safe_reader(path: str | os.PathLike, manifest_files: Mapping[str, Any] | Non
                         if len(data) != info.length:
                             raise CheckpointMismatch(f"{f}: {len(data)} bytes at {info.offset}, the metadata says "
                                                      f"{info.length} (truncated)")
-                        if chunk_hashes is not None:
+                        if chunk_hashes is not None and HASHING:
                             want = chunk_hashes.get(str(info.offset)) if isinstance(chunk_hashes, dict) else None
                             if not (isinstance(want, list) and len(want) == 2 and
                                     hashlib.sha256(data).hexdigest() == want[1]):
