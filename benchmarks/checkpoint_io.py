@@ -1,6 +1,7 @@
 """Per-rank peak memory of every path that moves state into or out of a run, over the rank's shard.
 
     python benchmarks/checkpoint_io.py [--worlds 1,2,4] [--dir DIR] [--keep]
+    python benchmarks/checkpoint_io.py --hash-cost 3     # save/load seconds with the integrity hashes off and on
 
 A 164M-parameter member of the family (hidden 512, 8 layers, 32 experts, MTP: 624 MiB of fp32 parameters, 1.83 GiB
 with the AdamW moments; largest tensor 64 MiB) on 1, 2 and 4 gloo ranks, layout ``fsdp``. Every path runs in fresh
@@ -129,6 +130,49 @@ def worker(path: str, rank: int, world: int, work: Path) -> dict:
     return {"rank": rank, "peak_over_base": peak - base, "shard": shard, "seconds": seconds, "moved": moved}
 
 
+def hash_cost(work: Path, repeats: int) -> None:
+    """Save and load time of the model's parameters (one process) with the integrity hashes switched off and on,
+    alternating in one run; loads also through DCP's own reader (no checks at all) for reference."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from q38.model import init_params
+    from q38.pytree import named_leaves
+    from q38.train import checkpoint as ck
+    from q38.train import untrusted
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    torch.set_num_threads(1)
+    sd = {f"params.{n}": t for n, t in named_leaves(init_params(model_config(), seed=0))}
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    target = {k: torch.empty_like(t) for k, t in sd.items()}
+    times: dict[str, list[float]] = {}
+
+    def timed(name: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        times.setdefault(name, []).append(time.perf_counter() - t0)
+
+    for r in range(repeats):
+        for on in (False, True):
+            untrusted.HASHING = on
+            d = work / f"hash_{int(on)}_{r}"
+            timed(f"save, hashes {'on' if on else 'off'}", lambda: ck.write_checkpoint(d, sd, {"step": 0}))
+            timed(f"load, hashes {'on' if on else 'off'}", lambda: ck._dcp_load(target, d))
+            if on:
+                assert all(torch.equal(target[k], v) for k, v in sd.items())
+                timed("load, DCP's own reader", lambda: dcp.load(target, checkpoint_id=str(d), no_dist=True))
+            shutil.rmtree(d)
+    untrusted.HASHING = True
+    print(f"parameters: {nbytes / 2**20:.0f} MiB fp32 ({len(sd)} tensors), one process, {repeats} repeats (median)")
+    print("\n| | s (median) | MiB/s |\n|---|---:|---:|")
+    for name, ts in times.items():
+        m = sorted(ts)[len(ts) // 2]
+        print(f"| {name} | {m:.2f} | {nbytes / 2**20 / m:.0f} |")
+
+
 def run(path: str, world: int, work: Path) -> list[dict]:
     (work / "pg").unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
@@ -154,12 +198,21 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--glibc-default", action="store_true",
                     help="leave glibc malloc as it is (it keeps freed heap memory: the high-water mark then includes it)")
+    ap.add_argument("--hash-cost", type=int, default=0, metavar="REPEATS",
+                    help="instead: save/load time of the parameters with the integrity hashes off and on")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         print(json.dumps(worker(a.worker, a.rank, a.world, Path(a.dir))))
+        return
+    if a.hash_cost:
+        work = Path(a.dir or tempfile.mkdtemp(prefix="q38_ckhash_"))
+        work.mkdir(parents=True, exist_ok=True)
+        hash_cost(work, a.hash_cost)
+        if not a.dir:
+            shutil.rmtree(work, ignore_errors=True)
         return
     global GLIBC_DEFAULT
     GLIBC_DEFAULT = a.glibc_default

@@ -17,6 +17,7 @@ saved on N ranks loads on M ranks or on one process, e.g. for ``q38 convert --to
 """
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -29,8 +30,14 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.utils._pytree as pytree
 
-from q38.config import ConfigError, ModelConfig
+from q38.config import ModelConfig
 from q38.pytree import named_leaves, tree_map
+from q38.train import untrusted
+from q38.train.untrusted import (  # noqa: F401  (CheckpointMismatch, UnsafeCheckpoint: re-exported)
+    MAX_JSON_BYTES, SAVED_DTYPES, CheckpointMismatch, UnsafeCheckpoint, check_config_bounds, check_keys,
+    hashing_writer, inside, load_json,
+    open_regular, safe_reader, sha256_file, streamed_hashes, tiles,
+)
 
 FORMAT = "q38-checkpoint/1"
 CHECKPOINTS = "checkpoints"
@@ -40,10 +47,6 @@ SMALL_FILE_BYTES = 1 << 20  # files up to this size are checksummed (metadata, m
 LATEST_FILE = "latest"
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 TMP_RE = re.compile(r"^step_\d{6,}\.tmp-[0-9A-Za-z]+$")
-
-
-class CheckpointMismatch(ConfigError):
-    """A checkpoint was made for another model (or is not a q38 checkpoint); the message names the fields."""
 
 
 def step_dir_name(step: int) -> str:
@@ -58,54 +61,77 @@ def is_checkpoint(path: Path) -> bool:
     return (path / META_FILE).is_file() and (path / ".metadata").is_file() and (path / MANIFEST_FILE).is_file()
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_manifest(ck_dir: Path) -> None:
-    """``manifest.json``: every file under ``ck_dir`` with its size, and the sha256 of files up to
-    ``SMALL_FILE_BYTES``. Written last (fsynced), so a checkpoint with a manifest that verifies is complete."""
+    """``manifest.json``: every file under ``ck_dir`` with its size and SHA-256, and for each DCP shard file the
+    SHA-256 of each stored chunk (``chunks``: {byte offset: [length, sha256]}). The shard files' hashes were computed
+    by the writer while it wrote them (``untrusted.hashing_writer``); only files without such a record (the small
+    ones: ``.metadata``, ``meta.json``, RNG states) are read here. Written last (fsynced), so a checkpoint with a
+    manifest that verifies is complete."""
+    streamed = streamed_hashes(ck_dir)
     files = {}
     for f in sorted(p for p in ck_dir.rglob("*") if p.is_file() and p.name != MANIFEST_FILE):
+        rel = f.relative_to(ck_dir).as_posix()
         size = f.stat().st_size
-        files[f.relative_to(ck_dir).as_posix()] = {"size": size,
-                                                   "sha256": _sha256(f) if size <= SMALL_FILE_BYTES else None}
+        got = streamed.get(rel)
+        if got is not None and got.get("size") == size:
+            files[rel] = got if tiles(got) else {"size": size, "sha256": got["sha256"]}
+        elif size <= SMALL_FILE_BYTES or untrusted.HASHING:
+            files[rel] = {"size": size, "sha256": sha256_file(f)}
+        else:  # hashing switched off (benchmarks/checkpoint_io.py --hash-cost): sizes only, as before the hashes
+            files[rel] = {"size": size, "sha256": None}
     _write_json(ck_dir / MANIFEST_FILE, {"format": FORMAT, "files": files})
 
 
+def _manifest_files(path: Path) -> dict[str, Any]:
+    """The ``files`` table of ``path/manifest.json`` (read bounded; one ``CheckpointMismatch`` if malformed)."""
+    mf = path / MANIFEST_FILE
+    manifest = load_json(mf, str(mf))
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files or not all(
+            isinstance(k, str) and isinstance(v, dict) and type(v.get("size")) is int and v["size"] >= 0
+            for k, v in files.items()):
+        raise CheckpointMismatch(f"{mf} is unreadable or malformed (no table of files with sizes)")
+    return files
+
+
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
-    """None if the checkpoint at ``path`` is complete and intact, else why not (one phrase)."""
+    """None if the checkpoint at ``path`` is complete and intact, else why not (one phrase). Every file the manifest
+    names must be a regular file inside ``path`` (no ``..``, absolute path, symlink, FIFO or device) of the recorded
+    size; files up to ``SMALL_FILE_BYTES`` are hashed here; the DCP shard files are checked chunk by chunk as they
+    are loaded (their chunk hashes must cover each file front to back)."""
     path = Path(path)
     if not path.is_dir():
         return "does not exist" if not path.exists() else "is not a directory"
     mf = path / MANIFEST_FILE
-    if not mf.is_file():
+    if not mf.exists() and not mf.is_symlink():
         return f"no {MANIFEST_FILE} (an interrupted save, or not a q38 checkpoint)"
     try:
-        manifest = json.loads(mf.read_text())
-        files = manifest["files"]
-        assert isinstance(files, dict) and files
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
-        return f"{MANIFEST_FILE} is unreadable or malformed"
+        files = _manifest_files(path)
+    except CheckpointMismatch as e:
+        return f"{MANIFEST_FILE} is unreadable or malformed ({str(e).removeprefix(str(mf) + ': ')})"
     for req in (META_FILE, ".metadata"):
         if req not in files:
             return f"{MANIFEST_FILE} does not list {req}"
     for rel, info in files.items():
-        f = path / rel
         try:
-            size = f.stat().st_size
-        except OSError:
-            return f"{rel} is missing"
+            f = inside(path, rel, f"{MANIFEST_FILE} entry {rel!r}")
+            with open_regular(f, f"{MANIFEST_FILE} entry {rel!r}") as fh:
+                size = os.fstat(fh.fileno()).st_size
+        except CheckpointMismatch as e:
+            if "is missing" in str(e):
+                return f"{rel} is missing"
+            return str(e).split(" (a crafted")[0].replace(": refused: ", ": ")
         if size != info.get("size"):
             return f"{rel} is {size} bytes, the manifest says {info.get('size')} (truncated or altered)"
-        if info.get("sha256") and _sha256(f) != info["sha256"]:
-            return f"{rel} does not match its checksum in {MANIFEST_FILE} (altered or corrupt)"
+        if "chunks" in info:
+            if not tiles(info):
+                return f"{MANIFEST_FILE}: the chunk hashes of {rel} do not cover the file"
+        elif size <= SMALL_FILE_BYTES or info.get("sha256"):
+            if not isinstance(info.get("sha256"), str):
+                if size <= SMALL_FILE_BYTES:
+                    return f"{MANIFEST_FILE} holds no checksum for {rel}"
+            elif sha256_file(f) != info["sha256"]:
+                return f"{rel} does not match its checksum in {MANIFEST_FILE} (altered or corrupt)"
     return None
 
 
@@ -151,7 +177,7 @@ def resolve_checkpoint(path: str | os.PathLike, on_skip=None) -> Path:
     """A checkpoint directory, a run's ``checkpoints`` directory or a run directory → one checkpoint (the newest
     that verifies; ``on_skip(line)`` is called for each newer one skipped)."""
     p = Path(path)
-    if is_checkpoint(p) or (p / META_FILE).is_file():
+    if is_checkpoint(p) or any((p / n).exists() or (p / n).is_symlink() for n in (META_FILE, MANIFEST_FILE)):
         why = verify_checkpoint(p)
         if why is not None:
             raise CheckpointMismatch(f"checkpoint {p} does not verify: {why}")
@@ -175,13 +201,28 @@ def resolve_checkpoint(path: str | os.PathLike, on_skip=None) -> Path:
 
 
 def read_meta(path: str | os.PathLike) -> dict:
+    """``meta.json`` of the checkpoint at ``path`` (read bounded, never through a symlink); its ``step`` must be a
+    non-negative int and, for a ``step_<digits>`` directory, the step of its name."""
     f = Path(path) / META_FILE
-    try:
-        meta = json.loads(f.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointMismatch(f"{f}: cannot read checkpoint metadata ({e}); is this a q38 checkpoint?") from None
+    meta = load_json(f, f"{f}")
+    if not isinstance(meta, dict):
+        raise CheckpointMismatch(f"{f}: not a JSON object; is this a q38 checkpoint?")
     if meta.get("format") != FORMAT:
-        raise CheckpointMismatch(f"{f}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        raise CheckpointMismatch(f"{f}: format {str(meta.get('format'))[:60]!r}, expected {FORMAT!r}")
+    step = meta.get("step")
+    if type(step) is not int or not 0 <= step < 1 << 62:
+        raise CheckpointMismatch(f"{f}: step {str(step)[:40]!r} is not a step number")
+    m = STEP_RE.match(Path(path).name)
+    if m and int(m.group(1)) != step:
+        raise CheckpointMismatch(f"{f}: step {step}, but the checkpoint directory is {Path(path).name}; the "
+                                 "checkpoint was altered")
+    if not isinstance(meta.get("model_config"), dict):
+        raise CheckpointMismatch(f"{f}: no model_config table; is this a q38 checkpoint?")
+    check_config_bounds(meta["model_config"], f"{f} model_config")
+    pd = meta.get("param_dtype", "float32")
+    if not (isinstance(pd, str) and isinstance(getattr(torch, pd, None), torch.dtype) and
+            getattr(torch, pd) in SAVED_DTYPES):
+        raise CheckpointMismatch(f"{f}: param_dtype {str(pd)[:40]!r} is not a dtype q38 saves")
     return meta
 
 
@@ -244,105 +285,65 @@ def _dcp_save(state_dict: dict, path: Path, planner=None) -> None:
     which asks for one tensor after the other (``per_thread_copy_ahead=0``: no read-ahead)."""
     import torch.distributed.checkpoint as dcp
 
-    writer = None
-    if planner is not None:
-        writer = dcp.FileSystemWriter(str(path), thread_count=1, per_thread_copy_ahead=0)
+    kw = {} if planner is None else {"thread_count": 1, "per_thread_copy_ahead": 0}
+    writer = hashing_writer(path, **kw)  # the shard files' SHA-256, computed as they stream out
     with warnings.catch_warnings():  # one process: DCP warns that it runs without a process group
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state_dict, checkpoint_id=None if writer else str(path), storage_writer=writer,
-                 no_dist=_dist() is None, planner=planner)
-
-
-# ---- reading DCP metadata without running code from it --------------------------------------------------------
-# DCP stores its index (``.metadata``) as a pickle, and its reader unpickles it with ``pickle.load``: a crafted file
-# runs any code on load. The metadata is plain data (DCP's metadata dataclasses, torch dtypes and sizes, a path), so
-# q38 reads it with an unpickler that can build only those types, as ``torch.load(weights_only=True)`` does for
-# tensors. (torch's own weights-only unpickler cannot serve: it refuses pickle protocol 4, which DCP writes.)
-_METADATA_TYPES = {
-    ("torch.distributed.checkpoint.metadata", n) for n in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
-        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),  # called with a layout's name, e.g. "torch.strided"
-    ("torch", "Size"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-}
-
-
-class UnsafeCheckpoint(CheckpointMismatch):
-    """A checkpoint's metadata asks to build a type that checkpoint metadata never holds (nothing of it was run)."""
-
-
-def _metadata_unpickler(f, where: str):
-    import importlib
-    import pickle
-
-    class Restricted(pickle.Unpickler):
-        def find_class(self, module: str, name: str):
-            is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-            if (module, name) not in _METADATA_TYPES and not is_dtype:
-                raise UnsafeCheckpoint(
-                    f"{where}: refused: it asks to build {module}.{name}, which DCP checkpoint metadata never holds "
-                    "(a crafted or foreign file; nothing in it was run); load only checkpoints written by q38 or "
-                    "torch.distributed.checkpoint"
-                )
-            return getattr(importlib.import_module(module), name)
-
-    return Restricted(f)
-
-
-def _safe_reader_class():
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
-    class SafeReader(FileSystemReader):
-        """DCP's file-system reader with ``.metadata`` read by the restricted unpickler, once (cached)."""
-
-        _cached: "Metadata | None" = None
-
-        def read_metadata(self, *args, **kwargs) -> Metadata:
-            if self._cached is None:
-                path = self._get_metadata_path(kwargs.get("rank"))
-                import pickle
-
-                with self.fs.create_stream(path, "rb") as fh:
-                    try:
-                        md = _metadata_unpickler(fh, str(path)).load()
-                    except UnsafeCheckpoint:
-                        raise
-                    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-                        raise CheckpointMismatch(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: "
-                                                 f"{e}); the checkpoint is corrupt") from None
-                if not isinstance(md, Metadata):
-                    raise CheckpointMismatch(f"{path}: holds a {type(md).__name__}, not DCP checkpoint metadata")
-                if getattr(md, "storage_meta", None) is None:
-                    md.storage_meta = StorageMeta()
-                md.storage_meta.load_id = self.load_id
-                self._cached = md
-            return self._cached
-
-    return SafeReader
+        dcp.save(state_dict, storage_writer=writer, no_dist=_dist() is None, planner=planner)
 
 
 def checkpoint_reader(path: str | os.PathLike):
-    """A DCP storage reader for the checkpoint at ``path`` whose metadata is read without arbitrary unpickling (and
-    checked at once: an unsafe or corrupt ``.metadata`` raises here, on every rank, before any collective)."""
-    reader = _safe_reader_class()(str(path))
+    """A DCP storage reader for the checkpoint at ``path`` (``q38.train.untrusted.safe_reader``): its ``.metadata``
+    read by the allow-list unpickler and checked field by field at once (an unsafe or corrupt one raises here, on
+    every rank, before any collective); each stored chunk checked against the manifest's SHA-256 as it is read."""
+    path = Path(path)
+    files = None
+    if (path / MANIFEST_FILE).exists() or (path / MANIFEST_FILE).is_symlink():
+        files = _manifest_files(path)
+    reader = safe_reader(path, files)
     reader.read_metadata()
     return reader
 
 
-def _dcp_load(state_dict: dict, path: Path, reader=None, *, collective: bool = True) -> None:
+def _dcp_load(state_dict: dict, path: Path, reader=None, *, collective: bool = True,
+              model: ModelConfig | None = None) -> None:
     """Load ``state_dict``'s tensors (DTensors: this rank's shards only) from the checkpoint at ``path``.
-    ``collective=False``: this process alone (each rank may then load different keys)."""
+    ``collective=False``: this process alone (each rank may then load different keys). Before anything is read,
+    every requested key must be saved with its global shape and, with ``model``, every saved key must be one q38
+    writes for that model."""
     import torch.distributed.checkpoint as dcp
 
     reader = reader or checkpoint_reader(path)
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in state_dict.items()}
+    check_keys(reader.read_metadata(), expected, expected_keys(model) if model is not None else None,
+               f"checkpoint {path}")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state_dict, storage_reader=reader, no_dist=_dist() is None or not collective)
+        try:
+            dcp.load(state_dict, storage_reader=reader, no_dist=_dist() is None or not collective)
+        except Exception as e:  # DCP wraps a rank's refusal in a CheckpointException: raise the refusal itself
+            inner = _refusal_in(e)
+            if inner is None:
+                raise
+            raise inner from None
+
+
+def _refusal_in(e: BaseException) -> CheckpointMismatch | None:
+    """The ``CheckpointMismatch`` a rank raised inside DCP, unwrapped from DCP's ``CheckpointException``."""
+    for _ in range(8):
+        if isinstance(e, CheckpointMismatch):
+            return e
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict) and failures:
+            inner = next(iter(failures.values()))
+            e = inner[0] if isinstance(inner, tuple) and inner else getattr(inner, "exc", inner)
+        elif e.__cause__ is not None:
+            e = e.__cause__
+        else:
+            return None
+        if not isinstance(e, BaseException):
+            return None
+    return None
 
 
 def saved_tensors(path: Path, reader=None) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -508,8 +509,8 @@ class AsyncSave:
         if _dist() is None:  # one process: DCP warns from its writer thread, after any catch_warnings here ended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         self._stager = stager
-        self.future = dcp.async_save(sd, checkpoint_id=str(self.tmp), process_group=group, async_stager=stager,
-                                     no_dist=_dist() is None)
+        self.future = dcp.async_save(sd, storage_writer=hashing_writer(self.tmp), process_group=group,
+                                     async_stager=stager, no_dist=_dist() is None)
 
     def running(self) -> bool:
         """Whether this rank's background write is still going."""
@@ -561,15 +562,37 @@ def load_checkpoint(path: str | os.PathLike, template) -> tuple[Any, dict]:
     fresh = {}
     if "router_bias" in sd and not (meta.get("train_config") or {}).get("aux_loss_free"):
         fresh["router_bias"] = sd.pop("router_bias")  # aux_loss_free switched on at resume: start from zero bias
-    _dcp_load(sd, path)
+    _dcp_load(sd, path, model=template.model_config)
+    saved_step = _scalar(sd["step"]) if "step" in sd else meta["step"]
+    if saved_step != meta["step"]:
+        raise CheckpointMismatch(f"checkpoint {path}: {META_FILE} says step {meta['step']}, its saved state is at step "
+                                 f"{saved_step}; the checkpoint was altered or mixed from two saves")
     sd.update(fresh)
     state = pytree.tree_unflatten([sd[n] for n in names], spec)
     rng_dir = path / "rng"
-    own = rng_dir / f"rank_{_rank():05d}.pt"
-    rng_file = own if own.is_file() else rng_dir / "rank_00000.pt"
-    if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
+    own = f"rng/rank_{_rank():05d}.pt"
+    rel = own if (path / own).exists() else "rng/rank_00000.pt"
+    if (path / rel).exists() or (path / rel).is_symlink():
+        rng_file = inside(path, rel, f"checkpoint {path}")
+        with open_regular(rng_file, str(rng_file)) as fh:
+            set_rng_state(torch.load(io.BytesIO(fh.read(1 << 24)), weights_only=True))
+    del rng_dir
     return state, meta
+
+
+def _scalar(t) -> int:
+    """The value of a saved 0-dim step tensor (a plain tensor, or a DTensor replicated on every rank)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return int(local.reshape(-1)[0].item()) if local.numel() else -1
+
+
+def expected_keys(model: ModelConfig) -> set[str]:
+    """Every tensor key a q38 checkpoint of ``model`` may hold: ``params.<leaf>``, the two AdamW moments of each,
+    ``step`` and the router bias of ``aux_loss_free``."""
+    from q38.model import init_params
+
+    names = [n for n, _ in named_leaves(init_params(model, device="meta"))]
+    return {f"{p}.{n}" for p in ("params", "exp_avg", "exp_avg_sq") for n in names} | {"step", "router_bias"}
 
 
 def empty_params(model: ModelConfig, *, device=None, dtype=None, mesh=None):
@@ -593,9 +616,14 @@ def load_params(path: str | os.PathLike, *, device=None, dtype=None, mesh=None) 
     meta = read_meta(path)
     cfg = ModelConfig.from_dict(meta["model_config"], source=f"{path}/{META_FILE}")
     saved = getattr(torch, meta.get("param_dtype", "float32"))
+    reader = checkpoint_reader(path)  # shapes from .metadata, checked against the config before any allocation
+    from q38.model import init_params
+
+    want = {f"params.{n}": (tuple(t.shape), saved) for n, t in named_leaves(init_params(cfg, device="meta"))}
+    check_keys(reader.read_metadata(), want, expected_keys(cfg), f"checkpoint {path}")
     params = empty_params(cfg, device=device, dtype=saved, mesh=mesh)
     sd = {f"params.{n}": t for n, t in named_leaves(params)}
-    _dcp_load(sd, path)
+    _dcp_load(sd, path, reader, model=cfg)
     if dtype is not None and dtype != saved:
         params = tree_map(lambda t: t.to(dtype), params)
     return cfg, params, meta

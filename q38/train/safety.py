@@ -84,20 +84,21 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
 
 def check_safetensors_dir(path: str | os.PathLike, what: str) -> None:
     """A Hugging Face directory's ``config.json`` parses and every ``*.safetensors`` header is readable."""
+    from q38.train.untrusted import check_config_bounds, inside, load_json
+
     p = Path(path)
     cfg = p / "config.json"
-    try:
-        json.loads(cfg.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{what}: {p} has no config.json (not a Hugging Face checkpoint directory)") from None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{what}: {cfg} is not valid JSON ({' '.join(str(e).split())})") from None
+    if not cfg.exists() and not cfg.is_symlink():
+        raise ConfigError(f"{what}: {p} has no config.json (not a Hugging Face checkpoint directory)")
+    check_config_bounds(load_json(inside(p, "config.json", what, follow=True), f"{what}: {cfg}", follow=True),
+                        f"{what}: {cfg}")
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{what}: {p} holds no *.safetensors file")
     from safetensors import safe_open
 
     for f in files:
+        inside(p, f.name, what, follow=True)  # a regular file (a HF cache links to blobs), not a FIFO or device
         try:
             _check_safetensors_extent(f, f.stat().st_size)  # the header can be intact while the data is cut short
             with safe_open(str(f), framework="pt") as fh:
@@ -113,17 +114,57 @@ def _check_safetensors_extent(f: Path, size: int) -> None:
     """The header's data offsets fit in the file (a truncated file fails here, before any tensor is read)."""
     import struct
 
-    with open(f, "rb") as fh:
+    from q38.train.untrusted import MAX_JSON_BYTES, MAX_NDIM, MAX_TENSOR_ELEMENTS, open_regular
+
+    with open_regular(f, str(f), follow=True) as fh:
         head = fh.read(8)
         if len(head) < 8:
             raise ValueError(f"{size} bytes, shorter than a safetensors header")
         n = struct.unpack("<Q", head)[0]
+        if n > MAX_JSON_BYTES:
+            raise ConfigError(f"{f}: a header of {n} bytes, more than the limit {MAX_JSON_BYTES}")
         if 8 + n > size:
             raise ConfigError(f"{f} is truncated: {size} bytes, its header alone needs {8 + n}")
-        header = json.loads(fh.read(n))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        try:
+            header = json.loads(fh.read(n))
+        except RecursionError:
+            raise ConfigError(f"{f}: the header nests deeper than a safetensors header does") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{f}: the header is not a JSON object")
+    end = 0
+    for k, v in header.items():  # every tensor's shape x dtype is exactly its byte range, inside the file
+        if k == "__metadata__":
+            continue
+        try:
+            shape, (a, b), dt = v["shape"], v["data_offsets"], v["dtype"]
+            ok = (isinstance(shape, list) and len(shape) <= MAX_NDIM and
+                  all(type(d) is int and d >= 0 for d in shape) and type(a) is int and type(b) is int and 0 <= a <= b)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigError(f"{f}: tensor {str(k)[:80]!r} has a malformed header entry")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel > MAX_TENSOR_ELEMENTS:
+            raise ConfigError(f"{f}: tensor {str(k)[:80]!r} has shape {shape} ({numel} elements), more than the "
+                              f"limit {MAX_TENSOR_ELEMENTS}")
+        item = _ST_ITEMSIZE.get(dt)
+        if item is None:
+            raise ConfigError(f"{f}: tensor {str(k)[:80]!r} has dtype {str(dt)[:20]!r}, not one q38 reads")
+        if (b - a) * 8 != numel * item:
+            raise ConfigError(f"{f}: tensor {str(k)[:80]!r} of shape {shape} {dt} needs {numel * item // 8} "
+                              f"bytes, its header gives it {b - a}")
+        end = max(end, b)
     if 8 + n + end > size:
         raise ConfigError(f"{f} is truncated: {size} bytes, its header needs {8 + n + end}")
+
+
+_ST_ITEMSIZE = {  # safetensors dtype -> bits per element
+    "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8,
+    "U16": 16, "U32": 32, "U64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
 
 
 # ---- where a command may write -------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -196,14 +197,49 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not m.is_file():
         raise DataError(f"data: {d} has no {MANIFEST} (not prepared, or its preparation was interrupted); run "
                         f"`q38 prepare-data INPUT... --out {d}`")
+    from q38.train.untrusted import CheckpointMismatch, load_json
+
     try:
-        manifest = json.loads(m.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"data: cannot read {m} ({e}); re-run `q38 prepare-data INPUT... --out {d}`") from None
+        manifest = load_json(m, f"data: {m}")  # bounded, never through a symlink or from a FIFO
+    except CheckpointMismatch as e:
+        raise DataError(f"{e}; re-run `q38 prepare-data INPUT... --out {d}`".replace(" (a crafted or damaged "
+                        "checkpoint; nothing in it was run or followed); load only checkpoints written by q38 or "
+                        "torch.distributed.checkpoint", "")) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise DataError(f"data: {m} is not a {FORMAT} v{VERSION} manifest; re-run `q38 prepare-data INPUT... "
                         f"--out {d}`")
+    _check_manifest_fields(m, manifest, f"re-run `q38 prepare-data INPUT... --out {d}`")
     return manifest
+
+
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,200}$")  # a file-name stem: no '/', no '..' prefix
+
+
+def _check_manifest_fields(m: Path, man: Mapping[str, Any], fix: str) -> None:
+    """The fields the loader uses have the types and ranges ``prepare-data`` writes: a token dtype of the format,
+    each shard a plain file-name stem with non-negative counts, and the totals the sum of the shards'."""
+    def bad(what: str) -> DataError:
+        return DataError(f"data: {m}: {what}; the manifest is corrupt or was edited; {fix}")
+
+    if man.get("token_dtype") not in ("uint8", "uint16", "uint32", "int32", "int64"):
+        raise bad(f"token_dtype {str(man.get('token_dtype'))[:20]!r} is not one prepare-data writes")
+    shards = man.get("shards")
+    if not isinstance(shards, list):
+        raise bad("no list of shards")
+    total = 0
+    for i, s in enumerate(shards):
+        if not isinstance(s, dict) or not isinstance(s.get("name"), str) or not _SHARD_NAME.match(s["name"]):
+            raise bad(f"shard {i} has no plain file name (got {str(s.get('name') if isinstance(s, dict) else s)[:60]!r})")
+        for k in ("tokens", "docs", "max_token_id"):
+            if type(s.get(k)) is not int or s[k] < (-1 if k == "max_token_id" else 0):
+                raise bad(f"shard {s['name']}: {k} {str(s.get(k))[:20]!r} is not a count")
+        if type(s.get("mask")) is not bool:
+            raise bad(f"shard {s['name']}: mask is not true/false")
+        total += s["tokens"]
+    if "num_tokens" in man and man["num_tokens"] != total:
+        raise bad(f"num_tokens {str(man['num_tokens'])[:20]} is not the sum of its shards' tokens ({total})")
+    if type(man.get("num_targets")) is not int or not 0 <= man["num_targets"] <= total:
+        raise bad(f"num_targets {str(man.get('num_targets'))[:20]} is not between 0 and its {total} tokens")
 
 
 def verify_shard_files(path: Path, man: Mapping[str, Any]) -> None:
@@ -217,8 +253,15 @@ def verify_shard_files(path: Path, man: Mapping[str, Any]) -> None:
             want["mask"] = s["tokens"]
         for kind, size in want.items():
             f = path / files[kind]
-            if not f.is_file():
+            if not f.exists() and not f.is_symlink():
                 raise DataError(f"data: shard file {f} listed in {path / MANIFEST} is missing; {fix}")
+            from q38.errors import ConfigError
+            from q38.train.untrusted import inside
+
+            try:  # a regular file of the directory: not a link out, a FIFO or a device
+                inside(path, files[kind], f"data: shard file listed in {path / MANIFEST}")
+            except ConfigError as e:
+                raise DataError(str(e).split(" (a crafted")[0] + f"; {fix}") from None
             got = f.stat().st_size
             if got != size:
                 raise DataError(f"data: shard file {f} has {got} bytes but {path / MANIFEST} says {size} "
@@ -284,10 +327,30 @@ class ShardRows(RowSource):
             tok = np.memmap(self.path / s["files"]["tokens"], dtype=self.dtype, mode="r")
             docs = np.memmap(self.path / s["files"]["docs"], dtype=np.int64, mode="r")
             mask = np.memmap(self.path / s["files"]["mask"], dtype=np.uint8, mode="r") if s["mask"] else None
+            self._check_docs(s, docs)
             if self.vocab_size is not None:
                 self._check_ids(s, tok)
             s["mm"] = (tok, docs, mask)
         return s["mm"]
+
+    def _check_docs(self, s: dict[str, Any], docs: np.ndarray) -> None:
+        """The document offsets of shard ``s`` start at 0, never decrease and end at its token count (an offset past
+        the tokens would split rows into documents that do not exist); else one line naming the file and entry."""
+        n = s["tokens"]
+        if len(docs) and docs[0] == 0 and docs[-1] == n and (len(docs) < 2 or bool(np.all(np.diff(docs) >= 0))):
+            return
+        f = self.path / s["files"]["docs"]
+        out = (docs > n) | (docs < 0)
+        if not len(docs) or docs[0] != 0:
+            what = f"its first offset is {int(docs[0]) if len(docs) else 'missing'}, not 0"
+        elif bool(out.any()) or docs[-1] != n:
+            at = int(np.argmax(out)) if bool(out.any()) else len(docs) - 1
+            what = f"offset {at} is {int(docs[at])}, the shard has {n} tokens"
+        else:
+            at = int(np.argmax(np.diff(docs) < 0)) + 1
+            what = f"offset {at} ({int(docs[at])}) is below the one before it ({int(docs[at - 1])})"
+        raise DataError(f"data: {f}: {what}; the shard does not match {self.path / MANIFEST}; re-run "
+                        f"`q38 prepare-data INPUT... --out {self.path}`")
 
     def _check_ids(self, s: dict[str, Any], tok: np.ndarray) -> None:
         """Every token id of shard ``s`` is below ``vocab_size``; else one line naming the file, row and token."""
