@@ -132,15 +132,15 @@ def test_flex_on_cpu_with_gradients_is_a_clear_error():
 
 # ---- compiled FlexAttention on CPU (slow: the first compile takes minutes on a 2-core machine) -----------------
 
-B, H, G, C, SL = 2, 4, 2, 16, 384  # 3 blocks of 128 per row: masked blocks exist
+B, H, G, C, SL = 2, 4, 2, 16, 512  # 4 blocks of 128 per row (2 per CP slice): masked blocks exist
 
 
 def _long_docs() -> torch.Tensor:
     doc = torch.zeros(B, SL, dtype=torch.long)
     doc[0, 100:] = 1
-    doc[0, 250:] = 2  # document 1 spans the 2-rank CP boundary (192)
-    doc[1, 192:] = 1  # a boundary exactly at the split
-    doc[1, 350:] = -1
+    doc[0, 300:] = 2  # document 1 spans the 2-rank CP boundary (256)
+    doc[1, 256:] = 1  # a boundary exactly at the split
+    doc[1, 450:] = -1
     return doc
 
 

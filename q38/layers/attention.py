@@ -165,9 +165,10 @@ def _flex_compiled() -> tuple[Callable, Callable]:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
         _FLEX["attention"] = torch.compile(flex_attention)
-        # one graph per shape (a run has one or two): the dynamic-shape recompile generated C++ that does not build
-        # for the index-lookup mask_mod (torch 2.13, AVX-512 CPU)
-        _FLEX["block_mask"] = torch.compile(create_block_mask, dynamic=False)
+        # CPU (inductor's C++ backend; no effect on a GPU): with the index-lookup mask_mod, torch 2.13 generated
+        # vectorised C++ that does not build (a masked load, on an AVX-512 CPU) for dynamic shapes and for lengths
+        # that are not a multiple of the block: one graph per shape (a run has one or two) and scalar code
+        _FLEX["block_mask"] = torch.compile(create_block_mask, dynamic=False, options={"cpp.simdlen": 1})
     return _FLEX["attention"], _FLEX["block_mask"]
 
 
@@ -181,7 +182,7 @@ def flex_mask_mod(mask: AttentionMask | None) -> Callable:
     return lambda b, h, q, kv: (k_idx[b, kv] <= q_idx[b, q]) & (k_doc[b, kv] == q_doc[b, q])
 
 
-def flex_block_mask(mask: AttentionMask | None, s: int, t: int, device: torch.device):
+def flex_block_mask(mask: AttentionMask | None, s: int, t: int, device: torch.device | str):
     """The FlexAttention ``BlockMask`` of ``mask`` over ``s`` queries and ``t`` keys, built by the compiled
     ``create_block_mask`` from ``flex_mask_mod(mask)``, so no ``[s, t]`` tensor is ever made. The mask is the same
     for every head; each row has its own (its documents)."""
