@@ -36,6 +36,9 @@ cuda)
     plan_gdn=fla
     bf16_steps=50
     test_device=cuda
+    # one 16384-token row of 8 documents, 16 query / 1 kv heads × 256 (the production head shape, a quarter of its heads)
+    attn_size=(--device cuda --dtype bfloat16 --seq 16384 --docs 8 --heads 16 --kv-heads 1 --head-dim 256 --repeats 5
+        --rounds 2 --variants flex sdpa sdpa-causal varlen)
     ;;
 cpu)
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -48,6 +51,9 @@ cpu)
     plan_gdn=torch
     bf16_steps=3
     test_device=cpu
+    # flex compiles for minutes on CPU and has no backward there: the SDPA variants only, to check the script
+    attn_size=(--device cpu --dtype float32 --seq 256 --docs 4 --heads 4 --kv-heads 2 --head-dim 32 --repeats 1
+        --rounds 1 --variants sdpa sdpa-causal)
     ;;
 *)
     echo "gpu.sh: Q38_GPU_SH must be cuda (the device run) or cpu (the dry run here), got '$mode'" >&2
@@ -86,6 +92,10 @@ if [[ $mode == cuda ]]; then
 else
     cuda_only model_fla_gdn "kernels.gdn: fla runs on CUDA only"
 fi
+# attention on packed rows, fwd+bwd: flex (block mask) vs SDPA with the dense document mask, SDPA causal (one document
+# per row: the flash bound) and varlen; appends the measured TFLOP/s per kernel to efficiency.jsonl (the hardware
+# profile's form: {"op": "attention", "impl": ..., "layout": ..., "tflops": ..., "ref": "sdpa", ...})
+step attention 120 python3 benchmarks/attention.py "${attn_size[@]}" --backward --json "$out/efficiency.jsonl"
 # whole train_step, tokens/s + MFU (bf16, hidden 2048, 8 layers, 64 experts top-8, 2 × 4096): torch GDN, FLA GDN where
 # the kernel registry allows it (FLA >= 0.5.2 with Triton >= 3.7.1 or TileLang), transformers
 step train_step 100 python3 benchmarks/train_step.py "${dev[@]}" "${step_size[@]}"

@@ -17,8 +17,11 @@ resolved config. Their call contracts, per op:
   core only.
 - ``causal_conv1d``: ``fn(x [b s ch], w [ch w], info, halo) -> y [b s ch]`` (no activation); ``halo``: the CP halo
   exchange the layer started (``q38.layers.gdn.ConvHalo``), None on one device.
-- ``attention``: ``fn(q [b h s c], k [b g t c], v [b g t c], mask [b 1 s t] | None, scale) -> o [b h s c]``
-  (``mask`` None: causal).
+- ``attention``: ``fn(q [b h s c], k [b g t c], v [b g t c], mask, scale) -> o [b h s c]`` with ``mask`` a
+  ``q38.layers.attention.AttentionMask`` (query / key token indices and doc ids: key visible iff not in the future
+  and in the query's document) or None (plain causal); each implementation builds its own form of it (a dense
+  ``[b 1 s t]`` boolean only in the ``eager``/``sdpa`` references, a block mask in ``flex``, ``cu_seqlens`` in
+  ``varlen``/``npu``).
 - ``experts``: ``fn(x_md, counts_e, we_gate_up, we_down, w_m) -> y_md`` over slots sorted by expert.
 - ``loss``: ``fn(hidden [n d], w_head [v d], targets [n], chunk, ignore_index) -> Σ CE`` (the chunked loss's sum).
 
@@ -113,6 +116,16 @@ def _compile_problem() -> str | None:
     return None if shutil.which(cxx) else f"torch.compile on CPU needs a C++ compiler ({cxx!r} not found)"
 
 
+def _varlen_problem() -> str | None:
+    import torch
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen.varlen_attn (torch >= 2.10 has it)"
+    return None
+
+
 def _import_problem(module: str, pip: str) -> Callable[[], str | None]:
     def check() -> str | None:
         try:
@@ -137,6 +150,10 @@ class KernelImpl:
     min_capability: tuple[int, int] | None = None  # CUDA compute capability it needs (checked on a CUDA device)
     problem: Callable[[], str | None] = lambda: None  # why it cannot run in this environment (None: it can)
     auto: bool = True  # ``auto`` may pick it (False: only when named, e.g. until measured faster on a device)
+    # when ``auto`` may pick it, given (device, cp, packed) (None: whenever it serves the run)
+    auto_if: Callable[[str, bool, bool], bool] | None = None
+    # per device type, why it has no backward there though it has one elsewhere (cannot train on that device)
+    no_backward: Mapping[str, str] = attrs.field(factory=dict)
     note: str = ""
     # the callable that implements it, or its ``module:attr`` path (imported on first use; None: not wired into q38)
     fn: Callable | str | None = None
@@ -186,8 +203,30 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
                             fn="q38.layers.gdn:conv_torch"),
     },
     "attention": {
+        "flex": KernelImpl(devices=("cpu", "cuda"), cp=True, packed=True, backward=True, problem=_compile_problem,
+                           auto_if=lambda device, cp, packed: device == "cuda" and (cp or packed),
+                           no_backward={"cpu": "has no backward on CPU (torch's FlexAttention is forward-only there)"},
+                           note="compiled FlexAttention over a block mask built from doc ids and token indices "
+                                "(masked blocks skipped, no [s, t] mask); auto on CUDA for packed rows or CP (one "
+                                "causal document per row without CP: sdpa's flash kernel needs no mask)",
+                           fn="q38.layers.attention:flex_attention"),
+        "varlen": KernelImpl(devices=("cuda",), cp=False, packed=True, backward=True,
+                             dtypes={"cuda": ("bfloat16", "float16")}, min_capability=(8, 0), auto=False,
+                             problem=_varlen_problem,
+                             note="torch's flash varlen_attn over cu_seqlens (one sequence per document); no CP; "
+                                  "auto does not pick it until a device run measures it faster than flex "
+                                  "(benchmarks/gpu.sh)",
+                             fn="q38.layers.attention:varlen_attention"),
+        "npu": KernelImpl(devices=("npu",), cp=True, packed=True, backward=True,
+                          dtypes={"npu": ("bfloat16", "float16")},
+                          problem=_import_problem("torch_npu", "install the torch_npu matching torch"),
+                          note="torch_npu.npu_fusion_attention, TND layout, actual_seq_qlen / actual_seq_kvlen per "
+                               "document (CP: local queries against their documents' gathered keys)",
+                          fn="q38.layers.attention:npu_attention",
+                          requires=("torch_npu", "torch_npu (Ascend) and an NPU device")),
         "sdpa": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
-                           note="F.scaled_dot_product_attention (a boolean mask for packed rows / CP)",
+                           note="F.scaled_dot_product_attention (a dense boolean [b 1 s t] mask for packed rows / CP: the "
+                                "reference; causal without a mask: the flash kernel)",
                            fn="q38.layers.attention:sdpa_attention"),
         "eager": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
                             note="explicit fp32 softmax(QKᵀ)V; the reference", fn="q38.layers.attention:eager_attention"),
@@ -291,7 +330,14 @@ def _unsupported(
         return "does not support packed rows (several documents in one row)"
     if train and not impl.backward:
         return "has no backward (cannot train)"
+    if train and device in impl.no_backward:
+        return impl.no_backward[device] + " (cannot train)"
     return impl.problem()
+
+
+def _auto_ok(impl: KernelImpl, device: str, cp: bool, packed: bool) -> bool:
+    """Whether ``auto`` may pick ``impl`` for this device and rows (if it serves the run)."""
+    return impl.auto and (impl.auto_if is None or impl.auto_if(device, cp, packed))
 
 
 def resolve_kernels(
@@ -312,7 +358,7 @@ def resolve_kernels(
         want = getattr(kc, op)
         impls = REGISTRY[op]
         whys = {n: _unsupported(op, n, i, dev, cp, packed, train, dtype) for n, i in impls.items()}
-        pick = next((n for n, i in impls.items() if i.auto and whys[n] is None), None)
+        pick = next((n for n, i in impls.items() if _auto_ok(i, dev, cp, packed) and whys[n] is None), None)
         if pick is None:
             raise ConfigError(f"kernels.{op}: no implementation serves this run on device {dev!r} ("
                               + "; ".join(f"{n}: {w}" for n, w in whys.items()) + ")")
@@ -349,7 +395,8 @@ def kernel_report(
             if name == getattr(picked, op):
                 status = "auto"
             elif why is None:
-                status = "usable" if impl.auto else "usable when named (auto does not pick it)"
+                status = ("usable" if _auto_ok(impl, dev, cp, packed) else "usable when named (auto does not pick it"
+                          + (")" if not impl.auto else " for this run's device and rows)"))
             else:
                 status = why
             rows.append((op, name, status))
@@ -376,7 +423,8 @@ def describe_kernels(
         for name, impl in REGISTRY[op].items():
             if name == picked:
                 break
-            if impl.auto and dev in impl.devices:  # one meant for this device: say why it is not running
+            # one meant for this device and rows: say why it is not running
+            if _auto_ok(impl, dev, cp, packed) and dev in impl.devices:
                 over.append(f"{name}: {status[(op, name)]}")
         parts.append(f"{op}={picked} (auto" + (f"; passed over {'; '.join(over)})" if over else ")"))
     return "kernels: " + ", ".join(parts)

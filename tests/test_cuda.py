@@ -123,6 +123,27 @@ def test_token_mixer_on_the_device_matches_cpu_fp32(family, packed):
         _compare(got, ref, tol, f"{family} ({getattr(dev_kernels, family)}), {dtype} on {DEVICE}, packed={packed}")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex's backward and varlen run on CUDA only (torch has no "
+                                                          "FlexAttention backward on CPU, varlen_attn no CPU kernel)")
+@pytest.mark.parametrize("impl", ["flex", "varlen"])
+def test_fused_attention_forward_and_backward_on_cuda_match_sdpa(impl):
+    """The attention layer on packed rows with ``kernels.attention: flex`` / ``varlen`` on the GPU: output, input
+    and parameter gradients against the same layer on SDPA with the dense mask, on the GPU in fp32 (flex: FP32_TOL)
+    and against the CPU fp32 explicit-softmax reference in bf16 (BF16_TOL). varlen takes 16-bit only."""
+    from q38.layers.attention import attention_apply
+
+    cfg = _cfg()
+    params = q38.init_params(cfg, seed=0).layers[cfg.layer_types.index("full_attention")].mixer
+    kernels = KernelConfig(attention=impl)
+    if impl == "flex":
+        ref = _layer_grads(attention_apply, params, cfg, "cuda", torch.float32, KernelConfig(attention="sdpa"), True)
+        got = _layer_grads(attention_apply, params, cfg, "cuda", torch.float32, kernels, True)
+        _compare(got, ref, FP32_TOL, "attention (flex vs sdpa), fp32 on cuda, packed")
+    ref = _layer_grads(attention_apply, params, cfg, "cpu", torch.float32, KernelConfig(attention="eager"), True)
+    got = _layer_grads(attention_apply, params, cfg, "cuda", torch.bfloat16, kernels, True)
+    _compare(got, ref, BF16_TOL, f"attention ({impl}), bf16 on cuda, packed")
+
+
 def test_a_bf16_train_step_on_the_device_tracks_cpu_fp32():
     """One whole step (chunked loss, MTP, aux loss, AdamW on fp32 masters) under the bf16 policy on the device
     against fp32 on the CPU: the loss terms within 1 %, the gradient norm within 5 % (bf16 on the CPU measured 5e-4

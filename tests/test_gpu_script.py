@@ -45,6 +45,8 @@ def test_every_step_of_the_device_script_runs_in_its_cpu_dry_run(tmp_path):
         "plan_step.txt": ["| step time (s)", "recompute False"],
         "plan_step_recompute.txt": ["| step time (s)", "recompute True"],
         "bf16_train.txt": ["| step | cpu fp32 loss | cpu bf16 loss |", "| 1 | "],
+        "attention.txt": ["variant", "sdpa-causal"],
+        "efficiency.jsonl": ['{"op": "attention", "impl": "sdpa", "layout": "packed"'],
     }
     for name, needles in expect.items():
         text = (out / name).read_text()

@@ -422,7 +422,7 @@ def test_gdn_chunked_gradients_match_recurrent_with_production_gates(gen):
 def test_attention_grouped_kv_heads_match_eager(packed):
     """The SDPA path (k, v with their own heads via ``enable_gqa`` when unmasked, repeated when masked) against the
     eager einsum-softmax reference with k, v repeated to the query heads: output and every gradient, fp32, 1e-5."""
-    from q38.layers.attention import _native_gqa, attention_apply
+    from q38.layers.attention import AttentionMask, _native_gqa, attention_apply
     from q38.layers.context import seq_info
 
     cfg = q38.ModelConfig.preset("tiny").replace(num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1)
@@ -431,7 +431,8 @@ def test_attention_grouped_kv_heads_match_eager(packed):
     x = torch.randn(2, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(1), requires_grad=True)
     doc = torch.tensor([[0] * 10 + [1] * 14, [0] * 24]) if packed else None
     info = seq_info(doc, 2, 24, "cpu")
-    assert info.packed == packed and _native_gqa(x, None if not packed else x) == (not packed)
+    mask = AttentionMask(info.seq_idx, info.doc_ids, info.seq_idx, info.doc_ids) if packed else None
+    assert info.packed == packed and _native_gqa(x, mask) == (not packed)
     dy = torch.randn(2, 24, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
 
     def run(kernels):
