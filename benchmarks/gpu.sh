@@ -96,6 +96,22 @@ fi
 # per row: the flash bound) and varlen; appends the measured TFLOP/s per kernel to efficiency.jsonl (the hardware
 # profile's form: {"op": "attention", "impl": ..., "layout": ..., "tflops": ..., "ref": "sdpa", ...})
 step attention 120 python3 benchmarks/attention.py "${attn_size[@]}" --backward --json "$out/efficiency.jsonl"
+# the GDN core as a run calls it, FLA vs torch, on packed rows (cu_seqlens) and on one CP rank's shard (the exact
+# state carry's augmented form, collectives replaced in-process): one JSON line per (layout, impl) with the useful
+# TFLOP/s ({"op": "gdn", "impl": ..., "layout": ..., "tflops": ..., "ref": "torch", ...}), for the hardware profile
+if [[ $mode == cuda ]]; then
+    step gdn_layouts 60 python3 benchmarks/gdn_layouts.py "${dev[@]}" --batch 2 --seq 4096 --docs 8 --heads 16 \
+        --key-heads 16 --head-dim 128 --repeats 5
+    # compiled vs eager decoder blocks (kernels.block), fwd+bwd of one GDN layer and one attention layer (the model
+    # too if the limit allows: --what gdn,attention,model): one JSON line each ({"op": "block", "impl": "compiled",
+    # "ref": "eager", "layer": ..., "ratio": compiled / eager, ...}); the compile itself is excluded
+    step compile_block 120 python3 benchmarks/compile.py "${dev[@]}" --seq 4096 --batch 2 --hidden 1024 \
+        --experts 64 --top-k 8 --repeats 3 --what gdn,attention --json
+else
+    step gdn_layouts 60 python3 benchmarks/gdn_layouts.py "${dev[@]}" --batch 1 --seq 128 --docs 2 --heads 2 \
+        --key-heads 1 --head-dim 32 --repeats 1 --impls torch
+    cuda_only compile_block "compiling takes minutes on this CPU (benchmarks/compile.py measures it here, README)"
+fi
 # whole train_step, tokens/s + MFU (bf16, hidden 2048, 8 layers, 64 experts top-8, 2 × 4096): torch GDN, FLA GDN where
 # the kernel registry allows it (FLA >= 0.5.2 with Triton >= 3.7.1 or TileLang), transformers
 step train_step 100 python3 benchmarks/train_step.py "${dev[@]}" "${step_size[@]}"

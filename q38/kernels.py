@@ -3,7 +3,8 @@ every implementation needs and supports, ``auto`` resolution, and the up-front c
 
 Ops: ``gdn`` (the gated delta rule core), ``causal_conv1d`` (the GDN depthwise conv), ``attention`` (the full
 attention core), ``experts`` (the routed experts' SwiGLU over slots sorted by expert), ``loss`` (the chunked LM
-loss's per-block epilogues). The torch paths are the oracle and run everywhere.
+loss's per-block epilogues), ``block`` (how each decoder layer runs: op by op, or compiled as one graph).
+The torch paths are the oracle and run everywhere.
 
 Each ``KernelImpl`` holds the callable that implements it (``fn``: the callable, or a ``module:attr`` path imported on
 first use, so optional packages such as flash-linear-attention load only when their implementation runs). A resolved
@@ -24,6 +25,8 @@ resolved config. Their call contracts, per op:
   ``varlen``/``npu``).
 - ``experts``: ``fn(x_md, counts_e, we_gate_up, we_down, w_m) -> y_md`` over slots sorted by expert.
 - ``loss``: ``fn(hidden [n d], w_head [v d], targets [n], chunk, ignore_index) -> Σ CE`` (the chunked loss's sum).
+- ``block``: ``fn(apply) -> apply``: how a decoder layer's apply function (``q38.layers.block.layer_apply``) runs:
+  ``eager`` returns it as is, ``compiled`` a ``torch.compile``'d copy (one graph per layer kind; docs/kernels.md).
 
 One tuning knob rides along: ``gdn_chunk_size``, the chunk length of the torch GDN core (the result is the same
 up to rounding for any chunk; only speed and memory change). ``auto`` takes ``GDN_CHUNK`` (64, FLA's chunk and the
@@ -46,7 +49,7 @@ import attrs
 from q38.config import ModelConfig
 from q38.errors import ConfigError, check_keys
 
-OPS = ("gdn", "causal_conv1d", "attention", "experts", "loss")
+OPS = ("gdn", "causal_conv1d", "attention", "experts", "block", "loss")
 GDN_CHUNK = 64  # the torch GDN core's chunk on accelerators (FLA's), and the one q38 plan and the FLOP count model
 
 
@@ -181,8 +184,9 @@ class KernelImpl:
 # Per op: implementations in ``auto`` preference order (fastest first); the last is the portable torch path.
 REGISTRY: dict[str, dict[str, KernelImpl]] = {
     "gdn": {
-        "fla": KernelImpl(devices=("cuda",), cp=False, packed=True, backward=True, problem=_fla_problem,
-                          note="flash-linear-attention chunk kernels; packed rows via cu_seqlens",
+        "fla": KernelImpl(devices=("cuda",), cp=True, packed=True, backward=True, problem=_fla_problem,
+                          note="flash-linear-attention chunk kernels; packed rows via cu_seqlens, CP by q38's exact "
+                               "state carry through FLA's initial and final states",
                           fn="q38.layers.gdn:gdn_core_fla",
                           requires=("fla", "flash-linear-attention (pip install 'q38[cuda]') and a CUDA device")),
         "npu": KernelImpl(devices=("npu",), cp=False, packed=False, backward=False,
@@ -241,6 +245,16 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
                               note="slots scattered into [experts, capacity, d] and one padded bmm per projection",
                               fn="q38.layers.moe:swiglu_batched"),
     },
+    "block": {
+        "compiled": KernelImpl(devices=("cpu", "cuda"), cp=False, packed=True, backward=True, auto=False,
+                               problem=_compile_problem,
+                               note="each decoder layer's apply compiled whole (torch.compile, fullgraph; FLA as a "
+                                    "custom op); one device, no expert parallelism yet; auto does not pick it until a "
+                                    "device run measures it faster (benchmarks/gpu.sh)",
+                               fn="q38.layers.block:compiled_block"),
+        "eager": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+                            note="the layer's ops run one by one", fn="q38.layers.block:eager_block"),
+    },
     "loss": {
         "compiled": KernelImpl(devices=("cpu", "cuda"), cp=True, packed=True, backward=True, auto=False,
                                problem=_compile_problem,
@@ -270,6 +284,7 @@ class KernelConfig:
     attention: str = "auto"
     experts: str = "auto"
     loss: str = "auto"
+    block: str = "auto"
     gdn_chunk_size: int | str = "auto"  # the torch GDN core's chunk length (auto: ``auto_gdn_chunk``)
 
     def __attrs_post_init__(self) -> None:
@@ -302,7 +317,17 @@ class KernelConfig:
         name = getattr(self, op)
         if name == "auto":
             raise ValueError(f"kernels.{op} is auto: resolve_kernels first (the layers run a resolved KernelConfig)")
-        return REGISTRY[op][name].load(op, name)
+        impl = REGISTRY[op][name]
+        loaded = _LOADED.get((op, name))
+        if loaded is not None and loaded[0] is impl:  # loaded once: a compiled block finds it without an import
+            return loaded[1]
+        fn = impl.load(op, name)
+        _LOADED[(op, name)] = (impl, fn)
+        return fn
+
+
+# (op, implementation) -> (the registry entry, its loaded callable): ``KernelConfig.fn``'s cache
+_LOADED: dict[tuple[str, str], tuple[KernelImpl, Callable]] = {}
 
 
 def _cuda_capability() -> tuple[int, int] | None:
@@ -371,6 +396,12 @@ def resolve_kernels(
                 f"kernels.{op}: {want} {whys[want]}; use kernels.{op}: auto (picks {pick} here) or one of {ok}"
             )
         out[op] = want
+    if out["block"] == "compiled" and out["experts"] == "grouped_mm" and dtype not in (None, "bfloat16"):
+        # F.grouped_mm runs eagerly in fp32 on CPU, but its meta kernel (what torch.compile traces) takes bf16 only
+        if kc.experts != "auto":
+            raise ConfigError(f"kernels.experts: grouped_mm cannot be compiled in {dtype} (its meta kernel takes "
+                              "bfloat16 only); with kernels.block: compiled use kernels.experts: batched (or auto)")
+        out["experts"] = "batched"
     if out["gdn"] != "torch" and kc.gdn_chunk_size not in ("auto", GDN_CHUNK):
         raise ConfigError(
             f"kernels.gdn_chunk_size: {kc.gdn_chunk_size} sets the torch GDN core's chunk, but kernels.gdn is "
@@ -433,4 +464,4 @@ def describe_kernels(
 # the paths that run everywhere (torch GDN and conv, ``sdpa`` attention, ``batched`` experts, the eager loss; GDN
 # chunks of ``GDN_CHUNK``): what a layer runs when its caller passes no kernels
 DEFAULT_KERNELS = KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa", experts="batched", loss="torch",
-                               gdn_chunk_size=GDN_CHUNK)
+                               block="eager", gdn_chunk_size=GDN_CHUNK)

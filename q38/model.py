@@ -154,7 +154,8 @@ def shift_tokens(
 def _run_layer(hooks: LayerHooks, p, x, cfg, info, router_bias=None, recomputed_next=None):
     """One layer through the hooks. ``recomputed_next``: the params of the layer backward recomputes after this
     one (the one before it in forward; None for the first layer)."""
-    fn = lambda p_, x_: layer_apply(hooks.gather(p_), x_, cfg, info, hooks.dispatch, router_bias)  # noqa: E731
+    apply = info.kernels.fn("block")(layer_apply)  # kernels.block: the layer eager or compiled
+    fn = lambda p_, x_: apply(hooks.gather(p_), x_, cfg, info, hooks.dispatch, router_bias)  # noqa: E731
     if hooks.wrap_layer is None:
         return fn(p, x)
     if hooks.prefetch is None:

@@ -2,6 +2,8 @@
 
 import json
 
+import sys
+
 import pytest
 import torch
 
@@ -121,7 +123,8 @@ def test_cross_config_rules():
         TrainConfig.from_dict({"micro_batch": 2})
 
 
-def test_unavailable_kernel_raises_naming_the_option_and_install(tiny_cfg):
+def test_unavailable_kernel_raises_naming_the_option_and_install(tiny_cfg, monkeypatch):
+    monkeypatch.setitem(sys.modules, "fla", None)  # not importable (the slow suite's environment installs it)
     p = q38.init_params(tiny_cfg, seed=0)
     info = seq_info(None, 1, 8, "cpu", kernels=DEFAULT_KERNELS.replace(gdn="fla"))
     with pytest.raises(ImportError, match="kernels.gdn: fla needs flash-linear-attention"):

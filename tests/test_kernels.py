@@ -27,7 +27,8 @@ def fla_ok(monkeypatch):
     "kernels,where,message",
     [
         ({"gdn": "fla"}, {"device": "cpu"}, "kernels.gdn: fla runs on cuda only, not on 'cpu'"),
-        ({"gdn": "fla"}, {"device": "cuda", "cp": True}, "kernels.gdn: fla does not support context parallelism"),
+        ({"block": "compiled"}, {"device": "cuda", "cp": True},
+         "kernels.block: compiled does not support context parallelism"),
         ({"gdn": "npu"}, {"device": "cuda"}, "kernels.gdn: npu runs on npu only"),
         ({"gdn": "npu"}, {"device": "npu"}, "kernels.gdn: npu does not support packed rows"),
         ({"gdn": "npu"}, {"device": "npu", "packed": False}, "kernels.gdn: npu has no backward"),
@@ -46,8 +47,15 @@ def test_registry_refuses_unsupported_combinations(fla_ok, kernels, where, messa
         resolve_kernels(KernelConfig(**kernels), **where)
 
 
-def test_registry_refuses_fla_without_a_known_good_install():
-    # No FLA in this environment: the environment check names the package (on a CUDA run, nothing else missing).
+@pytest.fixture
+def no_fla(monkeypatch):
+    """FLA reads as not installed (the slow suite's environment has it, for the Triton-interpreter tests)."""
+    real = K._version
+    monkeypatch.setattr(K, "_version", lambda pkg: None if pkg in ("flash-linear-attention", "fla-core") else real(pkg))
+
+
+def test_registry_refuses_fla_without_a_known_good_install(no_fla):
+    # No FLA: the environment check names the package (on a CUDA run, nothing else missing).
     with pytest.raises(ConfigError, match="kernels.gdn: fla flash-linear-attention is not installed"):
         resolve_kernels(KernelConfig(gdn="fla"), device="cuda")
 
@@ -71,10 +79,11 @@ def test_fla_gate(monkeypatch, versions, problem):
 def test_auto_picks_per_device_and_cp(fla_ok):
     assert resolve_kernels(KernelConfig(), device="cpu") == KernelConfig(gdn="torch", causal_conv1d="torch",
                                                                          attention="sdpa", experts="grouped_mm",
-                                                                         loss="torch", gdn_chunk_size=64)
+                                                                         loss="torch", block="eager",
+                                                                         gdn_chunk_size=64)
     assert resolve_kernels(KernelConfig(), device="cuda", dtype="bfloat16").loss == "torch"  # compiled: auto=False
     assert resolve_kernels(KernelConfig(), device="cuda").gdn == "fla"
-    assert resolve_kernels(KernelConfig(), device="cuda", cp=True).gdn == "torch"  # FLA has no CP path
+    assert resolve_kernels(KernelConfig(), device="cuda", cp=True).gdn == "fla"  # CP: q38's state carry over FLA
     assert resolve_kernels(KernelConfig(), device="cuda").causal_conv1d == "torch"  # cuda conv: no packed rows
     # grouped-GEMM experts where F.grouped_mm takes the run's dtype (CUDA: bf16 only), padded bmm elsewhere
     assert resolve_kernels(KernelConfig(), device="cuda", dtype="bfloat16").experts == "grouped_mm"
@@ -106,10 +115,10 @@ def test_gdn_chunk_is_refused_where_the_torch_core_does_not_run(fla_ok):
                                           r"kernels.gdn is fla here .*set kernels.gdn: torch"):
         resolve_kernels(KernelConfig(gdn_chunk_size=32), device="cuda")  # auto picks fla here
     assert resolve_kernels(KernelConfig(gdn_chunk_size=64), device="cuda").gdn == "fla"
-    assert resolve_kernels(KernelConfig(gdn_chunk_size=32), device="cuda", cp=True).gdn == "torch"  # FLA: no CP
+    assert resolve_kernels(KernelConfig(gdn="torch", gdn_chunk_size=32), device="cuda", cp=True).gdn == "torch"
 
 
-def test_auto_without_fla_is_torch_on_cuda():
+def test_auto_without_fla_is_torch_on_cuda(no_fla):
     assert resolve_kernels(KernelConfig(), device="cuda").gdn == "torch"
 
 
@@ -183,7 +192,7 @@ def test_checkpoint_made_with_one_kernel_setting_resumes_with_another(tmp_path, 
     path = out / "checkpoints" / "step_000001"
     meta = ck.read_meta(path)
     assert meta["kernels"] == {"gdn": "torch", "causal_conv1d": "torch", "attention": "eager", "experts": "grouped_mm",
-                              "loss": "torch", "gdn_chunk_size": 32}  # auto on CPU at the tiny model's head dims
+                              "block": "eager", "loss": "torch", "gdn_chunk_size": 32}  # auto on CPU at the tiny model's head dims
     assert "attention_implementation" not in meta["model_config"]
     # An older checkpoint's meta.json carried the kernel keys (and the GDN chunk) inside the model config: still the
     # same model.
@@ -230,7 +239,8 @@ def test_kernel_report_names_the_pick_and_every_refusal(fla_ok, monkeypatch):
     assert set(rows) == {(op, n) for op in K.OPS for n in K.REGISTRY[op]}  # every implementation, none left out
     picked = resolve_kernels(KernelConfig(), device="cuda", dtype="bfloat16", cp=True)
     assert {(op, n) for (op, n), s in rows.items() if s == "auto"} == {(op, getattr(picked, op)) for op in K.OPS}
-    assert rows[("gdn", "fla")] == "does not support context parallelism (a `cp` mesh dim > 1)"
+    assert rows[("gdn", "fla")] == "auto"  # the production layout: CP and packed rows
+    assert rows[("block", "compiled")] == "does not support context parallelism (a `cp` mesh dim > 1)"
     assert rows[("loss", "compiled")] in ("usable when named (auto does not pick it)",
                                           K._compile_problem())  # opt-in: never "auto"
     assert rows[("attention", "eager")] == "usable"
@@ -328,6 +338,7 @@ def test_kernels_are_arguments_two_forwards_in_one_process_each_run_their_own(mo
 
     (h_a, calls_a, chunks_a), (h_b, calls_b, chunks_b), (h_a2, calls_a2, _) = run(a_k), run(b_k), run(a_k)
     both = {("causal_conv1d", "torch"), ("gdn", "torch")}
+    both = {*both, ("block", "eager")}
     assert calls_a == calls_a2 == {("attention", "sdpa"), ("experts", "batched"), *both}
     assert calls_b == {("attention", "eager"), ("experts", b_k.experts), *both}
     assert chunks_a == {64} and chunks_b == {16}

@@ -1,14 +1,16 @@
 """The decoder layer (pre-norm, two residuals) used by every main layer and by each MTP depth; its token mixer is
 the layer's kind (``q38.layers.kinds.MIXER_KINDS``)."""
 
-from typing import Union
+from typing import Callable, Union
 
 import attrs
+import torch
 from jaxtyping import Float
 from torch import Tensor
 from torch.profiler import record_function
 
 from q38.config import ModelConfig
+from q38.kernels import OPS
 from q38.layers.common import ParamInfo
 from q38.layers.context import SeqInfo
 from q38.layers.kinds import MIXER_KINDS, kind_of
@@ -56,3 +58,34 @@ def layer_apply(
         y, router_logits = moe_apply(p.moe, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps), cfg, dispatch, router_bias,
                                      info.kernels)
     return x + y, router_logits
+
+
+def eager_block(apply: Callable) -> Callable:
+    """``kernels.block: eager``: the layer's apply function as it is (its ops run one by one)."""
+    return apply
+
+
+# apply function -> its compiled wrapper (``compiled_block``): one torch.compile per function, shared by every layer
+_COMPILED: dict[Callable, Callable] = {}
+
+
+def compiled_block(apply: Callable) -> Callable:
+    """``kernels.block: compiled``: ``apply`` (``layer_apply``'s signature) under ``torch.compile(fullgraph=True)``,
+    regional: one graph per layer kind, reused by every layer of that kind (a new kind or shape recompiles). One
+    device without expert parallelism: the CP exchanges and the EP dispatch run collectives the graph cannot hold,
+    so a layer with either raises. Every kernel the step resolved is loaded before the compiled call, so the trace
+    never imports one."""
+    run = _COMPILED.get(apply)
+    if run is None:
+        compiled = torch.compile(apply, fullgraph=True)
+
+        def run(p, x, cfg, info, dispatch=None, router_bias=None):
+            if dispatch is not None or not info.comm.is_local:
+                raise NotImplementedError("kernels.block: compiled runs on one device without expert parallelism "
+                                          "(no cp / ep mesh dims) for now; set kernels.block: eager")
+            for op in OPS:
+                info.kernels.fn(op)
+            return compiled(p, x, cfg, info, dispatch, router_bias)
+
+        _COMPILED[apply] = run
+    return run

@@ -5,6 +5,7 @@ Layers never import ``torch.distributed``; ``q38.parallel`` provides a ``SeqComm
 """
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, ContextManager, Protocol, runtime_checkable
 
 import attrs
@@ -48,9 +49,11 @@ class SeqComm(Protocol):
         ...
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True)
 class Ready:
-    """An exchange that is already complete (one device, or ``overlap_comm`` off): ``wait`` returns ``value``."""
+    """An exchange that is already complete (one device, or ``overlap_comm`` off): ``wait`` returns ``value``. A
+    frozen dataclass, not a frozen attrs class: layers build it inside compiled blocks, and torch.compile cannot
+    trace the construction of a frozen attrs instance."""
 
     value: tuple
 

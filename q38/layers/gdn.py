@@ -7,7 +7,9 @@ several documents gives exactly the outputs of the documents run one by one.
 Extra dims: ``u`` = position inside a chunk, ``j`` = chunk index, ``a``/``p`` = key/value state dims.
 """
 
+import dataclasses
 import math
+from typing import Optional
 
 import attrs
 import torch
@@ -154,10 +156,11 @@ class _CausalConv(torch.autograd.Function):
         return dx.to(x.dtype), dw.to(w.dtype), (None if dhalo is None else dhalo.to(halo.dtype)), None
 
 
-@attrs.frozen
+@dataclasses.dataclass(frozen=True)
 class ConvHalo:
     """The started CP exchanges of the conv halo: the previous rank's last ``K - 1`` conv inputs and doc ids
-    (``+ 2``, so rank 0's zeros read as no document)."""
+    (``+ 2``, so rank 0's zeros read as no document). A frozen dataclass: torch.compile cannot trace building a
+    frozen attrs instance."""
 
     x: SeqHandle
     doc: SeqHandle
@@ -617,27 +620,24 @@ def gated_delta_rule_chunked_autograd(
     return o.to(dtype), S
 
 
-def gdn_core_torch(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, info: SeqInfo, *, chunk_size: int, backward: str
-) -> Tensor:
-    """``kernels.gdn: torch``: ``gated_delta_rule_chunked`` (chunks of ``chunk_size``, ``backward`` custom or autograd),
-    document-masked for packed rows; under context parallelism the ranks' states are composed by ``info.comm``."""
+def _cp_core(core, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, info: SeqInfo) -> Tensor:
+    """One rank's share of a context-parallel GDN, for either core: ``core(q, k, v, g, beta, doc_ids, s0) -> (o,
+    S_final)`` with ``gated_delta_rule_chunked``'s contract (``s0`` belongs to each row's first document, ``S_final``
+    is the state the row ends in).
+
+    The output and final state are affine in the initial state S0. Running extra value columns (zero values, identity
+    initial state) gives the response to S0 in the same pass; the comm then composes the ranks' (final state,
+    transition) pairs into this rank's true S0 (``SeqComm.gdn_carry``, exact in fp32), and its gradient flows back
+    through the same gather into every earlier rank's core (docs/gdn_backward.md#context-parallel-carry)."""
     comm = info.comm
-    if comm.is_local:
-        doc_ids = info.doc_ids if info.packed else None
-        return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size=chunk_size, backward=backward)[0]
     # The carry's doc ids (each row's first and last, per rank) need only ``info``: started before the core's pass.
     doc_ends = comm.all_gather_seq_async((torch.stack([info.doc_ids[:, 0], info.doc_ids[:, -1]])[None],), 0)
-    # Context parallel: the output and final state are affine in the initial state S0. Running extra value columns
-    # (zero values, identity initial state) gives the response to S0 in the same pass; the comm then composes the
-    # ranks' (final state, transition) pairs into this rank's true S0 (architecture of fla's KCP, exact in fp32).
     b, s, h, a = v.shape[0], v.shape[1], v.shape[2], q.shape[-1]
     pv = v.shape[-1]
     v_aug = torch.cat([v, v.new_zeros(b, s, h, a)], dim=-1)
     eye = torch.eye(a, dtype=torch.float32, device=v.device).expand(b, h, a, a)
     s0 = torch.cat([torch.zeros(b, h, a, pv, dtype=torch.float32, device=v.device), eye], dim=-1)
-    o_aug, s_aug = gated_delta_rule_chunked(q, k, v_aug, g, beta, info.doc_ids, s0, chunk_size=chunk_size,
-                                            backward=backward)
+    o_aug, s_aug = core(q, k, v_aug, g, beta, info.doc_ids, s0)
     o_zero, o_resp = o_aug[..., :pv].float(), o_aug[..., pv:].float()  # [b s h p], [b s h a]
     s_zero, transition = s_aug[..., :pv], s_aug[..., pv:]  # [b h a p], [b h a a]
     init = comm.gdn_carry(s_zero, transition, doc_ends)  # [b h a p]
@@ -645,30 +645,198 @@ def gdn_core_torch(
     return o.to(v.dtype)
 
 
+def gdn_core_torch(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, info: SeqInfo, *, chunk_size: int, backward: str
+) -> Tensor:
+    """``kernels.gdn: torch``: ``gated_delta_rule_chunked`` (chunks of ``chunk_size``, ``backward`` custom or autograd),
+    document-masked for packed rows; under context parallelism the ranks' states are composed by ``info.comm``
+    (``_cp_core``)."""
+    def core(q, k, v, g, beta, doc_ids, s0):
+        return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, s0, chunk_size=chunk_size, backward=backward)
+
+    if info.comm.is_local:
+        return core(q, k, v, g, beta, info.doc_ids if info.packed else None, None)[0]
+    return _cp_core(core, q, k, v, g, beta, info)
+
+
+# ---- flash-linear-attention -------------------------------------------------------------------------------------
+
+
+def fla_seqlens(doc_ids: Int[Tensor, "b s"]) -> tuple[Int[Tensor, " n1"], Int[Tensor, " b"], Int[Tensor, " b"]]:
+    """The rows of ``doc_ids`` as FLA's variable-length layout: ``cu_seqlens`` (int32 ``[N + 1]``: where each of the
+    ``N`` sequences of the flattened ``[1, b·s]`` row starts, then ``b·s``; a sequence is a run of one document
+    inside one row, so a new row always starts one), and per row the index of its first and of its last sequence."""
+    b, s = doc_ids.shape
+    new = torch.ones(b, s, dtype=torch.bool, device=doc_ids.device)
+    new[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    new = new.reshape(-1)
+    starts = torch.nonzero(new).flatten()
+    cu_seqlens = torch.cat([starts, starts.new_full((1,), b * s)]).to(torch.int32)
+    seq_of_token = (torch.cumsum(new, 0) - 1).view(b, s)
+    return cu_seqlens, seq_of_token[:, 0], seq_of_token[:, -1]
+
+
+def gated_delta_rule_fla(
+    q: Float[Tensor, "b s hk a"],
+    k: Float[Tensor, "b s hk a"],
+    v: Float[Tensor, "b s h p"],
+    g: Float[Tensor, "b s h"],
+    beta: Float[Tensor, "b s h"],
+    doc_ids: Int[Tensor, "b s"] | None = None,
+    initial_state: Float[Tensor, "b h a p"] | None = None,
+) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
+    """``gated_delta_rule_chunked``'s contract (L2-normalised q/k, q scaled by ``a^-½``; ``initial_state`` belongs
+    to each row's first document; returns the outputs and the fp32 state each row ends in) on flash-linear-attention's
+    ``chunk_gated_delta_rule`` and its own backward. Packed rows (``doc_ids``) run as one flattened row with
+    ``cu_seqlens`` (``fla_seqlens``): FLA gives every sequence its own initial and final state, so ``initial_state``
+    goes to each row's first sequence (the others start from zero) and each row's last sequence's final state is
+    returned; the gradient of the initial state comes back through FLA's ``dh0``."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
+
+    b, s, h, a = v.shape[0], v.shape[1], v.shape[2], q.shape[-1]
+    q, k = _repeat_kv_heads(q, k, h)
+    s0 = None if initial_state is None else initial_state.float()
+    if doc_ids is None:
+        o, state = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, initial_state=s0, output_final_state=True,
+                                          use_qk_l2norm_in_kernel=True)
+        return o, state
+    cu_seqlens, first, last = fla_seqlens(doc_ids)
+    n = cu_seqlens.shape[0] - 1
+    if s0 is not None:
+        s0 = s0.new_zeros(n, *s0.shape[1:]).index_copy(0, first, s0)
+    q, k, v, g, beta = (t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v, g, beta))
+    o, states = chunk_gated_delta_rule(q, k, v, g=g.float(), beta=beta, initial_state=s0, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    return o.reshape(b, s, *o.shape[2:]), states.index_select(0, last)
+
+
+class _FLACtx:
+    """What FLA's autograd function reads and writes on its ``ctx`` (saved tensors, attributes), for calling its
+    forward and backward directly inside a custom op, where autograd does not record."""
+
+    def save_for_backward(self, *tensors: Tensor | None) -> None:
+        self.saved_tensors = tensors
+
+
+def _fla_direct(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_ids: Tensor | None, s0: Tensor | None,
+                grads: tuple[Tensor, Tensor] | None = None) -> list[Tensor]:
+    """``gated_delta_rule_fla`` through FLA's ``ChunkGatedDeltaRuleFunction`` forward called directly: ``[o, state]``;
+    with ``grads = (d_o, d_state)`` its backward too, returning the gradients of ``q, k, v, g, beta`` (and ``s0``
+    when given) through the same layout steps (head repeat, flattening, the per-sequence states) written out."""
+    import inspect
+
+    from fla.ops.gated_delta_rule.chunk import ChunkGatedDeltaRuleFunction  # type: ignore
+
+    b, s, h, a = v.shape[0], v.shape[1], v.shape[2], q.shape[-1]
+    hk = q.shape[2]
+    qr, kr = _repeat_kv_heads(q, k, h)
+    args = dict(q=qr, k=kr, v=v, g=g.float(), beta=beta, scale=a**-0.5, output_final_state=True,
+                use_qk_l2norm_in_kernel=True, initial_state=None if s0 is None else s0.float())
+    first = last = None
+    if doc_ids is not None:
+        cu_seqlens, first, last = fla_seqlens(doc_ids)
+        n = cu_seqlens.shape[0] - 1
+        for name in ("q", "k", "v", "g", "beta"):
+            args[name] = args[name].reshape(1, b * s, *args[name].shape[2:])
+        args["cu_seqlens"] = cu_seqlens
+        if s0 is not None:
+            args["initial_state"] = s0.new_zeros(n, *s0.shape[1:], dtype=torch.float32).index_copy(0, first,
+                                                                                                   s0.float())
+    names = list(inspect.signature(ChunkGatedDeltaRuleFunction.forward).parameters)[1:]
+    params = inspect.signature(ChunkGatedDeltaRuleFunction.forward).parameters
+    call = [args[nm] if nm in args else params[nm].default for nm in names]
+    ctx = _FLACtx()
+    o, states = ChunkGatedDeltaRuleFunction.forward(ctx, *call)
+    state = states if last is None else states.index_select(0, last)
+    if grads is None:
+        return [o.reshape(b, s, h, -1), state]
+    d_o, d_state = grads
+    d_states = d_state.float()
+    if last is not None:
+        d_states = states.new_zeros(states.shape).index_copy(0, last, d_states)
+    out = ChunkGatedDeltaRuleFunction.backward(ctx, d_o.reshape(o.shape).contiguous(), d_states.contiguous())
+    dq, dk, dv, dg, dbeta = (out[names.index(nm)] for nm in ("q", "k", "v", "g", "beta"))
+    dq, dk, dv, dg, dbeta = (t.reshape(b, s, *t.shape[2:]) for t in (dq, dk, dv, dg, dbeta))
+    if hk < h:  # the repeated key heads: each key head's gradient sums over its value heads
+        dq, dk = (t.view(b, s, hk, h // hk, a).sum(3) for t in (dq, dk))
+    res = [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)]
+    if s0 is not None:
+        dh0 = out[names.index("initial_state")]
+        res.append((dh0 if first is None else dh0.index_select(0, first)).to(s0.dtype))
+    return res
+
+
+# Under torch.compile FLA runs as one opaque op with a fake (shape) implementation, so the traced graph holds: its
+# Triton launches are not traceable (FLA marks its entry point ``torch.compiler.disable``, a graph break). Autograd
+# does not record inside a custom op, so the op calls FLA's autograd function's forward and backward itself
+# (``_fla_direct``); its saved intermediates cannot cross the op's boundary, so the backward op runs FLA's forward
+# again first: one extra GDN forward per backward, only in compiled blocks (eager calls FLA's public function).
+@torch.library.custom_op("q38::fla_gdn", mutates_args=())
+def _fla_gdn_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_ids: Optional[Tensor],
+                initial_state: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    o, state = _fla_direct(q, k, v, g, beta, doc_ids, initial_state)
+    return o.contiguous(), state.contiguous()
+
+
+@_fla_gdn_op.register_fake
+def _(q, k, v, g, beta, doc_ids, initial_state):
+    b, s, h, p = v.shape
+    return v.new_empty(b, s, h, p), v.new_empty(b, h, q.shape[-1], p, dtype=torch.float32)
+
+
+@torch.library.custom_op("q38::fla_gdn_backward", mutates_args=())
+def _fla_gdn_backward_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, doc_ids: Optional[Tensor],
+                         initial_state: Optional[Tensor], d_o: Tensor, d_state: Tensor) -> list[Tensor]:
+    grads = _fla_direct(q, k, v, g, beta, doc_ids, initial_state, (d_o, d_state))
+    return [t.contiguous() for t in grads]
+
+
+@_fla_gdn_backward_op.register_fake
+def _(q, k, v, g, beta, doc_ids, initial_state, d_o, d_state):
+    return [torch.empty_like(t) for t in (q, k, v, g, beta, *(() if initial_state is None else (initial_state,)))]
+
+
+def _fla_gdn_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _fla_gdn_grad(ctx, d_o, d_state):
+    q, k, v, g, beta, doc_ids, s0 = ctx.saved_tensors
+    d_o = torch.zeros_like(v) if d_o is None else d_o
+    if d_state is None:
+        d_state = torch.zeros(v.shape[0], v.shape[2], q.shape[-1], v.shape[-1], device=v.device)
+    grads = _fla_gdn_backward_op(q, k, v, g, beta, doc_ids, s0, d_o, d_state)
+    return (*grads[:5], None, grads[5] if s0 is not None else None)
+
+
+_fla_gdn_op.register_autograd(_fla_gdn_grad, setup_context=_fla_gdn_setup)
+
+
+def gated_delta_rule_fla_op(
+    q: Float[Tensor, "b s hk a"],
+    k: Float[Tensor, "b s hk a"],
+    v: Float[Tensor, "b s h p"],
+    g: Float[Tensor, "b s h"],
+    beta: Float[Tensor, "b s h"],
+    doc_ids: Int[Tensor, "b s"] | None = None,
+    initial_state: Float[Tensor, "b h a p"] | None = None,
+) -> tuple[Float[Tensor, "b s h p"], Float[Tensor, "b h a p"]]:
+    """``gated_delta_rule_fla`` as the ``q38::fla_gdn`` custom op (what compiled blocks trace; equal to it)."""
+    return torch.ops.q38.fla_gdn(q, k, v, g, beta, doc_ids, initial_state)
+
+
 def gdn_core_fla(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, info: SeqInfo, *, chunk_size: int, backward: str
 ) -> Tensor:
     """``kernels.gdn: fla``: flash-linear-attention's ``chunk_gated_delta_rule`` (its own chunks of 64 and its own
-    backward: ``chunk_size`` and ``backward`` steer the torch core only); packed rows as one row with cumulative
-    sequence lengths; no CP."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # type: ignore
-
-    q, k = _repeat_kv_heads(q, k, v.shape[2])
-    cu_seqlens = None
-    if info.packed:
-        # FLA takes packed documents as one batch row with cumulative sequence lengths.
-        b, s = info.doc_ids.shape
-        flat = info.doc_ids + torch.arange(b, device=q.device)[:, None] * (int(info.doc_ids.max()) + 2)
-        flat = flat.reshape(-1)
-        starts = torch.nonzero(torch.cat([flat.new_ones(1, dtype=torch.bool), flat[1:] != flat[:-1]])).flatten()
-        cu_seqlens = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-        q, k, v, g, beta = (t.reshape(1, b * s, *t.shape[2:]) for t in (q, k, v, g, beta))
-    o, _ = chunk_gated_delta_rule(
-        q, k, v, g=g.float(), beta=beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens
-    )
-    if info.packed:
-        o = o.reshape(info.doc_ids.shape[0], info.doc_ids.shape[1], *o.shape[2:])
-    return o
+    backward: ``chunk_size`` and ``backward`` steer the torch core only), packed rows through ``cu_seqlens``
+    (``gated_delta_rule_fla``); under context parallelism the same exact state carry as the torch core
+    (``_cp_core``: FLA's ``initial_state`` and final state give each rank's response, ``info.comm`` composes them).
+    Inside ``torch.compile`` it runs as the ``q38::fla_gdn`` custom op."""
+    core = gated_delta_rule_fla_op if torch.compiler.is_compiling() else gated_delta_rule_fla
+    if info.comm.is_local:
+        return core(q, k, v, g, beta, info.doc_ids if info.packed else None, None)[0]
+    return _cp_core(core, q, k, v, g, beta, info)
 
 
 def gdn_apply(

@@ -98,7 +98,9 @@ def swiglu_batched(
     m = x_md.shape[0]
     if m == 0:  # empty, but connected to the inputs: an EP exchange that fed them still runs its backward
         return x_md * w_m[:, None]
-    cap = int(counts_e.max())
+    # the capacity: the fullest expert's count, or under torch.compile every slot (a count read back from the device
+    # is a data-dependent shape the graph cannot hold; the padding rows are dropped below either way)
+    cap = m if torch.compiler.is_compiling() else int(counts_e.max())
     starts = torch.cumsum(counts_e, 0) - counts_e
     expert_m = torch.repeat_interleave(torch.arange(e, device=x_md.device), counts_e, output_size=m)
     slot_m = torch.arange(m, device=x_md.device) - starts[expert_m]
@@ -143,12 +145,17 @@ class _WeightedSwiGLU(torch.autograd.Function):
         gate, up = gu[0].chunk(2, dim=-1) if len(gu) == 1 else gu
         silu = F.silu(gate)
         dw = torch.linalg.vecdot(daf, silu * up).to(w.dtype) if ctx.needs_input_grad[0] else None
+        daw = daf * wf
+        if torch.compiler.is_compiling():  # functional: torch.compile cannot trace ``out=`` writes into views
+            dup = daw * silu
+            dgate = torch.ops.aten.silu_backward(daw * up, gate)
+            grads = (torch.cat([dgate, dup], dim=-1),) if len(gu) == 1 else (dgate, dup)
+            return (dw, *(g.to(t.dtype) for g, t in zip(grads, saved)))
         if len(gu) == 1:
             grads = (torch.empty_like(gu[0]),)
             dgate, dup = grads[0].chunk(2, dim=-1)
         else:
             grads = dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        daw = daf * wf
         torch.mul(daw, silu, out=dup)
         torch.ops.aten.silu_backward.grad_input(daw.mul_(up), gate, grad_input=dgate)
         return (dw, *(g.to(t.dtype) for g, t in zip(grads, saved)))
@@ -184,7 +191,8 @@ def _sorted_swiglu(
     ``experts``. Returns ``(y_sorted, order, row_sorted)``: the outputs in sorted order, the sort, and the rows
     they read."""
     order = torch.argsort(expert_m, stable=True)
-    counts_e = torch.bincount(expert_m, minlength=cfg.num_experts)
+    # the per-expert counts by a scatter-add (bincount's output size depends on the data: torch.compile breaks on it)
+    counts_e = expert_m.new_zeros(cfg.num_experts).scatter_add_(0, expert_m, torch.ones_like(expert_m))
     row_sorted = row_of_slot(order)
     y_sorted = experts(rows.index_select(0, row_sorted), counts_e, p.we_gate_up, p.we_down, w_m[order])
     return y_sorted, order, row_sorted

@@ -31,6 +31,9 @@ def _rotate(x: Tensor, c1: Tensor, c2: Tensor, s1: Tensor, s2: Tensor, sign: flo
     """``[x1·c1 − sign·x2·s1 | x2·c2 + sign·x1·s2]`` on the first ``r`` channels, the rest copied."""
     h = c1.shape[-1]
     r = 2 * h
+    if torch.compiler.is_compiling():  # functional: torch.compile cannot trace ``out=`` writes into slices
+        x1, x2 = x[..., :h], x[..., h:r]
+        return torch.cat([x1 * c1 - sign * (x2 * s1), x2 * c2 + sign * (x1 * s2), x[..., r:]], dim=-1)
     out = torch.empty_like(x)
     x1, x2 = x[..., :h], x[..., h:r]
     torch.mul(x1, c1, out=out[..., :h]).addcmul_(x2, s1, value=-sign)
