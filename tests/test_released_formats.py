@@ -159,28 +159,28 @@ def test_fp8_checkpoint_loads_as_its_independent_dequantization(tmp_path, cfg, b
     assert not any(n.endswith(("A_log", "norm_w", "w_router", "embed")) for n in changed)
 
 
+@pytest.mark.slow
 def test_fp8_checkpoint_read_by_transformers_dequantized(tmp_path):
-    """transformers' own FP8 loader with ``dequantize=True`` reads the directory to the same weights.
+    """transformers' own FP8 loader (``FineGrainedFP8Config(dequantize=True)``, transformers 5.23 on CPU; it needs
+    ``accelerate``) reads the directory to the weights of the loop's dequantization, and its logits equal q38's from
+    the same FP8 directory (fp32, 1e-4). Blocks of 4x4: transformers' dequantizer takes whole blocks only (a weight
+    whose dims are not multiples of the block is refused with "not divisible by scale grid"), so this test uses a
+    block size that divides every dim; partial blocks are checked against the loop above."""
+    from q38.model import logits
 
-    transformers 5.x's ``FineGrainedFP8Config(dequantize=True)`` is tried on CPU; where that version of the loader
-    refuses CPU or the architecture, the test fails with its message (it is not skipped): see the docstring of
-    ``_hf_fp8_model``."""
-    from tests.test_hf_parity import _hf_classes
-
-    fp8 = _to_fp8_dir(_bf16_dir(tmp_path, CFG_A), tmp_path / "fp8", (16, 8))
-    ref = _dequantized_dir(fp8, tmp_path / "deq")
+    fp8 = _to_fp8_dir(_bf16_dir(tmp_path, CFG_A), tmp_path / "fp8", (4, 4))
+    ref = _fuse(_tensors(_dequantized_dir(fp8, tmp_path / "deq")))
     model = _hf_fp8_model(CFG_A, fp8)
-    want = _tensors(ref)
     got = model.state_dict()
-    hf_per_expert = {k: v for k, v in got.items()}
-    # compare the keys both name (transformers may fuse the experts: compare those through the fused form)
-    fused = _fuse(want)
-    n = 0
-    for k, v in hf_per_expert.items():
-        if k in fused:
-            assert torch.equal(v.float(), fused[k].float()), k
-            n += 1
-    assert n > 10, sorted(hf_per_expert)[:20]
+    both = [k for k in got if k in ref]
+    assert len(both) == len(got), sorted(set(got) - set(ref))[:10]  # every transformers weight compared
+    for k in both:
+        assert torch.equal(got[k].float(), ref[k].float()), k
+    ids = torch.randint(0, CFG_A.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    cfg, params = load_hf(fp8, dtype=torch.float32)
+    with torch.no_grad():  # the unquantized weights keep the checkpoint's bf16 in transformers' model: fp32 here
+        torch.testing.assert_close(model.float()(input_ids=ids).logits, logits(params, ids, cfg), rtol=1e-4,
+                                   atol=1e-4)
 
 
 def _fuse(tensors: dict) -> dict:
@@ -205,7 +205,7 @@ def _hf_fp8_model(cfg, path):
     from tests.test_hf_parity import _hf_classes
 
     _, model_cls = _hf_classes(cfg)
-    return model_cls.from_pretrained(path, dtype=torch.float32, device_map="cpu",
+    return model_cls.from_pretrained(path, dtype=torch.float32,
                                      quantization_config=FineGrainedFP8Config(dequantize=True)).eval()
 
 
@@ -338,9 +338,12 @@ def test_bf16_policy_gathers_fp32_params_in_fp32():
 
 
 def test_gdn_on_a_long_packed_row_tracks_fp32_closer_with_fp32_a_log():
-    """One GDN layer over a 4096-token packed row (three documents), tiny heads: the bf16 policy's output is closer to
-    the fp32 reference with A_log gathered in fp32 (``train.fp32_params``' default) than with A_log rounded to bf16
-    (everything else bf16 in both). Errors: relative RMS over the row."""
+    """One GDN layer over a 4096-token packed row (documents of 2500, 1000 and 596 tokens), tiny heads, decays slow
+    enough to carry state over many tokens (``A_log`` in [-3, -2.5]): the bf16 policy's output (input and every other
+    leaf bf16) is closer to the fp32 layer with ``A_log`` gathered in fp32 (``train.fp32_params``' default) than with
+    ``A_log`` rounded to bf16. Errors: relative RMS over the row; the third number is the error of rounding ``A_log``
+    alone in an otherwise fp32 layer (what the fp32 gather removes). Measured on CPU: 0.00877 (fp32 A_log), 0.00912
+    (bf16 A_log), 0.0021 (A_log alone)."""
     from q38.layers.context import seq_info
     from q38.layers.gdn import gdn_apply
     from q38.model import init_params
@@ -351,12 +354,12 @@ def test_gdn_on_a_long_packed_row_tracks_fp32_closer_with_fp32_a_log():
                                              linear_key_head_dim=8, linear_value_head_dim=8)
     p = init_params(cfg, seed=0).layers[cfg.layer_types.index("linear_attention")].mixer
     g = torch.Generator().manual_seed(0)
-    # slow decays (A_log small): the per-token decay compounds over thousands of tokens of one document
-    p = attrs.evolve(p, A_log=torch.log(torch.rand(p.A_log.shape, generator=g) * 0.05 + 0.01))
+    p = attrs.evolve(p, A_log=-3.0 + 0.5 * torch.rand(p.A_log.shape, generator=g))
     s = 4096
     doc = torch.tensor([[0] * 2500 + [1] * 1000 + [2] * 596])
     x = torch.randn(1, s, cfg.hidden_size, generator=g)
     info = seq_info(doc, 1, s, "cpu")
+    rel = lambda y, ref: ((y.double() - ref).norm() / ref.norm()).item()  # noqa: E731
     with torch.no_grad():
         ref = gdn_apply(p, x, cfg, info).double()
         errs = {}
@@ -364,10 +367,12 @@ def test_gdn_on_a_long_packed_row_tracks_fp32_closer_with_fp32_a_log():
             tc = TrainConfig(param_dtype="bfloat16", fp32_params=keep)
             rt = LocalRuntime(tc.torch_param_dtype, tc.compute_dtype)
             rt.bind(p)
-            y = gdn_apply(rt.gather(p), x.to(torch.bfloat16), cfg, info).double()
-            errs[name] = ((y - ref).norm() / ref.norm()).item()
-    print(f"relative RMS error against fp32 over {s} tokens: {errs}")
-    assert errs["A_log fp32"] < errs["A_log bf16"]
+            errs[name] = rel(gdn_apply(rt.gather(p), x.to(torch.bfloat16), cfg, info), ref)
+        rounded = attrs.evolve(p, A_log=p.A_log.to(torch.bfloat16).float())
+        errs["A_log alone bf16"] = rel(gdn_apply(rounded, x, cfg, info), ref)
+    print(f"relative RMS error against the fp32 layer over {s} tokens: {errs}")
+    assert errs["A_log fp32"] * 1.01 < errs["A_log bf16"]
+    assert errs["A_log alone bf16"] > 1e-3
 
 
 # ---- one MTP layer for every depth ------------------------------------------------------------------------------
