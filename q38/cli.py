@@ -200,7 +200,8 @@ def _dtype(name: str | None):
     aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
     name = aliases.get(name, name)
     if name not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {name!r}")
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16 (or fp8: block-FP8, for convert --to-hf and "
+                         f"init-hf), got {name!r}")
     return getattr(torch, name)
 
 

@@ -136,7 +136,7 @@ def test_init_from_hf_reads_only_slices_and_equals_load_then_shard(tmp_path, mod
         assert o["sharded"] > 10  # the check looked at sharded parameters
 
 
-FP8_CASES = [("fsdp", {"fsdp": 2}, 2), ("fsdp_ep", {"fsdp": 2, "ep": 2}, 4)]
+FP8_CASES = [("fsdp_ep", {"fsdp": 2, "ep": 2}, 4)]  # FSDP rows cut 16-row blocks; EP splits the experts
 
 
 @pytest.mark.parametrize("layout,sizes,world", FP8_CASES, ids=[f"{c[0]}-{c[2]}ranks" for c in FP8_CASES])

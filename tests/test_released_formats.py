@@ -468,3 +468,23 @@ def test_shared_mtp_in_hf_files_counts_and_the_train_step(tmp_path):
     ids = torch.randint(0, SHARED.vocab_size, (2, 20), generator=torch.Generator().manual_seed(3))
     r = loss_and_grads(state_from_params(params, SHARED, TrainConfig()), {"input_ids": ids, "labels": ids.clone()})
     assert {"mtp_1", "mtp_2", "mtp_3"} <= set(r.terms)
+
+
+def test_cli_fp8_init_import_export(tmp_path):
+    """``q38 init-hf --dtype fp8`` writes a block-FP8 directory (projections e4m3 with scales, A_log and the GDN norm
+    fp32, the rest bf16); ``convert --from-hf`` then ``--to-hf`` (no --dtype: the source's format) gives the same
+    keys, dtypes and scale shapes, and ``--to-hf --dtype bfloat16`` a plain bf16 directory."""
+    from q38.cli import main
+
+    src, ck = tmp_path / "hf", tmp_path / "ck"
+    assert main(["init-hf", "--model", "tiny", "--dtype", "fp8", str(src)]) == 0
+    h = _headers(src)
+    assert h["model.layers.0.linear_attn.in_proj_qkv.weight"][0] == "F8_E4M3"
+    assert h["model.layers.0.linear_attn.A_log"][0] == "F32" and h["model.embed_tokens.weight"][0] == "BF16"
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv" in h
+    assert main(["convert", "--from-hf", str(src), str(ck)]) == 0
+    assert main(["convert", "--to-hf", str(ck), str(tmp_path / "again")]) == 0
+    assert _headers(tmp_path / "again") == h
+    assert main(["convert", "--to-hf", str(ck), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert {dt for dt, _ in _headers(tmp_path / "bf16").values()} == {"BF16"}
+    assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
