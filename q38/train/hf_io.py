@@ -177,6 +177,9 @@ def init_source_format(init_from) -> dict | None:
         return None
     src = Path(init_from)
     if (src / "config.json").is_file() and not is_checkpoint(src):
+        from q38.train.safety import check_safetensors_dir
+
+        check_safetensors_dir(src, "init_from")  # config.json parses, every safetensors file is whole
         return open_hf(src).source_format()
     return read_meta(resolve_checkpoint(src)).get("source_format")
 

@@ -7,6 +7,7 @@ layout's mesh is checked against ``WORLD_SIZE`` before anything is allocated.
 """
 
 import contextlib
+import fnmatch
 import signal
 import sys
 import time
@@ -256,7 +257,8 @@ def _source_precision(cfg: RunConfig) -> RunConfig:
 
     fmt = init_source_format(cfg.init_from) if cfg.init_from and Path(cfg.init_from).exists() else None
     _SOURCE_FORMAT[str(cfg.init_from)] = fmt
-    extra = [p for p in source_fp32_params(fmt) if p not in cfg.train.fp32_params]
+    have = cfg.train.fp32_params  # a kind an existing pattern covers already (layers.0.mixer.A_log) is not added
+    extra = [p for p in source_fp32_params(fmt) if not any(fnmatch.fnmatchcase(p.replace("*", "0"), h) for h in have)]
     if not extra:
         return cfg
     return attrs.evolve(cfg, train=cfg.train.replace(fp32_params=(*cfg.train.fp32_params, *extra)))
