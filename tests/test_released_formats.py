@@ -490,23 +490,25 @@ def test_cli_fp8_init_import_export(tmp_path):
     assert "quantization_config" not in json.loads((tmp_path / "bf16" / "config.json").read_text())
 
 
+@pytest.mark.slow  # a training run: ~20 s alone, a minute on a loaded machine
 def test_a_run_from_an_fp8_checkpoint_exports_fp8_and_keeps_source_fp32_leaves(tmp_path):
-    """``init_from`` a block-FP8 directory that also stores the shared-expert gate in fp32: the run (bf16 policy)
-    adds that leaf kind to ``train.fp32_params`` (A_log and the GDN norm are there by default), records the
-    source format in its checkpoint, and ``run.save_hf`` writes the source's keys, dtypes and scale shapes."""
+    """``init_from`` a block-FP8 directory that also stores dt_bias and the shared-expert gate in fp32: the run (bf16
+    policy) adds the vector kind dt_bias to ``train.fp32_params`` (A_log and the GDN norm are there by default; the
+    gate is a matrix: computed in bf16, exported in fp32), records the source format in its checkpoint, and
+    ``run.save_hf`` writes the source's keys, dtypes and scale shapes."""
     from q38.train.checkpoint import read_meta, resolve_checkpoint
     from q38.train.trainer import RunConfig, train
     from tests.run_utils import run_dict
 
     cfg = ModelConfig.load("tiny")
-    keep = lambda q: torch.float32 if q.endswith(("A_log", "norm_w", "w_shared_gate")) else torch.bfloat16  # noqa: E731
+    fp32 = ("A_log", "norm_w", "dt_bias", "w_shared_gate")
+    keep = lambda q: torch.float32 if q.endswith(fp32) else torch.bfloat16  # noqa: E731
     src = save_hf(tmp_path / "hf", cfg, _random_params(cfg), dtypes=fp8_dtypes(keep))
     d = run_dict(tmp_path / "run", steps=1, train={"param_dtype": "bfloat16"}, run={"save_hf": True})
     d["model"], d["init_from"] = str(src), str(src)
     train(RunConfig.from_dict(d))
     meta = read_meta(resolve_checkpoint(tmp_path / "run"))
-    assert "layers.*.moe.w_shared_gate" in meta["train_config"]["fp32_params"]
-    assert not any("A_log" in p for p in meta["train_config"]["fp32_params"][2:])  # covered by the default
+    assert meta["train_config"]["fp32_params"] == ["*.mixer.A_log", "*.mixer.norm_w", "layers.*.mixer.dt_bias"]
     assert meta["source_format"]["fp8"]["weight_block_size"] == [128, 128]
     (hf_out,) = (tmp_path / "run" / "hf").iterdir()
     assert _headers(hf_out) == _headers(src)

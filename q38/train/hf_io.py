@@ -158,14 +158,21 @@ def export_dtypes(meta: dict, dtype, saved: dict) -> tuple[Callable[[str], torch
 
 
 def source_fp32_params(source_format: dict | None) -> tuple[str, ...]:
-    """The leaf kinds (``layers.*.mixer.A_log``) a source stores in fp32 beside 16-bit (or FP8) weights: the ones a run
-    from it keeps in fp32 in compute (added to ``train.fp32_params``). A source all in fp32 marks none."""
+    """The vector leaf kinds (``layers.*.mixer.A_log``) a source stores in fp32 beside 16-bit (or FP8) weights: the
+    ones a run from it keeps in fp32 in compute (added to ``train.fp32_params``). A source all in fp32 marks none.
+    Only 1-D leaves (decays, biases, norm weights: the layers compute with them in fp32 and return the activation's
+    dtype); a matrix stored in fp32 is exported in fp32 again but computed in ``param_dtype`` (a matmul takes one
+    dtype)."""
+    from q38.model import declared_params, generic_path
+
     if not source_format:
         return ()
     dtypes = source_format["dtypes"]
     if not any(dt in ("bfloat16", "float16", "float8_e4m3fn") for dt in dtypes.values()):
         return ()
-    return tuple(sorted(k for k, dt in dtypes.items() if dt in ("float32", "float64")))
+    decl = declared_params()
+    kinds = {generic_path(k) for k, dt in dtypes.items() if dt in ("float32", "float64")}
+    return tuple(sorted(k for k in kinds if k in decl and len(decl[k].shape) == 1))
 
 
 def init_source_format(init_from) -> dict | None:
