@@ -192,7 +192,8 @@ def _dtype(name: str | None):
     aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
     name = aliases.get(name, name)
     if name not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"--dtype must be float32, bfloat16 or float16, got {name!r}")
+        raise ValueError(f"--dtype must be float32, bfloat16 or float16 (or fp8: block-FP8, for convert --to-hf and "
+                         f"init-hf), got {name!r}")
     return getattr(torch, name)
 
 
@@ -203,14 +204,20 @@ def _convert(argv: list[str]) -> int:
     g.add_argument("--from-hf", action="store_true", help="SRC is a Hugging Face checkpoint directory")
     p.add_argument("src")
     p.add_argument("out")
-    p.add_argument("--dtype", default=None, help="cast parameters (float32, bfloat16, float16); default: --to-hf "
-                   "writes the run's compute dtype (train_config.param_dtype: bfloat16 under the bf16 policy, as "
-                   "Qwen checkpoints ship), --from-hf keeps the stored dtype")
+    p.add_argument("--dtype", default=None, help="cast parameters (float32, bfloat16, float16), or --to-hf fp8: "
+                   "block-FP8 (128x128 e4m3 blocks with weight_scale_inv, as the released -FP8 checkpoints); "
+                   "default: --to-hf writes each tensor in the dtype of the Hugging Face checkpoint the run started "
+                   "from (block-FP8 again for an FP8 source), else in the run's compute dtype "
+                   "(train_config.param_dtype) with train.fp32_params in fp32; --from-hf keeps the stored dtype "
+                   "(block-FP8 weights dequantized to fp32)")
     p.add_argument("--drop-router-bias", action="store_true",
                    help="--to-hf: export a run trained with aux_loss_free without its router bias (the HF format has "
                    "none, so the exported model routes by the plain top-k)")
     p.add_argument("--mtp-num-layers", type=int, default=None,
                    help="--from-hf: override the MTP depth (0 for a checkpoint saved without mtp.* weights)")
+    p.add_argument("--mtp-shared-layer", action="store_true",
+                   help="--from-hf: run the checkpoint's one MTP layer (mtp.layers.0) at every depth of "
+                   "--mtp-num-layers, as vLLM and SGLang draft with it")
     p.add_argument("--overwrite", action="store_true",
                    help="--to-hf: replace an existing non-empty OUT_DIR (never one equal to or inside the source)")
     p.add_argument("--max-shard-bytes", type=int, default=None,
@@ -227,9 +234,12 @@ def _convert_files(a, *, lead: bool) -> int:
 
     from q38.hf import DEFAULT_MAX_SHARD_BYTES
     from q38.train.checkpoint import read_meta, resolve_checkpoint
-    from q38.train.hf_io import export_checkpoint, import_hf
+    from q38.train.hf_io import FP8, SOURCE, export_checkpoint, import_hf
 
-    dtype = _dtype(a.dtype)
+    dtype = FP8 if a.dtype == "fp8" else _dtype(a.dtype)
+    if dtype == FP8 and not a.to_hf:
+        raise ValueError("--dtype fp8 writes block-FP8 with --to-hf; --from-hf reads an FP8 checkpoint by itself "
+                         "(dequantized): drop --dtype or give float32 / bfloat16")
     out = Path(a.out)
     if a.to_hf:
         say = (lambda line: print(f"q38 convert: note: {line}", file=sys.stderr)) if lead else None
@@ -242,8 +252,8 @@ def _convert_files(a, *, lead: bool) -> int:
                 "model would route by the plain top-k; pass --drop-router-bias to export without it"
             )
         _check_export_target(Path(a.src), ck, out, a.overwrite)
-        if dtype is None:  # checkpoints hold fp32 masters; export in the dtype the run computes in
-            dtype = _dtype((meta.get("train_config") or {}).get("param_dtype", "float32"))
+        if dtype is None:  # checkpoints hold fp32 masters: export in the source's dtypes, else the compute dtype
+            dtype = SOURCE
         export_checkpoint(ck, out, dtype=dtype, max_shard_bytes=a.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
         if lead:
             print(f"q38 convert: wrote {out} (Hugging Face safetensors, {meta['model_config'].get('model_type')}, "
@@ -257,7 +267,8 @@ def _convert_files(a, *, lead: bool) -> int:
     from q38.train.safety import check_safetensors_dir
 
     check_safetensors_dir(src, "convert --from-hf")
-    cfg, _ = import_hf(src, out, dtype=dtype, mtp_num_layers=a.mtp_num_layers)
+    cfg, _ = import_hf(src, out, dtype=dtype, mtp_num_layers=a.mtp_num_layers,
+                       mtp_shared_layer=True if a.mtp_shared_layer else None)
     if lead:
         print(f"q38 convert: wrote {out} (q38 checkpoint, {cfg.model_type}, from {src}); "
               f"start a run from it with `init_from: {out}`")
@@ -277,7 +288,9 @@ def _init_hf(argv: list[str]) -> int:
                 "(a small starting point for trying the fine-tuning workflow).")
     p.add_argument("--model", default="tiny", help="model preset name or YAML (default: tiny)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32",
+                   help="float32, bfloat16, float16, or fp8: block-FP8 projections (128x128 blocks with "
+                   "weight_scale_inv), the other tensors bf16 and train.fp32_params' defaults (A_log, the GDN norm) fp32")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing non-empty OUT_DIR (never a run or checkpoint directory)")
     p.add_argument("out")
@@ -291,7 +304,14 @@ def _init_hf(argv: list[str]) -> int:
     model = Path(a.model)
     check_output_dir(out, [model] if model.exists() else [], what="OUT_DIR", overwrite=a.overwrite)
     cfg = ModelConfig.load(a.model)
-    save_hf(out, cfg, init_params(cfg, seed=a.seed, dtype=_dtype(a.dtype)))
+    if a.dtype == "fp8":
+        from q38.hf import fp8_dtypes
+        from q38.train.config import TrainConfig
+
+        keep = TrainConfig(param_dtype="bfloat16").compute_dtype  # bf16, the fp32_params defaults fp32
+        save_hf(out, cfg, init_params(cfg, seed=a.seed), dtypes=fp8_dtypes(keep))
+    else:
+        save_hf(out, cfg, init_params(cfg, seed=a.seed, dtype=_dtype(a.dtype)))
     print(f"q38 init-hf: wrote {out} ({a.model}, seed {a.seed})")
     return 0
 

@@ -182,7 +182,10 @@ class ModelConfig:
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.001
     # mtp
-    mtp_num_layers: int = 0
+    mtp_num_layers: int = 0  # depths D (each its own loss term mtp_<d>)
+    # true: one MTP decoder layer (HF mtp.layers.0) runs at every depth, as vLLM / SGLang draft with it;
+    # false: one layer per depth (mtp.layers.0 .. D-1)
+    mtp_shared_layer: bool = False
     # misc
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
@@ -274,6 +277,11 @@ class ModelConfig:
     @property
     def linear_value_groups(self) -> int:
         return self.linear_num_value_heads // self.linear_num_key_heads
+
+    @property
+    def mtp_layers_stored(self) -> int:
+        """MTP decoder layers the model holds: one when shared by every depth, else one per depth."""
+        return min(1, self.mtp_num_layers) if self.mtp_shared_layer else self.mtp_num_layers
 
     @property
     def num_full_layers(self) -> int:
@@ -384,7 +392,9 @@ class ModelConfig:
             shared_expert_intermediate_size=text["shared_expert_intermediate_size"],
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
             router_aux_loss_coef=float(text.get("router_aux_loss_coef", 0.001)),
-            mtp_num_layers=_hf_mtp_depth(text, raw),
+            mtp_num_layers=(int(raw["q38_mtp_depth"]) if raw.get("q38_mtp_shared_layer") and "q38_mtp_depth" in raw
+                            else _hf_mtp_depth(text, raw)),
+            mtp_shared_layer=bool(raw.get("q38_mtp_shared_layer", False)),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             initializer_range=float(text.get("initializer_range", 0.02)),
@@ -432,24 +442,29 @@ class ModelConfig:
                 "partial_rotary_factor": self.partial_rotary_factor,
             },
         )
+        extra = {}
+        if self.mtp_shared_layer:  # the checkpoint holds one MTP layer; q38 runs it at every depth
+            extra = dict(q38_mtp_shared_layer=True, q38_mtp_depth=self.mtp_num_layers)
         if self.family.checkpoint_layout == "qwen3_next":
             return dict(
                 common,
+                **extra,
                 model_type="qwen3_next",
                 architectures=["Qwen3NextForCausalLM"],
                 norm_topk_prob=self.norm_topk_prob,
                 decoder_sparse_step=1,
                 mlp_only_layers=[],
                 intermediate_size=self.moe_intermediate_size,
-                num_nextn_predict_layers=self.mtp_num_layers,
+                num_nextn_predict_layers=self.mtp_layers_stored,
             )
         if not self.norm_topk_prob:
             raise ConfigError("the Qwen3.5-MoE layout always renormalises top-k weights; norm_topk_prob must be True")
         return dict(
             common,
+            **extra,
             model_type="qwen3_5_moe_text",
             architectures=["Qwen3_5MoeForCausalLM"],
-            mtp_num_hidden_layers=self.mtp_num_layers,
+            mtp_num_hidden_layers=self.mtp_layers_stored,
             q38_model_type=self.model_type,
         )
 

@@ -35,13 +35,18 @@ import attrs
 import torch
 from torch import Tensor
 
-from q38.config import ModelConfig
+from q38.config import ConfigError, ModelConfig, _read_hf_config
+from q38.fp8 import (
+    FP8_DTYPE, Fp8Format, Fp8FormatError, covering, default_quantized, dequantize, quantize, scale_key, scale_shape,
+)
 from q38.layers.hf_keys import CheckpointLayout, Rule, rename_rule, renames
 from q38.layers.kinds import GDN_FLAT_RENAMES, MIXER_KINDS, MTP_LAYER_TYPE
 from q38.model import ModelParams, abstract_params, is_param_info
 from q38.pytree import named_leaves, tree_map_with_path
 
-__all__ = ["CheckpointError", "HFReader", "HFSource", "load_hf", "open_hf", "save_hf", "DEFAULT_MAX_SHARD_BYTES"]
+__all__ = [
+    "CheckpointError", "HFReader", "HFSource", "load_hf", "open_hf", "save_hf", "fp8_dtypes", "DEFAULT_MAX_SHARD_BYTES",
+]
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # transformers' "5GB"
 SINGLE_FILE = "model.safetensors"
@@ -154,7 +159,7 @@ def _plan(cfg: ModelConfig, layout: CheckpointLayout) -> list[Rule]:
         layer(f"layers.{i}.", f"{p}layers.{i}.", t)
     if cfg.mtp_num_layers > 0:
         rules.extend(rename_rule(q, h, shapes[q]) for q, h in MTP_RENAMES.items())
-        for j in range(cfg.mtp_num_layers):
+        for j in range(cfg.mtp_layers_stored):  # one layer for every depth when shared
             layer(f"mtp.layers.{j}.", f"mtp.layers.{j}.", MTP_LAYER_TYPE)
 
     covered = [q for r in rules for q in r.q38]
@@ -211,46 +216,99 @@ def _load_layout(cfg: ModelConfig, keys: set[str]) -> CheckpointLayout:
 
 
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+_FP8_ST = "F8_E4M3"
 
 
 @attrs.frozen
 class HFSource:
     """A Hugging Face checkpoint directory opened and validated against its config (keys, shapes, dtypes from the
-    safetensors headers; no tensor is read): ``rules`` map it onto q38 leaves."""
+    safetensors headers; no tensor is read): ``rules`` map it onto q38 leaves. ``fp8``: the block-FP8 format of a
+    quantized checkpoint (``q38.fp8``), whose keys ``quantized`` are stored in e4m3 with a ``_scale_inv`` each;
+    ``dtypes``: the safetensors dtype of every HF key the model reads."""
 
     path: Path
     config: ModelConfig
     index: dict  # HF key -> file name
     layout: CheckpointLayout
     rules: list
+    fp8: Fp8Format | None = None
+    quantized: frozenset = frozenset()
+    dtypes: dict = attrs.field(factory=dict)
 
     def leaf_rules(self) -> dict[str, tuple[Rule, int]]:
         """``{q38 leaf: (its rule, which of the rule's q38 outputs)}``."""
         return {q: (r, w) for r in self.rules for w, q in enumerate(r.q38)}
 
+    def source_dtype(self, leaf: str) -> torch.dtype:
+        """The dtype the checkpoint stores q38 leaf ``leaf`` in (its rule's first HF tensor; ``float8_e4m3fn`` for
+        a quantized one)."""
+        rule, _ = self.leaf_rules()[leaf]
+        return _dtype_of(self.dtypes[rule.hf[0]])
 
-def open_hf(path: str | os.PathLike, *, mtp_num_layers: int | None = None) -> HFSource:
-    """Open a HF checkpoint directory (``config.json`` + safetensors) and validate every key, shape and dtype the
-    model needs. ``mtp_num_layers``: override the config's MTP depth (see ``load_hf``). Raises ``CheckpointError``
-    naming every missing, unexpected, wrongly shaped or non-float key."""
+    def source_format(self) -> dict:
+        """What an export needs to write this checkpoint's format again (JSON; kept in a q38 checkpoint's
+        metadata): ``dtypes``, the stored dtype of each q38 leaf kind (``layers.*.mixer.A_log``; a leaf whose dtype
+        differs from its kind's most common one is listed under its own path too), and ``fp8``, the block-FP8 format
+        (``None``: not quantized)."""
+        from collections import Counter
+
+        from q38.model import generic_path
+
+        by_kind: dict[str, Counter] = {}
+        per_leaf = {}
+        for r in self.rules:
+            for q in r.q38:
+                dt = str(_dtype_of(self.dtypes[r.hf[0]])).removeprefix("torch.")
+                per_leaf[q] = dt
+                by_kind.setdefault(generic_path(q), Counter())[dt] += 1
+        dtypes = {k: c.most_common(1)[0][0] for k, c in by_kind.items()}
+        dtypes.update({q: dt for q, dt in per_leaf.items() if dtypes[generic_path(q)] != dt})
+        return {"dtypes": dtypes, "fp8": None if self.fp8 is None else self.fp8.to_dict()}
+
+
+def _fp8_format(path: Path) -> Fp8Format | None:
+    """The block-FP8 format of ``path/config.json`` (``None`` without a ``quantization_config``)."""
+    raw = _read_hf_config(path)
+    qc = raw.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"{path}/config.json: quantization_config must be a mapping, got {type(qc).__name__}")
+    try:
+        return Fp8Format.from_hf(qc, source=f"{path}/config.json")
+    except Fp8FormatError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def open_hf(path: str | os.PathLike, *, mtp_num_layers: int | None = None,
+            mtp_shared_layer: bool | None = None) -> HFSource:
+    """Open a HF checkpoint directory (``config.json`` + safetensors, bf16/fp32 or block-FP8) and validate every key,
+    shape and dtype the model needs. ``mtp_num_layers`` / ``mtp_shared_layer``: override the config's MTP depth
+    and sharing (see ``load_hf``). Raises ``CheckpointError`` naming every missing, unexpected, wrongly shaped or
+    non-float key (an FP8 weight without its scale, or a scale of the wrong shape, included)."""
     from safetensors import safe_open
 
     path = Path(path)
     cfg = ModelConfig.from_hf(path)
     if mtp_num_layers is not None:
         cfg = cfg.replace(mtp_num_layers=int(mtp_num_layers))
+    if mtp_shared_layer is not None:
+        cfg = cfg.replace(mtp_shared_layer=bool(mtp_shared_layer))
+    fp8 = _fp8_format(path)
     index = _checkpoint_index(path)
     layout = _load_layout(cfg, set(index))
     rules = _plan(cfg, layout)
     expected = {k: s for r in rules for k, s in zip(r.hf, r.hf_shapes)}
     missing = [k for k in expected if k not in index]
+    scales = {scale_key(k): k for k in expected}
     ignored = lambda k: (  # noqa: E731
         bool(IGNORED_KEYS.match(k))
         or (mtp_num_layers is not None and k.startswith("mtp."))
         or (cfg.tie_word_embeddings and k == "lm_head.weight")
     )
-    unexpected = sorted(k for k in index if k not in expected and not ignored(k))
     bad_shapes, bad_dtypes = [], []
+    dtypes: dict[str, str] = {}
+    quantized: set[str] = set()
     by_file: dict[str, list[str]] = {}
     for k in expected:
         if k in index:
@@ -260,10 +318,30 @@ def open_hf(path: str | os.PathLike, *, mtp_num_layers: int | None = None) -> HF
             for k in keys:
                 sl = fh.get_slice(k)
                 got = tuple(sl.get_shape())
+                dtypes[k] = sl.get_dtype()
                 if got != tuple(expected[k]):
                     bad_shapes.append(f"{k}: checkpoint {list(got)}, expected {list(expected[k])}")
-                if sl.get_dtype() not in _FLOAT_DTYPES:
-                    bad_dtypes.append(f"{k}: {sl.get_dtype()}, expected a float dtype ({', '.join(sorted(_FLOAT_DTYPES))})")
+                if dtypes[k] == _FP8_ST:
+                    why = _fp8_problem(k, got, fp8, index)
+                    if why:
+                        bad_dtypes.append(why)
+                    else:
+                        quantized.add(k)
+                elif dtypes[k] not in _FLOAT_DTYPES:
+                    bad_dtypes.append(f"{k}: {dtypes[k]}, expected a float dtype ({', '.join(sorted(_FLOAT_DTYPES))}"
+                                      f"{', or F8_E4M3 with a weight_scale_inv' if fp8 else ''})")
+    for k in sorted(quantized):  # the scales: fp32 (or another float), one per block
+        sk = scale_key(k)
+        with safe_open(str(path / index[sk]), framework="pt") as fh:
+            sl = fh.get_slice(sk)
+            want = scale_shape(expected[k], fp8.block)
+            if tuple(sl.get_shape()) != want:
+                bad_shapes.append(f"{sk}: checkpoint {list(sl.get_shape())}, expected {list(want)} (one scale per "
+                                  f"{fp8.block[0]}x{fp8.block[1]} block of {k} {list(expected[k])})")
+            if sl.get_dtype() not in _FLOAT_DTYPES:
+                bad_dtypes.append(f"{sk}: {sl.get_dtype()}, expected a float dtype (F32)")
+    unexpected = sorted(k for k in index if k not in expected and not ignored(k)
+                        and not (k in scales and scales[k] in quantized))
     if missing or unexpected or bad_shapes or bad_dtypes:
         parts = [
             f"checkpoint {path} does not match its config (model_type {cfg.model_type}, "
@@ -283,13 +361,28 @@ def open_hf(path: str | os.PathLike, *, mtp_num_layers: int | None = None) -> HF
                 "pass mtp_num_layers=0 to load it without MTP"
             )
         raise CheckpointError("\n".join(parts))
-    return HFSource(path, cfg, index, layout, rules)
+    return HFSource(path, cfg, index, layout, rules, fp8, frozenset(quantized), dtypes)
+
+
+def _fp8_problem(k: str, shape: tuple, fp8: Fp8Format | None, index: dict) -> str | None:
+    """Why the e4m3 tensor ``k`` cannot be read (None: it can)."""
+    if fp8 is None:
+        return (f"{k}: F8_E4M3, but config.json has no quantization_config (quant_method fp8, weight_block_size): "
+                "without the block scales the weights would be wrong; add the checkpoint's quantization_config")
+    if len(shape) != 2 or not k.endswith(".weight"):
+        return f"{k}: F8_E4M3 {list(shape)}: block-FP8 quantizes 2-D X.weight tensors only"
+    if scale_key(k) not in index:
+        return (f"{k}: F8_E4M3 without {scale_key(k)}: the block scales are missing (loading FP8 weights without "
+                "them gives wrong weights); use the complete checkpoint")
+    return None
 
 
 class HFReader:
     """Reads blocks of q38 leaves from an opened HF checkpoint, each HF tensor sliced in the file (safetensors
     ``get_slice``): a rank reads only the bytes of its shards, except for rules that need a whole HF tensor (the
-    grouped Qwen3-Next projections), which read that one tensor and keep the block. Each read opens the file and
+    grouped Qwen3-Next projections), which read that one tensor and keep the block. A block-FP8 tensor is read the
+    same way, its slice of e4m3 values and the scales of the blocks the slice touches, and dequantized in fp32
+    (then cast to the reader's dtype; fp32 when it has none). Each read opens the file and
     closes it again: safetensors maps the whole file, and the pages a read touches stay resident (and counted in
     the process's memory) for as long as the map is open. Use as a context manager."""
 
@@ -307,6 +400,8 @@ class HFReader:
     def _read(self, key: str, index: tuple[slice, ...] | None) -> Tensor:
         from safetensors import safe_open
 
+        if key in self.src.quantized:
+            return self._read_fp8(key, index)
         with safe_open(str(self.src.path / self.src.index[key]), framework="pt") as fh:
             t = fh.get_tensor(key) if index is None else fh.get_slice(key)[index]
             # a copy that owns its memory: what safetensors returns is a view of its map of the whole file
@@ -314,13 +409,29 @@ class HFReader:
         self.bytes_read += t.numel() * t.element_size()
         return t
 
-    def stored_dtype(self, leaf: str) -> torch.dtype:
-        """The dtype the checkpoint stores leaf ``leaf`` in (its rule's first HF tensor)."""
+    def _read_fp8(self, key: str, index: tuple[slice, ...] | None) -> Tensor:
+        """Block ``index`` of the e4m3 weight ``key``: the slice's values and the scales of the blocks it touches."""
         from safetensors import safe_open
 
-        key = self._rules[leaf][0].hf[0]
+        block = self.src.fp8.block
+        sk = scale_key(key)
         with safe_open(str(self.src.path / self.src.index[key]), framework="pt") as fh:
-            return _dtype_of(fh.get_slice(key).get_dtype())
+            sl = fh.get_slice(key)
+            shape = tuple(sl.get_shape())
+            rows, cols = index if index is not None else (slice(None), slice(None))
+            rows, cols = (slice(*s.indices(n)[:2]) for s, n in zip((rows, cols), shape))
+            q = sl[rows, cols].to(device=self.device, copy=True)
+        with safe_open(str(self.src.path / self.src.index[sk]), framework="pt") as fh:
+            scale = fh.get_slice(sk)[covering(rows, shape[0], block[0]), covering(cols, shape[1], block[1])]
+            scale = scale.to(device=self.device, dtype=torch.float32, copy=True)
+        self.bytes_read += q.numel() * q.element_size() + scale.numel() * scale.element_size()
+        return dequantize(q, scale, rows, cols, block).to(self.dtype or torch.float32)
+
+    def stored_dtype(self, leaf: str) -> torch.dtype:
+        """The dtype leaf ``leaf`` loads in without a cast: its stored dtype (its rule's first HF tensor), fp32 for
+        a block-FP8 one (dequantized)."""
+        dt = self.src.source_dtype(leaf)
+        return torch.float32 if dt == FP8_DTYPE else dt
 
     def block(self, leaf: str, index: tuple[slice, ...]) -> Tensor:
         """The block ``index`` of q38 leaf ``leaf`` (contiguous, in the reader's dtype and device)."""
@@ -341,16 +452,18 @@ def load_hf(
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     mtp_num_layers: int | None = None,
+    mtp_shared_layer: bool | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Read a HF checkpoint directory (``config.json`` + safetensors) → ``(ModelConfig, ModelParams)``.
 
-    ``dtype``: cast every tensor (default: keep the stored dtypes). ``mtp_num_layers``: override the config's MTP
-    depth, e.g. ``0`` for a checkpoint written by transformers' ``save_pretrained`` (which drops ``mtp.*``); with an
-    override, ``mtp.*`` keys beyond that depth are ignored. Raises ``CheckpointError`` naming every missing,
+    ``dtype``: cast every tensor (default: keep the stored dtypes; a block-FP8 weight is dequantized to fp32).
+    ``mtp_num_layers``: override the config's MTP depth, e.g. ``0`` for a checkpoint written by transformers'
+    ``save_pretrained`` (which drops ``mtp.*``); with an override, ``mtp.*`` keys beyond that depth are ignored.
+    ``mtp_shared_layer``: run ``mtp.layers.0`` at every depth (docs/model.md#multi-token-prediction-mtp). Raises ``CheckpointError`` naming every missing,
     unexpected, wrongly shaped or non-float key. (Sharded: ``q38.train.hf_io.load_hf_sharded`` reads only a rank's
     slices through the same ``HFReader``.)
     """
-    src = open_hf(path, mtp_num_layers=mtp_num_layers)
+    src = open_hf(path, mtp_num_layers=mtp_num_layers, mtp_shared_layer=mtp_shared_layer)
     with HFReader(src, dtype=dtype, device=device) as reader:
         params = tree_map_with_path(
             lambda p, info: None if info is None else reader.block(p, tuple(slice(0, n) for n in info.shape)),
@@ -374,6 +487,7 @@ class _Entry:
     out: int  # which of the rule's HF outputs
     shape: tuple[int, ...]
     dtype: torch.dtype
+    part: str = "value"  # "value": the HF tensor; block-FP8: "fp8" (its e4m3 values) or "scale" (its scale_inv)
 
     @property
     def nbytes(self) -> int:
@@ -439,6 +553,7 @@ class HFExport:
     rules: list
     files: list  # [(file name, [_Entry, ...]), ...]
     hf_config: dict
+    fp8: Fp8Format | None = None
 
     def leaves_of_file(self, i: int) -> list[str]:
         """The q38 leaves whose conversions file ``i`` holds (in order)."""
@@ -448,16 +563,25 @@ class HFExport:
         return list(seen)
 
     def write_file(self, tmp: Path, i: int, leaves: Callable[[tuple[str, ...]], tuple]) -> None:
-        """Write file ``i`` into ``tmp``; ``leaves(names)`` gives a rule's q38 tensors (each rule converted once)."""
+        """Write file ``i`` into ``tmp``; ``leaves(names)`` gives a rule's q38 tensors (each rule converted once, each
+        block-FP8 output quantized once)."""
         cache: dict[int, tuple] = {}
+        quantized: dict[int, tuple] = {}
 
         def tensor(en: _Entry) -> Tensor:
             if en.rule not in cache:
                 cache.clear()  # one rule's tensors in flight
+                quantized.clear()
                 r = self.rules[en.rule]
                 with torch.no_grad():
                     cache[en.rule] = r.to_hf(*leaves(r.q38))
-            return cache[en.rule][en.out]
+            t = cache[en.rule][en.out]
+            if en.part == "value":
+                return t.to(en.dtype)
+            if en.out not in quantized:
+                quantized.clear()
+                quantized[en.out] = quantize(t, self.fp8.block)
+            return quantized[en.out][0 if en.part == "fp8" else 1]
 
         name, entries = self.files[i]
         _write_safetensors(tmp / name, entries, tensor)
@@ -475,23 +599,46 @@ class HFExport:
 
 
 def plan_export(config: ModelConfig, dtypes: Callable[[str], torch.dtype], *,
-                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> HFExport:
-    """The HF export of ``config`` whose q38 leaf ``q`` is written in ``dtypes(q)`` (see ``save_hf``)."""
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, fp8: Fp8Format | None = None) -> HFExport:
+    """The HF export of ``config`` whose q38 leaf ``q`` is written in ``dtypes(q)`` (see ``save_hf``).
+
+    ``dtypes(q) == torch.float8_e4m3fn``: every HF tensor of that leaf is written block-FP8 (e4m3 values and a
+    ``_scale_inv`` per ``fp8.block``, default 128 x 128; docs/hf_checkpoints.md#block-fp8-checkpoints), the routed
+    experts of every layer per expert (the format's layout), and ``config.json`` gets a ``quantization_config``
+    whose ``modules_to_not_convert`` names every other 2-D weight (with those ``fp8`` lists)."""
     hf_config = config.to_hf_dict()
     next_layout = config.family.checkpoint_layout == "qwen3_next"
+    shapes = _abstract_shapes(config)
+    quantized = {q for q in shapes if dtypes(q) == FP8_DTYPE}
+    if quantized and fp8 is None:
+        fp8 = Fp8Format()
     layout = CheckpointLayout(
         prefix="model.",
         gdn_grouped=next_layout,
-        fused_experts=lambda hp: not next_layout and not hp.startswith("mtp."),
+        fused_experts=lambda hp: not next_layout and not hp.startswith("mtp.") and not quantized,
     )
     rules = _plan(config, layout)
     entries: list[_Entry] = []
+    not_converted: list[str] = []
     for ri, r in enumerate(rules):
         dtype = dtypes(r.q38[0])
-        entries += [_Entry(k, ri, oi, tuple(s), dtype) for oi, (k, s) in enumerate(zip(r.hf, r.hf_shapes))]
+        for oi, (k, s) in enumerate(zip(r.hf, r.hf_shapes)):
+            s = tuple(s)
+            if dtype != FP8_DTYPE:
+                entries.append(_Entry(k, ri, oi, s, dtype))
+                if len(s) == 2 and k.endswith(".weight") and quantized:
+                    not_converted.append(k.removesuffix(".weight"))
+                continue
+            if len(s) != 2 or not k.endswith(".weight"):
+                raise ConfigError(f"{r.q38[0]}: {k} {list(s)} cannot be written block-FP8 (2-D X.weight only); "
+                                  "export this leaf in a 16/32-bit dtype")
+            entries.append(_Entry(k, ri, oi, s, FP8_DTYPE, "fp8"))
+            entries.append(_Entry(scale_key(k), ri, oi, scale_shape(s, fp8.block), torch.float32, "scale"))
     if len({en.key for en in entries}) != len(entries):
         raise AssertionError("q38.hf plan produced duplicate HF keys")
     hf_config.setdefault("dtype", str(dtypes("embed")).removeprefix("torch."))
+    if quantized:
+        hf_config["quantization_config"] = fp8.to_hf(not_converted)
     shards: list[list[_Entry]] = [[]]
     size = 0
     for en in entries:
@@ -504,7 +651,14 @@ def plan_export(config: ModelConfig, dtypes: Callable[[str], torch.dtype], *,
         files = [(SINGLE_FILE, shards[0])]
     else:
         files = [(f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors", sh) for i, sh in enumerate(shards)]
-    return HFExport(config, rules, files, hf_config)
+    return HFExport(config, rules, files, hf_config, fp8 if quantized else None)
+
+
+def fp8_dtypes(dtype_of: Callable[[str], torch.dtype],
+               quantized: Callable[[str], bool] = default_quantized) -> Callable[[str], torch.dtype]:
+    """Per-leaf export dtypes of a block-FP8 checkpoint: ``float8_e4m3fn`` for the leaves ``quantized`` names (by
+    default the projections: ``q38.fp8.DEFAULT_QUANTIZED``), ``dtype_of(q)`` for the others."""
+    return lambda q: FP8_DTYPE if quantized(q) else dtype_of(q)
 
 
 def export_tmp_dir(path: Path, token: str | None = None) -> Path:
@@ -532,8 +686,14 @@ def save_hf(
     params: ModelParams,
     *,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    dtypes: Callable[[str], torch.dtype] | None = None,
+    fp8: Fp8Format | None = None,
 ) -> Path:
     """Write ``params`` as a HF checkpoint directory (``config.json`` + safetensors, with ``mtp.*``).
+
+    ``dtypes(q)``: the dtype q38 leaf ``q`` is written in (default: its tensor's dtype); ``torch.float8_e4m3fn``
+    writes it block-FP8 in ``fp8``'s blocks (default 128 x 128; see ``plan_export``, and ``fp8_dtypes`` for the
+    leaves the format quantizes).
 
     Qwen3.5-family configs are written as ``qwen3_5_moe_text`` (``model.`` prefix, loadable by
     ``Qwen3_5MoeForCausalLM``) with fused main-layer experts and per-expert MTP experts; ``qwen3_next`` configs in the
@@ -545,7 +705,7 @@ def save_hf(
     """
     path = Path(path)
     leaves = _check_params(config, params)
-    export = plan_export(config, lambda q: leaves[q].dtype, max_shard_bytes=max_shard_bytes)
+    export = plan_export(config, dtypes or (lambda q: leaves[q].dtype), max_shard_bytes=max_shard_bytes, fp8=fp8)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = export_tmp_dir(path)
     tmp.mkdir()

@@ -24,12 +24,13 @@ from q38.pytree import named_leaves, pytree_node, tree_map_with_path
 @pytree_node
 @attrs.frozen
 class MTPParams:
-    """Multi-token prediction block (docs/model.md#multi-token-prediction-mtp): shared fc and norms, one decoder layer per depth."""
+    """Multi-token prediction block (docs/model.md#multi-token-prediction-mtp): shared fc and norms, one decoder layer per
+    depth, or one layer for every depth (``ModelConfig.mtp_shared_layer``)."""
 
     norm_emb: Tensor  # [d] pre_fc_norm_embedding
     norm_hidden: Tensor  # [d] pre_fc_norm_hidden
     fc: Tensor  # [d, 2d]: columns [0:d] take the embedding, [d:2d] the hidden state
-    layers: list  # list[LayerParams], full attention + MoE, one per depth
+    layers: list  # list[LayerParams], full attention + MoE, one per depth (one in all when shared)
     norm: Tensor  # [d]
 
 
@@ -78,7 +79,7 @@ def abstract_params(cfg: ModelConfig) -> ModelParams:
             norm_emb=ParamInfo((d,), "zeros", axes=("norm",)),
             norm_hidden=ParamInfo((d,), "zeros", axes=("norm",)),
             fc=ParamInfo((d, 2 * d), std=std, axes=("mtp_out", "mtp_in")),
-            layers=[abstract_layer(cfg, MTP_LAYER_TYPE) for _ in range(cfg.mtp_num_layers)],
+            layers=[abstract_layer(cfg, MTP_LAYER_TYPE) for _ in range(cfg.mtp_layers_stored)],
             norm=ParamInfo((d,), "zeros", axes=("norm",)),
         )
     return ModelParams(
@@ -181,6 +182,11 @@ def _checkpoint_prefetches(prefetch: Callable[..., None], p, recomputed_next) ->
     return on_forward, on_recompute
 
 
+def mtp_layer_index(config: ModelConfig, depth: int) -> int:
+    """The MTP layer that runs at ``depth`` (1-based): layer 0 at every depth when shared, else layer ``depth - 1``."""
+    return 0 if config.mtp_shared_layer else depth - 1
+
+
 def forward(
     params: ModelParams,
     input_ids: Int[Tensor, "b s"],
@@ -220,7 +226,8 @@ def forward(
         mp = params.mtp
         norm_emb, norm_hidden, fc, norm = hooks.gather((mp.norm_emb, mp.norm_hidden, mp.fc, mp.norm))
         h_prev = hidden
-        for depth, lp in enumerate(mp.layers, start=1):
+        for depth in range(1, config.mtp_num_layers + 1):
+            lp = mp.layers[mtp_layer_index(config, depth)]
             ids_d = (
                 mtp_input_ids[depth - 1]
                 if mtp_input_ids is not None
@@ -232,7 +239,7 @@ def forward(
                 fc,
             )
             bias = None if router_bias is None else router_bias[len(params.layers) + depth - 1]
-            before = mp.layers[depth - 2] if depth > 1 else params.layers[-1]  # backward recomputes it next
+            before = mp.layers[mtp_layer_index(config, depth - 1)] if depth > 1 else params.layers[-1]  # recomputed next
             h, rl = _run_layer(hooks, lp, h, config, info, bias, before)
             router_logits.append(rl)
             h_prev = rms_norm(h, norm, config.rms_norm_eps)

@@ -136,6 +136,24 @@ def test_init_from_hf_reads_only_slices_and_equals_load_then_shard(tmp_path, mod
         assert o["sharded"] > 10  # the check looked at sharded parameters
 
 
+FP8_CASES = [("fsdp_ep", {"fsdp": 2, "ep": 2}, 4)]  # FSDP rows cut 16-row blocks; EP splits the experts
+
+
+@pytest.mark.parametrize("layout,sizes,world", FP8_CASES, ids=[f"{c[0]}-{c[2]}ranks" for c in FP8_CASES])
+def test_init_from_fp8_reads_only_slices_and_their_scales(tmp_path, layout, sizes, world):
+    """A block-FP8 directory (released layout, written by the test-side writer of test_released_formats; 16x8 blocks,
+    so shards cut blocks): each rank's shards equal ``shard(load_hf(...))``, and no rank allocates a whole
+    parameter whose shard is smaller (it reads its slice's e4m3 values and the scales of the blocks they touch)."""
+    from tests.test_released_formats import _to_fp8_dir
+
+    fp8 = _to_fp8_dir(_bf16_hf(tmp_path, CFG_A), tmp_path / "fp8", (16, 8))
+    outs = run_distributed(_hf_rank, world, layout, sizes, str(fp8))
+    for r, o in enumerate(outs):
+        assert o["diff"] == [], f"rank {r}: shards differ from load_hf + shard: {o['diff']}"
+        assert o["full"] == [], f"rank {r} allocated whole parameters: {o['full']}"
+        assert o["sharded"] > 0
+
+
 def _old_paths_rank(rank, world, hf_dir, ck_dir):
     """The whole-model paths (load_hf then shard; a full template then shard) under the same recorder."""
     from q38.parallel.mesh import shard

@@ -19,24 +19,33 @@ class LocalRuntime:
     async_reductions = 0
     cp_early = 0
 
-    def __init__(self, param_dtype=torch.float32):
+    def __init__(self, param_dtype=torch.float32, compute_dtype=None):
         self.param_dtype = param_dtype  # compute dtype (the mixed-precision policy); masters stay fp32
+        # compute_dtype(path): a leaf's compute dtype (train.fp32_params keeps some fp32); None: param_dtype for all
+        self._compute_dtype = compute_dtype
+        self._dtype_of: dict[int, torch.dtype] = {}
 
     def seq_info(self, mb) -> SeqInfo:
         return SeqInfo(mb.doc_ids, mb.positions, mb.seq_idx, is_packed(mb.doc_ids))
 
     def bind(self, params, defer_reductions: bool = False) -> None:
-        pass
+        """Record each leaf's compute dtype (by its path)."""
+        from q38.pytree import named_leaves
+
+        self._dtype_of = {}
+        if self._compute_dtype is not None:
+            self._dtype_of = {id(t): self._compute_dtype(path) for path, t in named_leaves(params)}
 
     def grad(self, loss: Tensor, leaves: list) -> tuple:
         """``autograd.grad(loss, leaves)``, None for a leaf without gradient (on a mesh: reductions waited too)."""
         return tuple(torch.autograd.grad(loss, leaves, allow_unused=True))
 
     def gather(self, tree):
-        """Parameters in compute form: cast to ``param_dtype`` (on a mesh: cast, then FSDP all-gather)."""
+        """Parameters in compute form: cast to ``param_dtype`` (a bound leaf: its own compute dtype; on a mesh: cast,
+        then FSDP all-gather)."""
         import torch.utils._pytree as pytree
 
-        cast = lambda t: t.to(self.param_dtype) if t.is_floating_point() else t  # noqa: E731
+        cast = lambda t: t.to(self._dtype_of.get(id(t), self.param_dtype)) if t.is_floating_point() else t  # noqa: E731
         return pytree.tree_map(cast, tree)
 
     dispatch = None

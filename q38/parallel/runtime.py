@@ -47,8 +47,11 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
 
     def __init__(self, mesh: Mesh, ep_balance: bool = False, max_dup_experts: int = 2, prefetch: bool | None = None,
                  *, param_dtype=torch.float32, reduce_dtype=torch.float32, reshard_after_forward: bool = True,
-                 overlap: bool = True, ep_dispatch: str = "flat", ep_overlap: bool = True):
+                 overlap: bool = True, ep_dispatch: str = "flat", ep_overlap: bool = True, compute_dtype=None):
         self.mesh = mesh
+        # compute_dtype(path): a leaf's compute dtype (train.fp32_params keeps some fp32); None: param_dtype for all
+        self._compute_dtype = compute_dtype
+        self._dtype_of: dict[int, torch.dtype] = {}
         # Communication overlap (train.overlap_comm): prefetch the next layer's gathers, and reduce gradients async
         # when the caller takes them through grad() (bind(..., defer_reductions=True)). ``prefetch`` None follows it.
         self.overlap = overlap
@@ -94,6 +97,8 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         keep = _keep_local_dims(self.mesh.layout, tuple(self.mesh.sizes.items()), shapes)
         for (path, leaf), dims in zip(leaves, keep):
             self._keep_local[id(leaf)] = dims
+            if self._compute_dtype is not None:
+                self._dtype_of[id(leaf)] = self._compute_dtype(path)
             self._steps_of[id(leaf)] = self._steps(leaf) if isinstance(leaf, DTensor) else ()
         self._reductions = _Reductions()
         defer = self.overlap and defer_reductions
@@ -136,7 +141,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             first = next((st for st in self._steps_of[id(t)] if st.kind == "gather"), None)
             if first is None or first.sizes is not None:
                 continue
-            x = t.to_local().detach().to(self.param_dtype).contiguous()
+            x = t.to_local().detach().to(self._dt(t)).contiguous()
             parts = [torch.empty_like(x) for _ in range(dist.get_world_size(first.group))]
             work = links.all_gather(parts, x, first.group, async_op=True)
             self._pending[id(t)] = (work, parts, when)
@@ -180,25 +185,30 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         self.prefetched_backward += when == "behind"
         return work, parts
 
+    def _dt(self, t) -> torch.dtype:
+        """The dtype bound leaf ``t`` is gathered in (``param_dtype`` unless ``compute_dtype`` keeps it fp32)."""
+        return self._dtype_of.get(id(t), self.param_dtype)
+
     def _gather_one(self, t):
+        dt = self._dt(t)
         if not isinstance(t, DTensor):
-            return t.to(self.param_dtype) if t.is_floating_point() else t
+            return t.to(dt) if t.is_floating_point() else t
         if id(t) not in self._keep_local:
             raise RuntimeError("MeshRuntime.gather: parameter not bound; call bind(params) first")
         steps = self._steps_of[id(t)]
         pending = self._take_prefetch(t)
         if not steps:
             x = t.to_local(grad_placements=t.placements)
-            y = x.to(self.param_dtype)
+            y = x.to(dt)
         elif self._anchor is not None:  # the shard leaves autograd; its reduced gradient comes back through grad()
             x = t.to_local().detach()
-            y = _GatherParam.apply(self._anchor, x, steps, self.param_dtype, self.reduce_dtype, pending,
+            y = _GatherParam.apply(self._anchor, x, steps, dt, self.reduce_dtype, pending,
                                    self._reductions, (id(t), self._gather_calls))
         else:
             x = t.to_local(grad_placements=t.placements)
-            y = _GatherParam.apply(None, x, steps, self.param_dtype, self.reduce_dtype, pending, None, None)
+            y = _GatherParam.apply(None, x, steps, dt, self.reduce_dtype, pending, None, None)
         if y is not x and y.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
-            entry = _Regather(x.detach(), steps, self.param_dtype, y)
+            entry = _Regather(x.detach(), steps, dt, y)
             self.gathered.append(entry)
             self._by_storage[y.untyped_storage().data_ptr()] = entry
         return y
@@ -317,4 +327,4 @@ def mesh_runtime(mesh: Mesh, train_config=None) -> MeshRuntime:
     return MeshRuntime(mesh, tc.enable_ep_balance, tc.max_dup_experts_num, tc.fsdp_prefetch,
                        param_dtype=tc.torch_param_dtype, reduce_dtype=tc.torch_reduce_dtype,
                        reshard_after_forward=tc.reshard_after_forward, overlap=tc.overlap_comm,
-                       ep_dispatch=tc.ep_dispatch, ep_overlap=tc.ep_overlap)
+                       ep_dispatch=tc.ep_dispatch, ep_overlap=tc.ep_overlap, compute_dtype=tc.compute_dtype)

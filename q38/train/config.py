@@ -18,6 +18,9 @@ NAN_POLICIES = ("stop", "skip")
 EP_DISPATCHES = ("flat", "hierarchical")
 # mixed precision (docs/parallel.md#mixed-precision): master weights and AdamW moments are always fp32
 PRECISION_DTYPES = ("float32", "bfloat16")
+# Leaves that stay fp32 in compute under a 16-bit param_dtype (never rounded by the gather): the GDN decay A_log and
+# the GDN gated-norm weight, the two leaves released Qwen3.5 checkpoints store in fp32 (docs/parallel.md#mixed-precision)
+DEFAULT_FP32_PARAMS = ("*.mixer.A_log", "*.mixer.norm_w")
 DEFAULT_NO_DECAY = (
     "*norm*", "*.dt_bias", "*.A_log", "*.w_shared_gate", "*.w_router",  # norms, gates, biases
 )
@@ -89,6 +92,9 @@ class TrainConfig:
     # accumulation. Defaults keep fp32 runs exact.
     param_dtype: str = attrs.field(default="float32", validator=_precision_dtype)
     reduce_dtype: str = attrs.field(default="float32", validator=_precision_dtype)
+    # parameters (glob patterns on their paths, like no_decay) computed and gathered in fp32 whatever param_dtype;
+    # init_from a Hugging Face checkpoint adds the leaf kinds it stores in fp32 beside 16-bit weights
+    fp32_params: tuple[str, ...] = attrs.field(default=DEFAULT_FP32_PARAMS, converter=_tuple)
     # FSDP without recompute: free each gathered parameter after its layer's forward, gather it again in backward
     # (not applied with enable_ep_balance, whose per-rank graphs differ; use recompute there)
     reshard_after_forward: bool = True
@@ -101,6 +107,17 @@ class TrainConfig:
         import torch
 
         return getattr(torch, self.param_dtype)
+
+    def compute_dtype(self, path: str):
+        """The dtype parameter ``path`` is gathered and computed in: fp32 when it matches ``fp32_params``, else
+        ``param_dtype``."""
+        import fnmatch
+
+        import torch
+
+        if any(fnmatch.fnmatchcase(path, pat) for pat in self.fp32_params):
+            return torch.float32
+        return self.torch_param_dtype
 
     @property
     def torch_reduce_dtype(self):
@@ -119,6 +136,7 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         d = attrs.asdict(self)
         d["no_decay"] = list(self.no_decay)
+        d["fp32_params"] = list(self.fp32_params)
         return d
 
 

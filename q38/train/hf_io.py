@@ -21,6 +21,7 @@ the conv weight reshaped, grouped projections split); the slice reader serves ea
 ``q38.hf`` that ``load_hf`` and ``save_hf`` use too.
 """
 
+import fnmatch
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -28,7 +29,8 @@ from typing import Any, Callable
 import torch
 
 from q38.config import ConfigError, ModelConfig
-from q38.hf import DEFAULT_MAX_SHARD_BYTES, HFReader, export_tmp_dir, open_hf, plan_export, publish_export
+from q38.fp8 import FP8_DTYPE, Fp8Format, default_quantized
+from q38.hf import DEFAULT_MAX_SHARD_BYTES, HFReader, export_tmp_dir, fp8_dtypes, open_hf, plan_export, publish_export
 from q38.train.checkpoint import (
     _barrier, _broadcast, _dcp_load, _dist, _fsync_dir, _rank, checkpoint_reader, read_meta, saved_tensors,
     shared_tmp_dir, write_checkpoint,
@@ -73,12 +75,15 @@ def all_ranks_ok(fn: Callable[[], Any], what: str):
 # ---- HF → sharded parameters ----------------------------------------------------------------------------------------
 
 
-def load_hf_sharded(path: str | os.PathLike, mesh, *, dtype=None, device=None, mtp_num_layers: int | None = None):
+def load_hf_sharded(path: str | os.PathLike, mesh, *, dtype=None, device=None, mtp_num_layers: int | None = None,
+                    mtp_shared_layer: bool | None = None):
     """``(ModelConfig, params)`` of a HF directory as DTensors on ``mesh``: each rank reads only its shards'
-    slices. Equal to ``shard(load_hf(path))`` (tested on every shipped layout)."""
+    slices (of a block-FP8 weight: the slice's e4m3 values and the scales of the blocks it touches, dequantized).
+    Equal to ``shard(load_hf(path))`` (tested on every shipped layout)."""
     from q38.parallel.mesh import build_sharded
 
-    src = all_ranks_ok(lambda: open_hf(path, mtp_num_layers=mtp_num_layers), f"opening {path}")
+    src = all_ranks_ok(lambda: open_hf(path, mtp_num_layers=mtp_num_layers, mtp_shared_layer=mtp_shared_layer),
+                       f"opening {path}")
 
     def read():
         with HFReader(src, dtype=dtype, device=device) as reader:
@@ -90,8 +95,9 @@ def load_hf_sharded(path: str | os.PathLike, mesh, *, dtype=None, device=None, m
 # ---- q38 checkpoint → HF ----------------------------------------------------------------------------------------------
 
 
-def _leaf_loader(ck: Path, reader, saved: dict, dtype) -> Callable[[tuple[str, ...]], tuple]:
-    """``load(names)``: those parameters, whole, from the DCP checkpoint (this process alone; cast to ``dtype``)."""
+def _leaf_loader(ck: Path, reader, saved: dict) -> Callable[[tuple[str, ...]], tuple]:
+    """``load(names)``: those parameters, whole, from the DCP checkpoint (this process alone; in their saved dtype:
+    each output tensor is cast, or quantized, to its own export dtype)."""
 
     def load(names: tuple[str, ...]) -> tuple:
         sd = {}
@@ -99,17 +105,105 @@ def _leaf_loader(ck: Path, reader, saved: dict, dtype) -> Callable[[tuple[str, .
             shape, dt = saved[f"params.{q}"]
             sd[f"params.{q}"] = torch.empty(shape, dtype=dt, device="cpu")  # on its way to a file
         _dcp_load(sd, ck, reader, collective=False)
-        return tuple(sd[f"params.{q}"] if dtype is None else sd[f"params.{q}"].to(dtype) for q in names)
+        return tuple(sd[f"params.{q}"] for q in names)
 
     return load
 
 
-def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype | None = None,
+SOURCE = "source"  # export_checkpoint's dtype: each tensor as the source checkpoint stored it (see export_dtypes)
+FP8 = "fp8"  # export_checkpoint's dtype: block-FP8
+
+
+def export_dtypes(meta: dict, dtype, saved: dict) -> tuple[Callable[[str], torch.dtype], Fp8Format | None]:
+    """``(dtype of each q38 leaf, block-FP8 format or None)`` of an export of a checkpoint with metadata ``meta``.
+
+    ``dtype``: a torch dtype casts every leaf; ``None`` keeps the saved dtypes; ``"source"``: each leaf in the dtype
+    the checkpoint's source stored it in (``meta["source_format"]``, recorded when a Hugging Face checkpoint was
+    imported or used as ``init_from``; block-FP8 again for an FP8 source), or, without a source, the run's compute
+    dtype (``train_config.param_dtype``) with the ``fp32_params`` leaves in fp32; ``"fp8"``: block-FP8 (the leaves
+    the source quantized, or by default the projections: ``q38.fp8.DEFAULT_QUANTIZED``), every other leaf as
+    ``"source"`` gives it (bf16 where that would be fp32 masters)."""
+    from q38.model import generic_path
+    from q38.train.config import TrainConfig
+
+    if isinstance(dtype, torch.dtype):
+        return (lambda q: dtype), None
+    if dtype is None:
+        return (lambda q: saved[f"params.{q}"][1]), None
+    if dtype not in (SOURCE, FP8):
+        raise ValueError(f"export dtype must be a torch dtype, None, {SOURCE!r} or {FP8!r}; got {dtype!r}")
+    src = meta.get("source_format") or None
+    tc = meta.get("train_config") or {}
+    if src is not None:
+        table = src["dtypes"]
+
+        def stored(q: str) -> torch.dtype:
+            name = table.get(q, table.get(generic_path(q)))
+            if name is None:  # a leaf the source did not have
+                return getattr(torch, tc.get("param_dtype", "bfloat16"))
+            return getattr(torch, name)
+    else:
+        tconf = TrainConfig.from_dict({k: v for k, v in tc.items() if k in ("param_dtype", "fp32_params")})
+        stored = tconf.compute_dtype
+    fmt = Fp8Format.from_dict(src["fp8"]) if src is not None and src.get("fp8") else None
+    if dtype == SOURCE:
+        return stored, fmt
+    quantized = (lambda q: stored(q) == FP8_DTYPE) if fmt is not None else default_quantized
+
+    def unquantized(q: str) -> torch.dtype:
+        dt = stored(q)
+        return torch.bfloat16 if src is None and dt == torch.float32 and not _is_fp32_leaf(q, tc) else dt
+
+    return fp8_dtypes(unquantized, quantized), fmt or Fp8Format()
+
+
+def source_fp32_params(source_format: dict | None) -> tuple[str, ...]:
+    """The vector leaf kinds (``layers.*.mixer.A_log``) a source stores in fp32 beside 16-bit (or FP8) weights: the
+    ones a run from it keeps in fp32 in compute (added to ``train.fp32_params``). A source all in fp32 marks none.
+    Only 1-D leaves (decays, biases, norm weights: the layers compute with them in fp32 and return the activation's
+    dtype); a matrix stored in fp32 is exported in fp32 again but computed in ``param_dtype`` (a matmul takes one
+    dtype)."""
+    from q38.model import declared_params, generic_path
+
+    if not source_format:
+        return ()
+    dtypes = source_format["dtypes"]
+    if not any(dt in ("bfloat16", "float16", "float8_e4m3fn") for dt in dtypes.values()):
+        return ()
+    decl = declared_params()
+    kinds = {generic_path(k) for k, dt in dtypes.items() if dt in ("float32", "float64")}
+    return tuple(sorted(k for k in kinds if k in decl and len(decl[k].shape) == 1))
+
+
+def init_source_format(init_from) -> dict | None:
+    """The ``source_format`` of a run's ``init_from``: a Hugging Face directory's (``HFSource.source_format``), the
+    one a q38 checkpoint's metadata carries, or None."""
+    from q38.train.checkpoint import is_checkpoint, resolve_checkpoint
+
+    if not init_from:
+        return None
+    src = Path(init_from)
+    if (src / "config.json").is_file() and not is_checkpoint(src):
+        from q38.train.safety import check_safetensors_dir
+
+        check_safetensors_dir(src, "init_from")  # config.json parses, every safetensors file is whole
+        return open_hf(src).source_format()
+    return read_meta(resolve_checkpoint(src)).get("source_format")
+
+
+def _is_fp32_leaf(q: str, tc: dict) -> bool:
+    from q38.train.config import DEFAULT_FP32_PARAMS
+
+    return any(fnmatch.fnmatchcase(q, pat) for pat in tc.get("fp32_params", DEFAULT_FP32_PARAMS))
+
+
+def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Write the parameters of the q38 checkpoint ``ck`` as a HF directory ``out`` (atomic: built in a temporary
     sibling, renamed when every rank's files are complete). Collective under a process group (each rank writes its
-    share of the files); at most one conversion rule's tensors in memory per rank. ``dtype``: cast (default: the
-    saved dtype)."""
+    share of the files); at most one conversion rule's tensors in memory per rank. ``dtype``: a torch dtype (cast
+    every tensor), ``None`` (the saved dtype), ``"source"`` (each tensor in the dtype of the Hugging Face checkpoint
+    the run started from, block-FP8 included) or ``"fp8"`` (block-FP8): see ``export_dtypes``."""
     ck, out = Path(ck), Path(out)
     rank, world = _rank(), _world()
 
@@ -122,13 +216,14 @@ def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype: t
         if missing:
             raise ConfigError(f"checkpoint {ck} lacks parameters {missing[:4]} (not a q38 checkpoint of "
                               f"{cfg.model_type}?)")
-        export = plan_export(cfg, lambda q: dtype or saved[f"params.{q}"][1], max_shard_bytes=max_shard_bytes)
+        dtypes, fp8 = export_dtypes(meta, dtype, saved)
+        export = plan_export(cfg, dtypes, max_shard_bytes=max_shard_bytes, fp8=fp8)
         return reader, saved, export
 
     reader, saved, export = all_ranks_ok(prepare, f"reading checkpoint {ck}")
     with shared_tmp_dir(export_tmp_dir(out, _broadcast(os.urandom(4).hex()))) as tmp:
         def write():
-            load = _leaf_loader(ck, reader, saved, dtype)
+            load = _leaf_loader(ck, reader, saved)
             for i in range(rank, len(export.files), world):
                 export.write_file(tmp, i, load)
 
@@ -186,15 +281,19 @@ def _share(sizes: dict[str, int], world: int) -> list[set[str]]:
 
 
 def import_hf(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype | None = None,
-              mtp_num_layers: int | None = None, train_config=None) -> tuple[ModelConfig, dict]:
+              mtp_num_layers: int | None = None, mtp_shared_layer: bool | None = None,
+              train_config=None) -> tuple[ModelConfig, dict]:
     """Write the HF directory ``src`` as a q38 checkpoint ``out`` (parameters, zero AdamW moments, step 0), streamed:
     each tensor is read (and each moment made) only when DCP writes it. Collective under a process group (each rank
-    writes a share of the tensors). Returns ``(config, meta)``."""
+    writes a share of the tensors). ``dtype`` None keeps each stored dtype (block-FP8 weights dequantized to fp32);
+    the metadata records the source's dtypes and FP8 format (``source_format``) for an export in the same form.
+    Returns ``(config, meta)``."""
     import q38
     from q38.train.config import TrainConfig
 
     src, out = Path(src), Path(out)
-    hf = all_ranks_ok(lambda: open_hf(src, mtp_num_layers=mtp_num_layers), f"opening {src}")
+    hf = all_ranks_ok(lambda: open_hf(src, mtp_num_layers=mtp_num_layers, mtp_shared_layer=mtp_shared_layer),
+                      f"opening {src}")
     cfg = hf.config
     tc = train_config or TrainConfig()
     if tc.aux_loss_free:
@@ -219,8 +318,12 @@ def import_hf(src: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dt
             return torch.zeros(shapes[q], dtype=torch.float32, device="cpu")
         return reader.block(q, tuple(slice(0, n) for n in shapes[q]))
 
+    # the dtype a load allocates every parameter in: the widest stored one (an fp32 A_log beside bf16 weights loads
+    # unrounded)
+    widest = max(set(dtypes.values()), key=lambda dt: dt.itemsize)
     meta = {"step": 0, "model_config": cfg.to_dict(), "train_config": tc.to_dict(),
-            "param_dtype": str(dtypes["embed"]).removeprefix("torch."), "source": str(src), "data": None,
+            "param_dtype": str(widest).removeprefix("torch."), "source": str(src), "data": None,
+            "source_format": hf.source_format(),
             "q38_version": q38.__version__, "torch_version": torch.__version__}
     with reader:
         all_ranks_ok(lambda: write_checkpoint(out, sd, meta, planner=_lazy_planner(make)), f"importing {src}")

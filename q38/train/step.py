@@ -92,7 +92,9 @@ def step_runtime(mesh, train_config=None):
     if mesh is None:
         from q38.parallel.local import LocalRuntime
 
-        return LocalRuntime(train_config.torch_param_dtype if train_config is not None else torch.float32)
+        if train_config is None:
+            return LocalRuntime(torch.float32)
+        return LocalRuntime(train_config.torch_param_dtype, train_config.compute_dtype)
     from q38.parallel.mesh import Mesh
     from q38.parallel.runtime import mesh_runtime
 

@@ -7,6 +7,7 @@ layout's mesh is checked against ``WORLD_SIZE`` before anything is allocated.
 """
 
 import contextlib
+import fnmatch
 import signal
 import sys
 import time
@@ -119,6 +120,11 @@ def _initial_params(cfg: RunConfig, device: str, dtype: torch.dtype, mesh=None):
 
         check_safetensors_dir(src, "init_from")  # config.json parses, every safetensors file is whole
         got = ModelConfig.from_hf(src)
+        mtp = {}
+        if cfg.model.mtp_shared_layer and not got.mtp_shared_layer and got.mtp_num_layers == 1:
+            # a checkpoint with one MTP layer, run at every depth (as vLLM / SGLang draft with it)
+            mtp = dict(mtp_num_layers=cfg.model.mtp_num_layers, mtp_shared_layer=True)
+            got = got.replace(**mtp)
     else:
         src = resolve_checkpoint(src)
         got = ModelConfig.from_dict(read_meta(src)["model_config"], source=f"{src}/meta.json")
@@ -133,10 +139,10 @@ def _initial_params(cfg: RunConfig, device: str, dtype: torch.dtype, mesh=None):
     if mesh is not None:
         from q38.train.hf_io import load_hf_sharded
 
-        return load_hf_sharded(src, mesh, dtype=dtype, device=device)[1]
+        return load_hf_sharded(src, mesh, dtype=dtype, device=device, **mtp)[1]
     from q38.hf import load_hf
 
-    return load_hf(src, dtype=dtype, device=device)[1]
+    return load_hf(src, dtype=dtype, device=device, **mtp)[1]
 
 
 def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo, tracker_ids: dict) -> dict:
@@ -147,6 +153,7 @@ def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo, track
         "model_config": cfg.model.to_dict(),
         "train_config": cfg.train.to_dict(),
         "param_dtype": "float32",  # stored dtype: fp32 masters (train_config.param_dtype is the compute dtype)
+        "source_format": _SOURCE_FORMAT.get(str(cfg.init_from)),  # what `q38 convert --to-hf` writes by default
         "data": {"iterator": batches.state_dict(), "path": str(cfg.data.path), "tokenizer": str(cfg.data.tokenizer),
                  "seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size, "dp_size": plan.dp_size,
                  "seed": cfg.run.seed, "shuffle": cfg.data.shuffle},
@@ -213,6 +220,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         raise ConfigError("run.save_hf with train.aux_loss_free: the Hugging Face format has no router bias, so the "
                           "export would route by the plain top-k; set run.save_hf: false and export with "
                           "`q38 convert --to-hf --drop-router-bias` if that is what you want")
+    cfg = _source_precision(cfg)
     torch.manual_seed(cfg.run.seed)
     data = _open_data(cfg)
     resume = _find_resume(cfg, lead)
@@ -239,6 +247,24 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         logs.close()
         if hasattr(batches, "close"):
             batches.close()
+
+
+def _source_precision(cfg: RunConfig) -> RunConfig:
+    """``init_from`` a checkpoint that stores some leaves in fp32 beside 16-bit weights (a released Qwen3.5: A_log and
+    the GDN norm): those leaf kinds join ``train.fp32_params`` (computed in fp32 under the bf16 policy); the source's
+    dtypes and FP8 format are kept for the metadata (``source_format``: exports write them again)."""
+    from q38.train.hf_io import init_source_format, source_fp32_params
+
+    fmt = init_source_format(cfg.init_from) if cfg.init_from and Path(cfg.init_from).exists() else None
+    _SOURCE_FORMAT[str(cfg.init_from)] = fmt
+    have = cfg.train.fp32_params  # a kind an existing pattern covers already (layers.0.mixer.A_log) is not added
+    extra = [p for p in source_fp32_params(fmt) if not any(fnmatch.fnmatchcase(p.replace("*", "0"), h) for h in have)]
+    if not extra:
+        return cfg
+    return attrs.evolve(cfg, train=cfg.train.replace(fp32_params=(*cfg.train.fp32_params, *extra)))
+
+
+_SOURCE_FORMAT: dict = {}  # init_from -> its source_format (read once per run)
 
 
 def _open_data(cfg: RunConfig):
@@ -559,5 +585,5 @@ def _export_hf(cfg: RunConfig, ck: Path, step: int, log) -> None:
     from q38.train.hf_io import export_checkpoint
 
     out = Path(cfg.run.out_dir) / "hf" / step_dir_name(step)
-    export_checkpoint(ck, out, dtype=cfg.train.torch_param_dtype)
+    export_checkpoint(ck, out, dtype="source")  # the init_from checkpoint's dtypes, else the compute dtype
     log(f"step {step}: Hugging Face export written to {out}")

@@ -1,0 +1,144 @@
+"""Block-FP8 checkpoints (the format of the released ``-FP8`` Qwen checkpoints and DeepSeek-V3; transformers calls it
+"fine-grained FP8"): docs/hf_checkpoints.md#block-fp8-checkpoints.
+
+``config.json`` carries ``quantization_config = {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
+weight_block_size: [bo, bi], modules_to_not_convert: [...]}``. Each quantized ``X.weight [out, in]`` is stored as
+``float8_e4m3fn`` with ``X.weight_scale_inv [ceil(out / bo), ceil(in / bi)]`` (fp32), and the weight is
+``W[r, c] = float(q[r, c]) * scale_inv[r // bo, c // bi]``: one scale per ``bo x bi`` block (edge blocks are partial).
+Quantizing a block: ``scale = amax(|W|) / 448`` (448 = the largest finite e4m3 value), ``q = W / scale`` rounded to
+e4m3.
+
+This module knows the format only (no q38 model): ``q38.hf`` reads and writes checkpoints with it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import attrs
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+__all__ = [
+    "FP8_DTYPE", "FP8_MAX", "Fp8Format", "SCALE_SUFFIX", "dequantize", "quantize", "scale_key", "scale_shape",
+    "default_quantized",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_SUFFIX = "_scale_inv"  # X.weight → X.weight_scale_inv
+
+
+class Fp8FormatError(ValueError):
+    """A ``quantization_config`` q38 cannot read (the message names the field and what q38 reads)."""
+
+
+@attrs.frozen
+class Fp8Format:
+    """The ``quantization_config`` of a block-FP8 checkpoint."""
+
+    block: tuple[int, int] = (128, 128)  # weight_block_size: rows (out), columns (in)
+    activation_scheme: str = "dynamic"
+    modules_to_not_convert: tuple[str, ...] | None = None
+
+    @classmethod
+    def from_hf(cls, qc: Mapping[str, Any], source: str = "config.json") -> "Fp8Format":
+        """Parse and check a ``quantization_config`` (``Fp8FormatError`` naming the field otherwise)."""
+        method = qc.get("quant_method")
+        if method != "fp8":
+            raise Fp8FormatError(
+                f"{source}: quantization_config.quant_method {method!r} is not read by q38 (it reads block-FP8 "
+                "checkpoints, quant_method 'fp8'); dequantize the checkpoint to bf16 first"
+            )
+        fmt = qc.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise Fp8FormatError(f"{source}: quantization_config.fmt {fmt!r}: q38 reads e4m3 block-FP8 only")
+        block = qc.get("weight_block_size")
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise Fp8FormatError(
+                f"{source}: quantization_config.weight_block_size {block!r}: q38 reads block-wise FP8 only "
+                "(two positive integers, e.g. [128, 128]); per-tensor or per-channel FP8 is not supported"
+            )
+        skip = qc.get("modules_to_not_convert")
+        if skip is not None and not (isinstance(skip, (list, tuple)) and all(isinstance(s, str) for s in skip)):
+            raise Fp8FormatError(f"{source}: quantization_config.modules_to_not_convert must be a list of names")
+        return cls(block=(int(block[0]), int(block[1])), activation_scheme=str(qc.get("activation_scheme", "dynamic")),
+                   modules_to_not_convert=None if skip is None else tuple(skip))
+
+    def to_hf(self, not_converted: list[str]) -> dict[str, Any]:
+        """The ``quantization_config`` of an export that leaves the modules ``not_converted`` unquantized (with
+        those the source listed)."""
+        skip = sorted(set(self.modules_to_not_convert or ()) | set(not_converted))
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": self.activation_scheme,
+                "weight_block_size": list(self.block), "modules_to_not_convert": skip}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"weight_block_size": list(self.block), "activation_scheme": self.activation_scheme,
+                "modules_to_not_convert": None if self.modules_to_not_convert is None
+                else list(self.modules_to_not_convert)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Fp8Format":
+        return cls.from_hf({"quant_method": "fp8", **d}, source="checkpoint metadata")
+
+
+def scale_key(key: str) -> str:
+    """``X.weight`` → ``X.weight_scale_inv``."""
+    return key + SCALE_SUFFIX
+
+
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """The scale grid of a ``[out, in]`` weight: ``[ceil(out / bo), ceil(in / bi)]``."""
+    return (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+
+
+def covering(sl: slice, n: int, b: int) -> slice:
+    """The block indices (of size ``b``) that rows/columns ``sl`` of a dim of length ``n`` fall in."""
+    start, stop, _ = sl.indices(n)
+    return slice(start // b, max(start // b, (stop + b - 1) // b))
+
+
+def dequantize(
+    q: Tensor, scale: Float[Tensor, "br bc"], rows: slice, cols: slice, block: tuple[int, int]
+) -> Float[Tensor, "r c"]:
+    """fp32 ``W[rows, cols]`` from ``q = q_full[rows, cols]`` (e4m3) and ``scale = scale_inv[covering blocks]``
+    (``rows`` / ``cols`` absolute, with resolved bounds: the block of each element is ``row // bo``)."""
+    bo, bi = block
+    r = torch.arange(rows.start, rows.stop, device=q.device) // bo - rows.start // bo
+    c = torch.arange(cols.start, cols.stop, device=q.device) // bi - cols.start // bi
+    return q.float() * scale.float()[r][:, c]
+
+
+def quantize(w: Float[Tensor, "o i"], block: tuple[int, int]) -> tuple[Tensor, Float[Tensor, "bo bi"]]:
+    """``(q e4m3 [o, i], scale_inv fp32 [ceil(o/bo), ceil(i/bi)])`` with ``scale = amax(|block|) / 448`` per
+    block (an all-zero block gets scale 1)."""
+    o, i = w.shape
+    bo, bi = block
+    go, gi = scale_shape((o, i), block)
+    wf = w.detach().float()
+    pad = torch.zeros(go * bo, gi * bi, dtype=torch.float32, device=w.device)
+    pad[:o, :i] = wf
+    blocks = pad.reshape(go, bo, gi, bi)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(go * bo, gi * bi)[:o, :i].contiguous(), scale
+
+
+# q38 leaves an FP8 export quantizes when no FP8 source says otherwise (by the leaf's name, any layer index): the
+# projections of attention, GDN and the experts (the Linear layers released FP8 checkpoints quantize). Everything
+# else stays in its 16/32-bit dtype: embeddings and lm_head, norms, A_log, dt_bias, the conv, the router and the
+# shared-expert gate, the skinny GDN gates in_proj_b / in_proj_a, and the MTP fc.
+DEFAULT_QUANTIZED = (
+    "mixer.w_q", "mixer.w_k", "mixer.w_v", "mixer.w_o",  # attention
+    "mixer.w_qkv", "mixer.w_z", "mixer.w_out",  # GDN
+    "moe.we_gate_up", "moe.we_down", "moe.ws_gate", "moe.ws_up", "moe.ws_down",  # experts
+)
+
+
+def default_quantized(leaf: str) -> bool:
+    """Whether an FP8 export quantizes q38 leaf ``leaf`` by default (``DEFAULT_QUANTIZED``)."""
+    return any(leaf.endswith("." + s) for s in DEFAULT_QUANTIZED)
