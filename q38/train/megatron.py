@@ -129,9 +129,10 @@ class MegatronIndex:
                 bad_start = ptr != starts
                 past = ends > bin_bytes
                 k = int(np.argmax(bad_start | past))
-                if past[k] and not bad_start[k]:
+                if past[k]:
                     _fail(f"{self.idx}: sequence {a + k} ends at byte {int(ends[k])}, past the end of {self.bin} "
-                          f"({bin_bytes} bytes): the .bin is truncated or belongs to another index; {fix}")
+                          f"({bin_bytes} bytes): the .bin is truncated, or the index is corrupt or belongs to another "
+                          f".bin; {fix}")
                 _fail(f"{self.idx}: sequence {a + k} starts at byte {int(ptr[k])} but the sequences before it end at "
                       f"byte {int(starts[k])}; q38 reads corpora whose sequences lie back to back from byte 0 of the "
                       f".bin, as Megatron writes them; the index is corrupt or was edited; {fix}")
