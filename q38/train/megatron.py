@@ -101,14 +101,20 @@ class MegatronIndex:
         if docs < 1:
             _fail(f"{self.idx} has no document index (it needs at least the leading 0); the index is corrupt; {fix}")
         self.num_sequences, self.num_doc_index = int(seqs), int(docs)
-        mm = np.memmap(self.idx, dtype=np.uint8, mode="r") if size else None
-        off = HEADER_BYTES
-        self.lengths = np.frombuffer(mm, dtype=np.int32, count=seqs, offset=off) if seqs else np.zeros(0, np.int32)
-        off += 4 * seqs
-        self.pointers = np.frombuffer(mm, dtype=np.int64, count=seqs, offset=off) if seqs else np.zeros(0, np.int64)
-        off += 8 * seqs
-        self.doc_index = np.frombuffer(mm, dtype=np.int64, count=docs, offset=off)
+        self._offsets = {"lengths": HEADER_BYTES, "pointers": HEADER_BYTES + 4 * seqs,
+                         "doc_index": HEADER_BYTES + 12 * seqs}
+        mm = np.memmap(self.idx, dtype=np.uint8, mode="r")
+        # memory maps for the binary searches of row reads (they touch a few pages each)
+        self.lengths = np.frombuffer(mm, np.int32, seqs, self._offsets["lengths"]) if seqs else np.zeros(0, np.int32)
+        self.pointers = np.frombuffer(mm, np.int64, seqs, self._offsets["pointers"]) if seqs else np.zeros(0, np.int64)
+        self.doc_index = np.frombuffer(mm, np.int64, docs, self._offsets["doc_index"])
         self._check(fix)
+
+    def _read(self, name: str, dtype: Any, a: int, b: int) -> np.ndarray:
+        """Entries ``[a, b)`` of an index array, read from the file (not the memory map: checking a large index
+        leaves no pages of it resident)."""
+        dt = np.dtype(dtype)
+        return np.fromfile(self.idx, dtype=dt, count=b - a, offset=self._offsets[name] + a * dt.itemsize)
 
     def _check(self, fix: str) -> None:
         """The sequences lie back to back in the .bin, which ends with the last; the document indices ascend from 0
@@ -117,11 +123,11 @@ class MegatronIndex:
         bin_bytes = self.bin.stat().st_size
         expect = 0  # where the next sequence must start
         for a, b in _chunks(self.num_sequences):
-            lengths = self.lengths[a:b].astype(np.int64)
-            ptr = self.pointers[a:b]
+            lengths = self._read("lengths", np.int32, a, b).astype(np.int64)
+            ptr = self._read("pointers", np.int64, a, b)
             if (lengths < 0).any():
                 k = a + int(np.argmax(lengths < 0))
-                _fail(f"{self.idx}: sequence {k} has negative length {int(self.lengths[k])}; the index is corrupt; "
+                _fail(f"{self.idx}: sequence {k} has negative length {int(lengths[k - a])}; the index is corrupt; "
                       f"{fix}")
             ends = ptr + lengths * isz
             starts = np.concatenate([[expect], ends[:-1]])
@@ -143,7 +149,7 @@ class MegatronIndex:
         self.num_tokens = expect // isz
         prev = 0
         for a, b in _chunks(self.num_doc_index):
-            d = self.doc_index[a:b]
+            d = self._read("doc_index", np.int64, a, b)
             if a == 0 and d[0] != 0:
                 _fail(f"{self.idx}: the document indices start at {int(d[0])}, not 0; the index is corrupt; {fix}")
             steps = np.diff(np.concatenate([[prev], d]))
