@@ -215,3 +215,16 @@ def test_a_run_trains_on_a_hf_dir_a_sharegpt_and_an_alpaca_file(prepared, tmp_pa
     it, _ = TrainData(d["data"]["path"], BYTE, seq_len=32, vocab_size=384).iterators(
         4, dp_rank=0, dp_size=1, seed=cfg.run.seed, shuffle=True)
     assert set(it.sample_sources(np.arange(12))[0].tolist()) == {0, 1, 2}  # the run's 12 samples
+
+
+def test_a_sharegpt_jsonl_as_data_path_tokenizes_like_its_prepared_directory(tmp_path):
+    """On-the-fly JSONL reading converts the chat formats too: the same documents as prepare-data's."""
+    from q38.train.data import load_documents
+
+    rec = SAME[0][1]
+    alp = SAME[2][1]
+    f = tmp_path / "mixed.jsonl"
+    f.write_text(json.dumps(rec) + "\n" + json.dumps(alp) + "\n" + json.dumps({"text": "plain"}) + "\n")
+    prepare_data([str(f)], tmp_path / "out", **QUIET)
+    assert load_documents(f, BYTE)[0] == ShardRows(tmp_path / "out", 8).documents()
+    assert load_documents(f, BYTE)[0][:2] == [encode_record(SAME[0][2], BYTE), encode_record(SAME[2][2], BYTE)]
