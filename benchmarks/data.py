@@ -8,7 +8,9 @@ for the small corpus, from the JSONL tokenized on the fly, for comparison.
     PYTHONPATH=$PWD python benchmarks/data.py --nproc 2            # start-up / RSS of each of 2 torchrun ranks
 
 Start-up = wall time from launching `q38 train`'s process (torch import, model init, data opening, first batch)
-to the end of its first step; RSS = the process's peak resident set size at that moment (ru_maxrss). The corpora
+to the end of its first step; RSS = the process's peak resident set size at that moment (VmHWM of
+/proc/self/status: ru_maxrss would include the parent's size at fork, which prepare-data with --workers 1 makes
+large). The corpora
 are synthetic English-like text records (byte tokenizer: 1 token per byte). Everything is written under --work
 (default: a temporary directory, removed at the end unless --keep).
 """
@@ -33,6 +35,15 @@ WORDS = ("the of and to in is was for on that with as by at from his her this wh
 
 CHILD = r"""
 import json, os, resource, sys, time
+def peak_mb():
+    # this process's own high-water mark (VmHWM); ru_maxrss would also count the parent's RSS at fork time
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t_import = time.time()
 from q38.train.trainer import RunConfig, train
 cfg = RunConfig.from_dict(json.loads(sys.argv[1]), source="bench")
@@ -43,13 +54,13 @@ data = TrainData(cfg.data.path, load_tokenizer("byte"), seq_len=cfg.data.seq_len
 it, _ = data.iterators(cfg.data.batch_size, dp_rank=0, dp_size=1, seed=0, shuffle=True)
 next(it)
 t_data = time.time() - t0
-rss_data = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+rss_data = peak_mb()
 del data, it
 done = {}
 def hook(rec):
     if not done:
         done["t"] = time.time()
-        done["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        done["rss"] = peak_mb()
 train(cfg, on_step=hook)
 print("BENCH " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "t_first_step": done["t"],
                              "rss_mb": done["rss"], "t_data_open": t_data, "rss_after_data_mb": rss_data}))
