@@ -1,13 +1,16 @@
 """Pretraining data at two corpus sizes, side by side: `q38 prepare-data` throughput, trainer start-up time and
-resident memory per rank when training from the prepared shards (and, for the small corpus, from the JSONL
-tokenized on the fly, for comparison).
+resident memory per rank when training from the prepared shards, from a Megatron indexed corpus (PREFIX.bin +
+PREFIX.idx) holding the same tokens (read in place: opening validates the index and checks every token id), and,
+for the small corpus, from the JSONL tokenized on the fly, for comparison.
 
     PYTHONPATH=$PWD python benchmarks/data.py                      # ~10 MB and ~1 GB synthetic corpora
     PYTHONPATH=$PWD python benchmarks/data.py --sizes-mb 10 200    # smaller large corpus on a slow machine
     PYTHONPATH=$PWD python benchmarks/data.py --nproc 2            # start-up / RSS of each of 2 torchrun ranks
 
 Start-up = wall time from launching `q38 train`'s process (torch import, model init, data opening, first batch)
-to the end of its first step; RSS = the process's peak resident set size at that moment (ru_maxrss). The corpora
+to the end of its first step; RSS = the process's peak resident set size at that moment (VmHWM of
+/proc/self/status: ru_maxrss would include the parent's size at fork, which prepare-data with --workers 1 makes
+large). The corpora
 are synthetic English-like text records (byte tokenizer: 1 token per byte). Everything is written under --work
 (default: a temporary directory, removed at the end unless --keep).
 """
@@ -32,6 +35,15 @@ WORDS = ("the of and to in is was for on that with as by at from his her this wh
 
 CHILD = r"""
 import json, os, resource, sys, time
+def peak_mb():
+    # this process's own high-water mark (VmHWM); ru_maxrss would also count the parent's RSS at fork time
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t_import = time.time()
 from q38.train.trainer import RunConfig, train
 cfg = RunConfig.from_dict(json.loads(sys.argv[1]), source="bench")
@@ -42,13 +54,13 @@ data = TrainData(cfg.data.path, load_tokenizer("byte"), seq_len=cfg.data.seq_len
 it, _ = data.iterators(cfg.data.batch_size, dp_rank=0, dp_size=1, seed=0, shuffle=True)
 next(it)
 t_data = time.time() - t0
-rss_data = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+rss_data = peak_mb()
 del data, it
 done = {}
 def hook(rec):
     if not done:
         done["t"] = time.time()
-        done["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        done["rss"] = peak_mb()
 train(cfg, on_step=hook)
 print("BENCH " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "t_first_step": done["t"],
                              "rss_mb": done["rss"], "t_data_open": t_data, "rss_after_data_mb": rss_data}))
@@ -75,6 +87,31 @@ def make_corpus(path: Path, mb: float, seed: int = 0) -> int:
             n += len(lines.encode())
             i += 256
     return path.stat().st_size
+
+
+def write_megatron(shards: Path, prefix: Path) -> None:
+    """A Megatron indexed corpus (one sequence per document, uint16 tokens) of a prepared directory's documents,
+    written by hand in Megatron's index format (see q38/train/megatron.py), streaming shard by shard."""
+    import struct
+
+    import numpy as np
+
+    man = json.loads((shards / "manifest.json").read_text())
+    assert man["token_dtype"] == "uint16"
+    lengths = []
+    with open(prefix.with_suffix(".bin"), "wb") as out:
+        for s in man["shards"]:
+            with open(shards / f"{s['name']}.tokens", "rb") as f:
+                shutil.copyfileobj(f, out, 1 << 24)
+            docs = np.fromfile(shards / f"{s['name']}.docs", dtype=np.int64)
+            lengths.append(np.diff(docs).astype(np.int32))
+    lengths = np.concatenate(lengths)
+    n = len(lengths)
+    pointers = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1].astype(np.int64) * 2, out=pointers[1:])
+    with open(prefix.with_suffix(".idx"), "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, n, n + 1))
+        f.write(lengths.tobytes() + pointers.tobytes() + np.arange(n + 1, dtype=np.int64).tobytes())
 
 
 def startup(data_path: str, out: Path, nproc: int, seq_len: int, batch: int) -> list[dict]:
@@ -140,8 +177,12 @@ def main() -> None:
             rerun_s = time.time() - t0
             assert again.get("skipped")
             st = startup(str(work / f"{label}_shards"), work / f"{label}_run", a.nproc, a.seq_len, a.batch_size)
+            prefix = work / f"{label}_megatron"
+            if not (a.reuse and prefix.with_suffix(".idx").is_file()):
+                write_megatron(work / f"{label}_shards", prefix)
+            mg = startup(str(prefix), work / f"{label}_run_megatron", a.nproc, a.seq_len, a.batch_size)
             row = {"corpus": label, "MB": size / 1e6, "tokens": man["num_tokens"], "gen_s": gen_s, "prep_s": prep_s,
-                   "tok_per_s": man["num_tokens"] / prep_s, "rerun_s": rerun_s, "ranks": st}
+                   "tok_per_s": man["num_tokens"] / prep_s, "rerun_s": rerun_s, "ranks": st, "megatron": mg}
             if label == "small":
                 row["jsonl"] = startup(str(corpus), work / f"{label}_run_jsonl", a.nproc, a.seq_len, a.batch_size)
             rows.append(row)
@@ -168,6 +209,11 @@ def main() -> None:
         line(f"rank {k} start-up s (shards)", [r["ranks"][k]["startup_s"] for r in rows], "{:.2f}")
         line(f"rank {k} data open s (shards)", [r["ranks"][k]["t_data_open"] for r in rows], "{:.3f}")
         line(f"rank {k} peak RSS MB (shards)", [r["ranks"][k]["rss_mb"] for r in rows], "{:,.0f}")
+        line(f"rank {k} start-up s (megatron)", [r["megatron"][k]["startup_s"] for r in rows], "{:.2f}")
+        line(f"rank {k} data open s (megatron)", [r["megatron"][k]["t_data_open"] for r in rows], "{:.3f}")
+        line(f"rank {k} RSS after open MB (megatron)", [r["megatron"][k]["rss_after_data_mb"] for r in rows],
+             "{:,.0f}")
+        line(f"rank {k} peak RSS MB (megatron)", [r["megatron"][k]["rss_mb"] for r in rows], "{:,.0f}")
     j = rows[0]["jsonl"][0]
     print(f"{'small corpus as JSONL, rank 0':28s}  start-up {j['startup_s']:.2f}s, data open {j['t_data_open']:.3f}s, "
           f"peak RSS {j['rss_mb']:,.0f} MB (tokenized on the fly; grows with the corpus)")

@@ -318,12 +318,14 @@ def _init_hf(argv: list[str]) -> int:
 
 def _prepare_data(argv: list[str]) -> int:
     from q38.train.chat import TRAIN_ON
+    from q38.train.formats import FORMATS
     from q38.train.prepare import CHUNK_BYTES, prepare_data
 
     p = OneLineParser(prog="q38 prepare-data", description="Tokenize JSONL (or Parquet, with pyarrow) text / chat "
                       "records into memory-mapped token shards for `data.path`. A re-run on unchanged inputs does "
                       "nothing.")
-    p.add_argument("inputs", nargs="+", help="JSONL / Parquet files, directories of them, or builtin:NAME")
+    p.add_argument("inputs", nargs="+", help="JSONL / JSON / Parquet / Arrow / CSV files, directories of them, "
+                   "Hugging Face save_to_disk directories, or builtin:NAME")
     p.add_argument("--out", required=True, help="output directory (set data.path to it)")
     p.add_argument("--tokenizer", default="byte", help="\"byte\" or a directory with tokenizer.json (default: byte)")
     p.add_argument("--workers", type=int, default=None, help="worker processes (default: CPU count)")
@@ -336,13 +338,19 @@ def _prepare_data(argv: list[str]) -> int:
                    help="write into an existing non-empty --out that is not an earlier output of prepare-data "
                    "(never a run or checkpoint directory, nor one holding or inside an input)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--format", default="auto", choices=FORMATS, dest="record_format",
+                   help="the records' shape: recognised per record by its keys (auto, default), or text, messages "
+                   "(OpenAI-style, tool calls too), sharegpt or alpaca; converted to messages for the chat template")
+    p.add_argument("--split", default=None,
+                   help="the split of a Hugging Face DatasetDict directory (default: its only split, or train)")
     a = p.parse_args(argv)
     if a.workers is not None and a.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {a.workers}")
     if not a.chunk_mb > 0:
         raise ValueError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
     prepare_data(a.inputs, a.out, tokenizer=a.tokenizer, workers=a.workers, chunk_bytes=int(a.chunk_mb * (1 << 20)),
-                 progress=not a.no_progress, train_on=a.train_on, overwrite=a.overwrite)
+                 progress=not a.no_progress, train_on=a.train_on, overwrite=a.overwrite,
+                 record_format=a.record_format, split=a.split)
     return 0
 
 

@@ -23,6 +23,7 @@ import torch
 from q38.batch import IGNORE_INDEX, PAD_DOC_ID  # one ignore index and pad doc id for data, batch and losses
 from q38.errors import DataError
 from q38.train.chat import encode_chat_record, validate_chat_record
+from q38.train.formats import to_record
 from q38.train.tokenizer import Tokenizer
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
@@ -73,8 +74,9 @@ def validate_record(record: Any, where: str) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
-    """Validated records of a JSONL file (blank lines skipped). Errors name ``file:line``; a file without records
-    raises once iteration reaches its end. A missing file raises immediately."""
+    """Validated records of a JSONL file (blank lines skipped; ShareGPT / Alpaca / OpenAI-style records converted to
+    q38's, ``q38.train.formats``). Errors name ``file:line``; a file without records raises once iteration reaches
+    its end. A missing file raises immediately."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data: {path} not found (or not a file); expected a JSONL file of {{\"text\": ...}} or "
@@ -99,6 +101,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); each line must be one "
                                 f"JSON object") from None
+            record = to_record(record, "auto", where)  # ShareGPT / Alpaca / OpenAI-style -> q38 messages
             validate_record(record, where)
             n += 1
             yield lineno, record

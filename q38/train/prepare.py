@@ -22,11 +22,12 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from q38.train.data import IGNORE_INDEX, DataError, encode_record, resolve_data_path, validate_record
+from q38.train.formats import FORMATS, to_record
 from q38.train.tokenizer import load_tokenizer
 from q38.train.shards import FORMAT, MANIFEST, VERSION, sha256_file, shard_files, token_dtype, tokenizer_identity
 
 CHUNK_BYTES = 64 << 20
-SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 OWN_PREFIXES = ("shard_", ".shard_", f".{MANIFEST}.tmp-")  # the files this command writes besides the manifest
 
 
@@ -39,21 +40,35 @@ def _pyarrow():
     return pq
 
 
-def expand_inputs(inputs: Sequence[str]) -> list[tuple[Path, str]]:
-    """Files (``.jsonl``, ``.json``, ``.parquet``), directories of them (sorted), or ``builtin:NAME``."""
+def _kind(f: Path) -> str:
+    """The reader of a file: by suffix (JSON Lines when unknown); a ``.json`` file holding one array is "jsonarray"."""
+    from q38.train.readers import is_json_array
+
+    kind = SUFFIXES.get(f.suffix, "jsonl")
+    return "jsonarray" if f.suffix == ".json" and is_json_array(f) else kind
+
+
+def expand_inputs(inputs: Sequence[str], split: str | None = None) -> list[tuple[Path, str]]:
+    """Files (``.jsonl``, ``.json``, ``.parquet``, ``.arrow``, ``.csv``), directories of them (sorted), Hugging Face
+    ``save_to_disk`` directories (their Arrow files; ``split`` of a ``DatasetDict``), or ``builtin:NAME``."""
+    from q38.train.readers import hf_dataset_files, is_hf_dataset_dir
+
     out: list[tuple[Path, str]] = []
     for spec in inputs:
         p = resolve_data_path(spec)
-        if p.is_dir():
+        if is_hf_dataset_dir(p):
+            out += [(f.resolve(), "arrow") for f in hf_dataset_files(p, split)]
+        elif p.is_dir():
             files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in SUFFIXES)
             if not files:
-                raise DataError(f"{p} holds no .jsonl or .parquet files")
-            out += [(f.resolve(), SUFFIXES[f.suffix]) for f in files]
+                raise DataError(f"{p} holds no .jsonl, .json, .parquet, .arrow or .csv files (nor is it a Hugging "
+                                f"Face save_to_disk directory)")
+            out += [(f.resolve(), _kind(f)) for f in files]
         elif p.is_file():
-            out.append((p.resolve(), SUFFIXES.get(p.suffix, "jsonl")))
+            out.append((p.resolve(), _kind(p)))
         else:
-            raise DataError(f"input {spec} not found; expected a JSONL / Parquet file or a directory "
-                            f"of them")
+            raise DataError(f"input {spec} not found; expected a JSONL / JSON / Parquet / Arrow / CSV file, a "
+                            f"directory of them or a Hugging Face save_to_disk directory")
     if not out:
         raise DataError("no inputs; pass one or more JSONL / Parquet files or directories")
     return out
@@ -68,6 +83,14 @@ def plan_chunks(files: Sequence[tuple[Path, str]], chunk_bytes: int) -> list[dic
             for g in range(meta.num_row_groups):
                 chunks.append({"file": str(f), "source": fi, "kind": kind, "group": g,
                                "bytes": meta.row_group(g).total_byte_size})
+            continue
+        if kind == "arrow":
+            from q38.train.readers import arrow_chunks
+
+            chunks += [dict(c, file=str(f), source=fi, kind=kind) for c in arrow_chunks(f, chunk_bytes)]
+            continue
+        if kind in ("csv", "jsonarray"):  # read start to end by one worker
+            chunks.append({"file": str(f), "source": fi, "kind": kind, "bytes": f.stat().st_size})
             continue
         size = f.stat().st_size
         start = 0
@@ -92,8 +115,15 @@ def _records(chunk: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     if chunk["kind"] == "parquet":
         table = _pyarrow().ParquetFile(f).read_row_group(chunk["group"])
         for r, rec in enumerate(table.to_pylist()):
-            rec = {k: v for k, v in rec.items() if k in ("text", "messages") and v is not None}
+            rec = {k: v for k, v in rec.items() if v is not None}
             yield f"{f}: row group {chunk['group']} row {r}", rec
+        return
+    if chunk["kind"] in ("arrow", "csv", "jsonarray"):
+        from q38.train import readers
+
+        read = {"arrow": readers.arrow_records, "csv": readers.csv_records,
+                "jsonarray": readers.json_array_records}[chunk["kind"]]
+        yield from read(chunk)
         return
     with open(f, "rb") as fh:
         fh.seek(chunk["start"])
@@ -148,8 +178,10 @@ def tokenize_chunk(chunk: dict[str, Any], out_dir: str, dtype: str, train_on: st
     masked: list[tuple[int, np.ndarray]] = []  # (token offset, mask) of the documents with non-target tokens
     lengths: list[int] = []
     n = 0
+    fmt = chunk.get("format", "auto")
     for where, rec in _records(chunk):
         try:
+            rec = to_record(rec, fmt, "\0")
             validate_record(rec, "\0")
         except DataError as e:
             raise DataError(str(e).replace("\0", _where(where))) from None
@@ -239,9 +271,12 @@ def is_prepared_output(d: Path) -> bool:
 
 def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer: str = "byte",
                  workers: int | None = None, chunk_bytes: int = CHUNK_BYTES, progress: bool = True,
-                 train_on: str = "assistant", overwrite: bool = False, log=print) -> dict[str, Any]:
+                 train_on: str = "assistant", overwrite: bool = False, record_format: str = "auto",
+                 split: str | None = None, log=print) -> dict[str, Any]:
     """Prepare (or confirm up to date) ``out_dir`` from ``inputs``; returns the manifest (with ``"skipped": True``
-    when nothing had to be done). ``train_on`` picks the targets of chat records (``q38.train.chat``).
+    when nothing had to be done). ``train_on`` picks the targets of chat records (``q38.train.chat``);
+    ``record_format`` the records' shape (``q38.train.formats``: auto, messages, sharegpt, alpaca, text); ``split``
+    the split of a Hugging Face ``DatasetDict`` directory.
 
     ``out_dir`` follows ``safety.check_output_dir``: new, empty, an earlier output of this command, or (with
     ``overwrite``) another non-empty directory; never a run or checkpoint directory, nor one that is, holds or lies
@@ -249,12 +284,14 @@ def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer
     from q38.train.safety import check_output_dir
 
     out = Path(out_dir)
-    files = expand_inputs(inputs)
+    if record_format not in FORMATS:
+        raise DataError(f"--format is {record_format!r}; expected one of {', '.join(FORMATS)}")
+    files = expand_inputs(inputs, split)
     check_output_dir(out, [resolve_data_path(i) for i in inputs], what="--out", own=is_prepared_output,
                      overwrite=overwrite)
     made = [d for d in (out, *out.parents) if not d.exists()]
     try:
-        return _prepare_data(files, out, tokenizer, workers, chunk_bytes, progress, train_on, log)
+        return _prepare_data(files, out, tokenizer, workers, chunk_bytes, progress, train_on, log, record_format)
     except BaseException:
         for d in made:  # innermost first
             _remove_own_files(d)
@@ -273,13 +310,15 @@ def _remove_own_files(d: Path) -> None:
 
 
 def _prepare_data(files: Sequence[tuple[Path, str]], out: Path, tokenizer: str, workers: int | None,
-                  chunk_bytes: int, progress: bool, train_on: str, log) -> dict[str, Any]:
+                  chunk_bytes: int, progress: bool, train_on: str, log, record_format: str = "auto"
+                  ) -> dict[str, Any]:
     tok = load_tokenizer(tokenizer)
     ident = dict(tokenizer_identity(tok), spec=tokenizer)
     dtype = token_dtype(tok.vocab_size)
     old = _read_manifest(out)
     sources = _source_entries(files, old)
-    if old is not None and _up_to_date(out, old, ident, dtype.name, train_on, sources):
+    if old is not None and old.get("record_format", "auto") == record_format \
+            and _up_to_date(out, old, ident, dtype.name, train_on, sources):
         log(f"q38 prepare-data: {out} is up to date ({old['num_tokens']:,} tokens, {old['num_docs']:,} "
             f"documents); nothing to do")
         return dict(old, skipped=True)
@@ -289,12 +328,14 @@ def _prepare_data(files: Sequence[tuple[Path, str]], out: Path, tokenizer: str, 
     if (out / MANIFEST).exists():
         (out / MANIFEST).unlink()  # from here on the directory does not look prepared until the new manifest lands
     chunks = plan_chunks(files, chunk_bytes)
+    for c in chunks:
+        c["format"] = record_format
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(chunks)))
     t0 = time.perf_counter()
     results = _tokenize_chunks(chunks, out, tokenizer, dtype.name, train_on, n_workers, progress)
     manifest = {
         "format": FORMAT, "version": VERSION, "tokenizer": ident, "token_dtype": dtype.name, "train_on": train_on,
-        "sources": sources, "shards": [{k: v for k, v in r.items() if k != "input_bytes"} for r in results],
+        "record_format": record_format, "sources": sources, "shards": [{k: v for k, v in r.items() if k != "input_bytes"} for r in results],
         "num_tokens": sum(r["tokens"] for r in results), "num_docs": sum(r["docs"] for r in results),
         "num_targets": sum(r["targets"] for r in results),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -33,7 +33,7 @@ def _is_int(x: Any) -> bool:
 
 @attrs.frozen(kw_only=True)
 class DataConfig:
-    path: Any = "builtin:tiny"  # JSONL, builtin:NAME, a prepared directory, or a list of {path, weight}
+    path: Any = "builtin:tiny"  # JSONL, builtin:NAME, a prepared dir, a Megatron PREFIX, or a list of {path, weight}
     tokenizer: str = "byte"
     seq_len: int = 256
     batch_size: int = 8  # rows per data-parallel rank per step
@@ -257,6 +257,8 @@ def _resolve(p: str, base_dir) -> str:
     """A relative path names a file next to the config when one exists there, else it is relative to the CWD."""
     if base_dir is not None and not os.path.isabs(p) and (Path(base_dir) / p).exists():
         return str(Path(base_dir) / p)
+    if base_dir is not None and not os.path.isabs(p) and (Path(base_dir) / (p + ".idx")).exists():
+        return str(Path(base_dir) / p)  # a Megatron corpus PREFIX (PREFIX.idx + PREFIX.bin)
     return p
 
 

@@ -269,7 +269,68 @@ def verify_shard_files(path: Path, man: Mapping[str, Any]) -> None:
                                 f"corrupt; {fix}")
 
 
-class ShardRows(RowSource):
+class MappedRows(RowSource):
+    """Rows cut from memory-mapped token files: the one packer of every on-disk source. Row ``k`` of a file is its
+    tokens ``[k*seq_len, (k+1)*seq_len)``; each row's pieces of documents are numbered ``0, 1, ...`` in ``doc_ids``.
+
+    A subclass (``ShardRows``: prepared shards; ``q38.train.megatron.MegatronRows``: Megatron indexed corpora) sets
+    ``name``, ``seq_len``, ``shards`` (one dict per file, with at least ``"rows"``) and ``cum_rows`` (``cumsum([0] +
+    rows)``) and implements ``_maps(s)`` -> ``(tokens, docs, mask)``: the file's token memory map, its document
+    index (whatever ``_doc_of`` / ``_doc_starts`` read; by default the sorted ``int64`` document start offsets ending
+    with the token count) and its ``uint8`` target mask (None: every token is a target)."""
+
+    shards: list[dict[str, Any]]
+    cum_rows: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.cum_rows[-1])
+
+    @abc.abstractmethod
+    def _maps(self, s: dict[str, Any]) -> tuple[np.ndarray, Any, np.ndarray | None]: ...
+
+    def _doc_of(self, s: dict[str, Any], docs: Any, pos: np.ndarray) -> np.ndarray:
+        """The document number of each token position ``pos`` of file ``s`` (any monotone numbering)."""
+        return np.searchsorted(docs, pos, side="right") - 1
+
+    def _doc_starts(self, s: dict[str, Any], docs: Any) -> np.ndarray:
+        """Every document's start offset and the token count (tests and tools: reads the whole index)."""
+        return np.asarray(docs)
+
+    def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
+        idx = np.asarray(idx, dtype=np.int64)
+        L = self.seq_len
+        ids = np.empty((len(idx), L), dtype=np.int64)
+        labels = np.empty((len(idx), L), dtype=np.int64)
+        doc_ids = np.empty((len(idx), L), dtype=np.int64)
+        shard_of = np.searchsorted(self.cum_rows, idx, side="right") - 1
+        for r, (g, si) in enumerate(zip(idx, shard_of)):
+            if not 0 <= g < len(self):
+                raise IndexError(f"row {g} out of range for {self.name} ({len(self)} rows)")
+            s = self.shards[si]
+            tok, docs, mask = self._maps(s)
+            a = int(g - self.cum_rows[si]) * L
+            ids[r] = tok[a:a + L]
+            labels[r] = ids[r] if mask is None else np.where(mask[a:a + L] != 0, ids[r], IGNORE_INDEX)
+            d = self._doc_of(s, docs, np.arange(a, a + L))
+            doc_ids[r] = d - d[0]
+        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
+                "doc_ids": torch.from_numpy(doc_ids)}
+
+    def documents(self) -> list[tuple[list[int], list[int]]]:
+        """Every document's ``(input_ids, labels)`` (tests and tools; reads the whole directory)."""
+        out = []
+        for s in self.shards:
+            tok, docs, mask = self._maps(s)
+            docs = self._doc_starts(s, docs)
+            for i in range(len(docs) - 1):
+                a, b = int(docs[i]), int(docs[i + 1])
+                ids = tok[a:b].astype(np.int64)
+                lab = ids if mask is None else np.where(mask[a:b] != 0, ids, IGNORE_INDEX)
+                out.append((ids.tolist(), lab.tolist()))
+        return out
+
+
+class ShardRows(MappedRows):
     """The rows of a prepared directory, read from memory-mapped shards. Opening checks every shard file's size
     against the manifest (no token is read) and ``train_on`` against the one the directory was prepared with; the
     first read of a shard checks all of its token ids against ``vocab_size`` (one pass over its memory map), so a
@@ -319,9 +380,6 @@ class ShardRows(RowSource):
             raise DataError(f"data: {self.path} has {man['num_tokens']} tokens, fewer than one row of seq_len "
                             f"{self.seq_len} per shard; lower data.seq_len or add data")
 
-    def __len__(self) -> int:
-        return int(self.cum_rows[-1])
-
     def _maps(self, s: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         if s["mm"] is None:
             tok = np.memmap(self.path / s["files"]["tokens"], dtype=self.dtype, mode="r")
@@ -362,38 +420,6 @@ class ShardRows(RowSource):
             f"{self.vocab_size} at token {at} (row {at // self.seq_len} of the shard at seq_len {self.seq_len}); the "
             f"shard does not match {self.path / MANIFEST}; re-run `q38 prepare-data INPUT... --out {self.path}`"
         )
-
-    def rows(self, idx: np.ndarray) -> dict[str, torch.Tensor]:
-        idx = np.asarray(idx, dtype=np.int64)
-        L = self.seq_len
-        ids = np.empty((len(idx), L), dtype=np.int64)
-        labels = np.empty((len(idx), L), dtype=np.int64)
-        doc_ids = np.empty((len(idx), L), dtype=np.int64)
-        shard_of = np.searchsorted(self.cum_rows, idx, side="right") - 1
-        for r, (g, si) in enumerate(zip(idx, shard_of)):
-            if not 0 <= g < len(self):
-                raise IndexError(f"row {g} out of range for {self.path} ({len(self)} rows)")
-            s = self.shards[si]
-            tok, docs, mask = self._maps(s)
-            a = int(g - self.cum_rows[si]) * L
-            ids[r] = tok[a:a + L]
-            labels[r] = ids[r] if mask is None else np.where(mask[a:a + L] != 0, ids[r], IGNORE_INDEX)
-            d = np.searchsorted(docs, np.arange(a, a + L), side="right") - 1
-            doc_ids[r] = d - d[0]
-        return {"input_ids": torch.from_numpy(ids), "labels": torch.from_numpy(labels),
-                "doc_ids": torch.from_numpy(doc_ids)}
-
-    def documents(self) -> list[tuple[list[int], list[int]]]:
-        """Every document's ``(input_ids, labels)`` (tests and tools; reads the whole directory)."""
-        out = []
-        for s in self.shards:
-            tok, docs, mask = self._maps(s)
-            for i in range(len(docs) - 1):
-                a, b = int(docs[i]), int(docs[i + 1])
-                ids = tok[a:b].astype(np.int64)
-                lab = ids if mask is None else np.where(mask[a:b] != 0, ids, IGNORE_INDEX)
-                out.append((ids.tolist(), lab.tolist()))
-        return out
 
 
 # ---- mixtures and the batch iterator ------------------------------------------------------------------------------
@@ -599,9 +625,13 @@ def is_prepared(path: str) -> bool:
 
 def open_source(path: str, tok: Tokenizer, seq_len: int, vocab_size: int, overlong: str,
                 train_on: str = "assistant") -> RowSource:
-    """A prepared directory -> ``ShardRows``; a JSONL file or ``builtin:NAME`` -> ``PackedRows`` (tokenized now)."""
+    """A prepared directory -> ``ShardRows``; a Megatron prefix (``PREFIX.bin`` + ``PREFIX.idx``) -> ``MegatronRows``;
+    a JSONL file or ``builtin:NAME`` -> ``PackedRows`` (tokenized now)."""
     from q38.train.data import build_dataset
+    from q38.train.megatron import MegatronRows, megatron_prefix
 
+    if (prefix := megatron_prefix(path)) is not None:
+        return MegatronRows(prefix, seq_len, tokenizer=tok, vocab_size=vocab_size)
     if is_prepared(path):
         return ShardRows(path, seq_len, tokenizer=tok, vocab_size=vocab_size, train_on=train_on)
     ds = build_dataset(path, tok, seq_len, overlong=overlong, train_on=train_on)
@@ -625,7 +655,10 @@ class TrainData:
     def __init__(self, path: Any, tok: Tokenizer, *, seq_len: int, vocab_size: int, overlong: str = "truncate",
                  eval_split: float = 0.0, eval_path: str | None = None, train_on: str = "assistant") -> None:
         mix = parse_mixture(path)
-        self.legacy = len(mix) == 1 and not is_prepared(mix[0][0])  # one JSONL file: data.BatchIterator as before
+        from q38.train.megatron import megatron_prefix
+
+        # one JSONL file: data.BatchIterator as before
+        self.legacy = len(mix) == 1 and not is_prepared(mix[0][0]) and megatron_prefix(mix[0][0]) is None
         opened = [open_source(p, tok, seq_len, vocab_size, overlong, train_on) for p, _ in mix]
         self.weights = [w for _, w in mix]
         self.eval: list[RowSource] = []
@@ -658,6 +691,6 @@ class TrainData:
 
 __all__ = [
     "FORMAT", "VERSION", "MANIFEST", "MIX_BLOCK", "tokenizer_identity", "token_dtype", "feistel_permute",
-    "RowSource", "PackedRows", "ShardRows", "read_manifest", "block_counts", "MixtureIterator", "EvalRows",
+    "RowSource", "PackedRows", "MappedRows", "ShardRows", "read_manifest", "block_counts", "MixtureIterator", "EvalRows",
     "parse_mixture", "open_source", "TrainData", "PAD_DOC_ID",
 ]
