@@ -226,8 +226,16 @@ def delta(n: "Lora | SharedLora") -> Tensor:
 
 
 def merge_weight(n: "Lora | SharedLora") -> Float[Tensor, "..."]:
-    """The weight a layer computes with: ``base + scale · B @ A`` (in the base's dtype)."""
-    return n.base + delta(n).to(n.base.dtype)
+    """The weight a layer computes with: ``base + scale · B @ A``, in one fused op (``addmm`` / ``baddbmm``: no
+    separate ``[o, i]`` delta is materialised, only the merged weight; its gradient reaches A and B, never the
+    frozen base)."""
+    a, b = (n.shared_a, n.shared_b) if isinstance(n, SharedLora) else (n.lora_a, n.lora_b)
+    a, b = a.to(n.base.dtype), b.to(n.base.dtype)
+    if isinstance(n, SharedLora):
+        return torch.add(n.base, b @ a, alpha=n.scale)  # one [o, i] delta broadcast over the experts
+    if n.base.dim() == 2:
+        return torch.addmm(n.base, b, a, alpha=n.scale)
+    return torch.baddbmm(n.base, b, a, alpha=n.scale)
 
 
 def merge_adapters(tree):
