@@ -167,8 +167,10 @@ def is_adapter_path(path: str) -> bool:
 def adapter_info(base: ParamInfo, key: str, rank: int) -> ParamInfo:
     """The declaration of adapter matrix ``key`` of a weight declared ``base`` ``[.., o, i]``: the same logical axes
     as the base on the dims they share (an expert adapter is on the ``expert`` axis, so EP places it with its
-    experts), ``lora_rank`` (never sharded) on the rank dim; the FSDP role on ``i`` for A and ``o`` for B. ``A`` is
-    drawn from ``N(0, 1/r)`` (PEFT's ``gaussian`` init), ``B`` is zero."""
+    experts), ``lora_rank`` (never sharded) on the rank dim; the FSDP role on ``i`` for A and ``o`` for B, except
+    the B of a skinny matrix (a 2-D base whose FSDP dim is ``i``: the router, the GDN ``b``/``a`` gates, whose ``o``
+    is a few heads or experts), which stays replicated over FSDP. ``A`` is drawn from ``N(0, 1/r)`` (PEFT's
+    ``gaussian`` init), ``B`` is zero."""
     *lead, o, i = base.shape
     *lead_ax, ao, ai = base.axes
     if key.startswith("shared"):
@@ -176,7 +178,8 @@ def adapter_info(base: ParamInfo, key: str, rank: int) -> ParamInfo:
     nl = len(lead)
     if key.endswith("_a"):
         return ParamInfo((*lead, rank, i), std=1.0 / rank, axes=(*lead_ax, "lora_rank", ai), fsdp_dim=nl + 1)
-    return ParamInfo((*lead, o, rank), "zeros", axes=(*lead_ax, ao, "lora_rank"), fsdp_dim=nl)
+    skinny = len(base.shape) == 2 and base.fsdp_dim == 1
+    return ParamInfo((*lead, o, rank), "zeros", axes=(*lead_ax, ao, "lora_rank"), fsdp_dim=None if skinny else nl)
 
 
 def split_path(path: str) -> tuple[str, str | None]:

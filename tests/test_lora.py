@@ -150,7 +150,10 @@ def _rank_fn(rank, world, layout_name, mesh_sizes, tc, mode, steps):
     return out
 
 
-CASES = [
+# Every shipped layout; one EP case runs by default, the rest are slow-marked (20-120 s each on the shared 2-core
+# machine).
+_ALL = [
+    ("fsdp_ep", {"fsdp": 1, "ep": 2}, 2, "per_expert"),
     ("fsdp", {"fsdp": 2}, 2, "per_expert"),
     ("fsdp_ep", {"fsdp": 1, "ep": 2}, 2, "shared"),
     ("fsdp_cp", {"fsdp": 1, "cp": 2}, 2, "per_expert"),
@@ -159,14 +162,16 @@ CASES = [
     ("fsdp_ep_cp", {"fsdp": 1, "ep": 2, "cp": 2}, 4, "per_expert"),
     ("hsdp", {"dp_replicate": 2, "fsdp": 2}, 4, "per_expert"),
 ]
+CASES = [pytest.param(*c, marks=() if i == 0 else pytest.mark.slow,
+                       id=f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[1].items())}-{c[3]}") for i, c in enumerate(_ALL)]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout,mesh_sizes,world,mode", CASES,
-                         ids=[f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[1].items())}-{c[3]}" for c in CASES])
+@pytest.mark.parametrize("layout,mesh_sizes,world,mode", CASES)
 def test_lora_layout_matches_single_process(layout, mesh_sizes, world, mode):
     """Loss, every adapter gradient (A and B: B starts nonzero here) and the adapters after one step, against one
-    process (fp32, 1e-5)."""
+    process (fp32): |Δ| ≤ 1e-5 relative to the tensor's largest entry (measured 1.1e-5 absolute on B gradients up
+    to 1.5, fsdp_ep shared: the summation order over ranks differs)."""
     tc = TrainConfig(loss_chunk_size=16, aux_loss_coef=0.01, lr=1e-3, eps=1e-3)
     ref_state = _lora_state(tc, PEFTS[mode], nonzero_b=True)
     r = loss_and_grads(ref_state, _batch())
@@ -181,9 +186,9 @@ def test_lora_layout_matches_single_process(layout, mesh_sizes, world, mode):
         assert abs(o["loss"] - float(r.loss)) <= TOL
         assert abs(o["grad_norm"] - float(r.grad_norm)) <= 1e-4
     for n, g in ref_grads.items():
-        assert (outs[0]["grads"][n] - g).abs().max() <= TOL, n
+        assert (outs[0]["grads"][n] - g).abs().max() <= TOL * max(1.0, float(g.abs().max())), n
     for n, p in ref_params.items():
-        assert (outs[0]["params"][n] - p).abs().max() <= TOL, n
+        assert (outs[0]["params"][n] - p).abs().max() <= TOL * max(1.0, float(p.abs().max())), n
 
 
 # ---- checkpoints: adapters + moments + a reference to the base; resume is exact --------------------------------
@@ -266,3 +271,65 @@ def test_frozen_base_costs_its_storage_dtype_only_on_each_rank():
 
 def named_leaves_values(tree):
     return [t for _, t in named_leaves(tree)]
+
+
+# ---- the plan prices a LoRA run: checked against measured per-rank peaks on 4 gloo ranks ------------------------
+
+
+def _measure_lora(rank, world, recompute):
+    from q38.kernels import DEFAULT_KERNELS
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
+    from q38.train.peft import lora_state
+    from tests.mem_utils import PeakMemory
+
+    cfg = ModelConfig.preset("tiny")
+    tc = TrainConfig(loss_chunk_size=256, recompute=recompute == "full")
+    state = lora_state(init_params(cfg, seed=0), cfg, tc, PEFTS["per_expert"], seed=0,
+                       kernels=DEFAULT_KERNELS.replace(experts="grouped_mm"))
+    ids = torch.randint(0, cfg.vocab_size, (8 * world, 128), generator=torch.Generator().manual_seed(0))
+    mesh = make_mesh(Layout.preset("fsdp_ep").with_mesh(fsdp=2, ep=2), world)
+    state = shard(state, mesh)
+    batch = shard_batch({"input_ids": ids, "labels": ids}, mesh, cfg.mtp_num_layers)
+    with PeakMemory(state) as pm:
+        train_step(state, batch, mesh)
+    return pm.peak
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_plan_prices_a_lora_run_within_15_percent(recompute):
+    from q38.parallel.budget import estimate
+
+    measured = max(run_distributed(_measure_lora, 4, recompute))
+    layout = Layout.preset("fsdp_ep").with_mesh(fsdp=2, ep=2)
+    b = estimate(ModelConfig.preset("tiny"), layout, 4, seq_len=128, rows_per_rank=8, recompute=recompute,
+                 param_dtype="fp32", reduce_dtype="fp32", loss_chunk_tokens=256, aux_global=False, prefetch=False,
+                 packed_rows=False, peft=PEFTS["per_expert"])
+    full = estimate(ModelConfig.preset("tiny"), layout, 4, seq_len=128, rows_per_rank=8, recompute=recompute,
+                    param_dtype="fp32", reduce_dtype="fp32", loss_chunk_tokens=256, aux_global=False,
+                    prefetch=False, packed_rows=False)
+    ratio = b.peak_bytes / measured
+    print(f"LoRA fsdp_ep 4 ranks recompute {recompute}: predicted {b.peak_bytes:,.0f} B, measured {measured:,} B, "
+          f"ratio {ratio:.3f}; full fine-tune predicted {full.peak_bytes:,.0f} B")
+    assert abs(ratio - 1) <= 0.15, ratio
+    rs = lambda bud: sum(c.bytes for c in bud.comm if c.collective.startswith("reduce-scatter"))  # noqa: E731
+    assert rs(b) < rs(full) / 10  # only the adapters' gradients are reduced
+
+
+def test_fewest_ranks_lora_against_full_fine_tune():
+    """The search's fewest-devices answer: under a per-device cap that a full fine-tune of the small model cannot meet
+    on one node, LoRA fits on fewer devices; an FP8 base needs no more than a bf16 one."""
+    from q38.parallel.budget import GIB, Hardware
+    from q38.parallel.search import fewest_ranks
+
+    cfg = ModelConfig.preset("qwen3_5_35b_a3b")
+    hw = Hardware.load("h200")
+    kw = dict(seq_len=4096, memory_cap=60 * GIB, recompute_modes=("full",), ep_dispatches=("flat",))
+    full = fewest_ranks(cfg, hw, 256, **kw)
+    lora = fewest_ranks(cfg, hw, 256, peft=PeftConfig(rank=16), **kw)
+    fp8 = fewest_ranks(cfg, hw, 256, peft=PeftConfig(rank=16, base_dtype="fp8"), **kw)
+    assert lora is not None and full is not None and fp8 is not None
+    print(f"fewest h200 at 60 GiB: full {full[0]}, LoRA bf16 base {lora[0]}, LoRA fp8 base {fp8[0]}")
+    assert lora[0] < full[0] and fp8[0] <= lora[0]
+    assert lora[1].budget.peak_bytes <= 60 * GIB
