@@ -239,8 +239,13 @@ def _bytes_fn(rank, world, lora):
             key = (part, "adapter" if is_adapter_path(n) else "base", str(t.dtype))
             by_part[key] = by_part.get(key, 0) + local(t).untyped_storage().nbytes()
     shapes = {n: tuple(local(t).shape) for n, t in named_leaves(state.params) if n.startswith("layers.0.moe.we_")}
+    from q38.parallel.links import Ledger
+
+    Ledger.reset()
     r = loss_and_grads(state, shard_batch(_batch(), mesh, cfg.mtp_num_layers), mesh)
-    return {"bytes": by_part, "shapes": shapes, "reductions": r.async_reductions, "grads": len(r.grads)}
+    rs = Ledger.by_kind.get("reduce_scatter", {"intra": 0, "inter": 0})
+    return {"bytes": by_part, "shapes": shapes, "reduce_scatter": rs["intra"] + rs["inter"],
+            "grad_bytes": sum(g.to_local().untyped_storage().nbytes() for g in r.grads)}
 
 
 @pytest.mark.dist
@@ -264,7 +269,9 @@ def test_frozen_base_costs_its_storage_dtype_only_on_each_rank():
         assert o["shapes"]["layers.0.moe.we_gate_up.lora_a"][0] == e // 2  # EP-split with the experts
         assert o["shapes"]["layers.0.moe.we_gate_up.base"][0] == e // 2
         assert o["shapes"]["layers.0.moe.we_gate_up.lora_b"][-1] == r
-        assert o["reductions"] < f["reductions"] and o["grads"] < f["grads"]
+        # gradients exist (and are reduce-scattered) for the adapters only: bytes measured by the collectives' ledger
+        assert o["grad_bytes"] == b[("params", "adapter", "torch.float32")]
+        assert 0 < o["reduce_scatter"] < f["reduce_scatter"] / 5, (o["reduce_scatter"], f["reduce_scatter"])
     per_rank = [f["bytes"][("params", "base", "torch.float32")] for f in full]
     assert sum(per_rank) >= base_numel * 4  # (norms are replicated: ≥)
 
