@@ -107,6 +107,12 @@ def _add_budget_args(ap) -> None:
     ap.add_argument("--search", action="store_true", help="search layouts for --world ranks of --hardware")
     ap.add_argument("--memory-cap", type=positive_float,
                     help="GiB per device (default: 90%% of the hardware's HBM)")
+    ap.add_argument("--lora-rank", type=positive_int, help="plan a LoRA run of this rank (else the run config's "
+                                                           "peft section, if any; docs/finetuning.md#lora)")
+    ap.add_argument("--lora-base-dtype", choices=("compute", "fp8"),
+                    help="LoRA: the frozen base in the compute dtype or in block-FP8 (fp8 is priced, not yet run)")
+    ap.add_argument("--fewest-ranks", action="store_true", help="with --search: the fewest devices of --hardware "
+                    "(whole nodes, doubling, up to --world) that fit, LoRA and full fine-tune")
     ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config (a new "
                     "or empty directory, or one it wrote before)")
     ap.add_argument("--overwrite", action="store_true", help="--search: write into a non-empty --out it did not write "
@@ -114,7 +120,7 @@ def _add_budget_args(ap) -> None:
 
 
 BUDGET_ARGS = ("hardware", "train", "seq_len", "global_batch", "micro_batches", "recompute", "param_dtype",
-               "gdn_kernel", "search")  # any of them set: q38 plan prints the budget (or the search) after the plan
+               "gdn_kernel", "search", "lora_rank", "lora_base_dtype")  # any of them set: q38 plan prints the budget (or the search) after the plan
 
 
 def plan_cli(args: list[str]) -> int:
@@ -146,14 +152,16 @@ def plan_cli(args: list[str]) -> int:
     check_file_args(("--model", ns.model, False), ("--layout", ns.layout, False), ("--train", ns.train, True),
                     ("--hardware", ns.hardware, False))
     if not ns.search:  # options only the search reads would be ignored
-        for opt, v in (("--memory-cap", ns.memory_cap), ("--overwrite", ns.overwrite)):
+        for opt, v in (("--memory-cap", ns.memory_cap), ("--overwrite", ns.overwrite),
+                       ("--fewest-ranks", ns.fewest_ranks)):
             if v:
                 raise ValueError(f"{opt} applies only to q38 plan --search; add --search or drop {opt}")
     query = BudgetQuery(world=ns.world, model=str(ns.model), layout=ns.layout, train=ns.train, hardware=ns.hardware,
                         seq_len=ns.seq_len, global_batch=ns.global_batch, micro_batches=ns.micro_batches,
                         recompute=ns.recompute, param_dtype=ns.param_dtype, reduce_dtype=ns.reduce_dtype,
                         gdn_kernel=ns.gdn_kernel, search=ns.search, memory_cap=ns.memory_cap, out=ns.out,
-                        overwrite=ns.overwrite)
+                        overwrite=ns.overwrite, lora_rank=ns.lora_rank, lora_base_dtype=ns.lora_base_dtype,
+                        fewest_ranks=ns.fewest_ranks)
     try:
         with reading("--model", ns.model):
             cfg = ModelConfig.load(ns.model)

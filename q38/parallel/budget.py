@@ -644,12 +644,14 @@ def _start_items(cfg: ModelConfig, st: _Step, ps: ParamStats) -> list[Item]:
 
 
 def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Hardware | None,
-                moe_compute_s: float = 0.0) -> list[CommTerm]:
+                moe_compute_s: float = 0.0, reduced: ParamStats | None = None) -> list[CommTerm]:
     """Every collective of the step per group: FSDP gathers (prefetched or not, again for recompute or after a
     reshard), gradient reduce-scatters and all-reduces, the EP all-to-all, each mixer kind's CP exchange; each
     priced by ``links.LinkModel`` on the links its group spans. ``moe_compute_s``: the routed and shared experts'
-    compute of the step (what an overlapped EP exchange can hide behind)."""
+    compute of the step (what an overlapped EP exchange can hide behind). ``reduced``: the parameters whose
+    gradients are reduced when not all of ``ps`` (a LoRA run: the adapters)."""
     comm: list[CommTerm] = []
+    reduced = reduced or ps
     mesh, mb, act, red, recompute = st.mesh, st.micro_batches, st.act, st.red, st.recompute
     items = tuple(mesh.items())
     model = LinkModel.from_hardware(hw) if hw else None
@@ -685,9 +687,9 @@ def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Ha
             add("all-gather recompute", g, (ps.layer_gather.get(g, 0.0) * act - ahead) * mb, phase="backward")
         elif re_gather:
             add("all-gather backward (reshard)", g, ps.layer_gather.get(g, 0.0) * act * mb, phase="backward")
-        add("reduce-scatter grads", g, ps.gather_group.get(g, 0.0) * red * mb, overlapped=st.async_reduce,
+        add("reduce-scatter grads", g, reduced.gather_group.get(g, 0.0) * red * mb, overlapped=st.async_reduce,
             phase="backward", kind="reduce_scatter")
-    for g, elems in ps.allreduce_dim.items():
+    for g, elems in reduced.allreduce_dim.items():
         add("all-reduce grads", g, elems * red * mb, overlapped=st.async_reduce, phase="backward", kind="all_reduce")
     if st.ep > 1:
         _ep_terms(cfg, st, kinds, add, shape, moe_compute_s, model)
@@ -803,6 +805,7 @@ def estimate(
     ep_dispatch: str = "flat",
     ep_overlap: bool = True,
     cp_early: bool = True,
+    peft=None,
 ) -> Budget:
     """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
     data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
@@ -813,7 +816,8 @@ def estimate(
     ``fused`` (q38.train.optim); None: ``fused`` with a hardware profile (an accelerator), ``foreach`` without
     (CPU), as ``optim.default_impl`` picks. ``packed_rows``: rows hold several documents (pretraining data), so
     attention runs with a document mask and k, v repeated to the query heads; False: one document per row, where
-    16-bit accelerator runs and CPU runs hand SDPA the kv heads as they are (``attention._native_gqa``)."""
+    16-bit accelerator runs and CPU runs hand SDPA the kv heads as they are (``attention._native_gqa``).
+    ``peft``: a LoRA run (``q38.lora.PeftConfig``): priced by ``q38.parallel.lora_budget``."""
     from q38.model import abstract_params
 
     if recompute not in RECOMPUTE_MODES:
@@ -843,9 +847,23 @@ def estimate(
     if ep_dispatch not in ("flat", "hierarchical"):
         raise ConfigError(f"ep_dispatch must be 'flat' or 'hierarchical', got {ep_dispatch!r}")
     ps = param_stats(placements, mesh, prefetch)
+    ls = None
+    if peft is not None:
+        from q38.parallel import lora_budget
+
+        ls = lora_budget.lora_stats(cfg, layout, mesh, peft, placements, prefetch, act)
+        ps = ls.all
     kinds = layer_kinds(cfg)
     memory = _forward_backward_items(cfg, st, ps, kinds,
                                      _loss_workspace(cfg, st, loss_chunk_tokens, loss_chunk_budget_bytes))
+    opt_items = _optimizer_items(st, ps.numel if ls is None else ls.adapters.numel, grad_clip, impl)
+    start_items = _start_items(cfg, st, ps)
+    comm_ps, reduced = ps, None
+    if ls is not None:
+        memory = lora_budget.lora_memory(memory, ls, st)
+        opt_items = lora_budget.lora_optimizer(opt_items, ls)
+        start_items = lora_budget.lora_start(start_items, ls, st)
+        comm_ps, reduced = lora_budget.scaled_gathers(ls, act), ls.adapters
     fl = step_flops(cfg, rows_per_rank, st.seq, cp=cp, recompute=recompute, micro_batches=micro_batches,
                     gdn_chunk=gdn_chunk, aux_global=aux_global, causal_skip=True)
     hw = hardware
@@ -853,15 +871,14 @@ def estimate(
     rate = peak * hw.achievable_fraction if hw else 0.0
     fwd_flops = fl.model / 3  # forward ≈ a third of forward + backward; recompute runs in backward
     moe_s = (fl.experts + _shared_expert_flops(cfg, rows_per_rank * st.seq)) / rate if hw else 0.0
-    opt_bytes = ps.numel * (st.mst * 2 + st.red + 8 * 2)
+    opt_bytes = ps.numel * (st.mst * 2 + st.red + 8 * 2) if ls is None else lora_budget.optimizer_bytes(ls, st)
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
     return Budget(
         model=model_name or cfg.model_type, layout=layout.name, mesh=tuple(mesh.items()), world=world,
         seq_len=seq_len, rows_per_rank=rows_per_rank, micro_batches=micro_batches, recompute=recompute,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory=tuple(memory),
-        optimizer_phase=tuple(_optimizer_items(st, ps.numel, grad_clip, impl)),
-        start_phase=tuple(_start_items(cfg, st, ps)), flops=fl,
-        comm=tuple(_comm_terms(cfg, st, ps, kinds, hw, moe_s)),
+        optimizer_phase=tuple(opt_items), start_phase=tuple(start_items), flops=fl,
+        comm=tuple(_comm_terms(cfg, st, comm_ps, kinds, hw, moe_s, reduced)),
         compute_s=fl.executed / rate if hw else 0.0, compute_fwd_s=fwd_flops / rate if hw else 0.0,
         optimizer_s=opt_bytes / hw.hbm_bandwidth if hw else 0.0,
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,

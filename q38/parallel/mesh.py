@@ -95,12 +95,13 @@ def _placements(mesh: Mesh, params) -> dict:
 def _param_suffix(path: str) -> str | None:
     """The parameter path a leaf path ends in (``exp_avg.layers.0.moe.we_down`` → ``layers.0.moe.we_down``), or
     None when no layer declares such a parameter (a step count, a router bias)."""
+    from q38.lora import split_path
     from q38.model import declared_params, generic_path
 
     parts = path.split(".")
     for i in range(len(parts)):
         cand = ".".join(parts[i:])
-        if generic_path(cand) in declared_params():
+        if generic_path(split_path(cand)[0]) in declared_params():  # a LoRA leaf: its weight's declaration
             return cand
     return None
 
@@ -182,6 +183,25 @@ def init_sharded(model_config, mesh: Mesh, *, seed: int = 0, device=None, dtype=
 
     return build_sharded(model_config, mesh, lambda path, info, index: materialize(
         info, path, seed=seed, device=device, dtype=dtype, index=index))
+
+
+def adapter_maker(mesh: Mesh, *, seed: int = 0, device=None, empty: bool = False):
+    """``make(path, info, like)`` for ``q38.lora.add_adapters`` on ``mesh``: the adapter matrix ``path`` (declared
+    ``info``) as an fp32 DTensor placed by the layout on its own logical axes, each rank drawing (or, ``empty``,
+    allocating) only its shard."""
+    from q38.layers.common import materialize
+
+    def make(path, info, like):
+        placements = mesh.layout.placements_of_shapes([(path, info)], mesh.sizes)[path].dtensor_placements()
+        index = local_index(info.shape, mesh, placements)
+        if empty:
+            local = torch.empty(tuple(sl.stop - sl.start for sl in index), device=device, dtype=torch.float32)
+        else:
+            local = materialize(info, path, seed=seed, device=device, dtype=torch.float32, index=index)
+        return DTensor.from_local(local, mesh.device_mesh, placements, run_check=False,
+                                  shape=torch.Size(info.shape), stride=_contiguous_strides(info.shape))
+
+    return make
 
 
 def empty_sharded(model_config, mesh: Mesh, *, device=None, dtype=None):

@@ -22,7 +22,7 @@ from q38.pytree import named_leaves
 from q38.batch import StepBatch
 
 from q38.parallel import links
-from q38.parallel.collectives import _chunk_sizes, _GatherParam, _Reductions, _Regather, _Resharded, _Step
+from q38.parallel.collectives import _chunk_sizes, _gather_forward, _GatherParam, _Reductions, _Regather, _Resharded, _Step
 from q38.parallel.cp import CPComm
 from q38.parallel.ep import EPDispatch
 from q38.parallel.mesh import Mesh
@@ -197,7 +197,11 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             raise RuntimeError("MeshRuntime.gather: parameter not bound; call bind(params) first")
         steps = self._steps_of[id(t)]
         pending = self._take_prefetch(t)
-        if not steps:
+        if not t.requires_grad:  # a frozen leaf (a LoRA run's base): gathered outside autograd, never reduced
+            x = t.to_local().detach()
+            with torch.no_grad():
+                y = _gather_forward(x, steps, self.param_dtype, pending)
+        elif not steps:
             x = t.to_local(grad_placements=t.placements)
             y = x.to(dt)
         elif self._anchor is not None:  # the shard leaves autograd; its reduced gradient comes back through grad()

@@ -268,6 +268,9 @@ class BudgetQuery:
     gdn_kernel: str | None = None  # "fla" | "torch"
     search: bool = False
     memory_cap: float | None = None  # GiB per device (search)
+    lora_rank: int | None = None  # plan a LoRA run of this rank (else the run config's peft section, if any)
+    lora_base_dtype: str | None = None  # compute | fp8: how the LoRA run's frozen base is stored
+    fewest_ranks: bool = False  # print the fewest ranks of --hardware that fit (up to --world), LoRA and full
     out: str = "plan_out"  # where the search writes its best layout and run config
     overwrite: bool = False
 
@@ -353,6 +356,9 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
         "cuda" if hw is not None else "cpu", cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     kw = budget_kwargs({**train, "param_dtype": q.param_dtype or train.get("param_dtype") or "bf16",
                         "reduce_dtype": q.reduce_dtype or train.get("reduce_dtype") or "fp32"}, gdn=gdn, chunk=chunk)
+    kw["peft"] = planned_peft(raw.get("peft"), q.lora_rank, q.lora_base_dtype, src)
+    if kw["peft"] is not None and kw["peft"].base_dtype == "fp8":
+        print("note: peft.base_dtype fp8 is priced here; the trainer does not run an FP8 base yet", file=sys.stderr)
     shipped = None
     global_batch = q.global_batch
     if layout is not None:
@@ -380,6 +386,10 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
         return 0
     if hw is None:
         raise ConfigError("q38 plan --search needs --hardware (one of the profiles under specs/hardware, e.g. h200)")
+    if q.fewest_ranks:
+        print(format_fewest(cfg, hw, q.world, seq_len=seq_len, global_batch=q.global_batch, model_name=str(q.model),
+                            **kw))
+        return 0
     cap = q.memory_cap * GIB if q.memory_cap is not None else None
     cands, cap = search(cfg, q.world, hw, seq_len=seq_len, global_batch=global_batch, memory_cap=cap,
                         model_name=str(q.model), **kw)
@@ -387,3 +397,56 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     lp, tp = write_best(cands[0], q.out, str(q.model), seq_len, raw)
     print(f"wrote {lp} and {tp} (run: torchrun --nproc_per_node ... q38 train {tp})")
     return 0
+
+
+# ---- LoRA and the fewest ranks that fit ----------------------------------------------------------------------------
+
+
+def planned_peft(section, rank: int | None, base_dtype: str | None, src: str | None):
+    """The LoRA setting to plan: the run config's ``peft`` section, with ``--lora-rank`` / ``--lora-base-dtype``
+    applied (either alone plans LoRA with the defaults of ``q38.lora.PeftConfig``); None: a full fine-tune."""
+    from q38.lora import PeftConfig
+
+    if section is None and rank is None and base_dtype is None:
+        return None
+    peft = PeftConfig.from_dict(dict(section or {}), source=src or "q38 plan")
+    changes = {k: v for k, v in (("rank", rank), ("base_dtype", base_dtype)) if v is not None}
+    return attrs.evolve(peft, **changes) if changes else peft
+
+
+def fewest_ranks(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_len: int,
+                 global_batch: int | None = None, **kw) -> tuple[int, Candidate] | None:
+    """The smallest world (whole nodes of ``hardware``, doubling from one node, up to ``max_world``) where some
+    layout of :func:`search` fits, with its fastest candidate; None when none fits up to ``max_world``.
+    ``global_batch``: sequences per step (default: one per rank)."""
+    world = hardware.devices_per_node
+    while world <= max_world:
+        try:
+            cands, _ = search(cfg, world, hardware, seq_len=seq_len, global_batch=global_batch or world, **kw)
+            return world, cands[0]
+        except ConfigError:
+            world *= 2
+    return None
+
+
+def format_fewest(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_len: int,
+                  global_batch: int | None = None, **kw) -> str:
+    """One line per setting: the planned one (LoRA when ``kw['peft']`` is set) and, for LoRA, the full fine-tune."""
+    peft = kw.pop("peft", None)
+    rows = [("full fine-tune", None)]
+    if peft is not None:
+        base = "FP8 base" if peft.base_dtype == "fp8" else "base in the compute dtype"
+        rows.insert(0, (f"LoRA rank {peft.rank} ({peft.experts} experts, {base})", peft))
+    lines = [f"fewest {hardware.name} devices that fit ({seq_len} tokens a sequence, "
+             f"{'one sequence per rank' if global_batch is None else f'{global_batch} sequences'} per step; "
+             f"memory cap {MEMORY_HEADROOM:.0%} of {hardware.hbm_bytes / GIB:.0f} GiB):"]
+    for name, p in rows:
+        found = fewest_ranks(cfg, hardware, max_world, seq_len=seq_len, global_batch=global_batch, peft=p, **kw)
+        if found is None:
+            lines.append(f"  {name}: none up to {max_world}")
+            continue
+        world, c = found
+        b = c.budget
+        lines.append(f"  {name}: {world} ({c.mesh}, recompute {b.recompute}, {b.micro_batches} micro-batch(es); "
+                     f"peak {b.peak_bytes / GIB:,.1f} GiB per device, step {b.step_s:.2f} s)")
+    return "\n".join(lines)

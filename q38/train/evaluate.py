@@ -13,6 +13,7 @@ import typing
 import attrs
 import torch
 
+from q38.lora import merge_adapters
 from q38.model import LayerHooks, forward, head_weight
 from q38.batch import count_targets
 
@@ -35,7 +36,10 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
     mc, tc = state.model_config, state.train_config
     runtime = step_runtime(mesh, tc)
     depths = mc.mtp_num_layers
-    hooks = LayerHooks(gather=runtime.gather, dispatch=runtime.dispatch)
+    gather = runtime.gather
+    if state.peft is not None:  # a LoRA run: adapters merged into their weights after each gather
+        gather = lambda tree: merge_adapters(runtime.gather(tree))  # noqa: E731
+    hooks = LayerHooks(gather=gather, dispatch=runtime.dispatch)
     p = state.params
     runtime.bind(p)
     one = torch.ones(())

@@ -155,7 +155,7 @@ def check_memory(cfg: RunConfig, plan: RunPlan, world_size: int, device: str) ->
     train = cfg.train.to_dict()
     b = estimate(cfg.model, plan.layout, world_size, seq_len=cfg.data.seq_len, rows_per_rank=cfg.data.batch_size,
                  micro_batches=cfg.train.micro_batches, recompute=recompute_mode(train), hardware=None,
-                 adamw_impl=default_impl(torch.device(device)),
+                 adamw_impl=default_impl(torch.device(device)), peft=cfg.peft,
                  **budget_kwargs(train, gdn=plan.kernels.gdn, chunk=int(plan.kernels.gdn_chunk_size)))
     b = attrs.evolve(b, hardware=dev[0], hbm_bytes=dev[1])
     line = b.fit_line(fixes="set train.recompute: true (without skip_gdn_recompute on the torch GDN kernel), more "

@@ -1,5 +1,5 @@
 """The run config of ``q38 train`` (``RunConfig``: ``model``, ``init_from``, ``layout``, ``data``, ``train``, ``run``,
-``kernels``), read from YAML with ``--set`` overrides and checked up front."""
+``kernels``, ``peft``), read from YAML with ``--set`` overrides and checked up front."""
 
 import os
 from pathlib import Path
@@ -10,6 +10,7 @@ import attrs
 from q38.config import SPECS_DIR, ModelConfig
 from q38.errors import ConfigError, check_keys, need
 from q38.kernels import KernelConfig
+from q38.lora import PeftConfig
 from q38.train.config import TrainConfig
 from q38.train.profile import ProfileOptions
 from q38.typed_config import structure
@@ -151,6 +152,7 @@ class RunConfig:
     run: RunOptions
     source: str
     kernels: KernelConfig = KernelConfig()  # a run setting, not model identity (q38.kernels)
+    peft: PeftConfig | None = None  # LoRA (q38.lora; docs/finetuning.md#lora); None: a full fine-tune
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> "RunConfig":
@@ -172,7 +174,7 @@ class RunConfig:
         import difflib
 
         raw = dict(raw)
-        sections = ("model", "init_from", "layout", "data", "train", "run", "kernels")
+        sections = ("model", "init_from", "layout", "data", "train", "run", "kernels", "peft")
         for k, v in (overrides or {}).items():
             sec, _, key = k.partition(".")
             if not key:
@@ -189,7 +191,7 @@ class RunConfig:
                     f"{source}: unknown top-level key {k!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
                     + f"; valid sections: {', '.join(sections)}"
                 )
-        for sec in ("data", "train", "run", "kernels"):
+        for sec in ("data", "train", "run", "kernels", "peft"):
             if raw.get(sec) is not None and not isinstance(raw[sec], dict):
                 raise ConfigError(f"{source}: section {sec!r} must be a mapping, got {type(raw[sec]).__name__}")
         init_from = raw.get("init_from")
@@ -229,6 +231,7 @@ class RunConfig:
             model=model, model_source=str(model_src), init_from=init_from, layout=str(raw.get("layout", "single")),
             data=structure(DataConfig, data, "data"), train=train, run=structure(RunOptions, run, "run"),
             source=source, kernels=kernels,
+            peft=None if raw.get("peft") is None else PeftConfig.from_dict(dict(raw["peft"]), source=source),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -236,6 +239,7 @@ class RunConfig:
             "model": self.model_source, "init_from": self.init_from, "layout": self.layout,
             "data": attrs.asdict(self.data), "train": self.train.to_dict(), "run": attrs.asdict(self.run),
             "source": self.source, "kernels": self.kernels.to_dict(),
+            **({"peft": self.peft.to_dict()} if self.peft is not None else {}),
         }
 
 

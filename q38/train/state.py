@@ -10,8 +10,9 @@ from torch import Tensor
 
 from q38.config import ModelConfig
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
+from q38.lora import PeftConfig, trainable_mask, trainable_tree
 from q38.model import ModelParams, init_params
-from q38.pytree import named_leaves, tree_map
+from q38.pytree import named_leaves
 from q38.train.config import TrainConfig
 
 
@@ -22,7 +23,11 @@ class TrainState:
     leaves; ``kernels`` is the run's resolved ``KernelConfig`` (what the step's layers and loss run: a run setting,
     so the same state trains under any kernels).
     ``router_bias``: ``[moe layers, e]`` fp32 expert-selection bias of aux-loss-free balancing (``aux_loss_free``),
-    else None; train state, not a parameter (no gradient, replicated and identical on every rank, checkpointed)."""
+    else None; train state, not a parameter (no gradient, replicated and identical on every rank, checkpointed).
+    ``peft``: the LoRA setting of a LoRA run (``q38.lora``), else None. Then ``params`` holds adapted nodes (a frozen
+    base in the compute dtype plus fp32 adapter matrices) and the moments exist only for the adapter matrices (the
+    frozen leaves are None in ``exp_avg`` / ``exp_avg_sq``): the leaves that train are the leaves that have
+    moments (``trainable``)."""
 
     params: ModelParams
     exp_avg: ModelParams
@@ -32,6 +37,11 @@ class TrainState:
     train_config: TrainConfig
     router_bias: Tensor | None = None
     kernels: KernelConfig = attrs.field(default=DEFAULT_KERNELS, kw_only=True)
+    peft: PeftConfig | None = attrs.field(default=None, kw_only=True)
+
+    def trainable(self) -> list[bool]:
+        """Per parameter leaf (flatten order of ``params``): whether it trains (has a master, moments, a gradient)."""
+        return trainable_mask(self.params)
 
     @kernels.validator
     def _resolved(self, attribute, value: KernelConfig) -> None:
@@ -43,12 +53,13 @@ def _flatten(s: TrainState):
     # an absent router bias lives in the context (no None leaf), as pytree_node does for optional fields
     extra = [] if s.router_bias is None else [s.router_bias]
     return [s.params, s.exp_avg, s.exp_avg_sq, s.step, *extra], (s.model_config, s.train_config, bool(extra),
-                                                                  s.kernels)
+                                                                  s.kernels, s.peft)
 
 
 def _unflatten(children, ctx):
     bias = children[4] if ctx[2] else None
-    return TrainState(*children[:4], model_config=ctx[0], train_config=ctx[1], router_bias=bias, kernels=ctx[3])
+    return TrainState(*children[:4], model_config=ctx[0], train_config=ctx[1], router_bias=bias, kernels=ctx[3],
+                      peft=ctx[4])
 
 
 def _flatten_with_keys(s: TrainState):
@@ -72,17 +83,20 @@ def init_state(model_config: ModelConfig, train_config: TrainConfig, *, seed: in
 
 
 def state_from_params(params: ModelParams, model_config: ModelConfig, train_config: TrainConfig, *,
-                      kernels: KernelConfig = DEFAULT_KERNELS) -> TrainState:
+                      kernels: KernelConfig = DEFAULT_KERNELS, peft: PeftConfig | None = None) -> TrainState:
+    """The state of ``params`` at step 0: zero fp32 moments for every leaf that trains (all of them, or with
+    ``peft`` the adapter matrices of ``params``, built by ``q38.lora.add_adapters``)."""
     zeros = lambda p: torch.zeros_like(p, dtype=torch.float32)  # noqa: E731
     return TrainState(
         params=params,
-        exp_avg=tree_map(zeros, params),
-        exp_avg_sq=tree_map(zeros, params),
+        exp_avg=trainable_tree(params, zeros),
+        exp_avg_sq=trainable_tree(params, zeros),
         step=torch.zeros((), dtype=torch.int64),
         model_config=model_config,
         train_config=train_config,
         router_bias=initial_router_bias(model_config, train_config, params),
         kernels=kernels,
+        peft=peft,
     )
 
 
@@ -98,10 +112,11 @@ def initial_router_bias(model_config: ModelConfig, train_config: TrainConfig, pa
 
 
 def decay_mask(params: ModelParams, train_config: TrainConfig) -> list[bool]:
-    """Per leaf (flatten order): whether weight decay applies (not to paths matching ``no_decay`` patterns)."""
+    """Per trainable leaf (flatten order): whether weight decay applies (not to paths matching ``no_decay``
+    patterns)."""
     return [
         not any(fnmatch.fnmatchcase(name, pat) for pat in train_config.no_decay)
-        for name, _ in named_leaves(params)
+        for (name, _), trains in zip(named_leaves(params), trainable_mask(params)) if trains
     ]
 
 

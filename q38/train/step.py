@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
+from q38.lora import merge_adapters
 from q38.model import LayerHooks, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
 from q38.train.optim import adamw_step
@@ -123,7 +124,8 @@ def _as_step_batch(batch, depths: int) -> StepBatch:
 
 @attrs.frozen
 class Gradients(_Terms):
-    """``grads``: one tensor per parameter leaf (flatten order), summed over micro-batches (and, on a mesh, ranks);
+    """``grads``: one tensor per trained parameter leaf (flatten order; every leaf, or a LoRA run's adapter
+    matrices), summed over micro-batches (and, on a mesh, ranks);
     ``terms``: each objective term's value by name (reduced over ranks); ``router_load``: real tokens per expert and
     MoE layer in the step (reduced over ranks, router bias included in the routing)."""
 
@@ -150,12 +152,16 @@ def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
     ]
 
 
-def make_layer_hooks(runtime, tc, regions: KernelRegions | None = None) -> LayerHooks:
+def make_layer_hooks(runtime, tc, regions: KernelRegions | None = None, lora: bool = False) -> LayerHooks:
     """How the model runs on ``runtime`` (from ``step_runtime``): gathers in the policy's ``param_dtype``, recompute /
     offload / reshard-after-forward around each layer, EP dispatch, FSDP prefetch. ``regions``: the step's
-    ``KernelRegions`` (the layers' ``SeqInfo.region``), for selective recompute."""
+    ``KernelRegions`` (the layers' ``SeqInfo.region``), for selective recompute. ``lora``: the parameters hold LoRA
+    nodes, merged after each gather (``q38.lora.merge_adapters``)."""
+    gather = runtime.gather
+    if lora:
+        gather = lambda tree: merge_adapters(runtime.gather(tree))  # noqa: E731
     return LayerHooks(
-        gather=runtime.gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(runtime, tc), regions),
+        gather=gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(runtime, tc), regions),
         dispatch=runtime.dispatch,
         prefetch=runtime.prefetch if runtime.prefetch_enabled else None,
     )
@@ -180,11 +186,14 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     depths = mc.mtp_num_layers
     mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
     regions = KernelRegions()
-    hooks = make_layer_hooks(runtime, tc, regions)
+    hooks = make_layer_hooks(runtime, tc, regions, lora=state.peft is not None)
     bias = state.router_bias
 
+    # Only the leaves that train take part in autograd (a LoRA run's frozen base is gathered, never reduced).
     flat, spec = pytree.tree_flatten(state.params)
-    leaves = [t.detach().requires_grad_(True) for t in flat]
+    trains = state.trainable()
+    leaves = [t.detach().requires_grad_(m) for t, m in zip(flat, trains)]
+    trained = [t for t, m in zip(leaves, trains) if m]
     p = pytree.tree_unflatten(leaves, spec)
     runtime.bind(p, defer_reductions=True)  # gradients come from runtime.grad, which waits the reductions
 
@@ -198,7 +207,7 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     # Global normalisers and aux tables, known before the forwards (docs/objective.md#terms).
     ctx = step_context(mbs, runtime, mc, tc, count_routing)
 
-    grads = [None] * len(leaves)
+    grads = [None] * len(trained)
     sums = None  # {term name: Σ over micro-batches of this rank's partials}
     load = None  # [moe layers, e] real-token expert counts, for router metrics and the router-bias update
     for i, mb in enumerate(mbs):
@@ -206,13 +215,13 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
         routes = routing(out.router_logits, mc.num_experts_per_tok, bias)
         ti = TermInput(out, mb, i, routes, runtime.gather(head_weight(p)), ctx, runtime, mc, tc, state.kernels)
         values = {t.name: t.fn(ti) for t in terms}
-        g = runtime.grad(total(values, terms), leaves)
+        g = runtime.grad(total(values, terms), trained)
         grads = _accumulate(grads, g, tc.torch_reduce_dtype)
         values = pytree.tree_map(lambda v: v.detach(), values)
         sums = values if sums is None else pytree.tree_map(torch.add, sums, values)
         mb_load = expert_counts(routes, mb.real_mask)
         load = mb_load if load is None else load + mb_load
-    grads = [torch.zeros_like(t) if g is None else g.to(t.dtype) for t, g in zip(leaves, grads)]
+    grads = [torch.zeros_like(t) if g is None else g.to(t.dtype) for t, g in zip(trained, grads)]
 
     # One collective for every term and the router loads.
     names = [t.name for t in terms]
@@ -246,6 +255,7 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
         r = loss_and_grads(state, batch, mesh, terms)
     grads, loss, objective, grad_norm = r.grads, r.loss, r.objective, r.grad_norm
     flat, spec = pytree.tree_flatten(state.params)
+    trains = state.trainable()
     step = int(state.step) + 1
     lr = learning_rate(step, tc)
     finite = bool(torch.isfinite(objective)) and bool(torch.isfinite(grad_norm))  # waits for the device
@@ -264,12 +274,13 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
     if tc.grad_clip is not None:
         scale = torch.clamp(tc.grad_clip / (grad_norm + 1e-6), max=1.0)
     with record_function("q38.optimizer"):
-        new_p, new_m, new_v = _adamw(state, flat, grads, scale, lr, step)
+        new_p, new_m, new_v = _adamw(state, [t for t, m in zip(flat, trains) if m], grads, scale, lr, step)
+    updated = iter(new_p)
     new_state = attrs.evolve(
         state,
-        params=pytree.tree_unflatten(new_p, spec),
-        exp_avg=pytree.tree_unflatten(new_m, spec),
-        exp_avg_sq=pytree.tree_unflatten(new_v, spec),
+        params=pytree.tree_unflatten([next(updated) if m else t for t, m in zip(flat, trains)], spec),
+        exp_avg=pytree.tree_unflatten(new_m, pytree.tree_structure(state.exp_avg)),
+        exp_avg_sq=pytree.tree_unflatten(new_v, pytree.tree_structure(state.exp_avg_sq)),
         step=state.step + 1,
     )
     if state.router_bias is not None:
@@ -280,8 +291,9 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
 
 
 def _adamw(state: TrainState, flat: list[Tensor], grads: list[Tensor], scale, lr: float, step: int):
-    """Decoupled-weight-decay Adam in fp32 with torch's kernels (``q38.train.optim``); returns new lists (the
-    inputs are untouched)."""
+    """Decoupled-weight-decay Adam in fp32 with torch's kernels (``q38.train.optim``) over the trained leaves
+    ``flat`` (their moments are the leaves of ``exp_avg`` / ``exp_avg_sq``); returns new lists (the inputs are
+    untouched)."""
     tc = state.train_config
     return adamw_step(
         flat, grads, tree_leaves(state.exp_avg), tree_leaves(state.exp_avg_sq), decay_mask(state.params, tc),

@@ -162,11 +162,21 @@ def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo, track
         "mesh": plan.mesh_sizes,
         "world_size": world.world_size,
         "run_config": cfg.to_dict(),
+        **_peft_meta(cfg),
         "trackers": tracker_ids,  # each tracker's run id: a resume continues the same tracker runs
         "q38_version": q38.__version__,
         "torch_version": torch.__version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+
+
+def _peft_meta(cfg: RunConfig) -> dict:
+    """A LoRA run's ``peft`` entry: the setting and the reference to its base (``q38.train.peft``)."""
+    if cfg.peft is None:
+        return {}
+    from q38.train.peft import base_reference
+
+    return {"peft": dict(cfg.peft.to_dict(), base=base_reference(cfg.init_from, cfg.run.seed))}
 
 
 def _changes(meta: Mapping[str, Any], cfg: RunConfig, plan: RunPlan) -> list[str]:
@@ -221,6 +231,13 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                           "export would route by the plain top-k; set run.save_hf: false and export with "
                           "`q38 convert --to-hf --drop-router-bias` if that is what you want")
     cfg = _source_precision(cfg)
+    if cfg.run.save_hf and cfg.peft is not None:
+        raise ConfigError("run.save_hf with a peft section: a LoRA checkpoint holds adapters, not a model; set "
+                          "run.save_hf: false and export with `q38 convert CHECKPOINT --to-peft OUT` (the adapters) "
+                          "or `--to-hf OUT` (the merged model)")
+    from q38.lora import check_runnable
+
+    check_runnable(cfg.peft)
     torch.manual_seed(cfg.run.seed)
     data = _open_data(cfg)
     resume = _find_resume(cfg, lead)
@@ -339,11 +356,35 @@ def _build_state(cfg: RunConfig, resume: _Resume, mesh, device: str, plan: RunPl
     from q38.train.state import state_from_params
 
     dtype = torch.float32  # master weights (the mixed-precision policy computes in train.param_dtype)
+    if cfg.peft is not None:
+        return _build_lora_state(cfg, resume, mesh, device, plan, batches, lead)
     if resume.latest is None:
         return state_from_params(_initial_params(cfg, device, dtype, mesh), cfg.model, cfg.train,
                                  kernels=plan.kernels), 0  # the kernels the steps' layers run
     params = empty_params(cfg.model, device=device, dtype=dtype, mesh=mesh)
     state, meta = load_checkpoint(resume.latest, state_from_params(params, cfg.model, cfg.train, kernels=plan.kernels))
+    changes = _changes(meta, cfg, plan)
+    if changes and lead:
+        print(f"q38 train: note: settings changed since {resume.latest}: {'; '.join(changes)}", file=sys.stderr)
+    batches.load_state_dict(meta["data"]["iterator"])
+    return state, int(meta["step"])
+
+
+def _build_lora_state(cfg: RunConfig, resume: _Resume, mesh, device: str, plan: RunPlan, batches, lead: bool):
+    """A LoRA run's state: the base (``init_from``, or the seed's fresh init) read straight into the compute dtype,
+    adapters added; on resume, the adapters, their moments and the step loaded from the checkpoint, after checking
+    that it was trained on this base."""
+    from q38.train.checkpoint import load_checkpoint, read_meta
+    from q38.train.peft import base_reference, check_base, lora_state
+
+    if resume.latest is not None:  # before the base is read
+        check_base(read_meta(resume.latest), base_reference(cfg.init_from, cfg.run.seed), str(resume.latest))
+    base = _initial_params(cfg, device, cfg.train.torch_param_dtype, mesh)
+    state = lora_state(base, cfg.model, cfg.train, cfg.peft, seed=cfg.run.seed, mesh=mesh, device=device,
+                       kernels=plan.kernels, empty=resume.latest is not None)
+    if resume.latest is None:
+        return state, 0
+    state, meta = load_checkpoint(resume.latest, state)
     changes = _changes(meta, cfg, plan)
     if changes and lead:
         print(f"q38 train: note: settings changed since {resume.latest}: {'; '.join(changes)}", file=sys.stderr)

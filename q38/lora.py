@@ -1,0 +1,284 @@
+"""LoRA adapters (docs/finetuning.md#lora): the ``peft`` run setting, the adapter pytree nodes, their declarations
+and the merge that turns a (gathered) adapted weight into the weight the layers compute with.
+
+An adapted parameter is a node in place of the weight in the parameter tree: ``Lora(base, lora_a, lora_b)``
+(one adapter per matrix, or per routed expert: ``A [.., r, in]``, ``B [.., out, r]``) or ``SharedLora(base, shared_a,
+shared_b)`` (one adapter shared by every routed expert of a layer: ``A [r, in]``, ``B [out, r]``). The layers never
+see the node: the step's gather hook brings base and adapter into compute form (each sharded on its own logical
+axes) and :func:`merge_adapters` replaces the node by ``base + (alpha / r) · B @ A``. ``B`` starts at zero, so step 0
+is the base model exactly.
+
+Dims: ``e`` routed experts, ``r`` the LoRA rank; ``o`` / ``i`` a projection's output and input widths.
+"""
+
+import attrs
+import torch
+import torch.utils._pytree as pytree
+from jaxtyping import Float
+from torch import Tensor
+
+from q38.errors import ConfigError, check_keys, need
+from q38.layers.common import ParamInfo
+
+# q38's own parameter names that can carry an adapter (docs/finetuning.md#lora lists what each is)
+ATTENTION_TARGETS = ("w_q", "w_k", "w_v", "w_o")
+GDN_TARGETS = ("w_qkv", "w_z", "w_b", "w_a", "w_out")
+EXPERT_TARGETS = ("we_gate_up", "we_down")
+SHARED_EXPERT_TARGETS = ("ws_gate", "ws_up", "ws_down")
+ROUTER_TARGETS = ("w_router",)
+TARGETS = ATTENTION_TARGETS + GDN_TARGETS + EXPERT_TARGETS + SHARED_EXPERT_TARGETS + ROUTER_TARGETS
+DEFAULT_TARGETS = ATTENTION_TARGETS + GDN_TARGETS + EXPERT_TARGETS + SHARED_EXPERT_TARGETS  # router off
+EXPERT_MODES = ("per_expert", "shared")
+BASE_DTYPES = ("compute", "fp8")
+ADAPTER_KEYS = ("lora_a", "lora_b", "shared_a", "shared_b")
+
+
+def _targets(x) -> tuple[str, ...]:
+    if isinstance(x, str):
+        return (x,)
+    return tuple(x)
+
+
+@attrs.frozen(kw_only=True)
+class PeftConfig:
+    """The ``peft:`` section of a run config. ``rank`` / ``alpha``: the adapter's rank and scale ``alpha / rank``;
+    ``targets``: q38 parameter names (``TARGETS``); ``experts``: ``per_expert`` (an adapter per routed expert) or
+    ``shared`` (one per layer, shared by its experts); ``mtp``: adapt the MTP layers too; ``base_dtype``: how the
+    frozen base is stored (``compute``: the compute dtype, ``train.param_dtype``; ``fp8``: priced by ``q38 plan``
+    only, refused by the trainer)."""
+
+    method: str = "lora"
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=_targets)
+    experts: str = "per_expert"
+    mtp: bool = False
+    base_dtype: str = "compute"
+
+    def __attrs_post_init__(self) -> None:
+        need(self.method == "lora", f"peft.method must be lora (the only method q38 implements), got {self.method!r}")
+        need(isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank > 0,
+             f"peft.rank must be a positive integer, got {self.rank!r}")
+        need(isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and self.alpha > 0,
+             f"peft.alpha must be a positive number, got {self.alpha!r}")
+        need(self.dropout == 0, f"peft.dropout {self.dropout!r} is not implemented (adapters are merged into the "
+             "weight before each layer runs, so no per-token dropout of the adapter input); set peft.dropout: 0")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        need(not unknown, f"peft.targets: unknown parameter name(s) {unknown}; adaptable: {', '.join(TARGETS)}")
+        need(len(self.targets) > 0, "peft.targets is empty; name at least one parameter (e.g. w_q)")
+        need(self.experts in EXPERT_MODES, f"peft.experts must be one of {', '.join(EXPERT_MODES)}, got "
+             f"{self.experts!r}")
+        need(isinstance(self.mtp, bool), f"peft.mtp must be true or false, got {self.mtp!r}")
+        need(self.base_dtype in BASE_DTYPES, f"peft.base_dtype must be one of {', '.join(BASE_DTYPES)}, got "
+             f"{self.base_dtype!r}")
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / self.rank
+
+    @classmethod
+    def from_dict(cls, d, *, source: str = "peft") -> "PeftConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source}: section 'peft' must be a mapping, got {type(d).__name__}")
+        check_keys(d, [a.name for a in attrs.fields(cls)], f"unknown key(s) in section 'peft' of {source}")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        d = attrs.asdict(self)
+        d["targets"] = list(self.targets)
+        return d
+
+    def adapts(self, path: str) -> bool:
+        """Whether parameter ``path`` (``layers.3.mixer.w_q``) carries an adapter."""
+        if path.startswith("mtp.") and not self.mtp:
+            return False
+        return path.rsplit(".", 1)[-1] in self.targets and (".mixer." in path or ".moe." in path)
+
+
+def check_runnable(peft: "PeftConfig | None") -> None:
+    """What the trainer runs of a ``peft`` setting; ``base_dtype: fp8`` is a plan-only setting today."""
+    if peft is not None and peft.base_dtype != "compute":
+        raise ConfigError("peft.base_dtype: fp8 (a block-FP8 frozen base) is not implemented in the trainer yet; "
+                          "q38 plan prices it, a run needs peft.base_dtype: compute")
+
+
+# ---- the adapter nodes ---------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Lora:
+    """An adapted weight: frozen ``base`` ``[.., o, i]`` plus ``scale · lora_b @ lora_a`` (``lora_a [.., r, i]``,
+    ``lora_b [.., o, r]``; a leading expert dim when the base has one)."""
+
+    base: Tensor
+    lora_a: Tensor
+    lora_b: Tensor
+    scale: float = attrs.field(default=1.0, kw_only=True)
+
+
+@attrs.frozen
+class SharedLora:
+    """Routed experts ``base [e, o, i]`` plus one adapter for all of them: ``scale · shared_b @ shared_a``
+    (``shared_a [r, i]``, ``shared_b [o, r]``)."""
+
+    base: Tensor
+    shared_a: Tensor
+    shared_b: Tensor
+    scale: float = attrs.field(default=1.0, kw_only=True)
+
+
+def _register(cls, names: tuple[str, str, str]) -> None:
+    # the scale is static (the pytree context); a None base (a moments tree: the frozen base has no moments) is
+    # recorded in the context too, as q38.pytree does for optional fields
+    def flatten(n):
+        keep = tuple(k for k in names if getattr(n, k) is not None)
+        return [getattr(n, k) for k in keep], (n.scale, keep)
+
+    def unflatten(children, ctx):
+        values = dict.fromkeys(names)
+        values.update(zip(ctx[1], children))
+        return cls(**values, scale=ctx[0])
+
+    def flatten_with_keys(n):
+        children, ctx = flatten(n)
+        return [(pytree.GetAttrKey(k), c) for k, c in zip(ctx[1], children)], ctx
+
+    pytree.register_pytree_node(cls, flatten, unflatten, serialized_type_name=f"q38.lora.{cls.__name__}",
+                                flatten_with_keys_fn=flatten_with_keys)
+
+
+_register(Lora, ("base", "lora_a", "lora_b"))
+_register(SharedLora, ("base", "shared_a", "shared_b"))
+
+
+def is_adapted(x) -> bool:
+    return isinstance(x, (Lora, SharedLora))
+
+
+def is_adapter_path(path: str) -> bool:
+    """Whether a leaf path is an adapter matrix (the leaves a LoRA run trains)."""
+    return path.rsplit(".", 1)[-1] in ADAPTER_KEYS
+
+
+# ---- declarations --------------------------------------------------------------------------------------------------
+
+
+def adapter_info(base: ParamInfo, key: str, rank: int) -> ParamInfo:
+    """The declaration of adapter matrix ``key`` of a weight declared ``base`` ``[.., o, i]``: the same logical axes
+    as the base on the dims they share (an expert adapter is on the ``expert`` axis, so EP places it with its
+    experts), ``lora_rank`` (never sharded) on the rank dim; the FSDP role on ``i`` for A and ``o`` for B, except
+    the B of a skinny matrix (a 2-D base whose FSDP dim is ``i``: the router, the GDN ``b``/``a`` gates, whose ``o``
+    is a few heads or experts), which stays replicated over FSDP. ``A`` is drawn from ``N(0, 1/r)`` (PEFT's
+    ``gaussian`` init), ``B`` is zero."""
+    *lead, o, i = base.shape
+    *lead_ax, ao, ai = base.axes
+    if key.startswith("shared"):
+        lead, lead_ax = [], []
+    nl = len(lead)
+    if key.endswith("_a"):
+        return ParamInfo((*lead, rank, i), std=1.0 / rank, axes=(*lead_ax, "lora_rank", ai), fsdp_dim=nl + 1)
+    skinny = len(base.shape) == 2 and base.fsdp_dim == 1
+    return ParamInfo((*lead, o, rank), "zeros", axes=(*lead_ax, ao, "lora_rank"), fsdp_dim=None if skinny else nl)
+
+
+def split_path(path: str) -> tuple[str, str | None]:
+    """``layers.0.mixer.w_q.lora_a`` → (``layers.0.mixer.w_q``, ``lora_a``); a base leaf gives ``base``; any other
+    path (``None``)."""
+    head, _, last = path.rpartition(".")
+    if head and (last in ADAPTER_KEYS or last == "base"):
+        return head, last
+    return path, None
+
+
+# ---- building and merging ------------------------------------------------------------------------------------------
+
+
+def add_adapters(params, peft: PeftConfig, *, seed: int, make=None, base_dtype=None):
+    """``params`` (a ``ModelParams`` of tensors or DTensors) with every targeted weight replaced by its adapted node;
+    every frozen leaf cast to ``base_dtype`` (the compute dtype: the base is stored as the layers use it).
+    ``make(path, info)`` builds an adapter matrix (default: ``materialize`` on the base's device); on a mesh it builds
+    the rank's shard (``q38.parallel.mesh.build_adapter``). Values depend only on ``seed`` and the path."""
+    from q38.layers.common import materialize
+    from q38.model import declared_info
+    from q38.pytree import tree_map_with_path
+
+    def default_make(path, info, like):
+        return materialize(info, path, seed=seed, device=like.device, dtype=torch.float32)
+
+    make = make or default_make
+
+    def node(path, t):
+        base = t if base_dtype is None or not t.is_floating_point() else t.to(base_dtype)
+        if not peft.adapts(path):
+            return base
+        info = declared_info(path)
+        shared = info.axes[:1] == ("expert",) and peft.experts == "shared"
+        keys = ("shared_a", "shared_b") if shared else ("lora_a", "lora_b")
+        a, b = (make(f"{path}.{k}", adapter_info(info, k, peft.rank), t) for k in keys)
+        return (SharedLora if shared else Lora)(base, a, b, scale=peft.scale)
+
+    return tree_map_with_path(node, params)
+
+
+def delta(n: "Lora | SharedLora") -> Tensor:
+    """``scale · B @ A`` of a node in compute form (per expert for a per-expert adapter)."""
+    if isinstance(n, SharedLora):
+        return (n.shared_b @ n.shared_a) * n.scale
+    return torch.matmul(n.lora_b, n.lora_a) * n.scale
+
+
+def merge_weight(n: "Lora | SharedLora") -> Float[Tensor, "..."]:
+    """The weight a layer computes with: ``base + scale · B @ A``, in one fused op (``addmm`` / ``baddbmm``: no
+    separate ``[o, i]`` delta is materialised, only the merged weight; its gradient reaches A and B, never the
+    frozen base)."""
+    a, b = (n.shared_a, n.shared_b) if isinstance(n, SharedLora) else (n.lora_a, n.lora_b)
+    a, b = a.to(n.base.dtype), b.to(n.base.dtype)
+    if isinstance(n, SharedLora):
+        return torch.add(n.base, b @ a, alpha=n.scale)  # one [o, i] delta broadcast over the experts
+    if n.base.dim() == 2:
+        return torch.addmm(n.base, b, a, alpha=n.scale)
+    return torch.baddbmm(n.base, b, a, alpha=n.scale)
+
+
+def merge_adapters(tree):
+    """Every adapted node of ``tree`` (in compute form: gathered and cast) replaced by its merged weight; other leaves
+    pass through. The identity on a tree without adapters."""
+    return pytree.tree_map(lambda x: merge_weight(x) if is_adapted(x) else x, tree, is_leaf=is_adapted)
+
+
+def base_params(tree):
+    """``tree`` with every adapted node replaced by its frozen base (the model the adapters were trained on)."""
+    return pytree.tree_map(lambda x: x.base if is_adapted(x) else x, tree, is_leaf=is_adapted)
+
+
+def merged_params(tree):
+    """``tree`` with every adapted node replaced by its merged weight in fp32 (``base + scale · B @ A``): the model
+    a merged export writes."""
+    def m(x):
+        if not is_adapted(x):
+            return x
+        f = attrs.evolve(x, **{k: getattr(x, k).float() for k in attrs.fields_dict(type(x)) if k != "scale"})
+        return merge_weight(f)
+
+    return pytree.tree_map(m, tree, is_leaf=is_adapted)
+
+
+def trainable_mask(tree) -> list[bool]:
+    """Per leaf of ``tree`` (flatten order): whether it trains. Without adapters every leaf trains; with adapters
+    only the adapter matrices do."""
+    from q38.pytree import named_leaves
+
+    names = [p for p, _ in named_leaves(tree)]
+    if not any(is_adapter_path(p) for p in names):
+        return [True] * len(names)
+    return [is_adapter_path(p) for p in names]
+
+
+def trainable_tree(tree, fn):
+    """``tree`` with each trainable leaf mapped by ``fn`` and each frozen leaf dropped (``None``): the shape of a
+    LoRA run's optimizer moments."""
+    from q38.pytree import tree_map_with_path
+
+    train_all = all(trainable_mask(tree))
+    return tree_map_with_path(lambda p, x: fn(x) if train_all or is_adapter_path(p) else None, tree)

@@ -1,0 +1,151 @@
+"""What a LoRA run (``peft``: q38.lora) changes in the plan's budget: the frozen base costs its storage dtype and
+nothing else (no fp32 master, no moments, no gradient, no reduce-scatter), the adapters cost fp32 masters, AdamW
+moments and gradients on their own placements, and each targeted weight is merged in compute form before its layer
+runs (docs/plan.md#lora).
+
+``base_dtype: fp8`` prices a block-FP8 base (1 byte a value plus one fp32 scale per 128 × 128 block, gathered as
+FP8 and dequantized after the gather); the trainer does not run it yet.
+"""
+
+import attrs
+
+from q38.parallel.budget import Item, ParamStats, param_stats
+from q38.parallel.plan import local_numel_grid
+
+FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 value + its share of the block's fp32 scale
+
+
+@attrs.frozen(kw_only=True)
+class LoraStats:
+    """The parameter costs of a LoRA run on one mesh: ``all`` (base + adapters, what is gathered), ``base``,
+    ``adapters``; ``merged_total`` / ``merged_layer``: compute-form elements of the merged weights over all layers /
+    in the largest layer (fullest rank); ``base_bytes``: bytes per stored base value."""
+
+    all: ParamStats
+    base: ParamStats
+    adapters: ParamStats
+    merged_total: int
+    merged_layer: int
+    base_bytes: float
+    base_dtype: str
+
+
+def _layer_of(path: str) -> str:
+    parts = path.split(".")
+    for i in range(len(parts) - 1):
+        if parts[i] == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[: i + 2])
+    return path
+
+
+_CACHE: dict = {}
+
+
+def lora_stats(cfg, layout, mesh: dict, peft, placements, prefetch: bool, act: int) -> LoraStats:
+    """``placements``: the base model's (``layout.placements(abstract_params(cfg), mesh)``). Cached per placements
+    object (the search prices many batch and recompute settings on one)."""
+    key = (id(placements), tuple(mesh.items()), peft, prefetch, act)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] is placements:
+        return hit[1]
+    if len(_CACHE) > 64:
+        _CACHE.clear()
+    out = _lora_stats(cfg, layout, mesh, peft, placements, prefetch, act)
+    _CACHE[key] = (placements, out)
+    return out
+
+
+def _lora_stats(cfg, layout, mesh: dict, peft, placements, prefetch: bool, act: int) -> LoraStats:
+    from q38.lora import adapter_info
+    from q38.model import abstract_params, is_param_info
+    from q38.pytree import named_leaves
+
+    infos = {}
+    for path, info in named_leaves(abstract_params(cfg), is_leaf=is_param_info):
+        if info is None or not peft.adapts(path):
+            continue
+        shared = info.axes[:1] == ("expert",) and peft.experts == "shared"
+        for key in (("shared_a", "shared_b") if shared else ("lora_a", "lora_b")):
+            infos[f"{path}.{key}"] = adapter_info(info, key, peft.rank)
+    ad_pl = layout.placements_of_shapes(list(infos.items()), mesh)
+    sizes = list(mesh.values())
+    per_layer: dict[str, int] = {}
+    for path, pp in placements.items():
+        if peft.adapts(path):
+            n = int(local_numel_grid(pp.shape, pp.shard_dims(True), sizes).max())
+            per_layer[_layer_of(path)] = per_layer.get(_layer_of(path), 0) + n
+    base_bytes = FP8_BYTES if peft.base_dtype == "fp8" else act
+    return LoraStats(all=param_stats({**placements, **ad_pl}, mesh, prefetch),
+                     base=param_stats(placements, mesh, prefetch), adapters=param_stats(ad_pl, mesh, prefetch),
+                     merged_total=sum(per_layer.values()), merged_layer=max(per_layer.values(), default=0),
+                     base_bytes=base_bytes, base_dtype="fp8" if peft.base_dtype == "fp8" else f"{act * 8}-bit")
+
+
+def _base_item(ls: LoraStats) -> Item:
+    dt = "fp8 + per-block scales" if ls.base_dtype == "fp8" else "the compute dtype"
+    return Item("frozen base", ls.base.numel * ls.base_bytes,
+                f"LoRA base in {dt}, {ls.base.numel:,} params: no master, moments or gradient")
+
+
+def lora_memory(items: list[Item], ls: LoraStats, st) -> list[Item]:
+    """The forward/backward items of the full fine-tune (priced on ``ls.all``) turned into a LoRA run's."""
+    out = []
+    ad = ls.adapters.numel
+    for it in items:
+        if it.name == "master weights":
+            out += [_base_item(ls), Item("adapter master weights", ad * st.mst, f"{ad:,} adapter params, fp32")]
+        elif it.name == "optimizer moments":
+            out.append(Item("optimizer moments", ad * 8, "AdamW m and v of the adapters, fp32"))
+        elif it.name == "gradient accumulator":
+            out.append(Item("gradient accumulator", ad * st.red * 2, "adapters only"))
+        elif it.name == "compute-dtype copy of shards":
+            extra = ls.base.largest_layer_local * st.act if ls.base_dtype == "fp8" else 0
+            out.append(Item(it.name, ls.adapters.largest_layer_local * st.act + extra,
+                            "the layer's adapter shards cast" + (" + its base dequantized" if extra else ""),
+                            "layer"))
+        else:
+            out.append(it)
+    if st.recompute == "none":
+        out.append(Item("merged weights (held)", ls.merged_total * st.act,
+                        "base + B·A of every targeted weight, saved for its layer's backward (no recompute)"))
+    else:
+        out.append(Item("merged weights (transient)", ls.merged_layer * st.act,
+                        "base + B·A of the layer's targeted weights", "layer"))
+    return out
+
+
+def lora_optimizer(opt_items: list[Item], ls: LoraStats) -> list[Item]:
+    """The optimizer phase (priced on the adapters' elements) plus the frozen base, alive throughout."""
+    return [_base_item(ls), *opt_items]
+
+
+def lora_start(items: list[Item], ls: LoraStats, st) -> list[Item]:
+    out = []
+    for it in items:
+        if it.name == "master weights":
+            out += [_base_item(ls), Item("adapter master weights", ls.adapters.numel * st.mst)]
+        elif it.name == "optimizer moments":
+            out.append(Item("optimizer moments", ls.adapters.numel * 8))
+        else:
+            out.append(it)
+    return out
+
+
+def scaled_gathers(ls: LoraStats, act: int) -> ParamStats:
+    """``ls.all`` with the base's gathered elements weighted by its storage bytes over the compute dtype's (an FP8
+    base is gathered as FP8): what the gathers move, in compute-dtype elements."""
+    if ls.base_dtype != "fp8":
+        return ls.all
+    w = ls.base_bytes / act
+
+    def mix(key):
+        a, b = getattr(ls.adapters, key), getattr(ls.base, key)
+        return {g: a.get(g, 0.0) + b.get(g, 0.0) * w for g in {*a, *b}}
+
+    return attrs.evolve(ls.all, gather_group=mix("gather_group"), gather_prefetchable=mix("gather_prefetchable"),
+                        layer_gather=mix("layer_gather"), recompute_prefetchable=mix("recompute_prefetchable"))
+
+
+def optimizer_bytes(ls: LoraStats, st) -> float:
+    return ls.adapters.numel * (st.mst * 2 + st.red + 8 * 2)
+
