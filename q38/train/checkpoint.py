@@ -34,7 +34,7 @@ from q38.config import ModelConfig
 from q38.pytree import named_leaves, tree_map
 from q38.train import untrusted
 from q38.train.untrusted import (  # noqa: F401  (CheckpointMismatch, UnsafeCheckpoint: re-exported)
-    MAX_JSON_BYTES, SAVED_DTYPES, CheckpointMismatch, UnsafeCheckpoint, check_config_bounds, check_keys,
+    SAVED_DTYPES, CheckpointMismatch, UnsafeCheckpoint, check_config_bounds, check_keys,
     hashing_writer, inside, load_json,
     open_regular, safe_reader, sha256_file, streamed_hashes, tiles,
 )
@@ -63,9 +63,9 @@ def is_checkpoint(path: Path) -> bool:
 
 def write_manifest(ck_dir: Path) -> None:
     """``manifest.json``: every file under ``ck_dir`` with its size and SHA-256; a DCP shard file with the SHA-256 of
-    each stored chunk instead (``chunks``: {byte offset: [length, sha256]}, covering the file front to back). The shard files' hashes were computed
-    by the writer while it wrote them (``untrusted.hashing_writer``); only files without such a record (the small
-    ones: ``.metadata``, ``meta.json``, RNG states) are read here. Written last (fsynced), so a checkpoint with a
+    each stored chunk instead (``chunks``: {byte offset: [length, sha256]}, covering the file front to back). The
+    shard files' hashes were computed by the writer while it wrote them (``untrusted.hashing_writer``); only files
+    without such a record (the small ones: ``.metadata``, ``meta.json``, RNG states) are read here. Written last (fsynced), so a checkpoint with a
     manifest that verifies is complete."""
     streamed = streamed_hashes(ck_dir)
     files = {}

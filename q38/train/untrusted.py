@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import stat
+import struct
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator, Mapping
@@ -444,16 +445,10 @@ def unpickle_metadata(path: Path, what: str | None = None):
     except RecursionError:
         raise _refuse(where, "it nests deeper than checkpoint metadata does") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError,
-            struct_error(), MemoryError) as e:
+            struct.error, MemoryError) as e:
         raise CheckpointMismatch(f"{where}: unreadable checkpoint metadata ({type(e).__name__}: "
                                  f"{' '.join(str(e).split())[:200]}); the checkpoint is corrupt") from None
     return md
-
-
-def struct_error():
-    import struct
-
-    return struct.error
 
 
 # ---- DCP .metadata: the structure q38 writes ------------------------------------------------------------------------
@@ -625,9 +620,9 @@ class _HashingStream(io.RawIOBase):
 
 
 def hashing_writer(path: str | os.PathLike, **kw):
-    """DCP's ``FileSystemWriter`` whose shard files are hashed as they are written (the SHA-256 of each stored chunk;
-    together they cover the file). After its ``write_data`` each rank leaves ``__<rank>_sha256.json`` beside its shards; the
-    manifest (``write_manifest``) takes the hashes from there instead of reading the files again."""
+    """DCP's ``FileSystemWriter`` whose shard files are hashed as they are written (the SHA-256 of each stored
+    chunk; together they cover the file). After its ``write_data`` each rank leaves ``__<rank>_sha256.json`` beside
+    its shards; the manifest (``write_manifest``) takes the hashes from there instead of reading the files again."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
 
