@@ -34,7 +34,7 @@ from q38.config import ModelConfig
 from q38.pytree import named_leaves, tree_map
 from q38.train import untrusted
 from q38.train.untrusted import (  # noqa: F401  (CheckpointMismatch, UnsafeCheckpoint: re-exported)
-    MAX_JSON_BYTES, SAVED_DTYPES, CheckpointMismatch, UnsafeCheckpoint, check_config_bounds, check_keys,
+    SAVED_DTYPES, CheckpointMismatch, UnsafeCheckpoint, check_config_bounds, check_keys,
     hashing_writer, inside, load_json,
     open_regular, safe_reader, sha256_file, streamed_hashes, tiles,
 )
@@ -62,10 +62,10 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def write_manifest(ck_dir: Path) -> None:
-    """``manifest.json``: every file under ``ck_dir`` with its size and SHA-256, and for each DCP shard file the
-    SHA-256 of each stored chunk (``chunks``: {byte offset: [length, sha256]}). The shard files' hashes were computed
-    by the writer while it wrote them (``untrusted.hashing_writer``); only files without such a record (the small
-    ones: ``.metadata``, ``meta.json``, RNG states) are read here. Written last (fsynced), so a checkpoint with a
+    """``manifest.json``: every file under ``ck_dir`` with its size and SHA-256; a DCP shard file with the SHA-256 of
+    each stored chunk instead (``chunks``: {byte offset: [length, sha256]}, covering the file front to back). The
+    shard files' hashes were computed by the writer while it wrote them (``untrusted.hashing_writer``); only files
+    without such a record (the small ones: ``.metadata``, ``meta.json``, RNG states) are read here. Written last (fsynced), so a checkpoint with a
     manifest that verifies is complete."""
     streamed = streamed_hashes(ck_dir)
     files = {}
@@ -73,8 +73,8 @@ def write_manifest(ck_dir: Path) -> None:
         rel = f.relative_to(ck_dir).as_posix()
         size = f.stat().st_size
         got = streamed.get(rel)
-        if got is not None and got.get("size") == size:
-            files[rel] = got if tiles(got) else {"size": size, "sha256": got["sha256"]}
+        if got is not None and got.get("size") == size and tiles(got):
+            files[rel] = got
         elif size <= SMALL_FILE_BYTES or untrusted.HASHING:
             files[rel] = {"size": size, "sha256": sha256_file(f)}
         else:  # hashing switched off (benchmarks/checkpoint_io.py --hash-cost): sizes only, as before the hashes
@@ -594,6 +594,15 @@ def _scalar(t) -> int:
     return int(local.reshape(-1)[0].item()) if local.numel() else -1
 
 
+def check_saved_params(reader, model: ModelConfig, path) -> None:
+    """Before any tensor is allocated: the checkpoint's index (``reader``) holds every parameter of ``model`` with
+    its shape, and no tensor a q38 checkpoint of ``model`` never holds."""
+    from q38.model import init_params
+
+    want = {f"params.{n}": (tuple(t.shape), t.dtype) for n, t in named_leaves(init_params(model, device="meta"))}
+    check_keys(reader.read_metadata(), want, expected_keys(model), f"checkpoint {path}")
+
+
 def expected_keys(model: ModelConfig) -> set[str]:
     """Every tensor key a q38 checkpoint of ``model`` may hold: ``params.<leaf>``, the two AdamW moments of each,
     ``step`` and the router bias of ``aux_loss_free``."""
@@ -624,11 +633,8 @@ def load_params(path: str | os.PathLike, *, device=None, dtype=None, mesh=None) 
     meta = read_meta(path)
     cfg = ModelConfig.from_dict(meta["model_config"], source=f"{path}/{META_FILE}")
     saved = getattr(torch, meta.get("param_dtype", "float32"))
-    reader = checkpoint_reader(path)  # shapes from .metadata, checked against the config before any allocation
-    from q38.model import init_params
-
-    want = {f"params.{n}": (tuple(t.shape), saved) for n, t in named_leaves(init_params(cfg, device="meta"))}
-    check_keys(reader.read_metadata(), want, expected_keys(cfg), f"checkpoint {path}")
+    reader = checkpoint_reader(path)
+    check_saved_params(reader, cfg, path)
     params = empty_params(cfg, device=device, dtype=saved, mesh=mesh)
     sd = {f"params.{n}": t for n, t in named_leaves(params)}
     _dcp_load(sd, path, reader, model=cfg)

@@ -32,7 +32,8 @@ from q38.config import ConfigError, ModelConfig
 from q38.fp8 import FP8_DTYPE, Fp8Format, default_quantized
 from q38.hf import DEFAULT_MAX_SHARD_BYTES, HFReader, export_tmp_dir, fp8_dtypes, open_hf, plan_export, publish_export
 from q38.train.checkpoint import (
-    _barrier, _broadcast, _dcp_load, _dist, _fsync_dir, _rank, checkpoint_reader, read_meta, saved_tensors,
+    _barrier, _broadcast, _dcp_load, _dist, _fsync_dir, _rank, check_saved_params, checkpoint_reader, read_meta,
+    saved_tensors,
     shared_tmp_dir, write_checkpoint,
 )
 
@@ -211,6 +212,7 @@ def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=No
         meta = read_meta(ck)
         cfg = ModelConfig.from_dict(meta["model_config"], source=f"{ck}/meta.json")
         reader = checkpoint_reader(ck)
+        check_saved_params(reader, cfg, ck)  # the index agrees with meta.json's model before anything is allocated
         saved = saved_tensors(ck, reader)
         missing = [q for q in _param_names(cfg) if f"params.{q}" not in saved]
         if missing:

@@ -229,7 +229,8 @@ def _check_manifest_fields(m: Path, man: Mapping[str, Any], fix: str) -> None:
     total = 0
     for i, s in enumerate(shards):
         if not isinstance(s, dict) or not isinstance(s.get("name"), str) or not _SHARD_NAME.match(s["name"]):
-            raise bad(f"shard {i} has no plain file name (got {str(s.get('name') if isinstance(s, dict) else s)[:60]!r})")
+            got = str(s.get("name") if isinstance(s, dict) else s)[:60]
+            raise bad(f"shard {i} has no plain file name (got {got!r})")
         for k in ("tokens", "docs", "max_token_id"):
             if type(s.get(k)) is not int or s[k] < (-1 if k == "max_token_id" else 0):
                 raise bad(f"shard {s['name']}: {k} {str(s.get(k))[:20]!r} is not a count")

@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import stat
+import struct
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, Iterator, Mapping
@@ -444,16 +445,10 @@ def unpickle_metadata(path: Path, what: str | None = None):
     except RecursionError:
         raise _refuse(where, "it nests deeper than checkpoint metadata does") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError,
-            struct_error(), MemoryError) as e:
+            struct.error, MemoryError) as e:
         raise CheckpointMismatch(f"{where}: unreadable checkpoint metadata ({type(e).__name__}: "
                                  f"{' '.join(str(e).split())[:200]}); the checkpoint is corrupt") from None
     return md
-
-
-def struct_error():
-    import struct
-
-    return struct.error
 
 
 # ---- DCP .metadata: the structure q38 writes ------------------------------------------------------------------------
@@ -579,12 +574,12 @@ def check_keys(md: Any, expected: Mapping[str, tuple[tuple[int, ...], torch.dtyp
 
 
 class _HashingStream(io.RawIOBase):
-    """A write stream that hashes what passes through it: the whole file, and each span between two ``tell()``
-    calls (DCP's writer asks ``tell()`` before and after each item, so each span is one stored chunk)."""
+    """A write stream that hashes what passes through it, span by span: a span ends at each ``tell()`` call (DCP's
+    writer asks ``tell()`` before and after each item, so each span is one stored chunk). Each byte is hashed once;
+    the spans' hashes, covering the file front to back, are the file's hash."""
 
     def __init__(self, raw) -> None:
         self.raw = raw
-        self.file = hashlib.sha256()
         self.span = hashlib.sha256()
         self.pos = self.start = 0
         self.spans: dict[int, tuple[int, str]] = {}
@@ -595,7 +590,6 @@ class _HashingStream(io.RawIOBase):
     def write(self, b) -> int:
         n = self.raw.write(b)
         mv = memoryview(b).cast("B")[:n] if n is not None else memoryview(b)
-        self.file.update(mv)
         self.span.update(mv)
         self.pos += len(mv)
         return len(mv)
@@ -626,9 +620,9 @@ class _HashingStream(io.RawIOBase):
 
 
 def hashing_writer(path: str | os.PathLike, **kw):
-    """DCP's ``FileSystemWriter`` whose shard files are hashed as they are written (SHA-256 of each file and of each
-    stored chunk). After its ``write_data`` each rank leaves ``__<rank>_sha256.json`` beside its shards; the
-    manifest (``write_manifest``) takes the hashes from there instead of reading the files again."""
+    """DCP's ``FileSystemWriter`` whose shard files are hashed as they are written (the SHA-256 of each stored
+    chunk; together they cover the file). After its ``write_data`` each rank leaves ``__<rank>_sha256.json`` beside
+    its shards; the manifest (``write_manifest``) takes the hashes from there instead of reading the files again."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -664,7 +658,7 @@ def hashing_writer(path: str | os.PathLike, **kw):
                 s = self.fs.streams.get(info.relative_path)
                 if s is None:
                     continue
-                e = out.setdefault(info.relative_path, {"size": s.pos, "sha256": s.file.hexdigest(), "chunks": {}})
+                e = out.setdefault(info.relative_path, {"size": s.pos, "chunks": {}})
                 span = s.spans.get(info.offset)
                 if span is not None and span[0] == info.length:
                     e["chunks"][str(info.offset)] = [span[0], span[1]]
