@@ -605,10 +605,13 @@ def check_saved_params(reader, model: ModelConfig, path) -> None:
 
 def expected_keys(model: ModelConfig) -> set[str]:
     """Every tensor key a q38 checkpoint of ``model`` may hold: ``params.<leaf>``, the two AdamW moments of each,
-    ``step`` and the router bias of ``aux_loss_free``."""
+    ``step`` and the router bias of ``aux_loss_free``; for a LoRA run, a weight's frozen ``.base`` and its adapter
+    matrices (``q38.lora.ADAPTER_KEYS``) in place of the weight."""
+    from q38.lora import ADAPTER_KEYS
     from q38.model import init_params
 
     names = [n for n, _ in named_leaves(init_params(model, device="meta"))]
+    names += [f"{n}.{k}" for n in names for k in ("base", *ADAPTER_KEYS)]
     return {f"{p}.{n}" for p in ("params", "exp_avg", "exp_avg_sq") for n in names} | {"step", "router_bias"}
 
 
