@@ -298,7 +298,8 @@ def _init_hf(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="float32",
                    help="float32, bfloat16, float16, or fp8: block-FP8 projections (128x128 blocks with "
-                   "weight_scale_inv), the other tensors bf16 and train.fp32_params' defaults (A_log, the GDN norm) fp32")
+                   "weight_scale_inv), the other tensors bf16 and train.fp32_params' defaults (A_log, the GDN norm) "
+                   "fp32")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing non-empty OUT_DIR (never a run or checkpoint directory)")
     p.add_argument("out")

@@ -459,9 +459,9 @@ def load_hf(
     ``dtype``: cast every tensor (default: keep the stored dtypes; a block-FP8 weight is dequantized to fp32).
     ``mtp_num_layers``: override the config's MTP depth, e.g. ``0`` for a checkpoint written by transformers'
     ``save_pretrained`` (which drops ``mtp.*``); with an override, ``mtp.*`` keys beyond that depth are ignored.
-    ``mtp_shared_layer``: run ``mtp.layers.0`` at every depth (docs/model.md#multi-token-prediction-mtp). Raises ``CheckpointError`` naming every missing,
-    unexpected, wrongly shaped or non-float key. (Sharded: ``q38.train.hf_io.load_hf_sharded`` reads only a rank's
-    slices through the same ``HFReader``.)
+    ``mtp_shared_layer``: run ``mtp.layers.0`` at every depth (docs/model.md#multi-token-prediction-mtp). Raises
+    ``CheckpointError`` naming every missing, unexpected, wrongly shaped or non-float key. (Sharded:
+    ``q38.train.hf_io.load_hf_sharded`` reads only a rank's slices through the same ``HFReader``.)
     """
     src = open_hf(path, mtp_num_layers=mtp_num_layers, mtp_shared_layer=mtp_shared_layer)
     with HFReader(src, dtype=dtype, device=device) as reader:

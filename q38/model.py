@@ -24,8 +24,8 @@ from q38.pytree import named_leaves, pytree_node, tree_map_with_path
 @pytree_node
 @attrs.frozen
 class MTPParams:
-    """Multi-token prediction block (docs/model.md#multi-token-prediction-mtp): shared fc and norms, one decoder layer per
-    depth, or one layer for every depth (``ModelConfig.mtp_shared_layer``)."""
+    """Multi-token prediction block (docs/model.md#multi-token-prediction-mtp): shared fc and norms, one decoder layer
+    per depth, or one layer for every depth (``ModelConfig.mtp_shared_layer``)."""
 
     norm_emb: Tensor  # [d] pre_fc_norm_embedding
     norm_hidden: Tensor  # [d] pre_fc_norm_hidden
@@ -247,7 +247,8 @@ def forward(
                 fc,
             )
             bias = None if router_bias is None else router_bias[len(params.layers) + depth - 1]
-            before = mp.layers[mtp_layer_index(config, depth - 1)] if depth > 1 else params.layers[-1]  # recomputed next
+            # backward recomputes it next
+            before = mp.layers[mtp_layer_index(config, depth - 1)] if depth > 1 else params.layers[-1]
             h, rl = _run_layer(hooks, lp, h, config, info, bias, before)
             router_logits.append(rl)
             h_prev = rms_norm(h, norm, config.rms_norm_eps)

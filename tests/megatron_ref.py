@@ -41,7 +41,10 @@ def fetch() -> Path:
     d.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
            "--platform", "manylinux_2_28_x86_64", "-d", str(d), "-q", f"megatron-core=={VERSION}"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"could not download megatron-core=={VERSION} from PyPI ({e})") from None
     wheels = sorted(d.glob(f"megatron_core-{VERSION}-*.whl"))
     if r.returncode or not wheels:
         raise RuntimeError(f"could not download megatron-core=={VERSION} from PyPI ({' '.join(cmd)}: "

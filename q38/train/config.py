@@ -19,7 +19,8 @@ EP_DISPATCHES = ("flat", "hierarchical")
 # mixed precision (docs/parallel.md#mixed-precision): master weights and AdamW moments are always fp32
 PRECISION_DTYPES = ("float32", "bfloat16")
 # Leaves that stay fp32 in compute under a 16-bit param_dtype (never rounded by the gather): the GDN decay A_log and
-# the GDN gated-norm weight, the two leaves released Qwen3.5 checkpoints store in fp32 (docs/parallel.md#mixed-precision)
+# the GDN gated-norm weight, the two leaves released Qwen3.5 checkpoints store in fp32
+# (docs/parallel.md#mixed-precision)
 DEFAULT_FP32_PARAMS = ("*.mixer.A_log", "*.mixer.norm_w")
 DEFAULT_NO_DECAY = (
     "*norm*", "*.dt_bias", "*.A_log", "*.w_shared_gate", "*.w_router",  # norms, gates, biases

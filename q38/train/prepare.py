@@ -54,10 +54,12 @@ def expand_inputs(inputs: Sequence[str], split: str | None = None) -> list[tuple
     from q38.train.readers import hf_dataset_files, is_hf_dataset_dir
 
     out: list[tuple[Path, str]] = []
+    hf_dirs = 0
     for spec in inputs:
         p = resolve_data_path(spec)
         if is_hf_dataset_dir(p):
             out += [(f.resolve(), "arrow") for f in hf_dataset_files(p, split)]
+            hf_dirs += 1
         elif p.is_dir():
             files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in SUFFIXES)
             if not files:
@@ -71,6 +73,8 @@ def expand_inputs(inputs: Sequence[str], split: str | None = None) -> list[tuple
                             f"directory of them or a Hugging Face save_to_disk directory")
     if not out:
         raise DataError("no inputs; pass one or more JSONL / Parquet files or directories")
+    if split is not None and not hf_dirs:
+        raise DataError(f"--split {split} given but no input is a Hugging Face dataset directory; drop --split")
     return out
 
 
