@@ -34,6 +34,7 @@ cuda)
     step_size=(--hidden 2048 --layers 8 --experts 64 --top-k 8 --batch 2 --seq 4096 --steps 5)
     plan_size=(--hardware h200 --repeats 5)
     plan_gdn=fla
+    eff_size=()
     bf16_steps=50
     test_device=cuda
     ;;
@@ -46,6 +47,7 @@ cpu)
     step_size=(--hidden 64 --layers 4 --experts 4 --top-k 2 --batch 1 --seq 128 --steps 2)
     plan_size=(--hardware h200 --repeats 1 --seq 128 --batch 1 --hidden 64 --layers 4 --experts 4 --top-k 2)
     plan_gdn=torch
+    eff_size=(--small --repeats 1)
     bf16_steps=3
     test_device=cpu
     ;;
@@ -89,6 +91,14 @@ fi
 # whole train_step, tokens/s + MFU (bf16, hidden 2048, 8 layers, 64 experts top-8, 2 × 4096): torch GDN, FLA GDN where
 # the kernel registry allows it (FLA >= 0.5.2 with Triton >= 3.7.1 or TileLang), transformers
 step train_step 100 python3 benchmarks/train_step.py "${dev[@]}" "${step_size[@]}"
+# measured kernel efficiencies, one JSON line per (op, kernel) in OUT_DIR/efficiencies.jsonl (the form q38 plan
+# --efficiencies reads; benchmarks/README.md#measured-kernel-efficiencies): matmul, experts, masked SDPA / eager
+# attention, the torch GDN core, the chunked loss. Other cases append their own lines to the same file.
+eff="$out/efficiencies.jsonl"
+step efficiency 90 python3 benchmarks/efficiency.py "${dev[@]}" "${eff_size[@]}" --out "$eff"
+# the production layout's plan with what was measured over the profile's assumptions (per-op table, MFU)
+step plan_measured 30 python3 -m q38.cli plan --model qwen3_8_2_4t --layout qwen3_8_2_4t --world 1024 \
+    --hardware h200 --efficiencies "$eff"
 # q38 plan: predicted vs measured one-GPU step time and peak memory (issue 13)
 step plan_step 45 python3 benchmarks/plan_step.py "${dev[@]}" "${plan_size[@]}" --gdn "$plan_gdn"
 step plan_step_recompute 45 python3 benchmarks/plan_step.py "${dev[@]}" "${plan_size[@]}" --gdn "$plan_gdn" --recompute

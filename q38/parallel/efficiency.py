@@ -183,10 +183,10 @@ def measured_line(op: str, impl: str, *, device: str, command: str, tflops: floa
     """One line of the measured-efficiency file (what a benchmark prints; ``read_measured`` reads it)."""
     d: dict[str, Any] = {"op": op, "impl": impl}
     if tflops is not None:
-        d["tflops"] = round(float(tflops), 3)
+        d["tflops"] = float(f"{float(tflops):.4g}")
         d["dtype"] = dtype
     else:
-        d["efficiency"] = round(float(efficiency), 4)
+        d["efficiency"] = float(f"{float(efficiency):.4g}")
     d.update(device=device, command=command, date=datetime.date.today().isoformat())
     return json.dumps(d)
 
