@@ -18,6 +18,7 @@ the same run (the FLA line repeats its numbers as ``ref_tflops``). Never asserte
 
 import argparse
 import json
+import sys
 import statistics
 import time
 
@@ -101,7 +102,8 @@ def main():
         for impl, sec in results.items():
             line = {"op": "gdn", "impl": impl, "layout": layout, "tflops": round(useful / sec / 1e12, 6),
                     "ref": "torch", "seconds": round(sec, 6), "device": dev, "dtype": args.dtype, "batch": b,
-                    "seq": s, "docs": args.docs, "heads": h, "key_heads": hk, "head_dim": a}
+                    "seq": s, "docs": args.docs, "heads": h, "key_heads": hk, "head_dim": a,
+                    "command": "python benchmarks/gdn_layouts.py " + " ".join(sys.argv[1:])}
             if "torch" in results:
                 line["ref_tflops"] = round(useful / results["torch"] / 1e12, 6)
                 line["speedup_vs_ref"] = round(results["torch"] / sec, 3)

@@ -34,6 +34,7 @@ cuda)
     step_size=(--hidden 2048 --layers 8 --experts 64 --top-k 8 --batch 2 --seq 4096 --steps 5)
     plan_size=(--hardware h200 --repeats 5)
     plan_gdn=fla
+    eff_size=()
     bf16_steps=50
     test_device=cuda
     # one 16384-token row of 8 documents, 16 query / 1 kv heads × 256 (the production head shape, a quarter of its heads)
@@ -49,6 +50,7 @@ cpu)
     step_size=(--hidden 64 --layers 4 --experts 4 --top-k 2 --batch 1 --seq 128 --steps 2)
     plan_size=(--hardware h200 --repeats 1 --seq 128 --batch 1 --hidden 64 --layers 4 --experts 4 --top-k 2)
     plan_gdn=torch
+    eff_size=(--small --repeats 1)
     bf16_steps=3
     test_device=cpu
     # flex compiles for minutes on CPU and has no backward there: the SDPA variants only, to check the script
@@ -93,9 +95,9 @@ else
     cuda_only model_fla_gdn "kernels.gdn: fla runs on CUDA only"
 fi
 # attention on packed rows, fwd+bwd: flex (block mask) vs SDPA with the dense document mask, SDPA causal (one document
-# per row: the flash bound) and varlen; appends the measured TFLOP/s per kernel to efficiency.jsonl (the hardware
+# per row: the flash bound) and varlen; appends the measured TFLOP/s per kernel to efficiencies.jsonl (the hardware
 # profile's form: {"op": "attention", "impl": ..., "layout": ..., "tflops": ..., "ref": "sdpa", ...})
-step attention 120 python3 benchmarks/attention.py "${attn_size[@]}" --backward --json "$out/efficiency.jsonl"
+step attention 120 python3 benchmarks/attention.py "${attn_size[@]}" --backward --json "$out/efficiencies.jsonl"
 # the GDN core as a run calls it, FLA vs torch, on packed rows (cu_seqlens) and on one CP rank's shard (the exact
 # state carry's augmented form, collectives replaced in-process): one JSON line per (layout, impl) with the useful
 # TFLOP/s ({"op": "gdn", "impl": ..., "layout": ..., "tflops": ..., "ref": "torch", ...}), for the hardware profile
@@ -112,9 +114,18 @@ else
         --key-heads 1 --head-dim 32 --repeats 1 --impls torch
     cuda_only compile_block "compiling takes minutes on this CPU (benchmarks/compile.py measures it here, README)"
 fi
+grep -h '"tflops"' "$out/gdn_layouts.txt" >> "$out/efficiencies.jsonl" || true  # the GDN lines, for q38 plan
 # whole train_step, tokens/s + MFU (bf16, hidden 2048, 8 layers, 64 experts top-8, 2 × 4096): torch GDN, FLA GDN where
 # the kernel registry allows it (FLA >= 0.5.2 with Triton >= 3.7.1 or TileLang), transformers
 step train_step 100 python3 benchmarks/train_step.py "${dev[@]}" "${step_size[@]}"
+# measured kernel efficiencies, one JSON line per (op, kernel) in OUT_DIR/efficiencies.jsonl (the form q38 plan
+# --efficiencies reads; benchmarks/README.md#measured-kernel-efficiencies): matmul, experts, masked SDPA / eager
+# attention, the torch GDN core, the chunked loss. Other cases append their own lines to the same file.
+eff="$out/efficiencies.jsonl"
+step efficiency 90 python3 benchmarks/efficiency.py "${dev[@]}" "${eff_size[@]}" --out "$eff"
+# the production layout's plan with what was measured over the profile's assumptions (per-op table, MFU)
+step plan_measured 30 python3 -m q38.cli plan --model qwen3_8_2_4t --layout qwen3_8_2_4t --world 1024 \
+    --hardware h200 --efficiencies "$eff"
 # q38 plan: predicted vs measured one-GPU step time and peak memory (issue 13)
 step plan_step 45 python3 benchmarks/plan_step.py "${dev[@]}" "${plan_size[@]}" --gdn "$plan_gdn"
 step plan_step_recompute 45 python3 benchmarks/plan_step.py "${dev[@]}" "${plan_size[@]}" --gdn "$plan_gdn" --recompute

@@ -104,6 +104,10 @@ def _add_budget_args(ap) -> None:
     ap.add_argument("--gdn-kernel", choices=("fla", "torch"), help="GDN implementation to plan activations for "
                                                                    "(default: the run config's kernels.gdn when it "
                                                                    "names one, else torch)")
+    ap.add_argument("--doc-len", type=positive_int, help="tokens per document in packed rows, what block-sparse and "
+                    "per-document attention kernels skip (default 2048; docs/plan.md)")
+    ap.add_argument("--efficiencies", help="JSON-lines file of measured kernel efficiencies (benchmarks/gpu.sh "
+                    "writes it) over the --hardware profile's")
     ap.add_argument("--search", action="store_true", help="search layouts for --world ranks of --hardware")
     ap.add_argument("--memory-cap", type=positive_float,
                     help="GiB per device (default: 90%% of the hardware's HBM)")
@@ -120,7 +124,7 @@ def _add_budget_args(ap) -> None:
 
 
 BUDGET_ARGS = ("hardware", "train", "seq_len", "global_batch", "micro_batches", "recompute", "param_dtype",
-               "gdn_kernel", "search", "lora_rank", "lora_base_dtype")  # any of them set: q38 plan prints the budget (or the search) after the plan
+               "gdn_kernel", "search", "lora_rank", "lora_base_dtype", "doc_len", "efficiencies")  # any of them set: q38 plan prints the budget (or the search) after the plan
 
 
 def plan_cli(args: list[str]) -> int:
@@ -150,7 +154,7 @@ def plan_cli(args: list[str]) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     check_file_args(("--model", ns.model, False), ("--layout", ns.layout, False), ("--train", ns.train, True),
-                    ("--hardware", ns.hardware, False))
+                    ("--hardware", ns.hardware, False), ("--efficiencies", ns.efficiencies, True))
     if not ns.search:  # options only the search reads would be ignored
         for opt, v in (("--memory-cap", ns.memory_cap), ("--overwrite", ns.overwrite),
                        ("--fewest-ranks", ns.fewest_ranks)):
@@ -161,7 +165,7 @@ def plan_cli(args: list[str]) -> int:
                         recompute=ns.recompute, param_dtype=ns.param_dtype, reduce_dtype=ns.reduce_dtype,
                         gdn_kernel=ns.gdn_kernel, search=ns.search, memory_cap=ns.memory_cap, out=ns.out,
                         overwrite=ns.overwrite, lora_rank=ns.lora_rank, lora_base_dtype=ns.lora_base_dtype,
-                        fewest_ranks=ns.fewest_ranks)
+                        fewest_ranks=ns.fewest_ranks, doc_len=ns.doc_len, efficiencies=ns.efficiencies)
     try:
         with reading("--model", ns.model):
             cfg = ModelConfig.load(ns.model)

@@ -37,6 +37,10 @@ class StepFlops:
     recompute: float  # extra forward of recomputed layers
     aux_forward: float  # extra no-grad forward for the global-batch aux loss
     tokens: int
+    # ``recompute`` and ``aux_forward`` by term (``dense``, ``experts``, ``attention``, ``gdn_core``): what each op's
+    # kernel runs beyond the model FLOPs (q38 plan prices every op at its own kernel's efficiency)
+    recompute_terms: dict = attrs.field(factory=dict, eq=False)
+    aux_terms: dict = attrs.field(factory=dict, eq=False)
 
     @property
     def model(self) -> float:
@@ -45,6 +49,10 @@ class StepFlops:
     @property
     def executed(self) -> float:
         return self.model + self.recompute + self.aux_forward
+
+    def executed_term(self, term: str) -> float:
+        """Executed FLOPs of one term: its model FLOPs, its recompute and its share of the aux forward."""
+        return getattr(self, term) + self.recompute_terms.get(term, 0.0) + self.aux_terms.get(term, 0.0)
 
 
 def _layer_forward(cfg: ModelConfig, kind: MixerKind, w: Workload) -> tuple[dict[str, float], MixerFlops]:
@@ -75,18 +83,24 @@ def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute:
     kinds = layer_kinds(cfg)
     fwd = {"dense": 0.0, "experts": 0.0, "attention": 0.0, "gdn_core": 0.0, "solve": 0.0}
     recomputed = 0.0
+    rec = {"dense": 0.0, "experts": 0.0, "attention": 0.0, "gdn_core": 0.0}
     keep = kept_regions(recompute)
     for kind in kinds:
         lf, mixer = _layer_forward(cfg, kind, w)
         if mixer.backward is not None:
             # a kernel whose backward rebuilds its factors instead of saving them (q38's GDN core): what it executes
             # beyond the model's 2 × forward is counted like activation recompute
-            recomputed += mixer.backward - 2 * sum(lf[key] for key in mixer.kernel)
+            extra = mixer.backward - 2 * sum(lf[key] for key in mixer.kernel)
+            recomputed += extra
+            rec[_TERM[mixer.kernel[0]]] += extra
         for key, v in lf.items():
             fwd[key] += v
         if recompute != "none":
             kept = sum(lf[key] for key in mixer.kernel) if kind.region in keep else 0.0
             recomputed += sum(lf.values()) - kept
+            for key, v in lf.items():
+                if not (kind.region in keep and key in mixer.kernel):
+                    rec[_TERM[key]] += v
     d, v = cfg.hidden_size, cfg.vocab_size
     fwd["dense"] += cfg.mtp_num_layers * 2 * tokens * 2 * d * d  # MTP fc
     if valid_targets is None:
@@ -95,6 +109,11 @@ def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute:
                               for depth in range(cfg.mtp_num_layers + 1))
     head_fwd = sum(2 * n * d * v for n in valid_targets)
     model_fwd_no_head = fwd["dense"] + fwd["experts"] + fwd["attention"] + fwd["gdn_core"] + fwd["solve"]
+    aux = aux_global and micro_batches > 1
+    aux_terms = {t: 0.0 for t in rec}
+    if aux:
+        for key, v in fwd.items():
+            aux_terms[_TERM[key]] += v
     return StepFlops(
         dense=3 * fwd["dense"],
         experts=3 * fwd["experts"],
@@ -102,9 +121,14 @@ def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute:
         gdn_core=3 * (fwd["gdn_core"] + fwd["solve"]),
         head=4 * head_fwd,
         recompute=recomputed,
-        aux_forward=model_fwd_no_head if (aux_global and micro_batches > 1) else 0.0,
+        aux_forward=model_fwd_no_head if aux else 0.0,
         tokens=tokens,
+        recompute_terms=rec,
+        aux_terms=aux_terms,
     )
+
+
+_TERM = {"dense": "dense", "experts": "experts", "attention": "attention", "gdn_core": "gdn_core", "solve": "gdn_core"}
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -337,15 +337,18 @@ def _cuda_capability() -> tuple[int, int] | None:
 
 
 def _unsupported(
-    op: str, name: str, impl: KernelImpl, device: str, cp: bool, packed: bool, train: bool, dtype: str | None = None
+    op: str, name: str, impl: KernelImpl, device: str, cp: bool, packed: bool, train: bool, dtype: str | None = None,
+    environment: bool = True,
 ) -> str | None:
-    """Why ``impl`` cannot serve this run (None if it can)."""
+    """Why ``impl`` cannot serve this run (None if it can). ``environment`` False: what this machine has installed
+    (packages, the GPU's capability) is not asked, only what the implementation supports; one not wired into q38
+    (``fn`` None) still cannot serve."""
     if device not in impl.devices:
         return f"runs on {'/'.join(impl.devices)} only, not on {device!r}"
     allowed = impl.dtypes.get(device)
     if dtype is not None and allowed is not None and dtype not in allowed:
         return f"takes {'/'.join(allowed)} on {device}, not {dtype} (train.param_dtype)"
-    if device == "cuda" and impl.min_capability is not None:
+    if device == "cuda" and impl.min_capability is not None and environment:
         cap = _cuda_capability()
         if cap is not None and cap < impl.min_capability:
             return f"needs CUDA compute capability >= {impl.min_capability}, this GPU has {cap}"
@@ -357,6 +360,8 @@ def _unsupported(
         return "has no backward (cannot train)"
     if train and device in impl.no_backward:
         return impl.no_backward[device] + " (cannot train)"
+    if not environment and impl.fn is not None:
+        return None
     return impl.problem()
 
 
@@ -367,13 +372,14 @@ def _auto_ok(impl: KernelImpl, device: str, cp: bool, packed: bool) -> bool:
 
 def resolve_kernels(
     kc: KernelConfig | None, *, device: str = "cpu", cp: bool = False, packed: bool = True, train: bool = True,
-    dtype: str | None = None, model: ModelConfig | None = None,
+    dtype: str | None = None, model: ModelConfig | None = None, environment: bool = True,
 ) -> KernelConfig:
     """Every op's implementation for this run: explicit choices are checked (one ``ConfigError`` naming the op, the
     implementation, what it lacks and the fix); ``auto`` takes the first implementation in registry order that
     supports the run. ``packed``: rows may hold several documents (the default: the data pipeline packs).
     ``dtype``: the compute dtype (``train.param_dtype``; None: not checked). ``model`` (a ``ModelConfig``, or None):
-    its GDN head dims pick the ``auto`` chunk length (``auto_gdn_chunk``)."""
+    its GDN head dims pick the ``auto`` chunk length (``auto_gdn_chunk``). ``environment`` False: resolve for a
+    machine that has every optional package installed (``q38 plan`` for a hardware profile), not this one."""
     kc = kc or KernelConfig()
     dev = str(device).split(":")[0]
     out: dict[str, str | int] = {}
@@ -382,7 +388,7 @@ def resolve_kernels(
     for op in OPS:
         want = getattr(kc, op)
         impls = REGISTRY[op]
-        whys = {n: _unsupported(op, n, i, dev, cp, packed, train, dtype) for n, i in impls.items()}
+        whys = {n: _unsupported(op, n, i, dev, cp, packed, train, dtype, environment) for n, i in impls.items()}
         pick = next((n for n, i in impls.items() if _auto_ok(i, dev, cp, packed) and whys[n] is None), None)
         if pick is None:
             raise ConfigError(f"kernels.{op}: no implementation serves this run on device {dev!r} ("

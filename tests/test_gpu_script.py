@@ -47,11 +47,19 @@ def test_every_step_of_the_device_script_runs_in_its_cpu_dry_run(tmp_path):
         "bf16_train.txt": ["| step | cpu fp32 loss | cpu bf16 loss |", "| 1 | "],
         "attention.txt": ["variant", "sdpa-causal"],
         "efficiency.jsonl": ['{"op": "attention", "impl": "sdpa", "layout": "packed"'],
+        "efficiency.txt": ["TFLOP/s", "appended"],
+        "plan_measured.txt": ["compute per op on h200", "measured "],
     }
     for name, needles in expect.items():
         text = (out / name).read_text()
         for needle in needles:
             assert needle in text, f"{name} lacks {needle!r}:\n{text[-2000:]}"
+    # every measured line is one the plan reads (op, kernel and a TFLOP/s figure against the profile's peak)
+    from q38.parallel.budget import Hardware
+    from q38.parallel.efficiency import read_measured
+
+    got = {(e.op, e.impl) for e in read_measured(out / "efficiencies.jsonl", Hardware.load("h200").peak)}
+    assert {("matmul", "torch"), ("attention", "sdpa"), ("gdn", "torch"), ("loss", "torch")} <= got, got
 
 
 def test_the_device_run_without_its_wheels_stops_at_once_and_says_how_to_fetch_them(tmp_path):

@@ -104,14 +104,15 @@ def test_prefetch_overlap_follows_the_runtime_rule():
 
 def test_plan_takes_the_gdn_kernel_and_chunk_from_the_run_config(tmp_path, capsys, monkeypatch):
     """``kernels.gdn`` / ``kernels.gdn_chunk_size`` of ``--train`` reach the budget; ``auto`` resolves as the run
-    would (a hardware profile: the accelerator chunk; none: the CPU's); ``--gdn-kernel`` overrides ``kernels.gdn``."""
+    would (a hardware profile: the accelerator chunk and the kernels ``resolve_kernels`` picks on its device, here
+    FLA without CP; none: the CPU's chunk); ``--gdn-kernel`` overrides ``kernels.gdn``."""
     import q38.parallel.search as S
 
     seen = []
     real = S.estimate
     monkeypatch.setattr(S, "estimate", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     outs = {}
-    for name, kernels in (("auto", None), ("c16", {"gdn_chunk_size": 16}), ("fla", {"gdn": "fla"})):
+    for name, kernels in (("auto", None), ("c16", {"gdn": "torch", "gdn_chunk_size": 16}), ("fla", {"gdn": "fla"})):
         path = tmp_path / f"{name}.yaml"
         path.write_text(yaml.safe_dump({"kernels": kernels} if kernels else {}))
         for hw in ([], ["--hardware", "h200"]):
@@ -119,7 +120,9 @@ def test_plan_takes_the_gdn_kernel_and_chunk_from_the_run_config(tmp_path, capsy
             outs[name, bool(hw)] = capsys.readouterr().out
     got = [(kw["gdn_chunk"], kw["gdn_kernel"]) for kw in seen]
     # tiny's GDN head dims are 16: auto is 32 on the CPU, 64 on an accelerator
-    assert got == [(32, False), (64, False), (16, False), (16, False), (32, True), (64, True)], got
+    # per config: no hardware, then h200 (auto resolves to FLA on CUDA, no CP here) and its torch fallbacks' budget
+    assert got == [(32, False), (64, True), (64, False), (16, False), (16, False), (16, False), (32, True), (64, True),
+                   (64, False)], got
     assert outs["auto", False] != outs["c16", False]  # the chunk changes the GDN core's predicted working set
     assert plan_cli(["--layout", "fsdp", "--world", "2", *TINY, "--train", str(tmp_path / "fla.yaml"),
                      "--gdn-kernel", "torch"]) == 0

@@ -48,6 +48,7 @@ from q38.kernels import GDN_CHUNK
 from q38.layers.kinds import MIXER_KINDS, RECOMPUTE_MODES, Workload, kept_regions, layer_kinds
 from q38.parallel.layout import Layout
 from q38.parallel.links import LinkModel, Topology
+from q38.parallel.efficiency import DEFAULT_DOC_LEN, Efficiency, OpTime, attention_factor, parse_table
 from q38.parallel.plan import local_numel_grid
 
 GIB = 2**30
@@ -80,18 +81,22 @@ MEMORY_HEADROOM = 0.9
 
 @attrs.frozen(kw_only=True)
 class Hardware:
-    """One accelerator kind (``specs/hardware/<name>.yaml``)."""
+    """One accelerator kind (``specs/hardware/<name>.yaml``). ``efficiency``: what each (op, kernel) reaches
+    (``q38.parallel.efficiency``); ``achievable_fraction`` prices an (op, kernel) the table does not list.
+    ``device``: the torch device type the kernels are resolved for (``cuda``, ``npu``)."""
 
     name: str
     peak_bf16_flops: float  # dense, per device
     peak_fp32_flops: float
-    achievable_fraction: float  # of peak that large matmuls reach (an assumption; benchmarks/gpu.sh checks it)
+    achievable_fraction: float  # of peak, for an (op, kernel) without an ``efficiency`` entry (an assumption)
     hbm_bytes: float
     hbm_bandwidth: float  # bytes/s
     intra_node_bandwidth: float  # bytes/s per device, one direction (NVLink / HCCS)
     inter_node_bandwidth: float  # bytes/s per device, one direction (its share of the node's NICs)
     devices_per_node: int
     sources: tuple[str, ...] = ()
+    device: str = "cuda"
+    efficiency: tuple[Efficiency, ...] = ()
 
     @classmethod
     def load(cls, name: str) -> "Hardware":
@@ -116,11 +121,16 @@ class Hardware:
         if bad:
             raise ConfigError(f"{path}: unknown hardware key(s) {bad}; valid keys: {', '.join(fields)}")
         raw["sources"] = tuple(raw.get("sources") or ())
-        missing = [f for f in fields if f not in raw and f != "sources"]
+        raw["efficiency"] = parse_table(raw.get("efficiency"), str(path))
+        raw["device"] = str(raw.get("device", "cuda"))
+        if raw["device"] not in ("cuda", "npu", "cpu"):
+            raise ConfigError(f"{path}: device must be cuda, npu or cpu (the torch device type), got {raw['device']!r}")
+        optional = ("sources", "device", "efficiency")
+        missing = [f for f in fields if f not in raw and f not in optional]
         if missing:
             raise ConfigError(f"{path}: missing hardware key(s) {missing}")
         for f in fields:
-            if f in ("name", "sources"):
+            if f == "name" or f in optional:
                 continue
             try:  # YAML 1.1 reads 989.0e12 (no exponent sign) as a string
                 raw[f] = int(raw[f]) if f == "devices_per_node" else float(raw[f])
@@ -132,6 +142,20 @@ class Hardware:
 
     def peak(self, compute_dtype: str) -> float:
         return self.peak_fp32_flops if _nbytes(compute_dtype) == 4 else self.peak_bf16_flops
+
+    def price(self, op: str, impl: str) -> Efficiency:
+        """The efficiency of ``impl`` for ``op``: the table's entry, else ``achievable_fraction`` (marked assumed)."""
+        for e in self.efficiency:
+            if e.op == op and e.impl == impl:
+                return e
+        return Efficiency(op=op, impl=impl, value=self.achievable_fraction, status="assumed",
+                          source=f"no entry for {op}/{impl} in the {self.name} profile: its achievable_fraction")
+
+    def with_measured(self, measured: tuple[Efficiency, ...]) -> "Hardware":
+        """This profile with ``measured`` entries over its own (``q38 plan --efficiencies``)."""
+        over = {(e.op, e.impl) for e in measured}
+        return attrs.evolve(self, efficiency=tuple(e for e in self.efficiency if (e.op, e.impl) not in over)
+                            + tuple(measured))
 
 
 # ---- activations per layer kind ----------------------------------------------------------------------------------
@@ -249,6 +273,9 @@ class Budget:
     hbm_bytes: float | None = None  # the hardware's device memory (None: no --hardware)
     start_phase: tuple[Item, ...] = ()  # loading the state (resume / init_from): shards + one read in flight
     compute_fwd_s: float = 0.0  # the forward's share of compute_s (the rest, recompute included, is backward)
+    ops: tuple[OpTime, ...] = ()  # compute per op at its kernel's efficiency (empty: one achievable_fraction)
+    kernels: Any = None  # the resolved KernelConfig the ops are priced for (None: not resolved)
+    doc_len: int | None = None  # tokens per document assumed in packed rows (None: one document per row)
 
     def fit_line(self, fixes: str = "try --recompute full, a fused GDN kernel (--gdn-kernel fla keeps 16-bit outputs, "
                                       "not fp32 per-chunk states), more ranks, or q38 plan --search") -> str | None:
@@ -806,6 +833,8 @@ def estimate(
     ep_overlap: bool = True,
     cp_early: bool = True,
     peft=None,
+    kernels=None,
+    doc_len: int = DEFAULT_DOC_LEN,
 ) -> Budget:
     """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
     data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
@@ -817,7 +846,11 @@ def estimate(
     (CPU), as ``optim.default_impl`` picks. ``packed_rows``: rows hold several documents (pretraining data), so
     attention runs with a document mask and k, v repeated to the query heads; False: one document per row, where
     16-bit accelerator runs and CPU runs hand SDPA the kv heads as they are (``attention._native_gqa``).
-    ``peft``: a LoRA run (``q38.lora.PeftConfig``): priced by ``q38.parallel.lora_budget``."""
+    ``peft``: a LoRA run (``q38.lora.PeftConfig``): priced by ``q38.parallel.lora_budget``.
+    ``kernels``: the resolved ``KernelConfig`` the run uses (``resolve_kernels``); with a hardware profile each op's
+    executed FLOPs are priced at its kernel's efficiency (``price_ops``); None: every FLOP at the profile's
+    ``achievable_fraction``. ``doc_len``: tokens per document in packed rows (what block-sparse and per-document
+    attention kernels skip)."""
     from q38.model import abstract_params
 
     if recompute not in RECOMPUTE_MODES:
@@ -868,9 +901,19 @@ def estimate(
                     gdn_chunk=gdn_chunk, aux_global=aux_global, causal_skip=True)
     hw = hardware
     peak = hw.peak(param_dtype) if hw else None
-    rate = peak * hw.achievable_fraction if hw else 0.0
-    fwd_flops = fl.model / 3  # forward ≈ a third of forward + backward; recompute runs in backward
-    moe_s = (fl.experts + _shared_expert_flops(cfg, rows_per_rank * st.seq)) / rate if hw else 0.0
+    ops: tuple[OpTime, ...] = ()
+    shared = _shared_expert_flops(cfg, rows_per_rank * st.seq)
+    if hw and kernels is not None:
+        ops = price_ops(fl, hw, param_dtype, kernels, packed=packed_rows, seq=st.seq, cp=cp, doc_len=doc_len)
+        compute_s, compute_fwd_s = sum(o.seconds for o in ops), sum(o.forward_s for o in ops)
+        by = {o.op: o for o in ops}
+        moe_s = by["experts"].seconds + shared / (peak * by["matmul"].efficiency.value)
+    elif hw:
+        rate = peak * hw.achievable_fraction
+        compute_s, compute_fwd_s = fl.executed / rate, fl.model / 3 / rate  # forward ≈ a third; recompute: backward
+        moe_s = (fl.experts + shared) / rate
+    else:
+        compute_s = compute_fwd_s = moe_s = 0.0
     opt_bytes = ps.numel * (st.mst * 2 + st.red + 8 * 2) if ls is None else lora_budget.optimizer_bytes(ls, st)
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
     return Budget(
@@ -879,11 +922,35 @@ def estimate(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory=tuple(memory),
         optimizer_phase=tuple(opt_items), start_phase=tuple(start_items), flops=fl,
         comm=tuple(_comm_terms(cfg, st, comm_ps, kinds, hw, moe_s, reduced)),
-        compute_s=fl.executed / rate if hw else 0.0, compute_fwd_s=fwd_flops / rate if hw else 0.0,
+        compute_s=compute_s, compute_fwd_s=compute_fwd_s,
         optimizer_s=opt_bytes / hw.hbm_bandwidth if hw else 0.0,
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
-        hbm_bytes=hw.hbm_bytes if hw else None,
+        hbm_bytes=hw.hbm_bytes if hw else None, ops=ops, kernels=kernels if ops else None,
+        doc_len=doc_len if packed_rows else None,
     )
+
+
+def price_ops(fl: StepFlops, hw: Hardware, param_dtype: str, kernels, *, packed: bool, seq: int, cp: int,
+              doc_len: int) -> tuple[OpTime, ...]:
+    """Each priced op's executed FLOPs (``fl``'s term with its recompute and aux share; attention scaled to what
+    its kernel computes: ``efficiency.attention_factor``) at its kernel's efficiency on ``hw``. Forward: a third
+    of each term (the loss: a quarter, its logits are recomputed in backward)."""
+    peak = hw.peak(param_dtype)
+    att = attention_factor(kernels.attention, packed=packed, seq=seq, cp=cp, doc_len=doc_len)
+    rows = (  # op, impl, executed, forward, note
+        ("matmul", "torch", fl.executed_term("dense"), fl.dense / 3, "projections, router, shared experts, MTP fc"),
+        ("experts", kernels.experts, fl.executed_term("experts"), fl.experts / 3, "routed experts"),
+        ("attention", kernels.attention, fl.executed_term("attention") * att, fl.attention / 3 * att,
+         f"{att:.2f} x the causal count" + (f" ({doc_len}-token documents)" if packed else "")),
+        ("gdn", kernels.gdn, fl.executed_term("gdn_core"), fl.gdn_core / 3, "chunked delta rule"),
+        ("loss", kernels.loss, fl.head, fl.head / 4, "LM head + CE, main and MTP depths"),
+    )
+    out = []
+    for op, impl, flops, fwd, note in rows:
+        e = hw.price(op, impl)
+        out.append(OpTime(op=op, impl=impl, flops=flops, efficiency=e, seconds=flops / (peak * e.value),
+                          forward_s=fwd / (peak * e.value), note=note))
+    return tuple(out)
 
 
 def _shared_expert_flops(cfg: ModelConfig, tokens: int) -> float:
@@ -945,6 +1012,8 @@ def format_budget(b: Budget) -> str:
         for t in b.comm:
             lines.append(f"  {t.collective:<30} {t.mesh_dim:<9} {t.phase:<8} {_fmt_bytes(t.bytes):>14}  {t.link:<5} "
                          f"{_fmt_s(t.seconds) if b.hardware else '':>10}{'  (async)' if t.overlapped else ''}")
+    if b.ops:
+        lines.extend(format_ops(b))
     if b.hardware:
         lines.append(
             f"step time on {b.hardware}: {_fmt_s(b.step_s)} = compute {_fmt_s(b.compute_s)} + exposed comm "
@@ -954,3 +1023,15 @@ def format_budget(b: Budget) -> str:
         lines.append(f"  {b.tokens_per_s:,.0f} tokens/s over {b.global_tokens:,} tokens per step; "
                      f"MFU {100 * mfu:.1f}%" if mfu is not None else "")
     return "\n".join(lines)
+
+
+def format_ops(b: Budget) -> list[str]:
+    """The per-op compute table: each op's kernel (as ``resolve_kernels`` picked it), executed FLOPs per rank,
+    efficiency, where that number comes from, and time."""
+    lines = [f"compute per op on {b.hardware} (per rank and step; the kernels the run resolves, executed FLOPs at each "
+             f"kernel's efficiency)",
+             f"  {'op':<10} {'kernel':<11} {'FLOPs':>9} {'eff':>5} {'time':>10}  {'what':<44} source"]
+    for o in b.ops:
+        lines.append(f"  {o.op:<10} {o.impl:<11} {o.flops:>9.2e} {o.efficiency.value:>5.2f} {_fmt_s(o.seconds):>10}"
+                     f"  {o.note:<44} {o.efficiency.describe()}")
+    return lines

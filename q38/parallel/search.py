@@ -17,8 +17,9 @@ import yaml
 
 from q38.config import ConfigError, ModelConfig
 from q38.errors import reading
-from q38.kernels import KernelConfig, auto_gdn_chunk
+from q38.kernels import KernelConfig, auto_gdn_chunk, resolve_kernels
 from q38.layers.kinds import MIXER_KINDS, kept_regions
+from q38.parallel.efficiency import DEFAULT_DOC_LEN, read_measured
 from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate, recompute_mode
 from q38.parallel.layout import Layout, LayoutError
 
@@ -124,14 +125,20 @@ def search(
     recompute_modes=RECOMPUTE_MODES,
     model_name: str | None = None,
     ep_dispatches: tuple[str, ...] = ("flat", "hierarchical"),
+    kernels: KernelConfig | None = None,
     **kw,
 ) -> tuple[list[Candidate], float]:
     """All fitting candidates, fastest first, and the memory cap used (bytes). Raises ConfigError (one line) when
     the world size has no valid factorisation or no candidate fits. Every candidate with EP is tried with each of
-    ``ep_dispatches`` (the run config's ``ep_dispatch`` in ``kw`` is the search's to choose)."""
+    ``ep_dispatches`` (the run config's ``ep_dispatch`` in ``kw`` is the search's to choose). ``kernels``: the run
+    config's kernel choices, resolved per candidate for the hardware's device (``plan_kernels``: what the trainer
+    would run with that candidate's CP) and priced per op; a candidate the choices cannot serve (an explicit kernel
+    without CP support on a CP layout) is left out. None: the run's own ``gdn_kernel`` / ``gdn_chunk`` in ``kw``, every
+    FLOP at the profile's ``achievable_fraction``."""
     from q38.model import abstract_params
 
     kw.pop("ep_dispatch", None)
+    resolved: dict[int, KernelConfig | None] = {}
     cap = float(memory_cap) if memory_cap is not None else MEMORY_HEADROOM * hardware.hbm_bytes
     facts, why = factorisations(cfg, world, seq_len, global_batch)
     if not facts:
@@ -153,16 +160,30 @@ def search(
             except LayoutError:
                 continue
             rows = global_batch // (fsdp * ep * dpr)
+            ckw = dict(kw)
+            if kernels is not None:
+                if cp not in resolved:
+                    try:
+                        resolved[cp] = plan_kernels(kernels, hardware, cp=cp, param_dtype=kw.get("param_dtype", "bf16"),
+                                                    cfg=cfg)
+                    except ConfigError as e:
+                        resolved[cp] = None
+                        why.append(f"cp={cp}: {e}")
+                if resolved[cp] is None:
+                    continue
+                ckw.update(kernels_kwargs(resolved[cp]))
             for disp in (ep_dispatches if ep > 1 else ("flat",)):
                 for mb in _divisors(rows):
                     for rc in recompute_modes:
                         b = estimate(cfg, layout, world, seq_len=seq_len, rows_per_rank=rows, micro_batches=mb,
                                      recompute=rc, hardware=hardware, placements=pl, model_name=model_name,
-                                     ep_dispatch=disp, **kw)
+                                     ep_dispatch=disp, **ckw)
                         if smallest is None or b.peak_bytes < smallest[0]:
                             smallest = (b.peak_bytes, f"{d['name']} mb={mb} recompute={rc}")
                         if b.peak_bytes <= cap:
                             fits.append(Candidate(d, b, disp))
+    if not fits and smallest is None and kernels is not None:
+        raise ConfigError(f"no layout can run the run's kernels on {hardware.name} ({'; '.join(sorted(set(why))[:2])})")
     if not fits:
         need = f"{smallest[0] / GIB:,.1f} GiB ({smallest[1]})" if smallest else "n/a"
         raise ConfigError(f"no layout fits the memory cap of {cap / GIB:,.1f} GiB per device; the smallest needs "
@@ -247,6 +268,35 @@ def shipped_budget(cfg: ModelConfig, layout: Layout, world: int, hardware: Hardw
                     micro_batches=micro_batches, recompute=recompute, hardware=hardware, **kw)
 
 
+def plan_kernels(kernels: KernelConfig, hw: Hardware, *, cp: int, param_dtype: str, cfg: ModelConfig) -> KernelConfig:
+    """The kernels a run of ``kernels`` (the run config's choices, ``auto`` or named) would resolve to on ``hw``'s
+    device with ``cp`` ranks of context parallelism, packed rows and ``param_dtype``: ``resolve_kernels``, the
+    trainer's resolver, asked about a machine with every optional package installed (``environment=False``: the
+    target, not the machine the plan runs on). Raises its ``ConfigError`` when a named kernel cannot serve."""
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[_dtype_name(param_dtype)]
+    return resolve_kernels(kernels, device=hw.device, cp=cp > 1, packed=True, train=True, dtype=dtype, model=cfg,
+                           environment=False)
+
+
+def kernels_kwargs(resolved: KernelConfig) -> dict[str, Any]:
+    """``estimate``'s kernel settings from a resolved ``KernelConfig``: the priced kernels, the GDN activations
+    (fla's or the torch core's) and the torch core's chunk."""
+    return dict(kernels=resolved, gdn_kernel=resolved.gdn == "fla", gdn_chunk=int(resolved.gdn_chunk_size))
+
+
+FALLBACKS = {"attention": "sdpa", "gdn": "torch"}  # the torch paths: SDPA with a dense mask, the torch GDN core
+
+
+def format_fallback(auto: Budget, fallback: Budget) -> str:
+    """One line: the predicted MFU with the kernels the run resolves beside the torch fallbacks'."""
+    names = ", ".join(f"{op} {getattr(auto.kernels, op)}" for op in FALLBACKS)
+    fb = ", ".join(f"{op} {v}" for op, v in FALLBACKS.items())
+    fits = "" if fallback.fit_line() is None or fallback.fit_line().startswith("fits") else " (does not fit)"
+    return (f"kernels: with what the run resolves ({names}) {auto.step_s:,.2f} s/step, MFU "
+            f"{100 * (auto.mfu or 0):.1f}%; with the torch fallbacks ({fb}) {fallback.step_s:,.2f} s/step, MFU "
+            f"{100 * (fallback.mfu or 0):.1f}%{fits}")
+
+
 # ---- what q38 plan asks (q38.cli parses it) ------------------------------------------------------------------
 
 
@@ -273,6 +323,8 @@ class BudgetQuery:
     fewest_ranks: bool = False  # print the fewest ranks of --hardware that fit (up to --world), LoRA and full
     out: str = "plan_out"  # where the search writes its best layout and run config
     overwrite: bool = False
+    doc_len: int | None = None  # tokens per document in packed rows (default: efficiency.DEFAULT_DOC_LEN)
+    efficiencies: str | None = None  # a JSON-lines file of measured efficiencies over the profile's
 
 
 def _train_defaults(q, model_arg: str) -> tuple[dict, str | None]:
@@ -349,8 +401,14 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     micro = q.micro_batches or int(train.get("micro_batches", 1))
     with reading("--hardware", q.hardware):
         hw = Hardware.load(q.hardware) if q.hardware else None
+    if q.efficiencies is not None:
+        if hw is None:
+            raise ConfigError("--efficiencies needs --hardware (the profile whose efficiencies it replaces)")
+        hw = hw.with_measured(read_measured(q.efficiencies, hw.peak))
     kernels = KernelConfig.from_dict(raw.get("kernels"), source=f"{src or 'q38 plan'}: kernels")
-    gdn = q.gdn_kernel or kernels.gdn
+    if q.gdn_kernel:
+        kernels = kernels.replace(gdn=q.gdn_kernel)
+    gdn = kernels.gdn
     # the torch core's chunk as the run would resolve it (an accelerator with a hardware profile, else the CPU)
     chunk = kernels.gdn_chunk_size if kernels.gdn_chunk_size != "auto" else auto_gdn_chunk(
         "cuda" if hw is not None else "cpu", cfg.linear_key_head_dim, cfg.linear_value_head_dim)
@@ -359,16 +417,29 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     kw["peft"] = planned_peft(raw.get("peft"), q.lora_rank, q.lora_base_dtype, src)
     if kw["peft"] is not None and kw["peft"].base_dtype == "fp8":
         print("note: peft.base_dtype fp8 is priced here; the trainer does not run an FP8 base yet", file=sys.stderr)
-    shipped = None
+    kw["doc_len"] = q.doc_len or DEFAULT_DOC_LEN
+    shipped = fallback = None
     global_batch = q.global_batch
     if layout is not None:
         mesh = layout.resolve_mesh(q.world)
         dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
         if global_batch is None:
             global_batch = dp * int(data.get("batch_size", 1))
-        shipped = shipped_budget(cfg, layout, q.world, hw, seq_len=seq_len, global_batch=global_batch,
-                                 recompute=recompute, micro_batches=micro, model_name=str(q.model), **kw) \
-            if hw is not None else None
+        if hw is not None:
+            def planned(kc: KernelConfig) -> Budget:
+                res = plan_kernels(kc, hw, cp=mesh.get("cp", 1), param_dtype=kw["param_dtype"], cfg=cfg)
+                return shipped_budget(cfg, layout, q.world, hw, seq_len=seq_len, global_batch=global_batch,
+                                      recompute=recompute, micro_batches=micro, model_name=str(q.model),
+                                      **{**kw, **kernels_kwargs(res)})
+
+            try:
+                shipped = planned(kernels)
+            except ConfigError as e:
+                if not q.search:
+                    raise
+                print(f"shipped layout {layout.name}: {' '.join(str(e).split())}", file=sys.stderr)
+            if shipped is not None:
+                fallback = planned(kernels.replace(**FALLBACKS))
     if global_batch is None:
         global_batch = q.world
     if src:
@@ -383,6 +454,8 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
             shipped = shipped_budget(cfg, layout, q.world, None, seq_len=seq_len, global_batch=global_batch,
                                      recompute=recompute, micro_batches=micro, model_name=str(q.model), **kw)
         print(format_budget(shipped))
+        if fallback is not None:
+            print(format_fallback(shipped, fallback))
         return 0
     if hw is None:
         raise ConfigError("q38 plan --search needs --hardware (one of the profiles under specs/hardware, e.g. h200)")
@@ -392,8 +465,10 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
         return 0
     cap = q.memory_cap * GIB if q.memory_cap is not None else None
     cands, cap = search(cfg, q.world, hw, seq_len=seq_len, global_batch=global_batch, memory_cap=cap,
-                        model_name=str(q.model), **kw)
+                        model_name=str(q.model), kernels=kernels, **kw)
     print(format_search(cands, cap, shipped))
+    if fallback is not None:
+        print(f"shipped layout's {format_fallback(shipped, fallback)}")
     lp, tp = write_best(cands[0], q.out, str(q.model), seq_len, raw)
     print(f"wrote {lp} and {tp} (run: torchrun --nproc_per_node ... q38 train {tp})")
     return 0

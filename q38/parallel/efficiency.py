@@ -1,0 +1,260 @@
+"""What each kernel of a step reaches on a device, and the FLOPs it really executes: how ``q38 plan`` prices compute.
+
+A hardware profile (``specs/hardware/*.yaml``) holds an ``efficiency`` table: per priced op and kernel
+implementation, the fraction of the dtype's dense peak that kernel reaches on the FLOPs it executes, each entry
+``measured`` (with the run that measured it: command, date, device) or ``assumed`` (with its source: a published
+number, a vendor figure or a stated engineering assumption). The ops:
+
+- ``matmul``: the dense projections, router, shared experts, MTP fc (``torch``: ``F.linear``);
+- ``experts``: the routed experts (``kernels.experts``: ``grouped_mm``, ``batched``);
+- ``attention``: the attention core (``kernels.attention``: ``eager``, ``sdpa``, ``flex``, ``varlen``, ``npu``);
+- ``gdn``: the gated delta rule core (``kernels.gdn``: ``torch``, ``fla``, ``npu``);
+- ``loss``: the chunked LM head and cross-entropy (``kernels.loss``: ``torch``, ``compiled``).
+
+The implementation names are the kernel registry's (``q38.kernels.REGISTRY``), so the plan looks up exactly what
+``resolve_kernels`` picked for the run. An (op, kernel) the table does not list is priced at the profile's
+``achievable_fraction`` and says so.
+
+**Executed FLOPs.** Every term is the one ``q38.flops`` counts, except attention, where what a kernel executes depends
+on how it masks: ``eager`` and ``sdpa`` with a mask (packed rows or CP) compute every (query, key) pair of the row;
+``sdpa`` without a mask (one document per row, no CP) skips the causal upper triangle; ``flex`` computes the blocks
+(128 × 128) of its block mask that hold an unmasked pair; ``varlen`` and ``npu`` compute each document's own causal
+triangle. Packed rows are modelled as documents of one length (``doc_len`` tokens, cut at the row's end): the
+plan's stated assumption, a ``q38 plan --doc-len`` option (default ``DEFAULT_DOC_LEN``).
+
+Measured values come from ``benchmarks/gpu.sh`` as JSON lines (``read_measured``: one object per line, ``op``,
+``impl``, ``efficiency`` or ``tflops``, ``device``, ``command``, ``date``, optional ``dtype``); ``q38 plan
+--efficiencies FILE`` puts them over the profile's entries.
+"""
+
+import datetime
+import functools
+import json
+import time
+import math
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import attrs
+
+from q38.errors import ConfigError
+
+PRICED_OPS = ("matmul", "experts", "attention", "gdn", "loss")
+# per priced op: the kernel registry's op, and the implementation names the profiles may list (the registry's own,
+# plus the names agreed for implementations that are being wired in)
+REGISTRY_OP = {"matmul": None, "experts": "experts", "attention": "attention", "gdn": "gdn", "loss": "loss"}
+KNOWN_IMPLS = {
+    "matmul": ("torch",),
+    "experts": ("grouped_mm", "batched"),
+    "attention": ("eager", "sdpa", "flex", "varlen", "npu"),
+    "gdn": ("torch", "fla", "npu"),
+    "loss": ("torch", "compiled"),
+}
+STATUSES = ("measured", "assumed")
+DEFAULT_DOC_LEN = 2048  # tokens per document in packed rows (an assumption; q38 plan --doc-len)
+FLEX_BLOCK = 128  # FlexAttention's default block size (query and key)
+
+
+def known_impls(op: str) -> tuple[str, ...]:
+    from q38.kernels import REGISTRY
+
+    reg = REGISTRY_OP[op]
+    return tuple(dict.fromkeys([*KNOWN_IMPLS[op], *(REGISTRY[reg] if reg else ())]))
+
+
+@attrs.frozen(kw_only=True)
+class Efficiency:
+    """One kernel's share of peak on one device: ``value`` of the dtype's dense peak on the FLOPs it executes."""
+
+    op: str
+    impl: str
+    value: float
+    status: str  # measured | assumed
+    source: str = ""  # assumed: where the number comes from
+    command: str = ""  # measured: the command that printed it
+    date: str = ""
+    device: str = ""
+
+    def describe(self) -> str:
+        if self.status == "measured":
+            return f"measured {self.date} on {self.device}: {self.command}"
+        return f"assumed: {self.source}"
+
+
+def _check_impl(op: str, impl: str, where: str) -> None:
+    if op not in PRICED_OPS:
+        raise ConfigError(f"{where}: unknown op {op!r}; the priced ops are {', '.join(PRICED_OPS)}")
+    names = known_impls(op)
+    if impl not in names:
+        raise ConfigError(f"{where}: unknown {op} implementation {impl!r}; one of {', '.join(names)}")
+
+
+def _fraction(v: Any, where: str) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: efficiency must be a number in (0, 1], got {v!r}") from None
+    if not 0 < x <= 1:
+        raise ConfigError(f"{where}: efficiency must be in (0, 1] (a fraction of peak), got {x}")
+    return x
+
+
+def parse_table(raw: Any, where: str) -> tuple[Efficiency, ...]:
+    """A profile's ``efficiency`` mapping (op → implementation → entry) as entries; one ``ConfigError`` naming the
+    entry and the fix on anything malformed."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: efficiency must be a mapping op -> implementation -> entry, got "
+                          f"{type(raw).__name__}")
+    out = []
+    for op, impls in raw.items():
+        if not isinstance(impls, Mapping):
+            raise ConfigError(f"{where}: efficiency.{op} must map implementation names to entries")
+        for impl, e in impls.items():
+            at = f"{where}: efficiency.{op}.{impl}"
+            _check_impl(str(op), str(impl), at)
+            if not isinstance(e, Mapping):
+                raise ConfigError(f"{at} must be a mapping with efficiency and status")
+            keys = {"efficiency", "status", "source", "command", "date", "device"}
+            bad = sorted(set(e) - keys)
+            if bad:
+                raise ConfigError(f"{at}: unknown key(s) {bad}; valid: {', '.join(sorted(keys))}")
+            status = e.get("status")
+            if status not in STATUSES:
+                raise ConfigError(f"{at}: status must be measured or assumed, got {status!r}")
+            need = ("source",) if status == "assumed" else ("command", "date", "device")
+            missing = [k for k in need if not str(e.get(k) or "").strip()]
+            if missing:
+                raise ConfigError(f"{at}: a {status} efficiency needs {', '.join(need)} (missing {missing})")
+            out.append(Efficiency(op=str(op), impl=str(impl), value=_fraction(e.get("efficiency"), at),
+                                  status=status, **{k: str(e[k]) for k in ("source", "command", "date", "device")
+                                                    if k in e}))
+    return tuple(out)
+
+
+def read_measured(path: str | Path, peak: Callable[[str], float]) -> tuple[Efficiency, ...]:
+    """Measured efficiencies from a JSON-lines file (benchmarks/gpu.sh writes it; format in benchmarks/README.md):
+    per line ``{"op", "impl", "efficiency" | "tflops", "device", "command" (or "source"), "date"}`` and optionally
+    ``"dtype"`` (of the peak ``tflops`` is a share of; default bf16); other keys are the benchmark's own record
+    (shape, reference time) and are not read. ``peak(dtype)``: the profile's peak FLOP/s. Skipped: blank lines, lines
+    with neither efficiency nor tflops (errors, compile ratios), lines for one document per row (``"layout":
+    "unpacked"``). A missing date is the file's modification date; a later line for the same (op, impl) replaces
+    an earlier one."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--efficiencies {path}: file not found (a JSON-lines file benchmarks/gpu.sh writes)")
+    out: dict[tuple[str, str], Efficiency] = {}
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        at = f"{path}:{n}"
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{at}: not a JSON object ({e.msg}); one object per line") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{at}: expected a JSON object, got {type(d).__name__}")
+        if "efficiency" not in d and "tflops" not in d:
+            continue  # a record for people (an error, a compile ratio): nothing to price
+        if d.get("layout") == "unpacked":
+            continue  # one document per row (e.g. SDPA's causal flash bound): the profile prices packed rows
+        if not str(d.get("command") or "").strip() and str(d.get("source") or "").strip():
+            d["command"] = d["source"]  # the benchmarks' own name for it
+        if not str(d.get("date") or "").strip():
+            d["date"] = time.strftime("%Y-%m-%d", time.gmtime(p.stat().st_mtime))  # the file's, where a line has none
+        missing = [k for k in ("op", "impl", "device", "command") if not str(d.get(k) or "").strip()]
+        if missing:
+            raise ConfigError(f"{at}: missing {missing} (every measured line names op, impl, device, command)")
+        op, impl = str(d["op"]), str(d["impl"])
+        _check_impl(op, impl, at)
+        if ("efficiency" in d) == ("tflops" in d):
+            raise ConfigError(f"{at}: give exactly one of efficiency (a fraction of peak) and tflops")
+        if "tflops" in d:
+            dtype = str(d.get("dtype", "bf16"))
+            try:
+                tf = float(d["tflops"])
+                pk = peak(dtype)
+            except (TypeError, ValueError, KeyError):
+                raise ConfigError(f"{at}: tflops must be a number and dtype one of bf16, fp16, fp32, got "
+                                  f"{d['tflops']!r} / {dtype!r}") from None
+            value = _fraction(tf * 1e12 / pk, f"{at} (tflops {tf} of a {pk / 1e12:g} TFLOP/s peak)")
+        else:
+            value = _fraction(d["efficiency"], at)
+        out[op, impl] = Efficiency(op=op, impl=impl, value=value, status="measured", command=str(d["command"]),
+                                   date=str(d["date"]), device=str(d["device"]))
+    return tuple(out.values())
+
+
+def measured_line(op: str, impl: str, *, device: str, command: str, tflops: float | None = None,
+                  efficiency: float | None = None, dtype: str = "bf16") -> str:
+    """One line of the measured-efficiency file (what a benchmark prints; ``read_measured`` reads it)."""
+    d: dict[str, Any] = {"op": op, "impl": impl}
+    if tflops is not None:
+        d["tflops"] = float(f"{float(tflops):.4g}")
+        d["dtype"] = dtype
+    else:
+        d["efficiency"] = float(f"{float(efficiency):.4g}")
+    d.update(device=device, command=command, date=datetime.date.today().isoformat())
+    return json.dumps(d)
+
+
+# ---- the work each attention kernel executes ---------------------------------------------------------------------
+
+
+def attention_work(impl: str, *, packed: bool, cp: int) -> str:
+    """How ``impl`` masks (what it computes): ``dense`` every (query, key) pair; ``causal`` the causal triangle of
+    the row; ``blocks`` the 128 × 128 blocks holding an unmasked pair; ``documents`` each document's own causal
+    triangle."""
+    if impl == "eager":
+        return "dense"  # an explicit [s, t] score matrix, masked after
+    if impl == "sdpa":
+        return "dense" if packed or cp > 1 else "causal"  # with a mask SDPA cannot skip blocks
+    if impl == "flex":
+        return "blocks"
+    if impl in ("varlen", "npu"):
+        return "documents"
+    raise ConfigError(f"attention implementation {impl!r}: the plan does not know which pairs it computes; one of "
+                      f"{', '.join(KNOWN_IMPLS['attention'])}")
+
+
+@functools.lru_cache(maxsize=512)
+def keys_per_query(work: str, seq: int, cp: int, doc_len: int, block: int = FLEX_BLOCK) -> float:
+    """Mean keys each query of a rank computes against (averaged over the CP ranks, contiguous shards of ``seq``
+    tokens of a row of ``seq · cp``), for documents of ``doc_len`` tokens packed from the row's start (the last one
+    cut at the row's end; ``doc_len`` ≥ the row: one document)."""
+    row = seq * cp
+    L = min(doc_len, row)
+    if work == "dense":
+        return float(row)
+    if work == "causal":
+        return (row + 1) / 2
+    if work == "documents":  # query q attends to (q mod L) + 1 keys
+        full, rest = divmod(row, L)
+        return (full * L * (L + 1) / 2 + rest * (rest + 1) / 2) / row
+    if work == "blocks":
+        # query block g (rows [gB, (g+1)B)) needs the key blocks from the one holding its first row's document start
+        # to itself: the union of [doc_start(q), q] over its rows is one contiguous range
+        nb = math.ceil(row / block)
+        blocks = sum(g - (((g * block) // L) * L) // block + 1 for g in range(nb))
+        return blocks * block * block / row
+    raise ValueError(f"unknown attention work {work!r}")
+
+
+def attention_factor(impl: str, *, packed: bool, seq: int, cp: int, doc_len: int) -> float:
+    """Executed attention FLOPs of ``impl`` over the model count (``q38.flops``: the causal triangle of the row)."""
+    return keys_per_query(attention_work(impl, packed=packed, cp=cp), seq, cp, doc_len) / keys_per_query(
+        "causal", seq, cp, doc_len)
+
+
+@attrs.frozen(kw_only=True)
+class OpTime:
+    """One priced op of a step: its kernel, the FLOPs it executes per rank, its efficiency and time."""
+
+    op: str
+    impl: str
+    flops: float  # executed per rank and step (recompute included)
+    efficiency: Efficiency
+    seconds: float
+    forward_s: float
+    note: str = ""
