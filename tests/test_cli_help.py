@@ -10,7 +10,8 @@ from q38.cli import COMMANDS, main, usage
 
 def _options(cmd: str, capsys) -> set[str]:
     assert main([cmd, "--help"]) == 0
-    return set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", capsys.readouterr().out)) - {"--help"}
+    usage = capsys.readouterr().out.split("\n\n")[0]  # argparse's usage block lists every option
+    return set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", usage)) - {"--help"}
 
 
 def _usage_lines(cmd: str) -> str:

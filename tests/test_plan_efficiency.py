@@ -123,27 +123,28 @@ def test_priced_ops_cover_every_executed_flop():
 
 def test_measured_efficiencies_replace_the_assumed_ones(tmp_path, capsys):
     p = tmp_path / "eff.jsonl"
-    p.write_text(json.dumps({"op": "attention", "impl": "sdpa", "tflops": 98.9, "dtype": "bf16", "device": "H200",
+    p.write_text(json.dumps({"op": "attention", "impl": "flex", "tflops": 98.9, "dtype": "bf16", "device": "H200",
                              "command": "python benchmarks/efficiency.py", "date": "2026-12-02"}) + "\n\n"
                  + json.dumps({"op": "matmul", "impl": "torch", "efficiency": 0.66, "device": "H200",
                                "command": "x", "date": "2026-12-02"}) + "\n")
     hw = Hardware.load("h200")
     got = {(e.op, e.impl): e for e in read_measured(p, hw.peak)}
-    assert got["attention", "sdpa"].value == pytest.approx(0.1) and got["matmul", "torch"].value == 0.66
+    assert got["attention", "flex"].value == pytest.approx(0.1) and got["matmul", "torch"].value == 0.66
     assert plan_cli([*PROD, "--efficiencies", str(p)]) == 0
     ops = _ops(capsys.readouterr().out)
     assert ops["attention"][3] == "0.10" and "measured 2026-12-02 on H200: python benchmarks/efficiency.py" in \
         " ".join(ops["attention"])
-    assert ops["gdn"][3] == "0.05"  # not in the file: the profile's
+    assert ops["gdn"][1] == "fla" and ops["gdn"][3] == "0.25"  # not in the file: the profile's
 
 
 @pytest.mark.parametrize("line,msg", [
-    ('{"op": "attention", "impl": "sdpa"}', "missing ['device', 'command', 'date']"),
+    ('{"op": "attention", "impl": "sdpa", "tflops": 1.0}', "missing ['device', 'command']"),
     ('{"op": "attn", "impl": "sdpa", "efficiency": 0.1, "device": "d", "command": "c", "date": "t"}',
      "unknown op 'attn'"),
     ('{"op": "attention", "impl": "sdpa", "efficiency": 1.5, "device": "d", "command": "c", "date": "t"}',
      "efficiency must be in (0, 1]"),
-    ('{"op": "attention", "impl": "sdpa", "device": "d", "command": "c", "date": "t"}', "exactly one of"),
+    ('{"op": "attention", "impl": "sdpa", "efficiency": 0.1, "tflops": 1.0, "device": "d", "command": "c"}',
+     "exactly one of"),
     ("not json", "not a JSON object"),
 ])
 def test_a_bad_measured_line_is_one_line_naming_file_and_line(tmp_path, capsys, line, msg):
