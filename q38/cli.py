@@ -11,7 +11,7 @@ from pathlib import Path
 
 from q38.errors import reading
 
-USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data,kernels} ...
+USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data,kernels,launch} ...
   train [CONFIG] [--set SECTION.KEY=VALUE ...]
                    train or resume (no CONFIG: the embedded tiny run); torchrun --nproc_per_node N for N ranks
   prepare-data INPUT... --out DIR [--tokenizer T] [--train-on assistant|all|last_assistant] [--workers N] [--overwrite]
@@ -21,6 +21,7 @@ USAGE = """usage: q38 {train,plan,convert,init-hf,prepare-data,kernels} ...
   convert --from-hf HF_DIR OUT_CHECKPOINT           import a Hugging Face checkpoint as a q38 checkpoint
   init-hf --model PRESET OUT_DIR [--overwrite]      write a freshly initialised model as a Hugging Face checkpoint
   kernels [--device D] [--dtype T] [--cp] [--unpacked]  what kernels.auto picks here, and why each other one is out
+  launch [TORCHRUN OPTIONS] {train,convert} ...   torchrun for q38: SIGTERM / Ctrl-C saves a checkpoint and exits 0
   --debug (any command; or Q38_DEBUG=1)             print the traceback of an error (for bug reports)"""
 
 
@@ -306,6 +307,7 @@ def _init_hf(argv: list[str]) -> int:
 
 def _prepare_data(argv: list[str]) -> int:
     from q38.train.chat import TRAIN_ON
+    from q38.train.data import MAX_LINE_BYTES
     from q38.train.prepare import CHUNK_BYTES, prepare_data
 
     p = OneLineParser(prog="q38 prepare-data", description="Tokenize JSONL (or Parquet, with pyarrow) text / chat "
@@ -323,6 +325,8 @@ def _prepare_data(argv: list[str]) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="write into an existing non-empty --out that is not an earlier output of prepare-data "
                    "(never a run or checkpoint directory, nor one holding or inside an input)")
+    p.add_argument("--max-line-mb", type=positive_float, default=MAX_LINE_BYTES / (1 << 20),
+                   help="refuse a JSONL line longer than this many MiB before parsing it (default: 16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     a = p.parse_args(argv)
     if a.workers is not None and a.workers < 1:
@@ -330,7 +334,8 @@ def _prepare_data(argv: list[str]) -> int:
     if not a.chunk_mb > 0:
         raise ValueError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
     prepare_data(a.inputs, a.out, tokenizer=a.tokenizer, workers=a.workers, chunk_bytes=int(a.chunk_mb * (1 << 20)),
-                 progress=not a.no_progress, train_on=a.train_on, overwrite=a.overwrite)
+                 progress=not a.no_progress, train_on=a.train_on, overwrite=a.overwrite,
+                 max_line_bytes=int(a.max_line_mb * (1 << 20)))
     return 0
 
 
@@ -370,8 +375,14 @@ def _kernels(argv: list[str]) -> int:
     return 0
 
 
+def _launch(argv: list[str]) -> int:
+    from q38.train.launch import launch
+
+    return launch(argv)
+
+
 COMMANDS = {"train": _train, "plan": plan_cli, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
-            "kernels": _kernels}
+            "kernels": _kernels, "launch": _launch}
 
 
 def _one_line(e: BaseException) -> str:
