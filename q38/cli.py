@@ -332,6 +332,7 @@ def _init_hf(argv: list[str]) -> int:
 def _prepare_data(argv: list[str]) -> int:
     from q38.train.chat import TRAIN_ON
     from q38.train.formats import FORMATS
+    from q38.train.data import MAX_LINE_BYTES
     from q38.train.prepare import CHUNK_BYTES, prepare_data
 
     p = OneLineParser(prog="q38 prepare-data", description="Tokenize JSONL (or Parquet, with pyarrow) text / chat "
@@ -350,6 +351,8 @@ def _prepare_data(argv: list[str]) -> int:
     p.add_argument("--overwrite", action="store_true",
                    help="write into an existing non-empty --out that is not an earlier output of prepare-data "
                    "(never a run or checkpoint directory, nor one holding or inside an input)")
+    p.add_argument("--max-line-mb", type=positive_float, default=MAX_LINE_BYTES / (1 << 20),
+                   help="refuse a JSONL line longer than this many MiB before parsing it (default: 16)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--format", default="auto", choices=FORMATS, dest="record_format",
                    help="the records' shape: recognised per record by its keys (auto, default), or text, messages "
@@ -363,7 +366,7 @@ def _prepare_data(argv: list[str]) -> int:
         raise ValueError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
     prepare_data(a.inputs, a.out, tokenizer=a.tokenizer, workers=a.workers, chunk_bytes=int(a.chunk_mb * (1 << 20)),
                  progress=not a.no_progress, train_on=a.train_on, overwrite=a.overwrite,
-                 record_format=a.record_format, split=a.split)
+                 record_format=a.record_format, split=a.split, max_line_bytes=int(a.max_line_mb * (1 << 20)))
     return 0
 
 
@@ -403,8 +406,14 @@ def _kernels(argv: list[str]) -> int:
     return 0
 
 
+def _launch(argv: list[str]) -> int:
+    from q38.train.launch import launch
+
+    return launch(argv)
+
+
 COMMANDS = {"train": _train, "plan": plan_cli, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
-            "kernels": _kernels}
+            "kernels": _kernels, "launch": _launch}
 
 
 def _one_line(e: BaseException) -> str:

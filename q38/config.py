@@ -319,15 +319,17 @@ class ModelConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, *, kernels_out: dict | None = None) -> "ModelConfig":
-        import yaml
-
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"model config file not found: {path}")
-        with open(path) as f:
-            d = yaml.safe_load(f) or {}
+        from q38.errors import read_yaml_file
+
+        d = read_yaml_file(path, "model config")
+        if d is None:  # not the default model: an empty file is a mistake (the defaults are a full-size model)
+            raise ConfigError(f"model config {path} is empty; write the model's keys there, or name a preset")
         if not isinstance(d, dict):
             raise ConfigError(f"{path}: expected a mapping of config keys, got {type(d).__name__}")
+        check_keys([k for k in d if not isinstance(k, str)], (), f"{path}: unknown model config key(s)")
         return cls.from_dict(d, source=str(path), kernels_out=kernels_out)
 
     @classmethod
@@ -353,7 +355,23 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
-        """Read a Hugging Face ``config.json`` (a path, a checkpoint directory, or the parsed dict)."""
+        """Read a Hugging Face ``config.json`` (a path, a checkpoint directory, or the parsed dict). A key that is
+        missing or of the wrong type is one ``ConfigError`` naming the file and the key."""
+        where = "config" if isinstance(path_or_dict, Mapping) else str(
+            Path(path_or_dict) / "config.json" if Path(path_or_dict).is_dir() else path_or_dict)
+        try:
+            return cls._from_hf(path_or_dict)
+        except KeyError as e:
+            raise ConfigError(f"{where}: required key {e.args[0]!r} is missing (not a config.json of a "
+                              "supported model)") from None
+        except (TypeError, AttributeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{where}: a value has the wrong type or form ({' '.join(str(e).split())}); "
+                              "fix the file") from None
+
+    @classmethod
+    def _from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
         raw = _read_hf_config(path_or_dict)
         model_type = _hf_model_type(raw)
         text = dict(raw.get("text_config") or raw)

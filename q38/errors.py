@@ -34,6 +34,10 @@ def need(cond: bool, msg: str) -> None:
 def check_keys(keys, valid, what: str) -> None:
     """Refuse unknown config keys, naming the closest valid key for each (one ``ConfigError``)."""
     valid = list(valid)
+    odd = [k for k in keys if not isinstance(k, str)]
+    if odd:  # YAML turns `1:`, `null:`, `? [a]` into keys of other types
+        raise ConfigError(f"{what}: {', '.join(repr(k) for k in odd)} (keys must be names); valid keys: "
+                          f"{', '.join(valid)}")
     unknown = [k for k in keys if k not in valid]
     if unknown:
         hints = []
@@ -41,6 +45,46 @@ def check_keys(keys, valid, what: str) -> None:
             close = difflib.get_close_matches(k, valid, n=1)
             hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise ConfigError(f"{what}: {', '.join(hints)}; valid keys: {', '.join(valid)}")
+
+
+def yaml_problem(e: BaseException) -> str:
+    """What a ``yaml.YAMLError`` (or a decode error of the file) says went wrong, and where, in one line."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    why = getattr(e, "problem", None) or " ".join(str(e).split())
+    return f"{why}{where}"
+
+
+def read_yaml_file(path, what: str):
+    """The parsed YAML document of ``path`` (``yaml.safe_load``, but a key given twice is refused: PyYAML would keep
+    the last one silently); a file that does not decode or parse is one ``ConfigError`` naming ``what``, the file
+    and the place."""
+    import yaml
+
+    class Strict(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=deep)
+            try:
+                hash(key)
+            except TypeError:  # an unhashable key: SafeLoader itself refuses it below
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice", key_node.start_mark)
+            seen.add(key)
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.load(f, Loader=Strict)  # noqa: S506 (a SafeLoader)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {path}: not valid YAML ({yaml_problem(e)}); fix the file") from None
+    except RecursionError:
+        raise ConfigError(f"{what} {path}: nested too deeply to read; fix the file") from None
 
 
 @contextlib.contextmanager
@@ -51,7 +95,10 @@ def reading(option: str, value) -> Iterator[None]:
     try:
         yield
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        why = getattr(e, "problem", None) or " ".join(str(e).split())
-        raise ValueError(f"{option} {value}: not valid YAML ({why}{where}); fix the file") from None
+        raise ValueError(f"{option} {value}: not valid YAML ({yaml_problem(e)}); fix the file") from None
+    except RecursionError:
+        raise ValueError(f"{option} {value}: nested too deeply to read; fix the file") from None
+    except ValueError as e:  # the loader's own line for a file that does not parse: name the option too
+        if "not valid YAML" in str(e) or "nested too deeply" in str(e):
+            raise type(e)(f"{option}: {e}") from None
+        raise

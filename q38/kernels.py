@@ -296,7 +296,9 @@ class KernelConfig:
                               f"(auto: {GDN_CHUNK}, or 32 on CPU with head dims <= 64)")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None, *, source: str = "kernels") -> "KernelConfig":
+    def from_dict(cls, d: Any, *, source: str = "kernels") -> "KernelConfig":  # Any: checked here
+        if d is not None and not isinstance(d, Mapping):
+            raise ConfigError(f"{source} must be a mapping of op: implementation, got {type(d).__name__}")
         d = dict(d or {})
         check_keys(d, (*OPS, "gdn_chunk_size"), f"{source}: unknown kernel key(s)")
         return cls(**d)

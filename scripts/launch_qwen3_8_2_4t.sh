@@ -19,7 +19,8 @@ master_port="${MASTER_PORT:-29500}"
 nproc="${NPROC_PER_NODE:-8}"
 config="${CONFIG:-${repo}/specs/train/qwen3_8_2_4t.yaml}"
 
-exec torchrun \
+# q38 launch is torchrun (same options) whose SIGTERM saves and exits 0 (docs/operations.md)
+exec q38 launch \
   --nnodes "${nnodes}" --node_rank "${node_rank}" --nproc_per_node "${nproc}" \
   --master_addr "${master_addr}" --master_port "${master_port}" \
-  -m q38.cli train "${config}" "$@"
+  train "${config}" "$@"

@@ -199,6 +199,61 @@ def _cases():
                                                  ["config.json: not valid JSON"])
     C["config:data-section-list"] = lambda c: (["train", c.cfg(data=[1, 2])], ["section 'data' must be a mapping"])
 
+    # malformed model / layout / run config files (issue 35): one line naming the file and the problem, never
+    # "internal error"
+    def model_yaml(text, *needles, name="m.yaml"):
+        return lambda c: (["train", c.cfg(model=c.data(text, name))], [name, *needles])
+
+    def layout_yaml(text, *needles, name="l.yaml"):
+        return lambda c: (["train", c.cfg(layout=c.data(text, name))], [name, *needles])
+
+    C["config:model-yaml-syntax"] = model_yaml("hidden_size: [1,\n", "not valid YAML", "line 2, column 1")
+    C["config:model-yaml-empty"] = model_yaml("", "model config", "is empty")
+    C["config:model-yaml-list"] = model_yaml("- 1\n- 2\n", "expected a mapping of config keys, got list")
+    C["config:model-yaml-duplicate-key"] = model_yaml("hidden_size: 8\nhidden_size: 9\n",
+                                                      "key 'hidden_size' appears twice at line 2")
+    C["config:model-yaml-int-key"] = model_yaml("1: 2\n", "1 (keys must be names)")
+    C["config:model-yaml-null-key"] = model_yaml("null: 2\n", "None (keys must be names)")
+    C["config:model-yaml-list-key"] = model_yaml("? [1, 2]\n: 3\n", "found unhashable key")
+    C["config:model-yaml-tab"] = model_yaml("a:\n\tb: 1\n", "not valid YAML", "line 2")
+    C["config:model-yaml-not-utf8"] = lambda c: (["train", c.cfg(model=str(c.tmp / "b.yaml"))],
+                                                 ["b.yaml", "not valid YAML"]) if (c.tmp / "b.yaml").write_bytes(
+                                                     b"\xff\xfe\x00a: 1") else None
+    C["config:model-yaml-nested-deep"] = model_yaml("a: " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply")
+    C["config:layout-yaml-syntax"] = layout_yaml("mesh: {fsdp: [\n", "not valid YAML", "line 2")
+    C["config:layout-yaml-empty"] = layout_yaml("", "is empty")
+    C["config:layout-yaml-list"] = layout_yaml("- 1\n", "expected a mapping")
+    C["config:layout-yaml-mesh-list"] = layout_yaml("mesh: [1, 2]\n", "'mesh' must be a mapping")
+    C["config:run-yaml-int-key"] = lambda c: (["train", c.data("1: 2\n", "r.yaml")],
+                                              ["r.yaml", "top-level key 1 is not a section name"])
+    C["config:run-yaml-duplicate-section"] = lambda c: (["train", c.data("model: tiny\nmodel: tiny\n", "r.yaml")],
+                                                        ["r.yaml", "key 'model' appears twice"])
+    C["config:kernels-section-list"] = lambda c: (["train", c.cfg(kernels=[1])],
+                                                 ["section 'kernels' must be a mapping"])
+    C["plan:train-kernels-list"] = lambda c: (["plan", "--model", "tiny", "--layout", "single", "--world", "1",
+                                               "--train", c.data("kernels: [1]\n", "t.yaml")],
+                                              ["kernels must be a mapping"])
+
+    def hf_config(text, *needles):
+        def case(c):
+            d = c.tmp / "hfc"
+            d.mkdir()
+            (d / "config.json").write_text(text)
+            return ["init-hf", "--model", str(d / "config.json"), str(c.tmp / "o")], [str(d / "config.json"), *needles]
+        return case
+
+    C["init:hf-config-missing-key"] = hf_config('{"model_type": "qwen3_5_moe_text"}',
+                                                "required key 'num_hidden_layers' is missing")
+    C["init:hf-config-text-config-list"] = hf_config('{"model_type": "qwen3_5_moe", "text_config": [1]}',
+                                                     "wrong type or form")
+    C["prepare:jsonl-nested-deep"] = lambda c: (["prepare-data", c.data("[" * 100000 + "]" * 100000 + "\n", "d.jsonl"),
+                                                 "--out", str(c.tmp / "o"), "--no-progress", "--workers", "1"],
+                                                ["d.jsonl:1", "nested too deeply"])
+    C["prepare:line-over-the-limit"] = lambda c: (
+        ["prepare-data", c.data('{"text": "a"}\n' + '{"text": "' + "x" * 3000 + '"}\n', "long.jsonl"), "--out",
+         str(c.tmp / "o"), "--no-progress", "--workers", "1", "--max-line-mb", "0.001"],
+        ["long.jsonl:2", "line longer than 1,048 bytes", "--max-line-mb"])
+
     # data
     C["data:missing"] = lambda c: (["train", c.cfg(data={"path": str(c.tmp / "missing.jsonl")})],
                                    ["missing.jsonl not found"])

@@ -82,8 +82,17 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _c
 def _read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise LayoutError(f"layout file not found: {path}")
-    with open(path) as f:
-        d = yaml.load(f, Loader=_StrictLoader) or {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = yaml.load(f, Loader=_StrictLoader)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        from q38.errors import yaml_problem
+
+        raise LayoutError(f"layout {path}: not valid YAML ({yaml_problem(e)}); fix the file") from None
+    except RecursionError:
+        raise LayoutError(f"layout {path}: nested too deeply to read; fix the file") from None
+    if d is None:
+        raise LayoutError(f"layout {path} is empty; write its mesh and fsdp keys there, or name a preset")
     if not isinstance(d, dict):
         raise LayoutError(f"{path}: expected a mapping with keys {', '.join(LAYOUT_KEYS)}, got {type(d).__name__}")
     return d

@@ -28,8 +28,12 @@ Without a template (the byte tokenizer, a tokenizer directory without one) recor
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import re
+import threading
+import time
 import weakref
 from datetime import datetime
 from typing import Any, Mapping, Sequence
@@ -210,6 +214,8 @@ def _make_environment() -> Any:
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.intercepted_binops = frozenset({"*", "**"})  # bounded (_bounded_binop); read when a template compiles
+    env.call_binop = _bounded_binop
     env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=SafeDict(),
                        namespace=SafeNamespace)
@@ -218,6 +224,93 @@ def _make_environment() -> Any:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The budget of one rendering: a chat template is code from the tokenizer directory, so a rendering is bounded in
+# time and in size (docs/data.md).
+
+RENDER_SECONDS = 10.0  # wall-clock seconds one rendering may take
+RENDER_CHARS = 16 << 20  # characters one rendering may produce (and any string or list one `*` may build)
+POWER_BITS = 4096  # the largest result (in bits) an integer `**` may have
+
+
+class _RenderTimeout(BaseException):
+    """Raised into a rendering thread past its deadline (a BaseException: the template's own handlers and jinja's
+    ``except Exception`` do not catch it)."""
+
+
+class _Deadlines:
+    """One watcher thread per process. ``arm(s)`` starts a deadline for the calling thread; past it the watcher
+    raises ``_RenderTimeout`` in that thread (``PyThreadState_SetAsyncExc``: delivered at the next bytecode, so
+    any Python-level loop of a compiled template stops, whichever thread renders); ``disarm`` ends it and clears an
+    exception raised but not yet delivered. What it cannot stop is one long call into C; the size limits bound
+    those that allocate (``*`` / ``**`` on big operands)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.job: list | None = None  # [thread ident, deadline, fired]
+        self.thread: threading.Thread | None = None
+
+    def arm(self, seconds: float) -> list:
+        job = [threading.get_ident(), time.monotonic() + seconds, False]
+        with self.cond:
+            if self.thread is None or not self.thread.is_alive():
+                self.thread = threading.Thread(target=self._watch, name="q38-template-deadline", daemon=True)
+                self.thread.start()
+            self.job = job
+            self.cond.notify()
+        return job
+
+    def disarm(self, job: list) -> None:
+        with self.cond:
+            if self.job is job:
+                self.job = None
+            if job[2]:  # fired: make sure it is not delivered after this point
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(job[0]), None)
+
+    def _watch(self) -> None:
+        with self.cond:
+            while True:
+                job = self.job
+                if job is None:
+                    self.cond.wait()
+                    continue
+                left = job[1] - time.monotonic()
+                if left > 0:
+                    self.cond.wait(left)
+                    continue
+                job[2], self.job = True, None
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(job[0]), ctypes.py_object(_RenderTimeout))
+
+
+_DEADLINES = _Deadlines()
+
+
+def _fresh_deadlines() -> None:  # a forked worker (prepare-data) starts its own watcher
+    global _DEADLINES
+    _DEADLINES = _Deadlines()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_deadlines)
+
+
+def _bounded_binop(context: Any, operator: str, left: Any, right: Any) -> Any:
+    """``*`` and ``**`` of a template, refused when the result would be huge (one C call the deadline cannot
+    stop)."""
+    import jinja2.exceptions
+    import jinja2.sandbox
+
+    if operator == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > RENDER_CHARS:
+                raise jinja2.exceptions.SecurityError(f"a repetition of {len(seq):,} x {n:,} is over the "
+                                                      f"{RENDER_CHARS:,} limit")
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and \
+            right * max(abs(left).bit_length(), 1) > POWER_BITS:
+        raise jinja2.exceptions.SecurityError(f"{left} ** {right} is over the {POWER_BITS}-bit limit")
+    return jinja2.sandbox.SandboxedEnvironment.call_binop(context.environment, context, operator, left, right)
 
 
 @attrs.define
@@ -266,12 +359,24 @@ class ChatFormat:
         chunks: list[str] = []
         tracker.chunks, tracker.spans = chunks, []
         variables = {**self.special_tokens, **(template_kwargs or {})}
+        size = 0
         try:
-            for chunk in template.generate(messages=_template_messages(messages),
-                                           tools=None if tools is None else [dict(t) for t in tools],
-                                           documents=None, add_generation_prompt=add_generation_prompt,
-                                           **variables):
-                chunks.append(chunk)
+            job = _DEADLINES.arm(RENDER_SECONDS)
+            try:
+                for chunk in template.generate(messages=_template_messages(messages),
+                                               tools=None if tools is None else [dict(t) for t in tools],
+                                               documents=None, add_generation_prompt=add_generation_prompt,
+                                               **variables):
+                    size += len(chunk)
+                    if size > RENDER_CHARS:
+                        raise DataError(f"the chat template {name!r} of {self.source} rendered more than "
+                                        f"{RENDER_CHARS:,} characters for one record (the limit); fix the template")
+                    chunks.append(chunk)
+            finally:
+                _DEADLINES.disarm(job)
+        except _RenderTimeout:
+            raise DataError(f"the chat template {name!r} of {self.source} ran longer than {RENDER_SECONDS:g} s for "
+                            "one record (the limit on one rendering); fix the template") from None
         except DataError:
             raise
         except Exception as e:  # jinja2.TemplateError (incl. raise_exception), or a Python error inside the template

@@ -73,6 +73,29 @@ def validate_record(record: Any, where: str) -> None:
     validate_chat_record(record, where)
 
 
+MAX_LINE_BYTES = 16 << 20  # a JSONL line longer than this is refused before it is parsed (prepare-data --max-line-mb)
+
+
+def line_too_long(where: str, limit: int) -> DataError:
+    return DataError(f"{where}: line longer than {limit:,} bytes ({limit / (1 << 20):g} MiB), the limit on one JSONL "
+                     f"record; split the record, or raise the limit (q38 prepare-data --max-line-mb)")
+
+
+def bounded_lines(f, path: str | os.PathLike, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
+    """``(line number, raw line)`` of a binary file, each read with ``readline(limit + 1)``: a line longer than
+    ``limit`` bytes (its newline not counted) is refused, naming ``path:line``, after at most ``limit + 1`` of its
+    bytes were read."""
+    lineno = 0
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            raise line_too_long(f"{path}:{lineno}", limit)
+        yield lineno, raw
+
+
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
     """Validated records of a JSONL file (blank lines skipped; ShareGPT / Alpaca / OpenAI-style records converted to
     q38's, ``q38.train.formats``). Errors name ``file:line``; a file without records raises once iteration reaches
@@ -88,7 +111,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
     """``(line number, record)`` pairs of an existing JSONL file."""
     n = 0
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
+        for lineno, raw in bounded_lines(f, path):
             where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
@@ -101,6 +124,9 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); each line must be one "
                                 f"JSON object") from None
+            except RecursionError:
+                raise DataError(f"{where}: JSON nested too deeply to read; each line must be one JSON object of "
+                                "text or messages") from None
             record = to_record(record, "auto", where)  # ShareGPT / Alpaca / OpenAI-style -> q38 messages
             validate_record(record, where)
             n += 1

@@ -236,3 +236,66 @@ def die_with_launcher(env: Mapping[str, str] | None = None) -> bool:
     if os.getppid() == 1:  # the launcher died before the request took effect
         raise SystemExit("q38 train: the torchrun agent that launched this worker is gone; stopping")
     return True
+
+
+# ---- q38 launch: torchrun with the documented stop ------------------------------------------------------------------
+
+
+LAUNCHED = ("train", "convert")  # the q38 commands that run under torchrun
+
+
+def launch(argv: list[str]) -> int:
+    """``q38 launch [torchrun options] COMMAND [ARGS]``: ``torchrun [torchrun options] -m q38.cli COMMAND [ARGS]``
+    (torch's own launcher, in this process), except for how it stops.
+
+    torchrun's agent turns SIGTERM / SIGINT into an exception: it signals the workers, waits ``--shutdown-timeout``
+    (30 s) for them, SIGKILLs the rest and exits 1 with its traceback, whatever the workers did. Here the first
+    SIGTERM or SIGINT is only passed on to the workers as SIGTERM (each finishes its step, saves a checkpoint and
+    exits 0) and the agent goes on watching them as usual: every worker exits 0, so the launch exits 0. A second
+    signal is torchrun's own stop. A worker that fails ends the launch with that worker's exit code (2 for bad
+    input) and one line naming it."""
+    import signal
+
+    import torch.distributed.elastic.multiprocessing.api as mp
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    at = next((i for i, a in enumerate(argv) if a in LAUNCHED), None)
+    if at is None:
+        raise ConfigError(f"q38 launch expects torchrun options, then a q38 command ({', '.join(LAUNCHED)}) and its "
+                          f"arguments, e.g. q38 launch --standalone --nproc-per-node 2 train CONFIG; got {argv}")
+    args = parse_args([*argv[:at], "-m", "q38.cli", *argv[at:]])
+    contexts: list = []
+    signals: list[int] = []
+    torch_handler, torch_start = mp._terminate_process_handler, mp.PContext.start
+
+    def start(self) -> None:  # every worker group the agent starts (a restart starts a new one)
+        contexts.append(self)
+        torch_start(self)
+
+    def on_signal(signum, frame) -> None:
+        signals.append(signum)
+        if len(signals) > 1 or signum not in (signal.SIGTERM, signal.SIGINT):
+            torch_handler(signum, frame)  # raises torchrun's SignalException: its own shutdown
+        print(f"q38 launch: {signal.Signals(signum).name}: the workers finish their step, save a checkpoint and "
+              "exit (send it again to stop them at once)", file=sys.stderr, flush=True)
+        for pc in contexts:
+            for pid in pc.pids().values():
+                try:
+                    os.kill(pid, signal.SIGTERM)  # never SIGINT: a worker reads a second SIGINT as "abort"
+                except ProcessLookupError:
+                    pass
+
+    mp._terminate_process_handler, mp.PContext.start = on_signal, start
+    try:
+        run(args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if 0 < failure.exitcode < 256 else 1
+        how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
+               else f"exited with code {failure.exitcode}")
+        print(f"q38 launch: worker rank {rank} {how} (its own lines above say why)", file=sys.stderr)
+        return code
+    finally:
+        mp._terminate_process_handler, mp.PContext.start = torch_handler, torch_start
+    return 0

@@ -21,7 +21,9 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from q38.train.data import IGNORE_INDEX, DataError, encode_record, resolve_data_path, validate_record
+from q38.train.data import (
+    IGNORE_INDEX, MAX_LINE_BYTES, DataError, encode_record, line_too_long, resolve_data_path, validate_record,
+)
 from q38.train.formats import FORMATS, to_record
 from q38.train.tokenizer import load_tokenizer
 from q38.train.shards import FORMAT, MANIFEST, VERSION, sha256_file, shard_files, token_dtype, tokenizer_identity
@@ -78,8 +80,11 @@ def expand_inputs(inputs: Sequence[str], split: str | None = None) -> list[tuple
     return out
 
 
-def plan_chunks(files: Sequence[tuple[Path, str]], chunk_bytes: int) -> list[dict[str, Any]]:
-    """One chunk per ~chunk_bytes of each JSONL file (cut after a newline) or per Parquet row group."""
+def plan_chunks(files: Sequence[tuple[Path, str]], chunk_bytes: int,
+                max_line: int = MAX_LINE_BYTES) -> list[dict[str, Any]]:
+    """One chunk per ~chunk_bytes of each JSONL file (cut after a newline) or per Parquet row group. A line over
+    ``max_line`` bytes is refused (file and line) before it is parsed: a chunk holds at most
+    ``chunk_bytes + max_line`` bytes."""
     chunks = []
     for fi, (f, kind) in enumerate(files):
         if kind == "parquet":
@@ -103,10 +108,12 @@ def plan_chunks(files: Sequence[tuple[Path, str]], chunk_bytes: int) -> list[dic
                 end = min(size, start + chunk_bytes)
                 if end < size:
                     fh.seek(end)
-                    rest = fh.readline()
+                    rest = fh.readline(max_line + 1)
+                    if len(rest) > max_line and not rest.endswith(b"\n"):
+                        raise line_too_long(f"{f}:{_line_of(str(f), end)}", max_line)
                     end += len(rest)
                 chunks.append({"file": str(f), "source": fi, "kind": kind, "start": start, "end": end,
-                               "bytes": end - start})
+                               "bytes": end - start, "max_line": max_line})
                 start = end
     for i, c in enumerate(chunks):
         c["name"] = f"shard_{i:06d}"
@@ -134,13 +141,16 @@ def _records(chunk: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         data = fh.read(chunk["end"] - chunk["start"])
     first_line = None
     for k, raw in enumerate(data.split(b"\n")):
+        if len(raw) > chunk.get("max_line", MAX_LINE_BYTES):
+            raise line_too_long(f"{f}:{_line_of(f, chunk['start']) + k}", chunk.get("max_line", MAX_LINE_BYTES))
         if not raw.strip():
             continue
         try:
             rec = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             first_line = first_line or _line_of(f, chunk["start"])
-            raise DataError(f"{f}:{first_line + k}: malformed JSON or UTF-8 ({e}); each line must be one JSON "
+            why = "nested too deeply" if isinstance(e, RecursionError) else e
+            raise DataError(f"{f}:{first_line + k}: malformed JSON or UTF-8 ({why}); each line must be one JSON "
                             f"object") from None
         yield (f, chunk["start"], k), rec
 
@@ -276,7 +286,7 @@ def is_prepared_output(d: Path) -> bool:
 def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer: str = "byte",
                  workers: int | None = None, chunk_bytes: int = CHUNK_BYTES, progress: bool = True,
                  train_on: str = "assistant", overwrite: bool = False, record_format: str = "auto",
-                 split: str | None = None, log=print) -> dict[str, Any]:
+                 split: str | None = None, log=print, max_line_bytes: int = MAX_LINE_BYTES) -> dict[str, Any]:
     """Prepare (or confirm up to date) ``out_dir`` from ``inputs``; returns the manifest (with ``"skipped": True``
     when nothing had to be done). ``train_on`` picks the targets of chat records (``q38.train.chat``);
     ``record_format`` the records' shape (``q38.train.formats``: auto, messages, sharegpt, alpaca, text); ``split``
@@ -295,7 +305,8 @@ def prepare_data(inputs: Sequence[str], out_dir: str | os.PathLike, *, tokenizer
                      overwrite=overwrite)
     made = [d for d in (out, *out.parents) if not d.exists()]
     try:
-        return _prepare_data(files, out, tokenizer, workers, chunk_bytes, progress, train_on, log, record_format)
+        return _prepare_data(files, out, tokenizer, workers, chunk_bytes, progress, train_on, log, record_format,
+                             max_line_bytes)
     except BaseException:
         for d in made:  # innermost first
             _remove_own_files(d)
@@ -314,8 +325,8 @@ def _remove_own_files(d: Path) -> None:
 
 
 def _prepare_data(files: Sequence[tuple[Path, str]], out: Path, tokenizer: str, workers: int | None,
-                  chunk_bytes: int, progress: bool, train_on: str, log, record_format: str = "auto"
-                  ) -> dict[str, Any]:
+                  chunk_bytes: int, progress: bool, train_on: str, log, record_format: str = "auto",
+                  max_line_bytes: int = MAX_LINE_BYTES) -> dict[str, Any]:
     tok = load_tokenizer(tokenizer)
     ident = dict(tokenizer_identity(tok), spec=tokenizer)
     dtype = token_dtype(tok.vocab_size)
@@ -331,7 +342,7 @@ def _prepare_data(files: Sequence[tuple[Path, str]], out: Path, tokenizer: str, 
     out.mkdir(parents=True, exist_ok=True)
     if (out / MANIFEST).exists():
         (out / MANIFEST).unlink()  # from here on the directory does not look prepared until the new manifest lands
-    chunks = plan_chunks(files, chunk_bytes)
+    chunks = plan_chunks(files, chunk_bytes, max_line_bytes)
     for c in chunks:
         c["format"] = record_format
     n_workers = max(1, min(workers or os.cpu_count() or 1, len(chunks)))

@@ -156,17 +156,18 @@ class RunConfig:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> "RunConfig":
-        import yaml
+        from q38.errors import read_yaml_file
 
         path = Path(path) if path is not None else DEFAULT_CONFIG
         if not path.is_file():
             raise ConfigError(f"train config not found: {path} (pass a YAML file, or no argument for the default)")
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+        raw = read_yaml_file(path, "train config") or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping with sections model, layout, data, train, run")
+        bad = next((k for k in raw if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ConfigError(f"{path}: top-level key {bad!r} is not a section name; valid sections: model, "
+                              "init_from, layout, data, train, run, kernels")
         return cls.from_dict(raw, source=str(path), overrides=overrides, base_dir=path.parent)
 
     @classmethod
@@ -185,6 +186,9 @@ class RunConfig:
                     raise ConfigError(f"--set {k}: section {sec!r} is not a mapping in {source}")
                 raw[sec] = dict(cur, **{key: v})
         for k in raw:
+            if not isinstance(k, str):
+                raise ConfigError(f"{source}: top-level key {k!r} is not a section name; valid sections: "
+                                  f"{', '.join(sections)}")
             if k not in sections:
                 close = difflib.get_close_matches(k, sections, n=1)
                 raise ConfigError(

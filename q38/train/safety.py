@@ -399,11 +399,43 @@ def interrupted(e: BaseException) -> bool:
     return False
 
 
-def save_error(e: BaseException, step: int, ck_root: Path) -> SaveError:
-    """One line for a failed save: the cause, and the intact checkpoint a rerun resumes from."""
+def failed_ranks(e: BaseException) -> list[int]:
+    """The ranks whose part of a DCP save or load failed (DCP's ``CheckpointException.failures``); [] otherwise."""
+    failures = getattr(e, "failures", None)
+    return sorted(r for r in failures if isinstance(r, int)) if isinstance(failures, dict) else []
+
+
+def storage_note(path: Path) -> str:
+    """What this process sees of the storage under ``path`` after a failed write: the free space of its file system
+    and a file size limit (``ulimit -f``), when one is set. A C++ writer (torch.save inside DCP) reports a full disk
+    only as a short write, so this is how the line names it."""
+    import resource
+
+    notes = []
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        st = os.statvfs(p)
+        notes.append(f"{st.f_bavail * st.f_frsize / (1 << 20):,.1f} MiB free on the file system of {path}")
+    except OSError:
+        pass
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if soft != resource.RLIM_INFINITY:
+        notes.append(f"a file size limit (ulimit -f) of {soft:,} bytes")
+    return "; ".join(notes)
+
+
+def save_error(e: BaseException, step: int, ck_root: Path, rank: int = 0) -> SaveError:
+    """One line for a failed save: the cause (with the ranks that failed, and what this rank sees of its storage
+    when it is one of them), and the intact checkpoint a rerun resumes from."""
     from q38.train.checkpoint import newest_verified
 
     prev, _ = newest_verified(ck_root)
     keep = (f"the previous checkpoint {prev} is intact; fix the cause and run the same command to resume from it"
             if prev is not None else "no earlier checkpoint exists; fix the cause and run again")
-    return SaveError(f"saving the checkpoint of step {step} to {ck_root} failed ({_cause(e)}); {keep}")
+    ranks = failed_ranks(e)
+    who = f" on rank(s) {', '.join(map(str, ranks))}" if ranks else ""
+    here = storage_note(ck_root) if not ranks or rank in ranks else ""
+    here = f"; rank {rank} sees {here}" if here else ""
+    return SaveError(f"saving the checkpoint of step {step} to {ck_root} failed{who} ({_cause(e)}{here}); {keep}")

@@ -506,6 +506,9 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
     with StopSignal() as stop, contextlib.closing(dog), contextlib.closing(prof):
         for step in range(start + 1, cfg.run.steps + 1):
             prof.begin(step)
+            # Armed from the batch to the all-reduce after the step: a rank stopped anywhere in between (also after
+            # its step's last collective, where the others wait in that all-reduce) is caught by run.step_timeout_s;
+            # evaluations and saves, where the ranks wait for each other too, are watched under run.timeout_s.
             with dog.step(step):
                 CommClock.take()  # count this step's waiting in collectives only
                 t_data = time.perf_counter()
@@ -519,34 +522,37 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
                 m = metrics.as_dict()  # on the host: the step has finished on the device too
                 dt = time.perf_counter() - t0
                 waited = CommClock.take()
-            prof.end(step, logs.line)
+                prof.end(step, logs.line)
             if evals is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0)
                                       or step == cfg.run.steps):
-                m.update(eval_losses(state, evals, mesh, device, progress=cfg.run.progress and logs.lead))
-            tput.update(step, m["tokens"], dt)
-            wait = t0 - t_data
-            rec = dict(m, step=step, step_time=dt, tokens_per_s=tput.tokens_per_s, mfu=tput.mfu, time_data=wait,
-                       time_optimizer=max(dt - m["time_forward_backward"], 0.0), time_save=save_s,
-                       time_comm_wait=waited)
-            records.append(rec)
-            if on_step is not None:
-                on_step(rec)
-            # one small all-reduce: the stop signal, whether a background save still writes, and each rank's busy
-            # time (data wait + step - waiting in collectives: the rank the others wait for has the most)
-            busy = max(wait + dt - waited, 0.0)
-            flags = _any_rank([float(stop.signum or 0), float(saver.running()),
-                               *(busy if r == world.rank else 0.0 for r in range(world.world_size))], device)
+                with dog.phase(step, "evaluation", "run.timeout_s", cfg.run.timeout_s):
+                    m.update(eval_losses(state, evals, mesh, device, progress=cfg.run.progress and logs.lead))
+            with dog.step(step):  # (armed again after an evaluation, which has a bound of its own)
+                tput.update(step, m["tokens"], dt)
+                wait = t0 - t_data
+                rec = dict(m, step=step, step_time=dt, tokens_per_s=tput.tokens_per_s, mfu=tput.mfu, time_data=wait,
+                           time_optimizer=max(dt - m["time_forward_backward"], 0.0), time_save=save_s,
+                           time_comm_wait=waited)
+                records.append(rec)
+                if on_step is not None:
+                    on_step(rec)
+                # one small all-reduce: the stop signal, whether a background save still writes, and each rank's
+                # busy time (data wait + step - waiting in collectives: the rank the others wait for has the most)
+                busy = max(wait + dt - waited, 0.0)
+                flags = _any_rank([float(stop.signum or 0), float(saver.running()),
+                                   *(busy if r == world.rank else 0.0 for r in range(world.world_size))], device)
             stopping, writing, times = int(flags[0]), flags[1] > 0, flags[2:]
             rec.update(step_times(times))
             logs.step(rec, tput, list(metrics.terms) or None)
             t_save, save_s = time.perf_counter(), 0.0
-            if saver.pending is not None and not writing:  # every rank's background write has finished
-                saved_at = saver.finish()
-                save_s = time.perf_counter() - t_save
-            last = stopping or step == cfg.run.steps
-            if last or (cfg.run.save_every and step % cfg.run.save_every == 0):
-                saved_at = saver.save(state, batches, background=not last) or saved_at
-                save_s = time.perf_counter() - t_save
+            with dog.phase(step, "checkpoint save", "run.timeout_s", cfg.run.timeout_s):
+                if saver.pending is not None and not writing:  # every rank's background write has finished
+                    saved_at = saver.finish()
+                    save_s = time.perf_counter() - t_save
+                last = stopping or step == cfg.run.steps
+                if last or (cfg.run.save_every and step % cfg.run.save_every == 0):
+                    saved_at = saver.save(state, batches, background=not last) or saved_at
+                    save_s = time.perf_counter() - t_save
             if stopping:
                 logs.end(f"q38 train: stopped by {signal.Signals(stopping).name} at step {step}; checkpoint saved "
                          f"to {saved_at} (run the same command again to resume)")
@@ -612,7 +618,7 @@ class _Saver:
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             if interrupted(e):
                 raise KeyboardInterrupt from e
-            raise save_error(e, step, self.root) from e
+            raise save_error(e, step, self.root, rank=self.world.rank) from e
 
 
 def _export_hf(cfg: RunConfig, ck: Path, step: int, log) -> None:

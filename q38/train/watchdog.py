@@ -66,6 +66,7 @@ class StepWatchdog:
         self._lock = threading.Condition()
         self._step: int | None = None
         self._deadline = 0.0
+        self._what = ("step", "run.step_timeout_s", timeout_s)  # the armed phase, for the line
         self._closed = False
         self._thread = None
         if timeout_s is not None:
@@ -73,7 +74,15 @@ class StepWatchdog:
             self._thread.start()
 
     def step(self, n: int):
-        return _Armed(self, n)
+        """Arm for step ``n``: everything from reading its batch to the small all-reduce after it (the one every rank
+        joins each step), under ``run.step_timeout_s``."""
+        return _Armed(self, n, "step", "run.step_timeout_s", self.timeout_s)
+
+    def phase(self, n: int, what: str, setting: str, timeout_s: float):
+        """Arm for a longer phase after step ``n`` (an evaluation, a checkpoint save) under its own bound, so that no
+        part of the loop where ranks wait for each other goes unwatched. Does nothing when the step timeout is
+        off."""
+        return _Armed(self, n, what, setting, timeout_s)
 
     def close(self) -> None:
         with self._lock:
@@ -89,25 +98,39 @@ class StepWatchdog:
                     self._lock.wait(None if self._step is None else max(self._deadline - time.monotonic(), 0))
                 if self._closed:
                     return
-                step = self._step
-            self._report(step)
+                step, what = self._step, self._what
+            self._report(step, what)
             return
 
-    def _report(self, step: int) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        dump = self.dir / f"step_{step}_rank{self.rank}.txt"
-        with open(dump, "w") as f:
-            f.write(f"rank {self.rank} of {self.world}: step {step} ran past run.step_timeout_s={self.timeout_s:g} s\n")
-            f.flush()
-            faulthandler.dump_traceback(file=f, all_threads=True)
-        _dump_nccl_trace(self.dir / f"step_{step}_rank{self.rank}.nccl_trace.pickle")
+    def _report(self, step: int, what: tuple) -> None:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            dump = self.dir / f"step_{step}_rank{self.rank}.txt"
+            with open(dump, "w") as f:
+                f.write(f"rank {self.rank} of {self.world}: {_title(step, *what)}\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            _dump_nccl_trace(self.dir / f"step_{step}_rank{self.rank}.nccl_trace.pickle")
+        except OSError as e:  # a full or read-only disk: the line below still ends the run
+            print(f"q38 train [rank {self.rank}]: note: could not write the stacks to {self.dir} ({e})",
+                  file=sys.stderr, flush=True)
         waiting, place = where(sys._current_frames().get(self._main))
-        verdicts = self._exchange(step, f"{'waiting' if waiting else 'busy'} in {place}")
-        print(f"q38 train [rank {self.rank}]: error: {summary(step, self.timeout_s, verdicts, self.world)}; "
-              f"stacks in {self.dir}", file=sys.stderr, flush=True)
+        verdicts = self._exchange_bounded(f"{step}/{what[0]}", f"{'waiting' if waiting else 'busy'} in {place}")
+        line = summary(step, what[2], verdicts, self.world, what=what[0], setting=what[1])
+        print(f"q38 train [rank {self.rank}]: error: {line}; stacks in {self.dir}", file=sys.stderr, flush=True)
         self._exit(1)
 
-    def _exchange(self, step: int, mine: str) -> dict[int, str | None]:
+    def _exchange_bounded(self, key: str, mine: str) -> dict[int, str | None]:
+        """``_exchange`` on a thread of its own, given ``ANSWER_S`` + 1 s: a store call that blocks (its host is
+        the stopped rank, or the network is gone) cannot keep this rank from ending the run."""
+        box: dict[int, str | None] = {self.rank: mine}
+        t = threading.Thread(target=lambda: box.update(self._exchange(key, mine)), name="q38-hang-exchange",
+                             daemon=True)
+        t.start()
+        t.join(ANSWER_S + 1.0)
+        return dict(box)
+
+    def _exchange(self, step, mine: str) -> dict[int, str | None]:
         """Every rank's verdict (None: no answer within ``ANSWER_S``); without a store (one process) only mine."""
         if self.store is None or self.world == 1:
             return {self.rank: mine}
@@ -132,14 +155,14 @@ class StepWatchdog:
 
 
 class _Armed:
-    def __init__(self, dog: StepWatchdog, n: int) -> None:
-        self.dog, self.n = dog, n
+    def __init__(self, dog: StepWatchdog, n: int, what: str, setting: str, timeout_s: float | None) -> None:
+        self.dog, self.n, self.what = dog, n, (what, setting, timeout_s)
 
     def __enter__(self):
         d = self.dog
         if d.timeout_s is not None:
             with d._lock:
-                d._step, d._deadline = self.n, time.monotonic() + d.timeout_s
+                d._step, d._what, d._deadline = self.n, self.what, time.monotonic() + self.what[2]
                 d._lock.notify()
         return self
 
@@ -151,7 +174,13 @@ class _Armed:
                 d._lock.notify()
 
 
-def summary(step: int, timeout_s: float, verdicts: dict[int, str | None], world: int) -> str:
+def _title(step: int, what: str, setting: str, timeout_s: float) -> str:
+    head = f"step {step}" if what == "step" else f"the {what} after step {step}"
+    return f"{head} ran past {setting}={timeout_s:g} s"
+
+
+def summary(step: int, timeout_s: float, verdicts: dict[int, str | None], world: int, *, what: str = "step",
+            setting: str = "run.step_timeout_s") -> str:
     """The one line: the ranks that hold the step up (busy, or silent), then the ones waiting for them."""
     busy = [f"rank {r} is {v}" for r, v in sorted(verdicts.items()) if v is not None and v.startswith("busy")]
     silent = [r for r in range(world) if verdicts.get(r) is None]
@@ -160,7 +189,7 @@ def summary(step: int, timeout_s: float, verdicts: dict[int, str | None], world:
                     if silent else [])
     if waiting:
         parts.append(f"rank(s) {', '.join(map(str, waiting))} wait in a collective")
-    return f"step {step} ran past run.step_timeout_s={timeout_s:g} s: " + "; ".join(parts)
+    return f"{_title(step, what, setting, timeout_s)}: " + "; ".join(parts)
 
 
 def _dump_nccl_trace(path: Path) -> None:

@@ -15,8 +15,14 @@ class JSONLTracker:
         self.path = run.out_dir / "metrics.jsonl"
 
     def log(self, record: Mapping[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps(dict(record)) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(dict(record)) + "\n")
+        except OSError as e:  # a full disk fails the buffered write at close, with no file name: add it
+            if e.filename is not None:
+                raise
+            raise OSError(e.errno, f"{e.strerror or e}; the records up to the last whole line are kept (a torn "
+                          "last line is cut off on resume)", str(self.path)) from None
 
     def close(self) -> None:
         pass
