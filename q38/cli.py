@@ -407,8 +407,14 @@ def _kernels(argv: list[str]) -> int:
 
 
 def _launch(argv: list[str]) -> int:
-    from q38.train.launch import launch
+    from q38.train.launch import LAUNCHED, launch
 
+    if argv in ([], ["-h"], ["--help"]):
+        print(f"usage: q38 launch [TORCHRUN OPTIONS] {{{','.join(LAUNCHED)}}} ...\n\n"
+              "torchrun for q38 commands, e.g. q38 launch --standalone --nproc-per-node 2 train CONFIG. The first "
+              "SIGTERM or Ctrl-C is passed to the workers, which save a checkpoint and exit 0; a second one is "
+              "torchrun's own stop. The torchrun options are torchrun's (torchrun --help).")
+        return 0
     return launch(argv)
 
 
