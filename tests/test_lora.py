@@ -194,6 +194,7 @@ def test_lora_layout_matches_single_process(layout, mesh_sizes, world, mode):
 # ---- checkpoints: adapters + moments + a reference to the base; resume is exact --------------------------------
 
 
+@pytest.mark.slow  # ~100 s on the shared 2-core machine (three short runs)
 def test_lora_run_resumes_bit_identical_and_refuses_another_base(tmp_path):
     from q38.train import checkpoint as ck
     from q38.train.peft import BaseMismatch
@@ -248,6 +249,7 @@ def _bytes_fn(rank, world, lora):
             "grad_bytes": sum(g.to_local().untyped_storage().nbytes() for g in r.grads)}
 
 
+@pytest.mark.slow  # ~110 s: two 4-rank runs
 @pytest.mark.dist
 def test_frozen_base_costs_its_storage_dtype_only_on_each_rank():
     """4 gloo ranks, fsdp_ep (fsdp 2 × ep 2), bf16 policy: each rank holds its base shard in bf16 (2 bytes a value)
