@@ -146,6 +146,6 @@ def scaled_gathers(ls: LoraStats, act: int) -> ParamStats:
                         layer_gather=mix("layer_gather"), recompute_prefetchable=mix("recompute_prefetchable"))
 
 
-def optimizer_bytes(ls: LoraStats, st) -> float:
+def optimizer_bytes(ls: LoraStats, st) -> float | int:
     return ls.adapters.numel * (st.mst * 2 + st.red + 8 * 2)
 
