@@ -4,8 +4,13 @@ eagerly, in fp32 on CPU: output, router logits and the gradients of the input an
 traced as one graph. Slow: compiling takes minutes on a loaded 2-core machine.
 
 The suite's shape checks (jaxtyping + beartype, installed by an import hook from pyproject's ``addopts``) wrap every
-q38 function in a checker the compiler cannot trace; jaxtyping's runtime switch turns them off for these tests
-(production runs have no hook)."""
+q38 function in a checker the compiler cannot trace (even switched off at run time, the wrapper breaks the trace), so
+the comparison runs in a subprocess without the hook: this file run as a script (production has no hook either)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,20 +26,6 @@ from q38.pytree import tree_leaves, tree_map
 TOL = 1e-5
 
 
-@pytest.fixture
-def no_shape_checks(monkeypatch):
-    import jaxtyping
-
-    monkeypatch.setattr(jaxtyping.config, "jaxtyping_disable", True)
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _close(x, ref):
-    return (x - ref).abs().max().item() <= TOL * max(1.0, ref.abs().max().item())
-
-
 def _run(apply, lp, x, cfg, info):
     params = tree_map(lambda t: t.detach().clone().requires_grad_(), lp)
     x = x.detach().clone().requires_grad_()
@@ -45,21 +36,30 @@ def _run(apply, lp, x, cfg, info):
     return (y, logits, *torch.autograd.grad(loss, leaves))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
-def test_a_compiled_layer_equals_eager(no_shape_checks, kind):
+def compare(kind: str) -> dict:
+    """Eager vs ``kernels.block: compiled`` on one layer of ``kind`` (packed rows: the masked GDN, conv and attention
+    paths): per tensor (output, logits, d input, d every parameter), max |compiled − eager| / max(1, max |eager|)."""
     cfg = ModelConfig.preset("tiny")
     lp = q38.init_params(cfg, seed=0).layers[cfg.layer_types.index(kind)]
     b, s = 2, 32
     x = torch.randn(b, s, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    doc = torch.tensor([[0] * 12 + [1] * 20, [0] * 32])  # packed rows: the masked GDN, conv and attention paths
+    doc = torch.tensor([[0] * 12 + [1] * 20, [0] * 32])
     eager = _run(layer_apply, lp, x, cfg, seq_info(doc, b, s, "cpu", kernels=DEFAULT_KERNELS))
     kc = DEFAULT_KERNELS.replace(block="compiled")
     compiled = _run(kc.fn("block")(layer_apply), lp, x, cfg, seq_info(doc, b, s, "cpu", kernels=kc))
     assert kc.fn("block")(layer_apply) is compiled_block(layer_apply)  # one compiled function for every layer
     assert len(compiled) == len(eager)
-    for i, (c, e) in enumerate(zip(compiled, eager)):
-        assert _close(c, e), (i, (c - e).abs().max().item())
+    return {"errors": [(c - e).abs().max().item() / max(1.0, e.abs().max().item()) for c, e in zip(compiled, eager)]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["linear_attention", "full_attention"])
+def test_a_compiled_layer_equals_eager(kind):
+    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), kind], capture_output=True, text=True,
+                          timeout=1800, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-4000:]
+    errors = json.loads(done.stdout.strip().splitlines()[-1])["errors"]
+    assert len(errors) > 10 and max(errors) <= TOL, errors
 
 
 def test_compiled_blocks_refuse_what_they_do_not_support():
@@ -69,3 +69,7 @@ def test_compiled_blocks_refuse_what_they_do_not_support():
     assert resolve_kernels(KernelConfig(block="compiled"), device="cpu", dtype="float32").experts == "batched"
     with pytest.raises(ConfigError, match="grouped_mm cannot be compiled in float32"):
         resolve_kernels(KernelConfig(block="compiled", experts="grouped_mm"), device="cpu", dtype="float32")
+
+
+if __name__ == "__main__":
+    print(json.dumps(compare(sys.argv[1])))
