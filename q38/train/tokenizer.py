@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
@@ -114,6 +115,77 @@ def read_json_object(file: Path) -> dict[str, Any]:
     return data
 
 
+MAX_TOKENIZER_BYTES = 256 << 20  # tokenizer.json files of the family are ~11 MB
+MAX_PATTERN_CHARS = 4096
+_UNBOUNDED = ("*", "+")
+
+
+def risky_repetition(pattern: str) -> str | None:
+    """The first group of a regex that is repeated without bound while its own body repeats or alternates (``(a+)+``,
+    ``(a|ab)*``, ``(?:x*y)+``): the forms for which a backtracking engine (the tokenizers library's Oniguruma) can
+    take exponential time on one line. None when there is none. Character classes and escapes are skipped; a
+    group repeated by ``?`` or ``{m,n}`` is bounded and allowed."""
+    stack: list[tuple[int, bool]] = []  # (start, body repeats or alternates)
+    i, n = 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == "[":  # a character class: up to its closing bracket
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            j += pattern[j:j + 1] == "]"
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            i = j + 1
+            continue
+        if c == "(":
+            stack.append((i, False))
+        elif c == "|" and stack:
+            stack[-1] = (stack[-1][0], True)
+        elif c in _UNBOUNDED or (c == "{" and re.match(r"\{\d*,\}", pattern[i:])):
+            if stack:
+                stack[-1] = (stack[-1][0], True)
+        elif c == ")" and stack:
+            start, busy = stack.pop()
+            after = pattern[i + 1:i + 2]
+            unbounded = after in _UNBOUNDED or bool(re.match(r"\{\d*,\}", pattern[i + 1:]))
+            if busy and unbounded:
+                return pattern[start:i + 2]
+            if stack and busy:
+                stack[-1] = (stack[-1][0], True)  # a repeating body inside: the outer group's body repeats too
+        i += 1
+    return None
+
+
+def check_tokenizer_file(file: Path) -> None:
+    """Before the tokenizers library reads ``file``: its size, and every regex it holds (pre-tokenizer splits,
+    normalizer replacements) bounded in length and free of nested or alternating unbounded repetition."""
+    from q38.train.untrusted import CheckpointMismatch, load_json
+
+    try:
+        data = load_json(file, "tokenizer", MAX_TOKENIZER_BYTES, follow=True)  # a hub cache links to its blob
+    except CheckpointMismatch as e:
+        raise DataError(str(e)) from None
+    todo = [data]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            pat = x.get("Regex")
+            if isinstance(pat, str):
+                if len(pat) > MAX_PATTERN_CHARS:
+                    raise DataError(f"tokenizer: {file}: a regex of {len(pat):,} characters (the limit is "
+                                    f"{MAX_PATTERN_CHARS:,}); not a tokenizer q38 reads")
+                bad = risky_repetition(pat)
+                if bad is not None:
+                    raise DataError(f"tokenizer: {file}: the regex {pat[:80]!r} repeats the group {bad!r}, whose "
+                                    "own body repeats or alternates; such a pattern can backtrack for minutes on "
+                                    "one line, so q38 refuses it (use the tokenizer the checkpoint was released with)")
+            todo.extend(x.values())
+        elif isinstance(x, list):
+            todo.extend(x)
+
+
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (via the ``tokenizers`` library) read from a local directory.
 
@@ -128,6 +200,7 @@ class HFTokenizer:
         file = self.path / "tokenizer.json" if self.path.is_dir() else self.path
         if not file.is_file():
             raise DataError(f"tokenizer: {file} not found; expected a directory containing tokenizer.json")
+        check_tokenizer_file(file)
         try:
             self._tok = _HFTok.from_file(str(file))
         except Exception as e:  # the tokenizers library raises plain Exceptions
@@ -176,11 +249,18 @@ class HFTokenizer:
         return self._tok.token_to_id(token)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return list(self.encoding(text).ids)
 
     def encoding(self, text: str) -> Any:
-        """The ``tokenizers.Encoding`` of ``encode`` (ids plus character offsets, for chat-template masks)."""
-        return self._tok.encode(text, add_special_tokens=False)
+        """The ``tokenizers.Encoding`` of ``encode`` (ids plus character offsets, for chat-template masks). A failure
+        inside the library (a Rust panic, e.g. its regex engine's retry limit) is one ``DataError``."""
+        try:
+            return self._tok.encode(text, add_special_tokens=False)
+        except BaseException as e:  # pyo3's PanicException derives from BaseException
+            if type(e).__name__ != "PanicException":
+                raise
+            raise DataError(f"tokenizer {self.path}: the tokenizers library failed on a text of {len(text):,} "
+                            f"characters ({str(e).splitlines()[0][:200]})") from None
 
     def added_tokens(self) -> list[Any]:
         """The ``tokenizers.AddedToken`` s of ``tokenizer.json`` (special or not)."""
