@@ -49,7 +49,7 @@ from q38.train.trainer import RunConfig, train
 cfg = RunConfig.from_dict(json.loads(sys.argv[1]), source="bench")
 t0 = time.time()
 from q38.train.tokenizer import load_tokenizer
-from q38.train.shards import TrainData
+from q38.train.sources import TrainData
 data = TrainData(cfg.data.path, load_tokenizer("byte"), seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size)
 it, _ = data.iterators(cfg.data.batch_size, dp_rank=0, dp_size=1, seed=0, shuffle=True)
 next(it)

@@ -194,13 +194,24 @@ def split_path(path: str) -> tuple[str, str | None]:
 # ---- building and merging ------------------------------------------------------------------------------------------
 
 
+def declared_info(path: str) -> ParamInfo:
+    """``q38.model.declared_info``, also for a LoRA node's leaves (``….w_q.base``, ``….w_q.lora_a``, ...), which are
+    declared by the weight they adapt (its logical axes and FSDP dim; the shape given an adapter is that of rank 1)."""
+    from q38.model import declared_info as weight_info
+
+    head, key = split_path(path)
+    if key is None:
+        return weight_info(path)
+    base = declared_info(head)
+    return base if key == "base" else adapter_info(base, key, 1)
+
+
 def add_adapters(params, peft: PeftConfig, *, seed: int, make=None, base_dtype=None):
     """``params`` (a ``ModelParams`` of tensors or DTensors) with every targeted weight replaced by its adapted node;
     every frozen leaf cast to ``base_dtype`` (the compute dtype: the base is stored as the layers use it).
     ``make(path, info)`` builds an adapter matrix (default: ``materialize`` on the base's device); on a mesh it builds
     the rank's shard (``q38.parallel.mesh.build_adapter``). Values depend only on ``seed`` and the path."""
     from q38.layers.common import materialize
-    from q38.model import declared_info
     from q38.pytree import tree_map_with_path
 
     def default_make(path, info, like):

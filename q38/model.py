@@ -111,15 +111,8 @@ def declared_params() -> dict[str, ParamInfo]:
 
 
 def declared_info(path: str) -> ParamInfo:
-    """The declaration of the parameter at dotted ``path`` (any layer index). A LoRA node's leaves
-    (``….w_q.base``, ``….w_q.lora_a``, ...: ``q38.lora``) are declared by the weight they adapt (their logical axes
-    and FSDP dim; the shape a declaration gives an adapter is that of rank 1)."""
-    from q38.lora import adapter_info, split_path
-
-    head, key = split_path(path)
-    if key is not None:
-        base = declared_info(head)
-        return base if key == "base" else adapter_info(base, key, 1)
+    """The declaration of the parameter at dotted ``path`` (any layer index); a LoRA node's leaves are declared by
+    ``q38.lora.declared_info``."""
     info = declared_params().get(generic_path(path))
     if info is None:
         raise KeyError(

@@ -16,7 +16,8 @@ from q38.train import readers
 from q38.train.data import DataError, encode_record, validate_record
 from q38.train.formats import to_record
 from q38.train.prepare import prepare_data
-from q38.train.shards import ShardRows, TrainData
+from q38.train.shards import ShardRows
+from q38.train.sources import TrainData
 from q38.train.tokenizer import ByteTokenizer, load_tokenizer
 from q38.train.trainer import RunConfig, train
 from tests.run_utils import run_dict

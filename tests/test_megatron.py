@@ -14,7 +14,8 @@ from q38.train import checkpoint as ck
 from q38.train.data import DataError
 from q38.train.megatron import MegatronRows
 from q38.train.prepare import prepare_data
-from q38.train.shards import ShardRows, TrainData
+from q38.train.shards import ShardRows
+from q38.train.sources import TrainData
 from q38.train.tokenizer import ByteTokenizer
 from q38.train.trainer import RunConfig, train
 from tests import megatron_ref

@@ -40,17 +40,24 @@ def test_memory_check_false_starts_anyway_and_says_why_it_may_not_fit(tmp_path, 
 def test_the_production_run_predicts_what_q38_plan_predicts(monkeypatch, capsys):
     """The shipped 1024-rank config: the trainer's prediction (from the typed RunConfig and the kernels resolved for
     CUDA) equals `q38 plan --hardware h200`'s (from the raw YAML), and keeping the torch GDN core's states
-    (skip_gdn_recompute) is refused on an H200's 141 GB."""
+    (skip_gdn_recompute, where FLA is not installed) is refused on an H200's 141 GB."""
+    import attrs
+
+    from q38.kernels import REGISTRY
+
     _fake_device(monkeypatch, 141 * GB)
+    with pytest.raises(ConfigError, match="DOES NOT FIT: peak 25[0-9].[0-9]+ GiB"):  # here: the torch GDN core
+        L.check_run(RunConfig.from_yaml(REPO / "specs/train/qwen3_8_2_4t.yaml", {"train.skip_gdn_recompute": True}),
+                    1024, "cuda")
+    # the plan resolves kernels for the target machine (its packages installed: flex, FLA); so does this run
+    for op, name in (("attention", "flex"), ("gdn", "fla")):
+        monkeypatch.setitem(REGISTRY[op], name, attrs.evolve(REGISTRY[op][name], problem=lambda: None))
     ok = L.check_run(RunConfig.from_yaml(REPO / "specs/train/qwen3_8_2_4t.yaml"), 1024, "cuda").memory
     assert plan_cli(["--model", "qwen3_8_2_4t", "--layout", "qwen3_8_2_4t", "--world", "1024", "--hardware",
                      "h200"]) == 0
     planned = capsys.readouterr().out
     peak = re.search(r"fits: peak ([\d.]+ GiB)", ok).group(1)
     assert f"fits: peak {peak} " in planned, (ok, planned[-600:])
-    with pytest.raises(ConfigError, match="DOES NOT FIT: peak 25[0-9].[0-9]+ GiB"):
-        L.check_run(RunConfig.from_yaml(REPO / "specs/train/qwen3_8_2_4t.yaml", {"train.skip_gdn_recompute": True}),
-                    1024, "cuda")
 
 
 def test_the_run_log_carries_the_verdict(tmp_path, monkeypatch, capsys):

@@ -363,8 +363,9 @@ def test_ep_cp_step_creates_no_tensor_without_a_device(layout):
 
 
 def test_convert_to_hf_writes_the_compute_dtype_of_the_run(tmp_path, tiny_cfg):
-    """Checkpoints hold fp32 masters; ``q38 convert --to-hf`` of a bf16-policy run writes bf16 tensors and config
-    (as Qwen checkpoints ship), ``--dtype`` still overrides."""
+    """Checkpoints hold fp32 masters; ``q38 convert --to-hf`` of a bf16-policy run writes each tensor in its compute
+    dtype: bf16, except the leaves ``train.fp32_params`` keeps fp32 (GDN ``A_log`` and norm, as Qwen3.5 checkpoints
+    ship them), and a bf16 config; ``--dtype`` still overrides every tensor."""
     import json
     import struct
 
@@ -382,7 +383,10 @@ def test_convert_to_hf_writes_the_compute_dtype_of_the_run(tmp_path, tiny_cfg):
         for f in out.glob("*.safetensors"):
             raw = f.read_bytes()
             header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
-            assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} == {want}, f
+            kept = {k for k in header if k.endswith(("linear_attn.A_log", "linear_attn.norm.weight"))}
+            assert kept, f"{f}: no A_log / GDN norm"  # tiny has GDN layers
+            assert {v["dtype"] for k, v in header.items() if k != "__metadata__" and k not in kept} == {want}, f
+            assert {header[k]["dtype"] for k in kept} == {"F32"}, f
         assert json.loads((out / "config.json").read_text())["dtype"] == {"BF16": "bfloat16", "F32": "float32"}[want]
 
 

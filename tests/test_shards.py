@@ -338,7 +338,8 @@ def test_the_eval_is_bounded_by_default_and_shows_its_progress(tmp_path, monkeyp
     from q38.train import evaluate
     from q38.train.config import TrainConfig
     from q38.train.run_config import EVAL_BATCHES, RunOptions
-    from q38.train.shards import PackedRows, TrainData
+    from q38.train.shards import PackedRows
+    from q38.train.sources import TrainData
     from q38.train.state import state_from_params
     from tests.run_utils import small_model_dict
 

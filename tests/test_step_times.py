@@ -16,7 +16,7 @@ from tests.run_utils import REPO, losses, metrics, run_config, run_dict, write_c
 def test_prefetch_hands_out_the_loaders_batches_and_positions(tmp_path):
     import torch
 
-    from q38.train.shards import TrainData
+    from q38.train.sources import TrainData
     from q38.train.tokenizer import ByteTokenizer
 
     data = TrainData("builtin:tiny", ByteTokenizer(), seq_len=32, vocab_size=512)

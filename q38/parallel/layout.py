@@ -532,7 +532,7 @@ class Layout:
         """Placement of every parameter of ``params`` (a tree of ``ParamInfo`` or tensors) on ``mesh``.
 
         ``mesh`` is a world size or a resolved ``{mesh dim: size}``. A ``ParamInfo`` brings its own logical axes;
-        a tensor leaf takes them from its layer's declaration (:func:`q38.model.declared_info`). Raises
+        a tensor leaf takes them from its layer's declaration (:func:`q38.lora.declared_info`). Raises
         :class:`LayoutError` listing every problem found (one line, grouped by kind).
         """
         from q38.model import is_param_info
@@ -546,7 +546,8 @@ class Layout:
         self, leaves: Sequence[tuple[str, Any]], mesh: Mapping[str, int] | int
     ) -> dict[str, ParamPlacement]:
         """:meth:`placements` over ``[(dotted path, global shape or ParamInfo)]``."""
-        from q38.model import declared_info, generic_path
+        from q38.lora import declared_info
+        from q38.model import generic_path
 
         mesh_items = self._mesh_items(mesh)
         sizes = dict(mesh_items)

@@ -9,7 +9,7 @@ FP8 and dequantized after the gather); the trainer does not run it yet.
 
 import attrs
 
-from q38.parallel.budget import Item, ParamStats, param_stats
+from q38.parallel.param_stats import Item, ParamStats, param_stats
 from q38.parallel.plan import local_numel_grid
 
 FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 value + its share of the block's fp32 scale

@@ -394,7 +394,7 @@ def set_rng_state(st: Mapping[str, Any]) -> None:
 def state_dict_of(tree) -> dict:
     """``{dotted path: tensor}`` of a pytree (a ``TrainState`` gives params.*, exp_avg.*, exp_avg_sq.*, step); a LoRA
     run's frozen base is left out (its checkpoint references the base instead: ``q38.train.peft``)."""
-    from q38.train.peft import frozen_names
+    from q38.train.state import frozen_names
 
     frozen = frozen_names(tree)
     return {n: t for n, t in named_leaves(tree) if n not in frozen}
@@ -564,7 +564,7 @@ def load_checkpoint(path: str | os.PathLike, template) -> tuple[Any, dict]:
     names = [n for n, _ in named_leaves(template)]
     sd = dict(zip(names, flat))
     fresh = {}
-    from q38.train.peft import frozen_names
+    from q38.train.state import frozen_names
 
     for n in frozen_names(template):  # a LoRA run's base: the template already holds it (built from the reference)
         fresh[n] = sd.pop(n)

@@ -75,12 +75,3 @@ def lora_state(base, model_config, train_config, peft: PeftConfig, *, seed: int,
         make = lambda path, info, like: torch.empty(info.shape, device=like.device)  # noqa: E731
     params = add_adapters(base, peft, seed=seed, make=make, base_dtype=train_config.torch_param_dtype)
     return state_from_params(params, model_config, train_config, kernels=kernels or DEFAULT_KERNELS, peft=peft)
-
-
-def frozen_names(state) -> set[str]:
-    """The checkpoint keys of a state's frozen leaves (``params.<path>`` of a LoRA run's base; none otherwise)."""
-    from q38.pytree import named_leaves
-
-    if getattr(state, "peft", None) is None:
-        return set()
-    return {f"params.{n}" for (n, _), m in zip(named_leaves(state.params), state.trainable()) if not m}

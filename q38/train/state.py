@@ -133,3 +133,10 @@ def learning_rate(step: int, t: TrainConfig) -> float:
     if t.schedule == "linear":
         return floor + (t.lr - floor) * (1.0 - frac)
     return floor + (t.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def frozen_names(state) -> set[str]:
+    """The checkpoint keys of a state's frozen leaves (``params.<path>`` of a LoRA run's base; none otherwise)."""
+    if getattr(state, "peft", None) is None:
+        return set()
+    return {f"params.{n}" for (n, _), m in zip(named_leaves(state.params), state.trainable()) if not m}

@@ -286,7 +286,7 @@ _SOURCE_FORMAT: dict = {}  # init_from -> its source_format (read once per run)
 
 def _open_data(cfg: RunConfig):
     """The tokenizer and the run's ``TrainData``, checked against the model's vocab and the eval settings."""
-    from q38.train.shards import TrainData
+    from q38.train.sources import TrainData
     from q38.train.tokenizer import load_tokenizer
 
     tok = load_tokenizer(cfg.data.tokenizer)
