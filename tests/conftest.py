@@ -24,3 +24,26 @@ def tiny_cfg():
     from q38.config import ModelConfig
 
     return ModelConfig.preset("tiny")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _transformers_reference_on_its_torch_path():
+    """transformers swaps its pure-torch gated delta rule for flash-linear-attention's kernels whenever ``fla``
+    imports (the slow suite installs it for tests/test_gdn_fla.py). The reference is transformers' own torch code:
+    where FLA is installed and there is no GPU, its Qwen3.5 / Qwen3-Next modules get their torch functions back
+    (``functools.wraps`` keeps them as ``__wrapped__``)."""
+    import importlib.util
+
+    if torch.cuda.is_available() or importlib.util.find_spec("fla") is None:
+        yield
+        return
+    import importlib
+
+    for name in ("qwen3_5_moe", "qwen3_next"):
+        mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                   "causal_conv1d_update"):
+            f = getattr(mod, fn, None)
+            if f is not None and hasattr(f, "__wrapped__"):
+                setattr(mod, fn, f.__wrapped__)
+    yield
