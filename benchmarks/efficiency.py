@@ -80,8 +80,11 @@ def cases(s: dict, dev: str, dt: torch.dtype):
 
     h, c, sq = s["heads"], s["head_dim"], s["seq"]
     q, k, v = leaf(1, h, sq, c), leaf(1, h, sq, c), leaf(1, h, sq, c)
-    doc = torch.arange(sq, device=dev) // (sq // s["docs"])
-    mask = ((doc[:, None] == doc[None, :]) & torch.ones(sq, sq, dtype=torch.bool, device=dev).tril())[None, None]
+    from q38.layers.attention import AttentionMask
+
+    doc = (torch.arange(sq, device=dev) // (sq // s["docs"]))[None]
+    idx = torch.arange(sq, device=dev)[None]
+    mask = AttentionMask(q_idx=idx, q_doc=doc, k_idx=idx, k_doc=doc)  # packed documents: sdpa/eager build it dense
     for impl in ("sdpa", "eager"):
         fn = REGISTRY["attention"][impl].load("attention", impl)
         # both compute every (q, k) pair under a mask: 4·s·t·h·c forward, twice that backward

@@ -88,8 +88,24 @@ def main():
     run(args, kernels, None if args.vs_gdn_chunk is None else kernels.replace(gdn_chunk_size=args.vs_gdn_chunk))
 
 
+def transformers_on_its_torch_path(device: str) -> None:
+    """Off CUDA, transformers' Qwen3.5 reference runs its own torch gated delta rule even where flash-linear-attention
+    is installed (it swaps FLA's Triton kernels in whenever ``fla`` imports; they need a GPU)."""
+    if device.startswith("cuda"):
+        return
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as m
+
+    for fn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+               "causal_conv1d_update"):
+        f = getattr(m, fn, None)
+        if f is not None and hasattr(f, "__wrapped__"):
+            setattr(m, fn, f.__wrapped__)
+
+
 def run(args, kernels, other_kernels=None):
     from transformers import Qwen3_5MoeForCausalLM
+
+    transformers_on_its_torch_path(args.device)
 
     from q38.layers.context import seq_info
 
