@@ -99,6 +99,9 @@ def main():
     try:
         from transformers import Qwen3_5MoeForCausalLM
 
+        from model import transformers_on_its_torch_path
+
+        transformers_on_its_torch_path(str(dev))
         with tempfile.TemporaryDirectory() as d:
             q38.save_hf(d, cfg, q38.init_params(cfg, seed=0))
             hf = Qwen3_5MoeForCausalLM.from_pretrained(d, dtype=dtype, attn_implementation="sdpa").to(dev)
