@@ -4,7 +4,7 @@ with the dense ``[b, 1, s, t]`` document mask, kv heads repeated), time and peak
     python benchmarks/attention.py [--seq 4096] [--docs 8] [--heads 8] [--kv-heads 2] [--head-dim 128]
                                    [--dtype float32] [--repeats 5] [--rounds 2] [--variants flex sdpa sdpa-causal]
     python benchmarks/attention.py --device cuda --dtype bfloat16 --backward [--variants ... varlen]
-                                   [--json OUT/efficiency.jsonl]
+                                   [--json OUT/efficiencies.jsonl]
 
 CPU: forward only (torch has no FlexAttention backward there). CUDA (``benchmarks/gpu.sh``): forward+backward, the
 peak is ``torch.cuda.max_memory_allocated`` over the allocation before the call, every variant in this process

@@ -46,7 +46,7 @@ def test_every_step_of_the_device_script_runs_in_its_cpu_dry_run(tmp_path):
         "plan_step_recompute.txt": ["| step time (s)", "recompute True"],
         "bf16_train.txt": ["| step | cpu fp32 loss | cpu bf16 loss |", "| 1 | "],
         "attention.txt": ["variant", "sdpa-causal"],
-        "efficiency.jsonl": ['{"op": "attention", "impl": "sdpa", "layout": "packed"'],
+        "efficiencies.jsonl": ['{"op": "attention", "impl": "sdpa", "layout": "packed"'],
         "efficiency.txt": ["TFLOP/s", "appended"],
         "plan_measured.txt": ["compute per op on h200", "measured "],
     }
