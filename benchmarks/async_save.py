@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.checkpoint_io import model_config  # noqa: E402
-from q38.train import checkpoint as ck  # noqa: E402
-from q38.train.config import TrainConfig  # noqa: E402
-from q38.train.state import init_state  # noqa: E402
-from q38.train.step import train_step  # noqa: E402
+from q38.train.io import checkpoint as ck  # noqa: E402
+from q38.train.core.step_config import TrainConfig  # noqa: E402
+from q38.train.core.state import init_state  # noqa: E402
+from q38.train.core.step import train_step  # noqa: E402
 
 
 def main() -> None:

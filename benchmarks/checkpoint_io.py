@@ -38,7 +38,7 @@ PATHS = ("fresh", "save", "resume", "init_from_q38", "init_from_hf", "to_hf", "f
 
 
 def model_config():
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
 
     gdn3 = ("linear_attention",) * 3 + ("full_attention",)
     return ModelConfig.preset("tiny").replace(
@@ -66,10 +66,10 @@ def worker(path: str, rank: int, world: int, work: Path) -> dict:
     from q38.parallel.layout import Layout
     from q38.parallel.mesh import init_sharded, make_mesh
     from q38.pytree import tree_leaves
-    from q38.train.checkpoint import empty_params, load_checkpoint, load_params, write_checkpoint
-    from q38.train.config import TrainConfig
-    from q38.train.hf_io import export_checkpoint, import_hf, load_hf_sharded
-    from q38.train.state import state_from_params
+    from q38.train.io.checkpoint import empty_params, load_checkpoint, load_params, write_checkpoint
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.io.hf_io import export_checkpoint, import_hf, load_hf_sharded
+    from q38.train.core.state import state_from_params
 
     torch.set_num_threads(1)
     if world > 1:
@@ -140,8 +140,8 @@ def hash_cost(work: Path, repeats: int) -> None:
 
     from q38.model import init_params
     from q38.pytree import named_leaves
-    from q38.train import checkpoint as ck
-    from q38.train import untrusted
+    from q38.train.io import checkpoint as ck
+    from q38.train.io import untrusted
 
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     torch.set_num_threads(1)

@@ -52,7 +52,7 @@ OVERLAP_PLAN = {True: {"prefetch": True, "async_reduce": True, "ep_overlap": Tru
 
 
 def _model():
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
 
     return ModelConfig.preset("tiny").replace(mtp_num_layers=1)
 
@@ -71,9 +71,9 @@ def _rank_fn(rank, world, layout_name, mesh_sizes, train_kw, link, ranks_per_nod
     from q38.parallel import links
     from q38.parallel.layout import Layout
     from q38.parallel.mesh import batch_row_rank, make_mesh, shard, shard_batch
-    from q38.train.config import TrainConfig
-    from q38.train.state import init_state
-    from q38.train.step import train_step
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.state import init_state
+    from q38.train.core.step import train_step
 
     cfg = _model()
     tc = TrainConfig(loss_chunk_size=64, aux_loss_coef=0.01, lr=1e-3, **train_kw)
@@ -119,7 +119,7 @@ def _plan(case, world, rpn, link, overlap, rows, seq, compute_s):
     without links (so compute_s equals it)."""
     from q38.parallel.budget import Hardware, estimate
     from q38.parallel.layout import Layout
-    from q38.train.config import TrainConfig
+    from q38.train.core.step_config import TrainConfig
 
     layout_name, mesh, extra = CASES[case]
     layout = Layout.preset(layout_name).with_mesh(**mesh)

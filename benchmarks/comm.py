@@ -31,12 +31,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def _rank_fn(rank, world, fsdp, ep, recompute, param_dtype="float32", reduce_dtype="float32", reshard=True):
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
     from q38.parallel.layout import Layout
     from q38.parallel.mesh import make_mesh, shard, shard_batch
-    from q38.train.config import TrainConfig
-    from q38.train.state import init_state
-    from q38.train.step import train_step
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.state import init_state
+    from q38.train.core.step import train_step
 
     counts = collections.Counter()
     tags = {"tag": "other"}

@@ -38,7 +38,7 @@ def best(fn, repeats):
 def gdn_core_variant(tuned: bool, repeats: int) -> None:
     """Child process: GDN core fwd+bwd per call (ms) and minor page faults per call, printed as two numbers."""
     from q38.layers.gdn import gated_delta_rule_chunked
-    from q38.train.launch import tune_cpu_allocator
+    from q38.train.run.launch import tune_cpu_allocator
 
     if tuned and tune_cpu_allocator() is None:
         print("nan nan")

@@ -45,11 +45,11 @@ def peak_mb():
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 t_import = time.time()
-from q38.train.trainer import RunConfig, train
+from q38.train.run.trainer import RunConfig, train
 cfg = RunConfig.from_dict(json.loads(sys.argv[1]), source="bench")
 t0 = time.time()
-from q38.train.tokenizer import load_tokenizer
-from q38.train.sources import TrainData
+from q38.train.data.tokenizer import load_tokenizer
+from q38.train.data.sources import TrainData
 data = TrainData(cfg.data.path, load_tokenizer("byte"), seq_len=cfg.data.seq_len, vocab_size=cfg.model.vocab_size)
 it, _ = data.iterators(cfg.data.batch_size, dp_rank=0, dp_size=1, seed=0, shuffle=True)
 next(it)
@@ -91,7 +91,7 @@ def make_corpus(path: Path, mb: float, seed: int = 0) -> int:
 
 def write_megatron(shards: Path, prefix: Path) -> None:
     """A Megatron indexed corpus (one sequence per document, uint16 tokens) of a prepared directory's documents,
-    written by hand in Megatron's index format (see q38/train/megatron.py), streaming shard by shard."""
+    written by hand in Megatron's index format (see q38/train/data/megatron.py), streaming shard by shard."""
     import struct
 
     import numpy as np
@@ -155,7 +155,7 @@ def main() -> None:
                     "nothing to do and the prepare rows repeat nothing)")
     a = ap.parse_args()
     sys.path.insert(0, str(REPO))
-    from q38.train.prepare import prepare_data
+    from q38.train.data.prepare import prepare_data
 
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="q38_bench_data_"))
     work.mkdir(parents=True, exist_ok=True)

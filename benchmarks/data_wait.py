@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def run(data_path: str, prefetch: int, steps: int, out: Path) -> tuple[float, float, float]:
-    from q38.train.run_config import DEFAULT_CONFIG, RunConfig
-    from q38.train.trainer import train
+    from q38.train.run.run_config import DEFAULT_CONFIG, RunConfig
+    from q38.train.run.trainer import train
 
     cfg = RunConfig.from_yaml(DEFAULT_CONFIG, {"data.path": data_path, "data.prefetch": prefetch,
                                                "run.steps": steps, "run.out_dir": str(out), "run.progress": False,
@@ -39,7 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     a = ap.parse_args()
-    from q38.train.prepare import prepare_data
+    from q38.train.data.prepare import prepare_data
 
     tmp = Path(tempfile.mkdtemp(prefix="q38-data-wait-"))
     shards = tmp / "shards"

@@ -52,7 +52,7 @@ def cases(s: dict, dev: str, dt: torch.dtype):
     """(op, impl, run, executed FLOPs) per case; ``run`` is forward + backward."""
     import torch.nn.functional as F
 
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
     from q38.layers.context import seq_info
     from q38.layers.kinds import MIXER_KINDS, Workload
 

@@ -43,7 +43,7 @@ def _peak_rss_bytes() -> int:
 def run_variant(args) -> dict:
     import torch
 
-    from q38.train.loss import chunked_lm_loss, unchunked_lm_loss
+    from q38.train.core.loss import chunked_lm_loss, unchunked_lm_loss
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)

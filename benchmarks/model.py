@@ -68,7 +68,7 @@ def main():
                     help="repeat the whole-model comparison this many times in the same process and print each "
                          "round's ratio with their median and range (the machine's drift shows as spread)")
     ap.add_argument("--malloc", choices=("default", "tuned"), default="default",
-                    help="tuned: glibc mallopt as `q38 train` sets it on CPU (q38.train.launch.tune_cpu_allocator), "
+                    help="tuned: glibc mallopt as `q38 train` sets it on CPU (q38.train.run.launch.tune_cpu_allocator), "
                          "for both sides alike")
     ap.add_argument("--layers", action="store_true", help="also time each layer family on the same input")
     ap.add_argument("--vs-gdn-chunk", type=int, default=None,
@@ -76,7 +76,7 @@ def main():
                          "chunk length; printed as its own row)")
     args = ap.parse_args()
     from q38.kernels import KernelConfig, resolve_kernels
-    from q38.train.launch import tune_cpu_allocator
+    from q38.train.run.launch import tune_cpu_allocator
 
     if args.malloc == "tuned":
         print(tune_cpu_allocator() or "malloc: not glibc, left as it is")

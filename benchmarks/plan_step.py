@@ -37,14 +37,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
 
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
     from q38.kernels import KernelConfig, resolve_kernels
     from q38.parallel.budget import Hardware, estimate
     from q38.parallel.layout import Layout
-    from q38.train.config import TrainConfig
-    from q38.train.optim import default_impl
-    from q38.train.state import init_state
-    from q38.train.step import train_step
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.optim import default_impl
+    from q38.train.core.state import init_state
+    from q38.train.core.step import train_step
 
     cfg = ModelConfig(
         model_type="qwen3_5_moe", vocab_size=32768, hidden_size=a.hidden, num_hidden_layers=a.layers,

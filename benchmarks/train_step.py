@@ -4,7 +4,7 @@ transformers forward+backward+AdamW step on the same config and weights, side by
     python benchmarks/train_step.py [--device cuda] [--dtype bfloat16] [--hidden 2048] [--layers 8] [--experts 64]
                                     [--top-k 8] [--batch 2] [--seq 4096] [--steps 5]
 
-MFU = tokens/s × FLOPs per token (``q38.train.trainer.flops_per_token``: 6 · active params + attention) / the
+MFU = tokens/s × FLOPs per token (``q38.train.run.trainer.flops_per_token``: 6 · active params + attention) / the
 device's dense 16-bit peak (``PEAK_FLOPS_16BIT``); printed only where the peak is known. Never asserted in tests.
 """
 
@@ -22,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import q38  # noqa: E402
 from q38.kernels import KernelConfig, resolve_kernels  # noqa: E402
-from q38.train.config import TrainConfig  # noqa: E402
-from q38.train.state import init_state  # noqa: E402
-from q38.train.step import train_step  # noqa: E402
-from q38.train.trainer import flops_per_token, known_peak_flops  # noqa: E402
+from q38.train.core.step_config import TrainConfig  # noqa: E402
+from q38.train.core.state import init_state  # noqa: E402
+from q38.train.core.step import train_step  # noqa: E402
+from q38.train.run.trainer import flops_per_token, known_peak_flops  # noqa: E402
 
 
 def sync(device):

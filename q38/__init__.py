@@ -1,6 +1,6 @@
 """q38: a functional, sharding-table-driven trainer for the Qwen3.5-MoE hybrid model family."""
 
-from q38.config import ConfigError, ModelConfig
+from q38.model_config import ConfigError, ModelConfig
 from q38.model import (
     ModelOutput,
     ModelParams,

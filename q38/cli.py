@@ -70,7 +70,7 @@ def _train(argv: list[str]) -> int:
     a = p.parse_args(argv)
     import yaml
 
-    from q38.train.trainer import RunConfig, train
+    from q38.train.run.trainer import RunConfig, train
 
     overrides = {}
     for kv in a.set:
@@ -132,11 +132,12 @@ def plan_cli(args: list[str]) -> int:
 
     Prints the report; an invalid model, layout or world size prints one line on stderr and returns 2.
     """
-    from q38.config import ConfigError, ModelConfig
+    from q38.hf_config import load_model_config
+    from q38.model_config import ConfigError
     from q38.parallel.layout import Layout, LayoutError
     from q38.parallel.plan import DTYPES, format_plan, plan
     from q38.parallel.search import BudgetQuery, budget_report
-    from q38.train.safety import check_output_dir
+    from q38.train.io.dirs import check_output_dir
 
     # argparse errors and the argument checks below: one line through main (exit 2)
     ap = OneLineParser(prog="q38 plan", description="Per-rank memory and traffic of a layout on the meta device; with --hardware also FLOPs, "
@@ -168,7 +169,7 @@ def plan_cli(args: list[str]) -> int:
                         fewest_ranks=ns.fewest_ranks, doc_len=ns.doc_len, efficiencies=ns.efficiencies)
     try:
         with reading("--model", ns.model):
-            cfg = ModelConfig.load(ns.model)
+            cfg = load_model_config(ns.model)
         if ns.layout is None:
             if not ns.search:
                 raise LayoutError("--layout is required (a preset name or YAML path), unless --search finds one")
@@ -235,7 +236,7 @@ def _convert(argv: list[str]) -> int:
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="--to-hf: largest safetensors file (default 5e9, as transformers writes)")
     a = p.parse_args(argv)
-    from q38.train.launch import cpu_process_group
+    from q38.train.run.launch import cpu_process_group
 
     with cpu_process_group() as world:  # under torchrun every rank writes its share of the output
         return _convert_files(a, lead=world.rank == 0)
@@ -245,8 +246,8 @@ def _convert_files(a, *, lead: bool) -> int:
     from pathlib import Path
 
     from q38.hf import DEFAULT_MAX_SHARD_BYTES
-    from q38.train.checkpoint import read_meta, resolve_checkpoint
-    from q38.train.hf_io import FP8, SOURCE, export_checkpoint, import_hf
+    from q38.train.io.checkpoint import read_meta, resolve_checkpoint
+    from q38.train.io.hf_io import FP8, SOURCE, export_checkpoint, import_hf
 
     dtype = FP8 if a.dtype == "fp8" else _dtype(a.dtype)
     if dtype == FP8 and not a.to_hf:
@@ -276,7 +277,7 @@ def _convert_files(a, *, lead: bool) -> int:
         raise FileNotFoundError(f"{src} is not a Hugging Face checkpoint directory (no config.json)")
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new output directory (nothing is overwritten)")
-    from q38.train.safety import check_safetensors_dir
+    from q38.train.io.dirs import check_safetensors_dir
 
     check_safetensors_dir(src, "convert --from-hf")
     cfg, _ = import_hf(src, out, dtype=dtype, mtp_num_layers=a.mtp_num_layers,
@@ -290,7 +291,7 @@ def _convert_files(a, *, lead: bool) -> int:
 def _check_export_target(src, ck, out, overwrite: bool) -> None:
     """``convert --to-hf`` never writes into its source, nor over an existing non-empty OUT_DIR without
     ``--overwrite`` (the export itself is built in a temporary directory and renamed, see ``save_hf``)."""
-    from q38.train.safety import check_output_dir
+    from q38.train.io.dirs import check_output_dir
 
     check_output_dir(out, (src, ck), what="OUT_DIR", overwrite=overwrite, role="source")
 
@@ -308,18 +309,18 @@ def _init_hf(argv: list[str]) -> int:
                    help="replace an existing non-empty OUT_DIR (never a run or checkpoint directory)")
     p.add_argument("out")
     a = p.parse_args(argv)
-    from q38.config import ModelConfig
     from q38.hf import save_hf
+    from q38.hf_config import load_model_config
     from q38.model import init_params
-    from q38.train.safety import check_output_dir
+    from q38.train.io.dirs import check_output_dir
 
     out = Path(a.out)
     model = Path(a.model)
     check_output_dir(out, [model] if model.exists() else [], what="OUT_DIR", overwrite=a.overwrite)
-    cfg = ModelConfig.load(a.model)
+    cfg = load_model_config(a.model)
     if a.dtype == "fp8":
         from q38.hf import fp8_dtypes
-        from q38.train.config import TrainConfig
+        from q38.train.core.step_config import TrainConfig
 
         keep = TrainConfig(param_dtype="bfloat16").compute_dtype  # bf16, the fp32_params defaults fp32
         save_hf(out, cfg, init_params(cfg, seed=a.seed), dtypes=fp8_dtypes(keep))
@@ -330,10 +331,10 @@ def _init_hf(argv: list[str]) -> int:
 
 
 def _prepare_data(argv: list[str]) -> int:
-    from q38.train.chat import TRAIN_ON
-    from q38.train.formats import FORMATS
-    from q38.train.data import MAX_LINE_BYTES
-    from q38.train.prepare import CHUNK_BYTES, prepare_data
+    from q38.train.data.chat import TRAIN_ON
+    from q38.train.data.formats import FORMATS
+    from q38.train.data.loader import MAX_LINE_BYTES
+    from q38.train.data.prepare import CHUNK_BYTES, prepare_data
 
     p = OneLineParser(prog="q38 prepare-data", description="Tokenize JSONL (or Parquet, with pyarrow) text / chat "
                       "records into memory-mapped token shards for `data.path`. A re-run on unchanged inputs does "
@@ -407,7 +408,7 @@ def _kernels(argv: list[str]) -> int:
 
 
 def _launch(argv: list[str]) -> int:
-    from q38.train.launch import LAUNCHED, launch
+    from q38.train.run.launch import LAUNCHED, launch
 
     if argv in ([], ["-h"], ["--help"]):
         print(f"usage: q38 launch [TORCHRUN OPTIONS] {{{','.join(LAUNCHED)}}} ...\n\n"
@@ -425,7 +426,7 @@ COMMANDS = {"train": _train, "plan": plan_cli, "convert": _convert, "init-hf": _
 def _one_line(e: BaseException) -> str:
     msg = str(e) or type(e).__name__
     if type(e).__name__ == "CheckpointException":  # torch DCP: name the underlying error of the first rank
-        from q38.train.safety import _cause
+        from q38.train.run.safety import _cause
 
         msg = f"checkpoint read/write failed: {_cause(e)}"
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"q38: unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    from q38.config import ConfigError
+    from q38.model_config import ConfigError
     from q38.errors import RunError
 
     world = os.environ.get("WORLD_SIZE", "1")

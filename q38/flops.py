@@ -19,7 +19,7 @@ query attends to ``(s + 1) / 2`` keys on average; the CPU math path computes eve
 
 import attrs
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.kernels import GDN_CHUNK
 from q38.layers.kinds import MixerFlops, MixerKind, Workload, kept_regions, layer_kinds
 

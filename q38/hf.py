@@ -18,7 +18,7 @@ list.
 
 Loading reads blocks: each rule maps a block of a q38 leaf (a rank's shard, or the whole leaf) onto slices of HF
 tensors read with safetensors ``get_slice`` (``HFReader``), so a sharded load reads only its shards
-(``q38.train.hf_io``). Saving is planned before any tensor exists (``plan_export``) and streams one rule's tensors
+(``q38.train.io.hf_io``). Saving is planned before any tensor exists (``plan_export``) and streams one rule's tensors
 at a time into the safetensors files, file by file (so ranks can share an export), inside a temporary sibling
 directory that is renamed into place when complete. docs/checkpoints.md says what each path holds in memory.
 """
@@ -35,7 +35,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from q38.config import ConfigError, ModelConfig, _read_hf_config
+from q38.hf_config import config_from_hf, hf_config_dict, read_hf_config
+from q38.model_config import ConfigError, ModelConfig
 from q38.fp8 import (
     FP8_DTYPE, Fp8Format, Fp8FormatError, covering, default_quantized, dequantize, quantize, scale_key, scale_shape,
 )
@@ -268,7 +269,7 @@ class HFSource:
 
 def _fp8_format(path: Path) -> Fp8Format | None:
     """The block-FP8 format of ``path/config.json`` (``None`` without a ``quantization_config``)."""
-    raw = _read_hf_config(path)
+    raw = read_hf_config(path)
     qc = raw.get("quantization_config")
     if qc is None:
         return None
@@ -289,7 +290,7 @@ def open_hf(path: str | os.PathLike, *, mtp_num_layers: int | None = None,
     from safetensors import safe_open
 
     path = Path(path)
-    cfg = ModelConfig.from_hf(path)
+    cfg = config_from_hf(path)
     if mtp_num_layers is not None:
         cfg = cfg.replace(mtp_num_layers=int(mtp_num_layers))
     if mtp_shared_layer is not None:
@@ -461,7 +462,7 @@ def load_hf(
     ``save_pretrained`` (which drops ``mtp.*``); with an override, ``mtp.*`` keys beyond that depth are ignored.
     ``mtp_shared_layer``: run ``mtp.layers.0`` at every depth (docs/model.md#multi-token-prediction-mtp). Raises
     ``CheckpointError`` naming every missing, unexpected, wrongly shaped or non-float key. (Sharded:
-    ``q38.train.hf_io.load_hf_sharded`` reads only a rank's slices through the same ``HFReader``.)
+    ``q38.train.io.hf_io.load_hf_sharded`` reads only a rank's slices through the same ``HFReader``.)
     """
     src = open_hf(path, mtp_num_layers=mtp_num_layers, mtp_shared_layer=mtp_shared_layer)
     with HFReader(src, dtype=dtype, device=device) as reader:
@@ -547,7 +548,7 @@ def _write_safetensors(file: Path, entries: list[_Entry], tensor: Callable[[_Ent
 class HFExport:
     """What a HF export writes, known before any tensor is produced: the rules, the output files (``files[i]``: its
     name and entries, in order) and ``config.json``. Any process can write any file from it, so an export can be
-    split over ranks file by file (``q38.train.hf_io``) and is byte-identical however it is split."""
+    split over ranks file by file (``q38.train.io.hf_io``) and is byte-identical however it is split."""
 
     config: ModelConfig
     rules: list
@@ -606,7 +607,7 @@ def plan_export(config: ModelConfig, dtypes: Callable[[str], torch.dtype], *,
     ``_scale_inv`` per ``fp8.block``, default 128 x 128; docs/hf_checkpoints.md#block-fp8-checkpoints), the routed
     experts of every layer per expert (the format's layout), and ``config.json`` gets a ``quantization_config``
     whose ``modules_to_not_convert`` names every other 2-D weight (with those ``fp8`` lists)."""
-    hf_config = config.to_hf_dict()
+    hf_config = hf_config_dict(config)
     next_layout = config.family.checkpoint_layout == "qwen3_next"
     shapes = _abstract_shapes(config)
     quantized = {q for q in shapes if dtypes(q) == FP8_DTYPE}
@@ -700,7 +701,7 @@ def save_hf(
     Qwen3-Next layout (per-expert experts, grouped ``in_proj_qkvz`` / ``in_proj_ba``). Shards above
     ``max_shard_bytes`` with a ``model.safetensors.index.json``. Atomic: built in a temporary sibling directory and
     renamed over ``path`` (an existing directory is replaced, other files in it included) only once complete.
-    (From a sharded run or a q38 checkpoint, ``q38.train.hf_io.export_checkpoint`` writes the same bytes with at
+    (From a sharded run or a q38 checkpoint, ``q38.train.io.hf_io.export_checkpoint`` writes the same bytes with at
     most a few tensors in memory, split over ranks.)
     """
     path = Path(path)

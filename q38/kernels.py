@@ -34,7 +34,7 @@ one ``q38 plan`` models) except on CPU with head dims ≤ 64, where 32 is faster
 
 Model configs that name kernels (``gdn_implementation`` / ``causal_conv1d_implementation`` /
 ``attention_implementation`` / ``gdn_chunk_size`` in a model YAML, a run config's ``model`` mapping or a checkpoint's
-``meta.json``) are accepted: ``q38.config.legacy_kernel_keys`` maps the keys onto ``kernels`` with a note, never onto
+``meta.json``) are accepted: ``q38.model_config.legacy_kernel_keys`` maps the keys onto ``kernels`` with a note, never onto
 model identity.
 """
 
@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.errors import ConfigError, check_keys
 
 OPS = ("gdn", "causal_conv1d", "attention", "experts", "block", "loss")
@@ -261,10 +261,10 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
                                note="torch.compile'd block epilogues: one pass per logits block in forward and in "
                                     "backward instead of five and four; auto does not pick it until a device run "
                                     "measures it faster (benchmarks/gpu.sh)",
-                               fn="q38.train.loss:chunked_loss_sum_compiled"),
+                               fn="q38.train.core.loss:chunked_loss_sum_compiled"),
         "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
                             note="eager passes over fp32 copies of each logits block",
-                            fn="q38.train.loss:chunked_loss_sum_eager"),
+                            fn="q38.train.core.loss:chunked_loss_sum_eager"),
     },
 }
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.layers.block import abstract_layer, layer_apply
 from q38.layers.common import ParamInfo, materialize

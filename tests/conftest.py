@@ -21,7 +21,7 @@ def gen():
 
 @pytest.fixture
 def tiny_cfg():
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
 
     return ModelConfig.preset("tiny")
 

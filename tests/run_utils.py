@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def run_dict(out_dir, *, steps: int = 6, **sections) -> dict:
 
 
 def run_config(out_dir, **kw):
-    from q38.train.trainer import RunConfig
+    from q38.train.run.trainer import RunConfig
 
     return RunConfig.from_dict(run_dict(out_dir, **kw), source="test")
 

@@ -14,13 +14,13 @@ import time
 import pytest
 import torch
 
-from q38.train import checkpoint as ck
-from q38.train.safety import SaveError
+from q38.train.io import checkpoint as ck
+from q38.train.run.safety import SaveError
 from tests.run_utils import REPO, losses, metrics, run_config, run_dict, write_config
 
 
 def _tensors(path):
-    from q38.train.checkpoint import _dcp_load, saved_tensors
+    from q38.train.io.checkpoint import _dcp_load, saved_tensors
 
     sd = {k: torch.empty(shape, dtype=dt) for k, (shape, dt) in saved_tensors(path).items()}
     _dcp_load(sd, path, collective=False)
@@ -28,7 +28,7 @@ def _tensors(path):
 
 
 def test_async_saves_write_what_sync_saves_write(tmp_path):
-    from q38.train.trainer import train
+    from q38.train.run.trainer import train
 
     sync = train(run_config(tmp_path / "sync", steps=6, run={"save_every": 2, "keep_last": 0}))
     both = train(run_config(tmp_path / "async", steps=6, run={"save_every": 2, "keep_last": 0, "async_save": True}))
@@ -55,7 +55,7 @@ def test_the_staged_copy_is_what_is_written(tmp_path):
 
 
 def test_a_failed_background_write_stops_the_run_with_one_line(tmp_path, monkeypatch):
-    from q38.train.trainer import train
+    from q38.train.run.trainer import train
 
     real = ck.AsyncSave.__init__
 

@@ -427,7 +427,7 @@ def _cases():
     C["init-hf:bad-dtype"] = lambda c: (["init-hf", "--dtype", "int8", str(c.tmp / "n")], ["--dtype must be"])
     C["init-hf:no-out"] = lambda c: (["init-hf"], ["the following arguments are required: out"])
 
-    # prepare-data: where it writes (safety.check_output_dir), and a corpus with nothing to train
+    # prepare-data: where it writes (dirs.check_output_dir), and a corpus with nothing to train
     def prep(out, *more):
         return lambda c: ["prepare-data", c.data('{"text": "a b c"}\n'), "--out", str(out(c)), *more]
 

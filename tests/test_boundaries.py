@@ -1,5 +1,5 @@
 """The package's boundaries, read from the source: layers import no parallel/train code and no torch.distributed;
-q38.parallel imports nothing from q38.train or q38.cli; nothing imports q38.cli; the module import graph has no
+q38.parallel imports nothing from q38.train or q38.cli; the rooms of q38.train import one way; nothing imports q38.cli; the module import graph has no
 circle; both runtimes implement the one StepRuntime protocol."""
 
 import ast
@@ -37,6 +37,24 @@ def test_layers_import_no_parallel_train_or_distributed():
 
 def test_parallel_imports_nothing_from_train():
     assert _violations("parallel", ("q38.train",)) == []
+
+
+# The rooms of q38.train, each importing only the rooms before it: core (the step's math) <- io (checkpoints and
+# files) <- data <- run (the trainer loop, which puts the others together).
+TRAIN_ROOMS = ("core", "io", "data", "run")
+
+
+@pytest.mark.parametrize("i", range(len(TRAIN_ROOMS)))
+def test_train_rooms_import_only_the_rooms_before_them(i):
+    later = tuple(f"q38.train.{r}" for r in TRAIN_ROOMS[i + 1:])
+    assert _violations(f"train/{TRAIN_ROOMS[i]}", later) == []
+
+
+def test_train_has_only_its_rooms():
+    """A new train module goes into one of the rooms (and this test's order says what it may import)."""
+    loose = sorted(f.name for f in (ROOT / "train").glob("*.py") if f.name != "__init__.py")
+    rooms = sorted(d.name for d in (ROOT / "train").iterdir() if d.is_dir() and d.name != "__pycache__")
+    assert (loose, rooms) == ([], sorted(TRAIN_ROOMS))
 
 
 def test_parallel_imports_nothing_from_the_cli():
@@ -110,7 +128,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_import_graph_has_no_circle():
     graph = _graph(ROOT)
-    assert len(graph) > 40 and "q38.train.step" in graph["q38.train.trainer"]  # the graph is read, not empty
+    assert len(graph) > 40 and "q38.train.core.step" in graph["q38.train.run.trainer"]  # the graph is read, not empty
     assert _circles(graph) == []
 
 
@@ -129,10 +147,10 @@ def test_the_circle_check_can_fail(tmp_path):
 def test_the_import_check_can_fail(tmp_path, monkeypatch):
     """The checker sees a function-level import (so the tests above could fail)."""
     (tmp_path / "layers").mkdir()
-    (tmp_path / "layers" / "x.py").write_text("def f():\n    from q38.train.step import train_step\n")
+    (tmp_path / "layers" / "x.py").write_text("def f():\n    from q38.train.core.step import train_step\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     bad = _violations("layers", ("q38.train",))
-    assert len(bad) == 1 and bad[0].endswith("layers/x.py imports q38.train.step")
+    assert len(bad) == 1 and bad[0].endswith("layers/x.py imports q38.train.core.step")
 
 
 @pytest.mark.parametrize("cls_path", ["q38.parallel.local.LocalRuntime", "q38.parallel.runtime.MeshRuntime"])

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from q38.train.chat import render_chat_prompt
-from q38.train.data import IGNORE_INDEX, DataError, build_dataset, encode_record, load_documents
-from q38.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from q38.train.data.chat import render_chat_prompt
+from q38.train.data.loader import IGNORE_INDEX, DataError, build_dataset, encode_record, load_documents
+from q38.train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 # A Qwen3.5-style template written for these tests (ChatML turns; a <think> block on assistant turns after the last
 # user query, dropped before it; XML-style tool calls; consecutive tool results grouped into one user turn wrapped
@@ -419,8 +419,8 @@ def test_template_files_take_precedence(tmp_path, tok_dirs, ours):
 
 
 def test_train_on_config(tmp_path):
-    from q38.config import ConfigError
-    from q38.train.run_config import DataConfig
+    from q38.model_config import ConfigError
+    from q38.train.run.run_config import DataConfig
 
     assert DataConfig().train_on == "assistant"
     assert DataConfig(train_on="last_assistant").train_on == "last_assistant"
@@ -459,7 +459,7 @@ def test_whitespace_sensitive_template(tmp_path):
 
 def test_readme_chat_record_is_valid(ours):
     """The chat record docs/finetuning.md shows (system prompt, tools, reasoning, a tool call) validates and renders."""
-    from q38.train.data import validate_record
+    from q38.train.data.loader import validate_record
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "finetuning.md").read_text(encoding="utf-8")
     record = json.loads(re.search(r"### Chat data.*?```json\n(.*?)```", text, re.S).group(1))

@@ -7,11 +7,11 @@ import textwrap
 import pytest
 import torch
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.pytree import named_leaves
-from q38.train import checkpoint as ck
-from q38.train.config import TrainConfig
-from q38.train.state import init_state
+from q38.train.io import checkpoint as ck
+from q38.train.core.step_config import TrainConfig
+from q38.train.core.state import init_state
 from tests.run_utils import REPO, small_model_dict
 
 
@@ -118,7 +118,7 @@ def test_process_killed_during_write_keeps_previous_checkpoint(tmp_path):
         import os, sys, torch, attrs
         sys.path.insert(0, {str(REPO)!r})
         from tests.test_checkpoint import _state, _meta
-        from q38.train import checkpoint as ck
+        from q38.train.io import checkpoint as ck
         s = _state(seed=0, step=2)
         ck.save_checkpoint({str(root)!r}, s, _meta(s))
         real = ck._dcp_save

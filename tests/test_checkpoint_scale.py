@@ -14,11 +14,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import torch.utils._pytree as pytree
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.hf import load_hf, save_hf
 from q38.parallel.layout import Layout
 from q38.pytree import named_leaves, tree_map
-from q38.train.config import TrainConfig
+from q38.train.core.step_config import TrainConfig
 from tests.dist_utils import run_distributed
 from tests.test_hf_parity import CFG_A, _random_params
 from tests.test_hf_parity import CFG_NEXT as _NEXT
@@ -101,7 +101,7 @@ def _bf16_hf(tmp_path: Path, cfg: ModelConfig, name: str = "hf") -> Path:
 
 def _hf_rank(rank, world, layout, sizes, hf_dir):
     from q38.parallel.mesh import shard
-    from q38.train.hf_io import load_hf_sharded
+    from q38.train.io.hf_io import load_hf_sharded
 
     mesh = _mesh(layout, sizes, world)
     with Shapes() as rec:
@@ -157,8 +157,8 @@ def test_init_from_fp8_reads_only_slices_and_their_scales(tmp_path, layout, size
 def _old_paths_rank(rank, world, hf_dir, ck_dir):
     """The whole-model paths (load_hf then shard; a full template then shard) under the same recorder."""
     from q38.parallel.mesh import shard
-    from q38.train.checkpoint import empty_params, load_checkpoint
-    from q38.train.state import state_from_params
+    from q38.train.io.checkpoint import empty_params, load_checkpoint
+    from q38.train.core.state import state_from_params
 
     mesh = _mesh("fsdp", {"fsdp": 2}, world)
     with Shapes() as rec:
@@ -171,8 +171,8 @@ def _old_paths_rank(rank, world, hf_dir, ck_dir):
 
 
 def test_the_allocation_check_flags_the_whole_model_paths(tmp_path):
-    from q38.train.checkpoint import write_checkpoint
-    from q38.train.state import init_state
+    from q38.train.io.checkpoint import write_checkpoint
+    from q38.train.core.state import init_state
 
     hf_dir = _bf16_hf(tmp_path, CFG_A)
     write_checkpoint(tmp_path / "ck", init_state(CFG_A, TrainConfig()), {"step": 0, "model_config": CFG_A.to_dict()})
@@ -187,7 +187,7 @@ def test_the_allocation_check_flags_the_whole_model_paths(tmp_path):
 def _random_state(cfg, mesh):
     """A sharded state with distinct values everywhere (params, both moments, step)."""
     from q38.parallel.mesh import init_sharded
-    from q38.train.state import state_from_params
+    from q38.train.core.state import state_from_params
 
     st = state_from_params(init_sharded(cfg, mesh, seed=5), cfg, TrainConfig())
     from torch.distributed.tensor import distribute_tensor
@@ -203,7 +203,7 @@ def _random_state(cfg, mesh):
 
 def _save_rank(rank, world, layout, sizes, ck_dir):
     from q38.parallel.mesh import unshard
-    from q38.train.checkpoint import write_checkpoint
+    from q38.train.io.checkpoint import write_checkpoint
 
     st = _random_state(CFG_A, _mesh(layout, sizes, world))
     write_checkpoint(ck_dir, st, {"step": 7, "model_config": CFG_A.to_dict(), "train_config": {}})
@@ -213,8 +213,8 @@ def _save_rank(rank, world, layout, sizes, ck_dir):
 
 def _resume_rank(rank, world, layout, sizes, ck_dir):
     from q38.parallel.mesh import unshard
-    from q38.train.checkpoint import empty_params, load_checkpoint, load_params
-    from q38.train.state import state_from_params
+    from q38.train.io.checkpoint import empty_params, load_checkpoint, load_params
+    from q38.train.core.state import state_from_params
 
     mesh = _mesh(layout, sizes, world)
     with Shapes() as rec:
@@ -251,8 +251,8 @@ def test_resume_and_init_from_q38_load_into_shards(tmp_path, layout, sizes, worl
 
 
 def test_a_sharded_checkpoint_resumes_in_one_process(tmp_path):
-    from q38.train.checkpoint import load_checkpoint
-    from q38.train.state import init_state
+    from q38.train.io.checkpoint import load_checkpoint
+    from q38.train.core.state import init_state
 
     ck_dir = tmp_path / "ck"
     saved = run_distributed(_save_rank, 4, "fsdp_ep", {"fsdp": 2, "ep": 2}, str(ck_dir))[0]
@@ -270,7 +270,7 @@ def _digest(d: Path) -> dict:
 
 
 def _export_rank(rank, world, ck_dir, out, dtype):
-    from q38.train.hf_io import export_checkpoint
+    from q38.train.io.hf_io import export_checkpoint
 
     with Shapes() as rec:
         export_checkpoint(ck_dir, out, dtype=dtype, max_shard_bytes=40_000)
@@ -281,8 +281,8 @@ def _export_rank(rank, world, ck_dir, out, dtype):
 def test_export_is_byte_identical_to_save_hf_on_any_number_of_ranks(tmp_path, world):
     """``export_checkpoint`` (each rank writes every world-th file) writes the bytes ``save_hf`` writes from the whole
     parameters in one process; the files load in q38 to the saved parameters."""
-    from q38.train.checkpoint import load_params
-    from q38.train.hf_io import export_checkpoint
+    from q38.train.io.checkpoint import load_params
+    from q38.train.io.hf_io import export_checkpoint
 
     ck_dir = tmp_path / "ck"
     run_distributed(_save_rank, 4, "fsdp_ep", {"fsdp": 2, "ep": 2}, str(ck_dir))
@@ -302,8 +302,8 @@ def test_export_loads_in_transformers_with_q38_logits(tmp_path):
     """The export of a sharded checkpoint, loaded by transformers' ``from_pretrained``: logits within 1e-4 of q38's."""
     pytest.importorskip("transformers")
     import q38
-    from q38.train.checkpoint import load_params
-    from q38.train.hf_io import export_checkpoint
+    from q38.train.io.checkpoint import load_params
+    from q38.train.io.hf_io import export_checkpoint
     from tests.test_hf_parity import _hf_from_pretrained
 
     ck_dir = tmp_path / "ck"
@@ -318,7 +318,7 @@ def test_export_loads_in_transformers_with_q38_logits(tmp_path):
 
 
 def _import_rank(rank, world, src, out):
-    from q38.train.hf_io import import_hf
+    from q38.train.io.hf_io import import_hf
 
     import_hf(src, out)
 
@@ -327,9 +327,9 @@ def _import_rank(rank, world, src, out):
 def test_import_streams_to_the_checkpoint_load_hf_gives(tmp_path, world):
     """``import_hf`` (each tensor read when DCP writes it; under 2 ranks each writes a share) gives a checkpoint whose
     parameters equal ``load_hf``'s, with zero moments at step 0, that resumes as a TrainState."""
-    from q38.train.checkpoint import load_checkpoint, load_params
-    from q38.train.hf_io import import_hf
-    from q38.train.state import init_state
+    from q38.train.io.checkpoint import load_checkpoint, load_params
+    from q38.train.io.hf_io import import_hf
+    from q38.train.core.state import init_state
 
     src = _bf16_hf(tmp_path, CFG_NEXT)
     out = tmp_path / "ck"
@@ -357,7 +357,7 @@ def test_a_bad_hf_file_on_one_rank_is_one_error_on_every_rank(tmp_path):
 
 def _bad_file_rank(rank, world, hf_dir):
     import q38.hf as hf
-    from q38.train.hf_io import load_hf_sharded
+    from q38.train.io.hf_io import load_hf_sharded
 
     if rank == 1:  # this rank's reads fail, as a file cut between the header check and the read would
         def broken(self, key, index):
@@ -377,7 +377,7 @@ def _bad_file_rank(rank, world, hf_dir):
 def _save_hf_run(rank, world, out):
     import os
 
-    from q38.train.trainer import train
+    from q38.train.run.trainer import train
     from tests.run_utils import run_config
 
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
@@ -393,8 +393,8 @@ def _save_hf_run(rank, world, out):
 def test_run_save_hf_exports_each_checkpoint_from_every_rank(tmp_path, world):
     """``run.save_hf`` with ``save_hf_every: 1``: ``out_dir/hf/step_<n>`` for every checkpoint, holding that
     checkpoint's parameters (in the run's compute dtype: fp32 here), loadable by ``load_hf``."""
-    from q38.train.checkpoint import load_params
-    from q38.train.trainer import train
+    from q38.train.io.checkpoint import load_params
+    from q38.train.run.trainer import train
     from tests.run_utils import run_config
 
     out = tmp_path / "run"

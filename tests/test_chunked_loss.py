@@ -6,7 +6,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from q38.kernels import DEFAULT_KERNELS, REGISTRY, KernelConfig, resolve_kernels
-from q38.train.loss import chunked_lm_loss, dynamic_chunk_size, unchunked_lm_loss
+from q38.train.core.loss import chunked_lm_loss, dynamic_chunk_size, unchunked_lm_loss
 
 _NO_COMPILE = REGISTRY["loss"]["compiled"].problem()  # kernels.loss: compiled needs torch.compile to work here
 needs_compile = pytest.mark.skipif(_NO_COMPILE is not None, reason=str(_NO_COMPILE))
@@ -275,7 +275,7 @@ def test_compiled_epilogues_run_from_another_thread():
     may round differently from ATen's), new shapes included."""
     import threading
 
-    from q38.train.loss import _block_grad_, _compiled
+    from q38.train.core.loss import _block_grad_, _compiled
 
     gen = torch.Generator().manual_seed(0)
 

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from q38.cli import main
-from q38.train import checkpoint as ck
+from q38.train.io import checkpoint as ck
 from tests.run_utils import q38, run_dict, write_config
 
 
@@ -76,9 +76,9 @@ def test_overlong_sample_refused_or_truncated(capsys, tmp_path, cfg_file):
 
 
 def test_checkpoint_of_another_model(capsys, tmp_path, cfg_file):
-    from q38.config import ModelConfig
-    from q38.train.config import TrainConfig
-    from q38.train.state import init_state
+    from q38.model_config import ModelConfig
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.state import init_state
 
     other = ModelConfig.preset("tiny")  # 4 layers; the run config names a 2-layer model
     s = init_state(other, TrainConfig())

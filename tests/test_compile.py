@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import q38
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.errors import ConfigError
 from q38.kernels import DEFAULT_KERNELS, KernelConfig, resolve_kernels
 from q38.layers.block import compiled_block, layer_apply

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import q38
-from q38.config import ConfigError, ModelConfig
+from q38.hf_config import config_from_hf
+from q38.model_config import ConfigError, ModelConfig
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.layers.context import seq_info
-from q38.train.config import TrainConfig, validate_run
+from q38.train.core.step_config import TrainConfig, validate_run
 
 
 def test_presets_load_and_name_their_family():
@@ -27,7 +28,7 @@ def test_unknown_preset_and_model_type_list_the_known_ones():
     with pytest.raises(ConfigError, match="known presets: .*tiny"):
         ModelConfig.preset("tinyy")
     with pytest.raises(ConfigError, match="known model types: .*qwen3_5_moe.*qwen3_8_moe.*qwen3_next"):
-        ModelConfig.from_hf({"model_type": "llama", "num_hidden_layers": 2})
+        config_from_hf({"model_type": "llama", "num_hidden_layers": 2})
 
 
 def _hf_text(**kw):
@@ -44,16 +45,16 @@ def _hf_text(**kw):
 def test_from_hf_reads_nested_text_config_rope_and_each_mtp_field(tmp_path, field):
     raw = {"model_type": "qwen3_5_moe", "text_config": _hf_text(**{field: 2}), "vision_config": {}}
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    cfg = ModelConfig.from_hf(tmp_path)
+    cfg = config_from_hf(tmp_path)
     assert cfg.mtp_num_layers == 2 and cfg.rope_theta == 1e7 and cfg.rotary_dim == 2
     assert cfg.layer_types == ("linear_attention",) * 3 + ("full_attention", "linear_attention")
-    nxt = ModelConfig.from_hf(dict(_hf_text(num_nextn_predict_layers=1), model_type="qwen3_next"))
+    nxt = config_from_hf(dict(_hf_text(num_nextn_predict_layers=1), model_type="qwen3_next"))
     assert nxt.family.checkpoint_layout == "qwen3_next" and nxt.mtp_num_layers == 1
 
 
 def test_from_hf_refuses_dense_layers():
     with pytest.raises(ConfigError, match="mlp_only_layers"):
-        ModelConfig.from_hf(dict(_hf_text(mlp_only_layers=[1]), model_type="qwen3_next"))
+        config_from_hf(dict(_hf_text(mlp_only_layers=[1]), model_type="qwen3_next"))
 
 
 @pytest.mark.parametrize(

@@ -4,13 +4,13 @@ started before the compute that does not need them (none with overlap off)."""
 
 import pytest
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.layers.kinds import MTP_LAYER_TYPE
 from q38.parallel.layout import Layout
 from q38.pytree import named_leaves
-from q38.train.config import TrainConfig
-from q38.train.state import init_state
-from q38.train.step import loss_and_grads, train_step
+from q38.train.core.step_config import TrainConfig
+from q38.train.core.state import init_state
+from q38.train.core.step import loss_and_grads, train_step
 from tests.dist_utils import run_distributed
 from tests.test_parallel import GTOL, TOL, _batch, _cfg, _reference
 

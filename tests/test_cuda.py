@@ -149,9 +149,9 @@ def test_a_bf16_train_step_on_the_device_tracks_cpu_fp32():
     against fp32 on the CPU: the loss terms within 1 %, the gradient norm within 5 % (bf16 on the CPU measured 5e-4
     and 3e-3), every parameter fp32 on the device after the update."""
     from q38.pytree import tree_leaves
-    from q38.train.config import TrainConfig
-    from q38.train.state import init_state
-    from q38.train.step import train_step
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.state import init_state
+    from q38.train.core.step import train_step
 
     cfg = _cfg(initializer_range=0.05)
     g = torch.Generator().manual_seed(1)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from q38.train.data import (
+from q38.train.data.loader import (
     IGNORE_INDEX,
     BatchIterator,
     DataError,
@@ -19,8 +19,8 @@ from q38.train.data import (
     pack_documents,
     read_jsonl,
 )
-from q38.train.chat import encode_chat, render_chat_prompt
-from q38.train.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from q38.train.data.chat import encode_chat, render_chat_prompt
+from q38.train.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 BYTE = ByteTokenizer()
 CHAT = {

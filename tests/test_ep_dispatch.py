@@ -27,7 +27,7 @@ def _routing(rank: int, skew: bool):
 
 
 def _run(rank, world, hierarchical, overlap, balance):
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
     from q38.layers.moe import MoEParams
     from q38.parallel import links
     from q38.parallel.ep import EPDispatch
@@ -111,7 +111,7 @@ MODELS = [("fsdp_ep", {"fsdp": 1, "ep": 4}, False), ("qwen3_8_2_4t", {"fsdp": 1,
 
 @pytest.mark.parametrize("layout,sizes,recompute", MODELS, ids=[m[0] for m in MODELS])
 def test_hierarchical_overlapped_model_matches_one_process(layout, sizes, recompute):
-    from q38.train.config import TrainConfig
+    from q38.train.core.step_config import TrainConfig
     from tests.test_parallel import GTOL, TOL, _reference
 
     tc = TrainConfig(loss_chunk_size=16, aux_loss_coef=0.01, lr=1e-3, eps=1e-3, ep_dispatch="hierarchical",

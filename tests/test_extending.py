@@ -3,7 +3,7 @@ loss-term recipes are exercised by tests/test_layout.py and tests/test_objective
 
 import pytest
 
-from q38.config import ConfigError
+from q38.model_config import ConfigError
 from q38.layers.common import ParamInfo
 from q38.parallel import Layout
 
@@ -37,7 +37,7 @@ def test_a_new_kernel_is_one_registry_entry(monkeypatch):
 def test_a_new_layer_type_is_one_record(monkeypatch, tiny_cfg, tmp_path):
     """The recipe "Add a layer type": a toy mixer (one weight, ``y = x Wᵀ`` inside its own kernel region) written as
     an attrs params class, an abstract function, an apply function and one ``MixerKind`` record in
-    ``q38.layers.kinds.MIXER_KINDS`` with its name in ``q38.config.LAYER_TYPES``, and no other change, is accepted in
+    ``q38.layers.kinds.MIXER_KINDS`` with its name in ``q38.model_config.LAYER_TYPES``, and no other change, is accepted in
     ``layer_types``, initialised and run by the
     model, counted by ``count_params``, priced by ``step_flops`` and ``q38 plan``'s budget, placed by a layout (its
     new axis takes the FSDP role) and written to and read back from a Hugging Face checkpoint."""
@@ -46,7 +46,7 @@ def test_a_new_layer_type_is_one_record(monkeypatch, tiny_cfg, tmp_path):
     import torch.nn.functional as F
     from torch import Tensor
 
-    import q38.config
+    import q38.model_config
     import q38.layers.kinds as kinds
     from q38.flops import step_flops
     from q38.hf import load_hf, save_hf
@@ -82,7 +82,7 @@ def test_a_new_layer_type_is_one_record(monkeypatch, tiny_cfg, tmp_path):
         hf_rules=lambda cfg, layout, qp, hp, shapes: renames({"w_mix": "toy_mixer.weight"}, qp, hp, shapes),
     )
     monkeypatch.setitem(kinds.MIXER_KINDS, "toy_mixer", toy)
-    monkeypatch.setattr(q38.config, "LAYER_TYPES", (*q38.config.LAYER_TYPES, "toy_mixer"))
+    monkeypatch.setattr(q38.model_config, "LAYER_TYPES", (*q38.model_config.LAYER_TYPES, "toy_mixer"))
 
     cfg = tiny_cfg.replace(layer_types=("toy_mixer",) + tiny_cfg.layer_types[1:])
     params = init_params(cfg, seed=0)

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from q38.cli import main
-from q38.train import readers
-from q38.train.data import DataError, encode_record, validate_record
-from q38.train.formats import to_record
-from q38.train.prepare import prepare_data
-from q38.train.shards import ShardRows
-from q38.train.sources import TrainData
-from q38.train.tokenizer import ByteTokenizer, load_tokenizer
-from q38.train.trainer import RunConfig, train
+from q38.train.data import readers
+from q38.train.data.loader import DataError, encode_record, validate_record
+from q38.train.data.formats import to_record
+from q38.train.data.prepare import prepare_data
+from q38.train.data.shards import ShardRows
+from q38.train.data.sources import TrainData
+from q38.train.data.tokenizer import ByteTokenizer, load_tokenizer
+from q38.train.run.trainer import RunConfig, train
 from tests.run_utils import run_dict
 from tests.test_chat import PLAIN_TEMPLATE, WEATHER_TOOL, _make_tokenizer_dir
 
@@ -220,7 +220,7 @@ def test_a_run_trains_on_a_hf_dir_a_sharegpt_and_an_alpaca_file(prepared, tmp_pa
 
 def test_a_sharegpt_jsonl_as_data_path_tokenizes_like_its_prepared_directory(tmp_path):
     """On-the-fly JSONL reading converts the chat formats too: the same documents as prepare-data's."""
-    from q38.train.data import load_documents
+    from q38.train.data.loader import load_documents
 
     rec = SAME[0][1]
     alp = SAME[2][1]

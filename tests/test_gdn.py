@@ -204,7 +204,7 @@ def test_the_layer_takes_its_gdn_backward_as_an_argument(gen, monkeypatch):
     """``gdn_apply(..., backward=...)`` reaches the torch core: ``autograd`` runs the autograd reference (spied),
     ``custom`` does not, and both give the same output and gradients (the core-level comparisons are above)."""
     import q38.layers.gdn as gdn
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
     from q38.layers.context import seq_info
     from q38.model import init_params
 

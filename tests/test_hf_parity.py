@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import q38
-from q38.config import ModelConfig
+from q38.hf_config import hf_config_dict
+from q38.model_config import ModelConfig
 from q38.hf import CheckpointError, load_hf, save_hf
 from q38.pytree import named_leaves, tree_map_with_path
 
@@ -115,7 +116,7 @@ def _hf_random_model(cfg: ModelConfig, *, seed: int = 0, mtp_field: int | None =
     """A transformers model for ``cfg`` with every parameter redrawn from N(0, std) (gated GDN norm: 1 + N(0, std));
     std is the config's ``initializer_range`` for matrices and 0.3 for vectors (zero-centred norms, dt_bias, A_log)."""
     config_cls, model_cls = _hf_classes(cfg)
-    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("model_type", "architectures", "q38_model_type")}
+    d = {k: v for k, v in hf_config_dict(cfg).items() if k not in ("model_type", "architectures", "q38_model_type")}
     if mtp_field is not None:
         d["mtp_num_hidden_layers" if "mtp_num_hidden_layers" in d else "num_nextn_predict_layers"] = mtp_field
     model = model_cls(config_cls(**d)).eval()
@@ -294,7 +295,7 @@ def test_multimodal_prefix_checkpoint_loads(main_fused, mtp_fused, tmp_path):
         save_file({k: sd[k] for k in part}, str(d / fn), metadata={"format": "pt"})
         weight_map.update({k: fn for k in part})
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    text = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "q38_model_type")}
+    text = {k: v for k, v in hf_config_dict(cfg).items() if k not in ("architectures", "q38_model_type")}
     text["model_type"] = "qwen3_5_moe_text"
     config = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
               "text_config": text, "vision_config": {"depth": 1}, "tie_word_embeddings": False}
@@ -427,9 +428,9 @@ def test_training_gradients_and_real_token_aux_match_transformers(tmp_path):
     back by ``load_hf``, so every q38 leaf is compared with its own HF tensor(s)."""
     from safetensors.torch import save_file
 
-    from q38.train.config import TrainConfig
-    from q38.train.state import state_from_params
-    from q38.train.step import loss_and_grads
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.state import state_from_params
+    from q38.train.core.step import loss_and_grads
 
     cfg = CFG_A.replace(mtp_num_layers=0, router_aux_loss_coef=0.5)  # a large coef: the aux gradient matters
     params = _random_params(cfg, seed=11)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from q38.cli import main
-from q38.train import checkpoint as ck
+from q38.train.io import checkpoint as ck
 from tests.run_utils import small_model_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -364,9 +364,9 @@ NO_RESEAL = {case_manifest_dotdot, case_flipped_bit}  # the attacker's manifest 
 
 
 def _state(seed: int = 1):
-    from q38.config import ModelConfig
-    from q38.train.config import TrainConfig
-    from q38.train.state import init_state
+    from q38.model_config import ModelConfig
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.state import init_state
 
     return init_state(ModelConfig.from_dict(small_model_dict()), TrainConfig(), seed=seed)
 
@@ -376,7 +376,7 @@ def good(tmp_path_factory):
     """A q38 checkpoint of the small test model at step 1 (saved by q38's writer; no training needed), copied for
     each case."""
     import q38.hf  # noqa: F401  (imported here once, so each forked child starts with it)
-    import q38.train.hf_io  # noqa: F401
+    import q38.train.io.hf_io  # noqa: F401
 
     root = tmp_path_factory.mktemp("good")
     state = _state()
@@ -562,7 +562,7 @@ def _safetensors_header(f: Path, edit) -> None:
 
 
 def _hf_check(d: Path) -> int:
-    from q38.train.safety import check_safetensors_dir
+    from q38.train.io.dirs import check_safetensors_dir
 
     try:
         check_safetensors_dir(d, "init_from")
@@ -600,7 +600,7 @@ def test_hostile_hf_directory_is_refused(tmp_path, how):
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    from q38.train.prepare import prepare_data
+    from q38.train.data.prepare import prepare_data
 
     out = tmp_path_factory.mktemp("prep") / "tiny"
     prepare_data(["builtin:tiny"], out, progress=False, log=lambda s: None, chunk_bytes=20_000)
@@ -608,9 +608,9 @@ def prepared(tmp_path_factory):
 
 
 def _rows(d: Path) -> int:
-    from q38.train.data import DataError
-    from q38.train.shards import ShardRows
-    from q38.train.tokenizer import ByteTokenizer
+    from q38.train.data.loader import DataError
+    from q38.train.data.shards import ShardRows
+    from q38.train.data.tokenizer import ByteTokenizer
 
     try:
         import numpy as np
@@ -663,7 +663,7 @@ def test_every_file_of_a_checkpoint_has_a_hash_computed_while_it_was_written(goo
     file front to back); every recorded hash is the SHA-256 of those bytes on disk."""
     import hashlib
 
-    from q38.train.untrusted import tiles
+    from q38.train.io.untrusted import tiles
 
     files = json.loads((good / "manifest.json").read_text())["files"]
     on_disk = {p.relative_to(good).as_posix() for p in good.rglob("*") if p.is_file()} - {"manifest.json"}

@@ -10,10 +10,10 @@ import attrs
 import pytest
 
 import q38.kernels as K
-from q38.config import ConfigError, ModelConfig
+from q38.model_config import ConfigError, ModelConfig
 from q38.kernels import KernelConfig, resolve_kernels
-from q38.train import checkpoint as ck
-from q38.train.trainer import RunConfig, check_run, train
+from q38.train.io import checkpoint as ck
+from q38.train.run.trainer import RunConfig, check_run, train
 from tests.run_utils import run_config, run_dict
 
 
@@ -189,7 +189,7 @@ def test_checkpoint_made_with_one_kernel_setting_resumes_with_another(tmp_path, 
     assert "kernels: gdn=torch (auto), causal_conv1d=torch (auto), attention=eager" in said
     assert "malloc" not in said  # the CPU allocator setting is internal: made, not printed
     if sys.platform.startswith("linux"):  # ... and it can be made here (glibc)
-        from q38.train.launch import tune_cpu_allocator
+        from q38.train.run.launch import tune_cpu_allocator
 
         assert tune_cpu_allocator() == "glibc malloc: mmap threshold 32 MiB, trim threshold 1 GiB (CPU: fewer page faults)"
     path = out / "checkpoints" / "step_000001"
@@ -355,9 +355,9 @@ def test_the_step_runs_the_kernels_of_its_state(monkeypatch):
 
     from q38.kernels import DEFAULT_KERNELS
     from q38.model import init_params
-    from q38.train.config import TrainConfig
-    from q38.train.state import state_from_params
-    from q38.train.step import loss_and_grads
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.state import state_from_params
+    from q38.train.core.step import loss_and_grads
 
     calls: list = []
     _spied(monkeypatch, calls)

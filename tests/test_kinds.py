@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from q38.config import LAYER_TYPES, ConfigError, ModelConfig
+from q38.model_config import LAYER_TYPES, ConfigError, ModelConfig
 from q38.layers.context import seq_info
 from q38.layers.kinds import MIXER_KINDS, RECOMPUTE_MODES, kept_regions, kind_of, layer_kinds
 from q38.model import count_params, init_params
@@ -68,7 +68,7 @@ def test_a_kinds_region_is_the_one_its_apply_marks(tiny_cfg, name):
     params = init_params(tiny_cfg, seed=0)
     p = next(lp.mixer for lp in params.layers if kind_of(lp.mixer) is kind)
     x = torch.randn(1, 8, tiny_cfg.hidden_size, generator=torch.Generator().manual_seed(0))
-    from q38.train.remat import KernelRegions
+    from q38.train.core.remat import KernelRegions
 
     regions = KernelRegions()
     with _Regions(regions) as spy:
@@ -78,9 +78,9 @@ def test_a_kinds_region_is_the_one_its_apply_marks(tiny_cfg, name):
 
 def test_recompute_modes_round_trip_through_the_train_flags():
     """Each planner mode gives train flags (``q38 plan --search``'s run config) that name the same mode again, and
-    the flags are TrainConfig fields (what q38.train.remat reads)."""
+    the flags are TrainConfig fields (what q38.train.core.remat reads)."""
     from q38.parallel.budget import recompute_mode
-    from q38.train.config import TrainConfig
+    from q38.train.core.step_config import TrainConfig
 
     fields = {a.name for a in attrs.fields(TrainConfig)}
     assert {k.keep_flag for k in MIXER_KINDS.values()} <= fields

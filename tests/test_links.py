@@ -90,13 +90,13 @@ def test_a_simulated_collective_takes_its_link_time_unless_hidden():
 
 
 def _step_ledger_fn(rank, world):
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
     from q38.parallel import links
     from q38.parallel.layout import Layout
     from q38.parallel.mesh import make_mesh, shard, shard_batch
-    from q38.train.config import TrainConfig
-    from q38.train.state import init_state
-    from q38.train.step import train_step
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.state import init_state
+    from q38.train.core.step import train_step
 
     cfg = ModelConfig.preset("tiny").replace(mtp_num_layers=0)
     tc = TrainConfig(loss_chunk_size=64)
@@ -114,7 +114,7 @@ def test_plan_bytes_per_link_equal_the_ledger_of_a_real_step():
     """fsdp 2 x ep 2 on 2 nodes of 2 ranks: ep (innermost) stays inside a node, fsdp crosses. The gathers and
     reduce-scatters are fixed by the layout and must match the plan to the byte on each link; the all-to-all
     depends on the routing, so the plan (uniform routing) is compared within 30 %."""
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
     from q38.parallel.budget import Hardware, estimate
     from q38.parallel.layout import Layout
 

@@ -5,16 +5,16 @@ import attrs
 import pytest
 import torch
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.errors import ConfigError
 from q38.layers.common import leaf_generator
 from q38.lora import PeftConfig, add_adapters, is_adapter_path, merged_params
 from q38.model import init_params, logits
 from q38.parallel.layout import Layout
 from q38.pytree import named_leaves, tree_map_with_path
-from q38.train.config import TrainConfig
-from q38.train.state import state_from_params
-from q38.train.step import loss_and_grads, train_step
+from q38.train.core.step_config import TrainConfig
+from q38.train.core.state import state_from_params
+from q38.train.core.step import loss_and_grads, train_step
 from tests.dist_utils import run_distributed
 
 TOL = 1e-5
@@ -123,7 +123,7 @@ def test_peft_config_refusals():
                      ({"method": "dora"}, "peft.method"), ({"rnak": 4}, "unknown key")]:
         with pytest.raises(ConfigError, match=msg):
             PeftConfig.from_dict(bad)
-    from q38.train.run_config import RunConfig
+    from q38.train.run.run_config import RunConfig
 
     cfg = RunConfig.from_dict({"model": "tiny", "peft": {"rank": 8, "targets": ["w_q", "we_down"]}})
     assert cfg.peft.rank == 8 and cfg.peft.targets == ("w_q", "we_down") and cfg.peft.scale == 4.0
@@ -196,9 +196,9 @@ def test_lora_layout_matches_single_process(layout, mesh_sizes, world, mode):
 
 @pytest.mark.slow  # ~100 s on the shared 2-core machine (three short runs)
 def test_lora_run_resumes_bit_identical_and_refuses_another_base(tmp_path):
-    from q38.train import checkpoint as ck
-    from q38.train.peft import BaseMismatch
-    from q38.train.trainer import train
+    from q38.train.io import checkpoint as ck
+    from q38.train.io.peft import BaseMismatch
+    from q38.train.run.trainer import train
     from tests.run_utils import losses, run_config
 
     peft = {"rank": 4, "alpha": 8, "mtp": True}
@@ -226,7 +226,7 @@ def test_lora_run_resumes_bit_identical_and_refuses_another_base(tmp_path):
 
 def _bytes_fn(rank, world, lora):
     from q38.parallel.mesh import make_mesh, shard, shard_batch
-    from q38.train.state import init_state
+    from q38.train.core.state import init_state
 
     cfg = _cfg()
     tc = TrainConfig(loss_chunk_size=16, param_dtype="bfloat16")
@@ -288,7 +288,7 @@ def named_leaves_values(tree):
 def _measure_lora(rank, world, recompute):
     from q38.kernels import DEFAULT_KERNELS
     from q38.parallel.mesh import make_mesh, shard, shard_batch
-    from q38.train.peft import lora_state
+    from q38.train.io.peft import lora_state
     from tests.mem_utils import PeakMemory
 
     cfg = ModelConfig.preset("tiny")

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 
 from q38.cli import main
-from q38.train import checkpoint as ck
-from q38.train.data import DataError
-from q38.train.megatron import MegatronRows
-from q38.train.prepare import prepare_data
-from q38.train.shards import ShardRows
-from q38.train.sources import TrainData
-from q38.train.tokenizer import ByteTokenizer
-from q38.train.trainer import RunConfig, train
+from q38.train.io import checkpoint as ck
+from q38.train.data.loader import DataError
+from q38.train.data.megatron import MegatronRows
+from q38.train.data.prepare import prepare_data
+from q38.train.data.shards import ShardRows
+from q38.train.data.sources import TrainData
+from q38.train.data.tokenizer import ByteTokenizer
+from q38.train.run.trainer import RunConfig, train
 from tests import megatron_ref
 from tests.run_utils import losses, run_dict, write_config
 

@@ -1,4 +1,4 @@
-"""The trainer's memory pre-flight (q38/train/launch.py: ``check_memory``): on an accelerator, a run whose predicted
+"""The trainer's memory pre-flight (q38/train/run/launch.py: ``check_memory``): on an accelerator, a run whose predicted
 per-rank peak (q38 plan's budget, from the same settings ``q38 plan --train`` reads) exceeds the device's memory is
 refused before anything is allocated, naming the fix; ``run.memory_check: false`` starts it anyway. The device's
 memory is faked here (the CPU test machine has no accelerator); the CPU is never checked."""
@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-import q38.train.launch as L
-from q38.config import ConfigError
+import q38.train.run.launch as L
+from q38.model_config import ConfigError
 from q38.cli import plan_cli
-from q38.train.trainer import RunConfig, train
+from q38.train.run.trainer import RunConfig, train
 from tests.run_utils import REPO, run_config
 
 GB = 10**9

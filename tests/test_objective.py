@@ -10,10 +10,10 @@ import torch
 
 from q38.model import forward
 from q38.pytree import named_leaves
-from q38.train.config import TrainConfig
-from q38.train.objective import Term, default_terms, load_balancing_loss
-from q38.train.state import init_state
-from q38.train.step import loss_and_grads, train_step, update_router_bias
+from q38.train.core.step_config import TrainConfig
+from q38.train.core.objective import Term, default_terms, load_balancing_loss
+from q38.train.core.state import init_state
+from q38.train.core.step import loss_and_grads, train_step, update_router_bias
 
 TOL = 1e-5
 
@@ -74,7 +74,7 @@ def test_pooling_hides_collapsed_layers_and_per_layer_does_not():
 
 # ---- the aux loss in the step against a plain-loop reference --------------------------------------------------------
 def _loop_aux(router_logits, batch, cfg, kind, tokens):
-    """Python loops over tokens: softmax, top-k by sorting, the formulas of q38/train/objective.py's docstring."""
+    """Python loops over tokens: softmax, top-k by sorting, the formulas of q38/train/core/objective.py's docstring."""
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     ids, labels, doc = batch["input_ids"], batch["labels"], batch["doc_ids"]
     b, s = ids.shape
@@ -198,7 +198,7 @@ def test_train_step_updates_the_router_bias_from_the_steps_load(tiny_cfg):
 
 def test_router_bias_is_checkpointed_and_convert_refuses_to_drop_it_silently(tiny_cfg, tmp_path, capsys):
     from q38.cli import main
-    from q38.train.checkpoint import load_checkpoint, save_checkpoint
+    from q38.train.io.checkpoint import load_checkpoint, save_checkpoint
 
     cfg = _cfg(tiny_cfg)
     tc = TrainConfig(aux_loss_free=True)
@@ -227,7 +227,7 @@ def test_router_bias_is_checkpointed_and_convert_refuses_to_drop_it_silently(tin
 def test_a_toy_extra_term_is_one_function_and_one_weight(tiny_cfg):
     """``z`` = mean squared final hidden state over valid targets: it enters the objective with its weight, its
     gradient is added, and it appears under its name in the metrics and the progress line."""
-    from q38.train.trainer import Throughput, format_metrics
+    from q38.train.run.trainer import Throughput, format_metrics
 
     cfg = _cfg(tiny_cfg)
     batch = _batch(cfg)
@@ -266,15 +266,15 @@ def test_a_toy_extra_term_is_one_function_and_one_weight(tiny_cfg):
 
 
 def test_objective_and_router_bias_create_tensors_on_their_inputs_device(tiny_cfg):
-    """docs/testing.md#device-correctness-without-a-gpu for the objective's own code: no factory call in q38/train/objective.py,
-    q38/train/step.py or q38/train/state.py without ``device=`` during a step with every aux form and the router
+    """docs/testing.md#device-correctness-without-a-gpu for the objective's own code: no factory call in q38/train/core/objective.py,
+    q38/train/core/step.py or q38/train/core/state.py without ``device=`` during a step with every aux form and the router
     bias (nccl refuses CPU tensors; gloo would not notice)."""
     import sys
 
     from torch.overrides import TorchFunctionMode
 
     factories = {torch.tensor, torch.empty, torch.zeros, torch.ones, torch.full, torch.arange, torch.eye}
-    ours = ("q38/train/objective.py", "q38/train/step.py", "q38/train/state.py")
+    ours = ("q38/train/core/objective.py", "q38/train/core/step.py", "q38/train/core/state.py")
 
     class Record(TorchFunctionMode):
         def __init__(self):

@@ -4,12 +4,12 @@ and updated parameters (fp32, 1e-5), with MTP on and packed documents."""
 import pytest
 import torch
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.parallel.layout import Layout
 from q38.pytree import named_leaves
-from q38.train.config import TrainConfig
-from q38.train.state import init_state
-from q38.train.step import loss_and_grads, train_step
+from q38.train.core.step_config import TrainConfig
+from q38.train.core.state import init_state
+from q38.train.core.step import loss_and_grads, train_step
 from tests.dist_utils import run_distributed
 
 TOL = 1e-5
@@ -262,7 +262,7 @@ def test_layout_written_as_yaml_trains_without_code_changes(tmp_path, text, worl
 
 def _init_fn(rank, world, layout_name, mesh_sizes):
     from q38.parallel.mesh import init_sharded, make_mesh, shard
-    from q38.train.state import state_from_params
+    from q38.train.core.state import state_from_params
 
     cfg = _cfg()
     mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)

@@ -7,10 +7,10 @@ import torch
 
 from q38.parallel.layout import Layout
 from q38.pytree import named_leaves
-from q38.train.config import TrainConfig
-from q38.train.objective import Term, aux_term
-from q38.train.state import init_state
-from q38.train.step import loss_and_grads, train_step
+from q38.train.core.step_config import TrainConfig
+from q38.train.core.objective import Term, aux_term
+from q38.train.core.state import init_state
+from q38.train.core.step import loss_and_grads, train_step
 from tests.dist_utils import run_distributed
 from tests.test_parallel import _batch, _cfg
 
@@ -118,7 +118,7 @@ def test_aux_with_two_micro_batches_matches_one_process(layout, mesh_sizes):
 
 def _bias_fn(rank, world, ckpt_root):
     from q38.parallel.mesh import make_mesh, shard, shard_batch
-    from q38.train.checkpoint import save_checkpoint
+    from q38.train.io.checkpoint import save_checkpoint
 
     cfg = _cfg()
     tc = TrainConfig(loss_chunk_size=16, aux_loss_free=True, router_bias_rate=0.01, lr=1e-3, eps=1e-3)
@@ -133,7 +133,7 @@ def _bias_fn(rank, world, ckpt_root):
 
 
 def test_router_bias_is_identical_on_every_rank_and_reshards(tmp_path):
-    from q38.train.checkpoint import latest_checkpoint, load_checkpoint
+    from q38.train.io.checkpoint import latest_checkpoint, load_checkpoint
 
     cfg = _cfg()
     tc = TrainConfig(loss_chunk_size=16, aux_loss_free=True, router_bias_rate=0.01, lr=1e-3, eps=1e-3)

@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.kernels import DEFAULT_KERNELS
 from q38.parallel.budget import estimate
 from q38.parallel.layout import Layout
-from q38.train.config import TrainConfig
+from q38.train.core.step_config import TrainConfig
 from tests.dist_utils import run_distributed
 
 TOL = 0.15
@@ -37,8 +37,8 @@ def _cfg(preset: str) -> ModelConfig:
 
 def _measure(rank, world, preset, layout_name, mesh_sizes, recompute):
     from q38.parallel.mesh import make_mesh, shard, shard_batch
-    from q38.train.state import init_state
-    from q38.train.step import train_step
+    from q38.train.core.state import init_state
+    from q38.train.core.step import train_step
     from tests.mem_utils import PeakMemory
 
     cfg = _cfg(preset)
@@ -147,9 +147,9 @@ def _measure_start(rank, world, layout_name, mesh_sizes, ck_dir, hf_dir):
     """Live tensor bytes while this rank resumes from ``ck_dir`` / starts from the HF directory ``hf_dir``: the
     template (or the read shards), the moments and what each read holds."""
     from q38.parallel.mesh import make_mesh
-    from q38.train.checkpoint import empty_params, load_checkpoint
-    from q38.train.hf_io import load_hf_sharded
-    from q38.train.state import state_from_params
+    from q38.train.io.checkpoint import empty_params, load_checkpoint
+    from q38.train.io.hf_io import load_hf_sharded
+    from q38.train.core.state import state_from_params
     from tests.mem_utils import PeakMemory
 
     cfg, tc = _cfg("small"), TrainConfig()
@@ -187,8 +187,8 @@ def test_the_plan_predicts_the_start_of_a_run(tmp_path):
 
 def _save_start(rank, world, layout_name, mesh_sizes, ck_dir):
     from q38.parallel.mesh import init_sharded, make_mesh
-    from q38.train.checkpoint import write_checkpoint
-    from q38.train.state import state_from_params
+    from q38.train.io.checkpoint import write_checkpoint
+    from q38.train.core.state import state_from_params
 
     cfg = _cfg("small")
     mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)

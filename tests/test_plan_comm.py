@@ -8,7 +8,7 @@ import collections
 
 import pytest
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.parallel.budget import estimate
 from q38.parallel.layout import Layout
 from tests.dist_utils import run_distributed

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from q38.cli import plan_cli
-from q38.config import ConfigError, ModelConfig
+from q38.model_config import ConfigError, ModelConfig
 from q38.parallel.budget import Hardware, estimate
 from q38.parallel.efficiency import KNOWN_IMPLS, PRICED_OPS, keys_per_query, read_measured
 from q38.parallel.layout import Layout
@@ -53,7 +53,7 @@ def test_every_profile_entry_is_sourced_and_the_production_ops_are_in_the_table(
 def test_a_malformed_profile_entry_is_one_line(tmp_path):
     import yaml
 
-    from q38.config import SPECS_DIR
+    from q38.model_config import SPECS_DIR
 
     raw = yaml.safe_load((SPECS_DIR / "hardware" / "h200.yaml").read_text())
     raw["efficiency"]["attention"]["flex"] = {"efficiency": 0.3, "status": "assumed"}

@@ -13,12 +13,12 @@ import torch
 from torch.utils.flop_counter import (FlopCounterMode, bmm_flop, conv_flop_count, mm_flop, sdpa_backward_flop_count,
                                       sdpa_flop_count)
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.kernels import DEFAULT_KERNELS
 from q38.flops import step_flops
-from q38.train.config import TrainConfig
-from q38.train.state import init_state
-from q38.train.step import train_step
+from q38.train.core.step_config import TrainConfig
+from q38.train.core.state import init_state
+from q38.train.core.step import train_step
 
 aten = torch.ops.aten
 

@@ -6,7 +6,7 @@ import yaml
 from q38.cli import plan_cli
 from q38.parallel.search import search
 from q38.parallel.budget import Hardware
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 
 TINY = ["--model", "tiny", "--seq-len", "128", "--global-batch", "8"]
 
@@ -17,7 +17,7 @@ def _err(capsys):
 
 
 def test_search_writes_a_layout_q38_train_accepts(tmp_path, capsys, monkeypatch):
-    from q38.train.trainer import RunConfig, check_run
+    from q38.train.run.trainer import RunConfig, check_run
 
     monkeypatch.chdir(tmp_path)
     rc = plan_cli(["--search", "--world", "4", "--hardware", "h200", *TINY, "--out", "best"])

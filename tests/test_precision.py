@@ -7,12 +7,12 @@ import attrs
 import pytest
 import torch
 
-from q38.config import ConfigError, ModelConfig
+from q38.model_config import ConfigError, ModelConfig
 from q38.pytree import named_leaves, tree_leaves
-from q38.train.config import TrainConfig
-from q38.train.optim import adamw_step
-from q38.train.state import decay_mask, init_state
-from q38.train.step import loss_and_grads, train_step
+from q38.train.core.step_config import TrainConfig
+from q38.train.core.optim import adamw_step
+from q38.train.core.state import decay_mask, init_state
+from q38.train.core.step import loss_and_grads, train_step
 from tests.device_check import FactoryDeviceMode
 from tests.dist_utils import run_distributed
 from tests.test_parallel import _batch, _cfg
@@ -142,7 +142,7 @@ def test_bf16_policy_tracks_fp32_over_100_steps(tiny_cfg):
 
 
 def test_checkpoint_resume_under_the_bf16_policy_is_identical(tmp_path, tiny_cfg):
-    from q38.train import checkpoint as ck
+    from q38.train.io import checkpoint as ck
 
     cfg = tiny_cfg.replace(initializer_range=0.1, mtp_num_layers=0)
     tc = TrainConfig(lr=1e-3, loss_chunk_size=64, **BF16)
@@ -265,7 +265,7 @@ def _reshard_rank_fn(rank, world, tc):
     from q38.model import forward
     from q38.parallel.layout import Layout
     from q38.parallel.mesh import make_mesh, shard, shard_batch
-    from q38.train.step import make_layer_hooks, step_runtime
+    from q38.train.core.step import make_layer_hooks, step_runtime
 
     cfg = _cfg()
     mesh = make_mesh(Layout.preset("fsdp").with_mesh(fsdp=2), world)
@@ -370,7 +370,7 @@ def test_convert_to_hf_writes_the_compute_dtype_of_the_run(tmp_path, tiny_cfg):
     import struct
 
     from q38.cli import main
-    from q38.train import checkpoint as ck
+    from q38.train.io import checkpoint as ck
 
     tc = TrainConfig(**BF16)
     state = init_state(tiny_cfg, tc, seed=0)
@@ -391,7 +391,7 @@ def test_convert_to_hf_writes_the_compute_dtype_of_the_run(tmp_path, tiny_cfg):
 
 
 def test_run_dtype_bfloat16_means_the_bf16_policy():
-    from q38.train.trainer import RunConfig
+    from q38.train.run.trainer import RunConfig
 
     cfg = RunConfig.from_dict({"model": "tiny", "run": {"dtype": "bfloat16"}})
     assert (cfg.train.param_dtype, cfg.train.reduce_dtype) == ("bfloat16", "float32")

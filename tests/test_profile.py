@@ -1,4 +1,4 @@
-"""Profiling on demand (``run.profile``, ``q38.train.profile``): one Chrome trace per rank with q38's phase names;
+"""Profiling on demand (``run.profile``, ``q38.train.run.profile``): one Chrome trace per rank with q38's phase names;
 an out-of-memory step writes the allocator's snapshot and ends with one line."""
 
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from q38.config import ConfigError
+from q38.model_config import ConfigError
 from tests.run_utils import REPO, run_config, run_dict, write_config
 
 PHASES = ("q38.forward_backward", "q38.optimizer", "q38.linear_attention", "q38.full_attention", "q38.moe",
@@ -39,8 +39,8 @@ def test_a_profiled_run_writes_one_trace_per_rank_with_q38s_phases(tmp_path):
 
 
 def test_an_out_of_memory_step_writes_the_snapshot_and_ends_with_one_line(tmp_path, monkeypatch, capsys):
-    import q38.train.profile as prof
-    import q38.train.step as step_mod
+    import q38.train.run.profile as prof
+    import q38.train.core.step as step_mod
     from q38.cli import main
 
     real = step_mod.train_step

@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from q38.config import ModelConfig
+from q38.hf_config import load_model_config
+from q38.model_config import ModelConfig
 from q38.hf import CheckpointError, fp8_dtypes, load_hf, save_hf
 from q38.pytree import named_leaves, tree_map
 from tests.test_hf_parity import CFG_A, CFG_NEXT, _random_params
@@ -255,7 +256,7 @@ def test_fp8_export_round_trip_and_same_layout_as_an_fp8_source(tmp_path):
     (``convert --to-hf`` default: the source's format) writes the same keys, dtypes and scale shapes, its
     ``quantization_config`` keeps the block size and lists what the source left unquantized, and it loads to the
     same weights (re-quantizing a dequantized block gives back its values)."""
-    from q38.train.hf_io import export_checkpoint, import_hf
+    from q38.train.io.hf_io import export_checkpoint, import_hf
 
     params = _random_params(CFG_A, seed=7)
     out = save_hf(tmp_path / "q38fp8", CFG_A, params, dtypes=fp8_dtypes(lambda q: torch.float32))
@@ -305,7 +306,7 @@ def test_export_writes_each_tensor_in_the_source_dtype(tmp_path):
     """A bf16 checkpoint that keeps A_log and the GDN norm in fp32 (as released Qwen3.5 checkpoints do) goes through
     a q38 checkpoint (fp32 masters) and comes out with every key in its source dtype; the import keeps the fp32
     leaves unrounded."""
-    from q38.train.hf_io import export_checkpoint, import_hf, source_fp32_params
+    from q38.train.io.hf_io import export_checkpoint, import_hf, source_fp32_params
 
     fp32 = ("A_log", "norm_w")
     params = _random_params(CFG_A, seed=2)
@@ -325,7 +326,7 @@ def test_export_writes_each_tensor_in_the_source_dtype(tmp_path):
 
 def test_bf16_policy_gathers_fp32_params_in_fp32():
     from q38.parallel.local import LocalRuntime
-    from q38.train.config import TrainConfig
+    from q38.train.core.step_config import TrainConfig
 
     tc = TrainConfig(param_dtype="bfloat16")
     params = _random_params(CFG_A)
@@ -348,7 +349,7 @@ def test_gdn_on_a_long_packed_row_tracks_fp32_closer_with_fp32_a_log():
     from q38.layers.gdn import gdn_apply
     from q38.model import init_params
     from q38.parallel.local import LocalRuntime
-    from q38.train.config import TrainConfig
+    from q38.train.core.step_config import TrainConfig
 
     cfg = ModelConfig.preset("tiny").replace(hidden_size=32, linear_num_key_heads=1, linear_num_value_heads=2,
                                              linear_key_head_dim=8, linear_value_head_dim=8)
@@ -447,9 +448,9 @@ def test_shared_mtp_in_hf_files_counts_and_the_train_step(tmp_path):
     """The HF form holds ``mtp.layers.0`` only and reloads as the same shared model; a released checkpoint's one MTP
     layer loads shared at any depth; the parameter count has one MTP layer; a train step has one term per depth."""
     from q38.model import count_params
-    from q38.train.config import TrainConfig
-    from q38.train.state import state_from_params
-    from q38.train.step import loss_and_grads
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.state import state_from_params
+    from q38.train.core.step import loss_and_grads
 
     params = _random_params(SHARED, seed=1)
     out = save_hf(tmp_path / "shared", SHARED, params)
@@ -496,11 +497,11 @@ def test_a_run_from_an_fp8_checkpoint_exports_fp8_and_keeps_source_fp32_leaves(t
     policy) adds the vector kind dt_bias to ``train.fp32_params`` (A_log and the GDN norm are there by default; the
     gate is a matrix: computed in bf16, exported in fp32), records the source format in its checkpoint, and
     ``run.save_hf`` writes the source's keys, dtypes and scale shapes."""
-    from q38.train.checkpoint import read_meta, resolve_checkpoint
-    from q38.train.trainer import RunConfig, train
+    from q38.train.io.checkpoint import read_meta, resolve_checkpoint
+    from q38.train.run.trainer import RunConfig, train
     from tests.run_utils import run_dict
 
-    cfg = ModelConfig.load("tiny")
+    cfg = load_model_config("tiny")
     fp32 = ("A_log", "norm_w", "dt_bias", "w_shared_gate")
     keep = lambda q: torch.float32 if q.endswith(fp32) else torch.bfloat16  # noqa: E731
     src = save_hf(tmp_path / "hf", cfg, _random_params(cfg), dtypes=fp8_dtypes(keep))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from q38.train import checkpoint as ck
+from q38.train.io import checkpoint as ck
 from tests.run_utils import REPO, metrics, run_dict, write_config
 from tests.test_trainer import _children, _wait_for_step
 
@@ -58,7 +58,7 @@ def test_sigterm_to_q38_launch_saves_and_exits_0_then_resumes(tmp_path):
 
 STOP_BEFORE_ALL_REDUCE = """
 import os, signal, sys
-import q38.train.trainer as T
+import q38.train.run.trainer as T
 _any_rank, calls = T._any_rank, []
 def any_rank(flags, device):
     calls.append(1)
@@ -108,7 +108,7 @@ def test_a_rank_stopped_between_its_step_and_the_all_reduce_is_caught(tmp_path):
 
 FULL_DISK_ON_RANK_1 = """
 import os, resource, signal, sys
-import q38.train.trainer as T
+import q38.train.run.trainer as T
 _any_rank, calls = T._any_rank, []
 def any_rank(flags, device):
     calls.append(1)

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from q38.cli import main
-from q38.train import checkpoint as ck
+from q38.train.io import checkpoint as ck
 from tests.run_utils import metrics, q38, run_dict, write_config
 
 
@@ -105,7 +105,7 @@ def test_torn_metrics_line_is_cut_with_a_note_and_the_run_resumes(tmp_path, caps
 
 
 def test_two_concurrent_runs_the_second_refuses_and_the_first_finishes(tmp_path, capsys):
-    from q38.train.trainer import RunConfig, train
+    from q38.train.run.trainer import RunConfig, train
 
     cfg = _cfg(tmp_path, steps=3, save_every=0)
     second = {}

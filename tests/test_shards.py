@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from q38.cli import main
-from q38.train import checkpoint as ck
-from q38.train.data import IGNORE_INDEX, DataError, load_documents
-from q38.train.tokenizer import ByteTokenizer
-from q38.train.prepare import prepare_data
-from q38.train.shards import (
+from q38.train.io import checkpoint as ck
+from q38.train.data.loader import IGNORE_INDEX, DataError, load_documents
+from q38.train.data.tokenizer import ByteTokenizer
+from q38.train.data.prepare import prepare_data
+from q38.train.data.shards import (
     MIX_BLOCK,
     EvalRows,
     MixtureIterator,
@@ -28,7 +28,7 @@ from q38.train.shards import (
     feistel_permute,
     parse_mixture,
 )
-from q38.train.trainer import RunConfig, train
+from q38.train.run.trainer import RunConfig, train
 from tests.run_utils import REPO, losses, metrics, run_dict, write_config
 
 BYTE = ByteTokenizer()
@@ -65,7 +65,7 @@ def test_round_trip_matches_the_on_the_fly_path(tiny_shards):
     assert man["num_targets"] == sum(sum(x != IGNORE_INDEX for x in lab) for _, lab in want)
     for s in man["shards"]:  # manifest checksums are those of the files
         for kind, f in s["files"].items():
-            from q38.train.shards import sha256_file
+            from q38.train.data.shards import sha256_file
 
             assert sha256_file(tiny_shards / f"{s['name']}.{kind}") == f["sha256"]
     # rows: the shard's token stream cut into seq_len pieces, documents numbered from 0 along each row
@@ -139,7 +139,7 @@ def test_parquet_round_trip(tmp_path):
     table = pa.Table.from_pylist([{"text": r.get("text"), "messages": r.get("messages")} for r in recs])
     pq.write_table(table, tmp_path / "d.parquet", row_group_size=2)
     prep([tmp_path / "d.parquet"], tmp_path / "o")
-    from q38.train.data import encode_record
+    from q38.train.data.loader import encode_record
 
     assert ShardRows(tmp_path / "o", 8).documents() == [encode_record(r, BYTE) for r in recs]
 
@@ -333,14 +333,14 @@ def test_the_eval_is_bounded_by_default_and_shows_its_progress(tmp_path, monkeyp
     import io
     import sys
 
-    from q38.config import ModelConfig
+    from q38.model_config import ModelConfig
     from q38.model import init_params
-    from q38.train import evaluate
-    from q38.train.config import TrainConfig
-    from q38.train.run_config import EVAL_BATCHES, RunOptions
-    from q38.train.shards import PackedRows
-    from q38.train.sources import TrainData
-    from q38.train.state import state_from_params
+    from q38.train.run import evaluate
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.run.run_config import EVAL_BATCHES, RunOptions
+    from q38.train.data.shards import PackedRows
+    from q38.train.data.sources import TrainData
+    from q38.train.core.state import state_from_params
     from tests.run_utils import small_model_dict
 
     assert RunOptions().eval_batches == EVAL_BATCHES == 16

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 import q38
 from q38.model import forward, head_weight, init_params, shift_tokens
 from q38.pytree import named_leaves, tree_leaves
-from q38.train.config import TrainConfig
-from q38.train.objective import load_balancing_loss
-from q38.train.state import init_state, state_from_params
-from q38.train.step import loss_and_grads, train_step
+from q38.train.core.step_config import TrainConfig
+from q38.train.core.objective import load_balancing_loss
+from q38.train.core.state import init_state, state_from_params
+from q38.train.core.step import loss_and_grads, train_step
 
 TOL = 1e-5
 
@@ -239,8 +239,8 @@ def test_the_step_is_importable_from_q38_train():
     import inspect
 
     import q38.train
-    from q38.train.state import TrainState, init_state
-    from q38.train.step import train_step
+    from q38.train.core.state import TrainState, init_state
+    from q38.train.core.step import train_step
 
     assert q38.train.train_step is train_step and q38.train.init_state is init_state
     assert q38.train.TrainState is TrainState
@@ -252,7 +252,7 @@ def test_the_step_is_importable_from_q38_train():
 def test_a_term_set_without_aux_steps_and_reports_its_own_terms(tiny_cfg, gen):
     """Metrics are the terms the step ran plus the step's scalars: no term is assumed (an objective without the
     load-balancing term steps and logs no ``aux``)."""
-    from q38.train.objective import default_terms
+    from q38.train.core.objective import default_terms
 
     cfg = _cfg(tiny_cfg)
     tc = TrainConfig(lr=1e-3, warmup_steps=0)

@@ -8,16 +8,16 @@ import sys
 
 import pytest
 
-from q38.train import checkpoint as ck
-from q38.train.prefetch import Prefetch
+from q38.train.io import checkpoint as ck
+from q38.train.data.prefetch import Prefetch
 from tests.run_utils import REPO, losses, metrics, run_config, run_dict, write_config
 
 
 def test_prefetch_hands_out_the_loaders_batches_and_positions(tmp_path):
     import torch
 
-    from q38.train.sources import TrainData
-    from q38.train.tokenizer import ByteTokenizer
+    from q38.train.data.sources import TrainData
+    from q38.train.data.tokenizer import ByteTokenizer
 
     data = TrainData("builtin:tiny", ByteTokenizer(), seq_len=32, vocab_size=512)
     plain, _ = data.iterators(2, dp_rank=0, dp_size=1, seed=3, shuffle=True)
@@ -39,7 +39,7 @@ def test_prefetch_hands_out_the_loaders_batches_and_positions(tmp_path):
 
 
 def test_a_run_reads_ahead_without_changing_its_losses_or_checkpoints(tmp_path):
-    from q38.train.trainer import train
+    from q38.train.run.trainer import train
 
     a = train(run_config(tmp_path / "a", steps=4, data={"prefetch": 0}, run={"save_every": 2}))
     b = train(run_config(tmp_path / "b", steps=4, data={"prefetch": 2}, run={"save_every": 2}))
@@ -51,7 +51,7 @@ def test_a_run_reads_ahead_without_changing_its_losses_or_checkpoints(tmp_path):
 
 
 def test_every_record_says_where_the_steps_time_went(tmp_path):
-    from q38.train.trainer import train
+    from q38.train.run.trainer import train
 
     train(run_config(tmp_path / "r", steps=4, run={"save_every": 2}))
     recs = metrics(tmp_path / "r")
@@ -65,7 +65,7 @@ def test_every_record_says_where_the_steps_time_went(tmp_path):
 
 DRIVER = """
 import os, sys, time
-import q38.train.step as S
+import q38.train.core.step as S
 _step = S.train_step
 def slow(state, batch, mesh, **kw):
     if os.environ.get("RANK") == "1":

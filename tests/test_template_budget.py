@@ -1,5 +1,5 @@
 """A chat template is code shipped with a tokenizer: one rendering runs under a time and a size budget
-(``q38.train.chat``: ``RENDER_SECONDS``, ``RENDER_CHARS``, ``POWER_BITS``) and a template past it is one
+(``q38.train.data.chat``: ``RENDER_SECONDS``, ``RENDER_CHARS``, ``POWER_BITS``) and a template past it is one
 ``DataError`` naming the template and the limit (issue 35)."""
 
 import threading
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-import q38.train.chat as chat
-from q38.train.data import DataError
-from q38.train.tokenizer import load_tokenizer
+import q38.train.data.chat as chat
+from q38.train.data.loader import DataError
+from q38.train.data.tokenizer import load_tokenizer
 from tests.test_chat import _make_tokenizer_dir
 
 MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from q38.errors import DataError
-from q38.train.tokenizer import load_tokenizer, risky_repetition
+from q38.train.data.tokenizer import load_tokenizer, risky_repetition
 
 # pre-tokenizer patterns of released tokenizers (Qwen2/3.x, GPT-2, Llama 3): accepted
 RELEASED = [
@@ -57,7 +57,7 @@ def test_a_hostile_tokenizer_is_refused_before_the_library_reads_it(tmp_path):
 
 
 def test_a_panic_inside_the_library_is_one_line(tmp_path, monkeypatch):
-    import q38.train.tokenizer as T
+    import q38.train.data.tokenizer as T
 
     d = _save(tmp_path, r"(a+)+b")
     monkeypatch.setattr(T, "risky_repetition", lambda p: None)  # let it through, as a pattern the check misses would be

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from q38.config import ConfigError
+from q38.model_config import ConfigError
 from tests.run_utils import metrics, run_config
 
 HAVE_WANDB = importlib.util.find_spec("wandb") is not None
@@ -84,8 +84,8 @@ def _assert_same(got: dict, want: dict) -> None:
 @needs_wandb
 @needs_swanlab  # the W&B log is read with SwanLab's reader of it
 def test_wandb_offline_records_what_metrics_jsonl_holds_and_a_resume_continues_its_run(tmp_path, monkeypatch):
-    from q38.train.checkpoint import read_meta, resolve_checkpoint
-    from q38.train.trainer import train
+    from q38.train.io.checkpoint import read_meta, resolve_checkpoint
+    from q38.train.run.trainer import train
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
@@ -103,8 +103,8 @@ def test_wandb_offline_records_what_metrics_jsonl_holds_and_a_resume_continues_i
 
 @needs_swanlab
 def test_swanlab_offline_records_what_metrics_jsonl_holds_and_a_resume_continues_its_run(tmp_path):
-    from q38.train.checkpoint import read_meta, resolve_checkpoint
-    from q38.train.trainer import train
+    from q38.train.io.checkpoint import read_meta, resolve_checkpoint
+    from q38.train.run.trainer import train
 
     out = tmp_path / "run"
     run = {"trackers": ["swanlab"], "tracker_mode": "offline"}
@@ -137,7 +137,7 @@ def test_an_unknown_tracker_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("name", ["wandb", "swanlab"])
 def test_a_tracker_without_its_package_names_the_extra(tmp_path, monkeypatch, name):
-    from q38.train.trainer import train
+    from q38.train.run.trainer import train
 
     monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
     with pytest.raises(ConfigError, match=rf"run.trackers names {name}, but the {name} package is not installed; "
@@ -147,8 +147,8 @@ def test_a_tracker_without_its_package_names_the_extra(tmp_path, monkeypatch, na
 
 
 def test_only_rank_0_opens_trackers(tmp_path):
-    from q38.train.launch import check_run
-    from q38.train.trainer import RunLog
+    from q38.train.run.launch import check_run
+    from q38.train.run.trainer import RunLog
 
     cfg = run_config(tmp_path, run={"trackers": ["wandb", "swanlab"], "tracker_mode": "offline"})
     log = RunLog(cfg, 0, lead=False, plan=check_run(cfg, 1, "cpu"))
@@ -161,7 +161,7 @@ def test_only_rank_0_opens_trackers(tmp_path):
 def test_tensorboard_records_what_metrics_jsonl_holds(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from q38.train.trainer import train
+    from q38.train.run.trainer import train
 
     out = tmp_path / "run"
     train(run_config(out, steps=3, run={"trackers": ["tensorboard"]}))

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from q38.config import ModelConfig
-from q38.train import checkpoint as ck
-from q38.train.metrics import PROGRESS_LEGEND
-from q38.train.trainer import (
+from q38.model_config import ModelConfig
+from q38.train.io import checkpoint as ck
+from q38.train.run.metrics import PROGRESS_LEGEND
+from q38.train.run.trainer import (
     RunConfig,
     Throughput,
     check_run,
@@ -227,7 +227,7 @@ def _wait_for_step(out: Path, step: int, proc, timeout=120.0):
 
 DRIVER = """
 import sys, time
-import q38.train.trainer as T
+import q38.train.run.trainer as T
 _train = T.train
 T.train = lambda cfg, on_step=None: _train(cfg, on_step=lambda rec: time.sleep(0.4))  # slow steps: time to signal
 from q38.cli import main

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from q38.cli import main
-from q38.train import checkpoint as ck
+from q38.train.io import checkpoint as ck
 from tests.run_utils import run_dict, write_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -94,8 +94,8 @@ def test_a_plain_dcp_save_of_a_q38_state_loads(tmp_path, tiny_cfg):
     reader: its metadata holds only DCP's own types."""
     import torch.distributed.checkpoint as dcp
 
-    from q38.train.config import TrainConfig
-    from q38.train.state import init_state
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.core.state import init_state
 
     state = init_state(tiny_cfg, TrainConfig(), seed=1)
     d = tmp_path / "plain"

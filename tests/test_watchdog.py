@@ -1,4 +1,4 @@
-"""Hang diagnosis (``run.step_timeout_s``, ``q38.train.watchdog``): a step that overruns writes every rank's stacks
+"""Hang diagnosis (``run.step_timeout_s``, ``q38.train.run.watchdog``): a step that overruns writes every rank's stacks
 and ends the run with one line naming the rank that holds it up; ``run.timeout_s`` bounds every collective."""
 
 import os
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from q38.train import checkpoint as ck
-from q38.train.watchdog import StepWatchdog, summary, where
+from q38.train.io import checkpoint as ck
+from q38.train.run.watchdog import StepWatchdog, summary, where
 from tests.run_utils import REPO, run_dict, write_config
 
 
@@ -62,7 +62,7 @@ def test_where_tells_a_collective_from_compute():
 
 DRIVER = """
 import os, sys, time
-import q38.train.step as S
+import q38.train.core.step as S
 _step = S.train_step
 def slow(state, batch, mesh, **kw):
     if int(state.step) == 2 and os.environ.get("RANK") == "1":
@@ -105,7 +105,7 @@ def test_a_rank_that_stalls_is_named_on_every_rank(tmp_path):
 
 
 def test_bad_timeouts_are_one_line(tmp_path):
-    from q38.config import ConfigError
+    from q38.model_config import ConfigError
     from tests.run_utils import run_config
 
     with pytest.raises(ConfigError, match=r"run.timeout_s must be a positive number of seconds, got 0"):

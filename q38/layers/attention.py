@@ -18,7 +18,7 @@ from einops import rearrange
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.errors import DataError
 from q38.layers.common import ParamInfo
 from q38.layers.context import SeqInfo

@@ -9,7 +9,7 @@ from jaxtyping import Float
 from torch import Tensor
 from torch.profiler import record_function
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.kernels import OPS
 from q38.layers.common import ParamInfo
 from q38.layers.context import SeqInfo

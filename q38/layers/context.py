@@ -148,7 +148,7 @@ class SeqInfo:
     ``packed``: whether any row holds more than one document (lets layers take the fast unmasked path).
     ``comm``: the CP exchanges. ``kernels``: the step's resolved ``KernelConfig`` (a layer calls
     ``kernels.fn(op)``). ``region(name)``: a context the layer enters around its hot kernel (``attention``,
-    ``gdn``), so that selective recompute can keep that kernel's outputs (``q38.train.remat``); it never changes
+    ``gdn``), so that selective recompute can keep that kernel's outputs (``q38.train.core.remat``); it never changes
     the math.
     """
 

@@ -18,7 +18,7 @@ from einops import rearrange
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.layers.common import ParamInfo
 from q38.layers.context import SeqHandle, SeqInfo
 from q38.layers.norm import gated_rms_norm

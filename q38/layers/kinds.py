@@ -4,7 +4,7 @@
 Every reader goes through ``MIXER_KINDS``: ``block.py`` (params and apply), ``ModelConfig`` (the accepted
 ``layer_types``), ``q38.model.count_params`` (the declared shapes), ``q38.flops`` (matmul FLOPs),
 ``q38.parallel.budget`` (saved bytes, selective recompute, the CP exchange), ``q38.hf`` (checkpoint keys) and
-``q38.train.remat`` (the recompute regions). Adding a kind is one record here plus its layer file
+``q38.train.core.remat`` (the recompute regions). Adding a kind is one record here plus its layer file
 (docs/extending.md#add-a-layer-type-or-a-weight).
 
 Dims: ``n`` local tokens (rows · seq), ``h``/``g`` query/kv heads, ``c`` head dim, ``H``/``Hk`` GDN value/key
@@ -17,7 +17,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from q38.config import LAYER_TYPES, ModelConfig
+from q38.model_config import LAYER_TYPES, ModelConfig
 from q38.kernels import GDN_CHUNK
 from q38.layers.attention import AttnParams, abstract_attention, attention_apply
 from q38.layers.gdn import GDNParams, abstract_gdn, gdn_apply
@@ -327,7 +327,7 @@ _KINDS = (
 )
 MIXER_KINDS: dict[str, MixerKind] = {k.name: k for k in _KINDS}  # its keys are the accepted ``layer_types``
 if tuple(sorted(MIXER_KINDS)) != tuple(sorted(LAYER_TYPES)):
-    raise ImportError(f"q38.layers.kinds has records for {sorted(MIXER_KINDS)} but q38.config.LAYER_TYPES names "
+    raise ImportError(f"q38.layers.kinds has records for {sorted(MIXER_KINDS)} but q38.model_config.LAYER_TYPES names "
                       f"{sorted(LAYER_TYPES)}; add the new kind's name to LAYER_TYPES (docs/extending.md)")
 MTP_LAYER_TYPE = "full_attention"  # the mixer of every MTP depth
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.layers.common import ParamInfo
 from q38.pytree import pytree_node

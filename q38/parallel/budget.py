@@ -41,7 +41,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from q38.config import ConfigError, ModelConfig
+from q38.model_config import ConfigError, ModelConfig
 from q38.flops import StepFlops, step_flops
 from q38.kernels import GDN_CHUNK
 from q38.layers.kinds import MIXER_KINDS, RECOMPUTE_MODES, Workload, kept_regions, layer_kinds
@@ -101,7 +101,7 @@ class Hardware:
     def load(cls, name: str) -> "Hardware":
         import yaml
 
-        from q38.config import SPECS_DIR
+        from q38.model_config import SPECS_DIR
 
         d = SPECS_DIR / "hardware"
         known = sorted(p.stem for p in d.glob("*.yaml"))
@@ -502,7 +502,7 @@ def _forward_backward_items(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: 
 
 
 def _optimizer_items(st: _Step, numel: int, grad_clip: bool, impl: str) -> list[Item]:
-    """q38.train.optim.adamw_step as it runs: the old state and the gradients stay alive while it updates fp32
+    """q38.train.core.optim.adamw_step as it runs: the old state and the gradients stay alive while it updates fp32
     copies of weights and moments; the gradients it updates with are fp32 copies when they are scaled by the
     clipping factor (``_foreach_mul`` returns new tensors) or stored in another dtype; torch's foreach AdamW divides
     by ``_foreach_sqrt(exp_avg_sq)``, a new tensor per parameter of the group (≈ all of them), the fused kernel
@@ -713,7 +713,7 @@ def estimate(
     for fla's GDN kernel, False or None for the torch core, whose chunk length is ``gdn_chunk`` (``kernels.
     gdn_chunk_size``; the default is the accelerator one).
     ``grad_clip``: the run clips gradients (``train.grad_clip``, on by default). ``adamw_impl``: ``foreach`` |
-    ``fused`` (q38.train.optim); None: ``fused`` with a hardware profile (an accelerator), ``foreach`` without
+    ``fused`` (q38.train.core.optim); None: ``fused`` with a hardware profile (an accelerator), ``foreach`` without
     (CPU), as ``optim.default_impl`` picks. ``packed_rows``: rows hold several documents (pretraining data), so
     attention runs with a document mask and k, v repeated to the query heads; False: one document per row, where
     16-bit accelerator runs and CPU runs hand SDPA the kv heads as they are (``attention._native_gqa``).

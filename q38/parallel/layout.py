@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 import attrs
 import yaml
 
-from q38.config import SPECS_DIR, ModelConfig
+from q38.model_config import SPECS_DIR, ModelConfig
 
 # Mesh dims with behaviour in the runtime (q38/parallel/runtime.py); every other name is plain data (shards the
 # parameters its rules name and splits the batch), e.g. ``dp_replicate``, ``fsdp`` or a new ``tp``.

@@ -20,7 +20,7 @@ from typing import Sequence
 import attrs
 import torch
 
-from q38.config import ModelConfig
+from q38.model_config import ModelConfig
 from q38.parallel.layout import Layout, ParamPlacement, format_mesh
 
 DTYPES = {

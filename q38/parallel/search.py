@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import attrs
 import yaml
 
-from q38.config import ConfigError, ModelConfig
+from q38.model_config import ConfigError, ModelConfig
 from q38.errors import reading
 from q38.kernels import KernelConfig, auto_gdn_chunk, resolve_kernels
 from q38.layers.kinds import MIXER_KINDS, kept_regions
@@ -329,7 +329,7 @@ class BudgetQuery:
 
 def _train_defaults(q, model_arg: str) -> tuple[dict, str | None]:
     """Settings from --train, or the shipped run config named like the model; {} when there is none."""
-    from q38.config import SPECS_DIR
+    from q38.model_config import SPECS_DIR
 
     path = q.train or (str(SPECS_DIR / "train" / f"{model_arg}.yaml")
                         if (SPECS_DIR / "train" / f"{model_arg}.yaml").is_file() else None)
@@ -355,7 +355,7 @@ def _dtype_name(x: str) -> str:
 def budget_kwargs(train: Mapping[str, Any], *, gdn: str, chunk: int) -> dict[str, Any]:
     """``estimate``'s settings from a run config's ``train`` section (the YAML mapping or ``TrainConfig.to_dict()``;
     missing keys take ``TrainConfig``'s defaults) and the run's GDN kernel and chunk: what ``q38 plan --train`` and the
-    trainer's memory check (q38/train/launch.py: ``check_memory``) both predict from."""
+    trainer's memory check (q38/train/run/launch.py: ``check_memory``) both predict from."""
     return dict(param_dtype=_dtype_name(train.get("param_dtype") or "fp32"),
                 reduce_dtype=_dtype_name(train.get("reduce_dtype") or "fp32"),
                 gdn_kernel=gdn == "fla", gdn_chunk=chunk,
@@ -374,7 +374,7 @@ def budget_kwargs(train: Mapping[str, Any], *, gdn: str, chunk: int) -> dict[str
 def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check_output_dir=None) -> int:
     """``q38 plan ... --hardware/--seq-len/--search``: the budget of a layout, or the search. Prints; returns 0.
     ``check_output_dir(out, inputs, *, what, own, overwrite)``: the rule the search's ``out`` is held to (``q38.cli``
-    passes ``q38.train.safety.check_output_dir``; ``q38.parallel`` imports nothing of ``q38.train``); None: not
+    passes ``q38.train.io.dirs.check_output_dir``; ``q38.parallel`` imports nothing of ``q38.train``); None: not
     checked."""
     import sys
 

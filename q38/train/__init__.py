@@ -1,8 +1,8 @@
 """Training: ``q38.train.train_step(params, batch, mesh)`` (``params``: the whole ``TrainState``), ``init_state`` and
-``TrainState``; the run loop is ``q38.train.trainer.train``. Imported on first use, so ``import q38.train.config``
+``TrainState``; the run loop is ``q38.train.run.trainer.train``. Imported on first use, so ``import q38.train.core.step_config``
 does not pull in the step."""
 
-_EXPORTS = {"train_step": "q38.train.step", "init_state": "q38.train.state", "TrainState": "q38.train.state"}
+_EXPORTS = {"train_step": "q38.train.core.step", "init_state": "q38.train.core.state", "TrainState": "q38.train.core.state"}
 __all__ = list(_EXPORTS)
 
 

@@ -1,0 +1,302 @@
+"""``train_step(params, batch, mesh) -> (new_state, metrics)``: the whole training objective and one AdamW update.
+
+Objective = ``Σ weight · term`` over the named terms of ``q38.train.core.objective`` (``loss``, ``mtp_<d>``, ``aux``; see
+there for the formulas). Each LM term is ``Σ token CE / N_global`` (its own depth's valid-target count over the whole
+step), so micro-batches, data-parallel and CP ranks only ever *sum* gradients. Inputs are never mutated.
+"""
+
+
+import time
+
+import attrs
+import torch
+from torch import Tensor
+from torch.profiler import record_function
+
+from q38.lora import merge_adapters
+from q38.model import LayerHooks, forward, head_weight
+from q38.pytree import pytree_node, tree_leaves
+from q38.train.core.optim import adamw_step
+from q38.batch import StepBatch, prepare_batch, split_micro_batches
+from q38.train.core.objective import TermInput, aux_mask, default_terms, expert_counts, routing, step_context, total
+from q38.train.core.remat import KernelRegions, layer_wrapper
+from q38.train.core.state import TrainState, decay_mask, learning_rate
+
+import torch.utils._pytree as pytree
+
+
+class _Terms:
+    """The named terms of a step's objective (``self.terms``), read by the names the default objective uses."""
+
+    terms: dict
+
+    @property
+    def loss(self) -> Tensor:
+        """The main LM loss term."""
+        return self.terms["loss"]
+
+    @property
+    def mtp_losses(self) -> tuple:
+        """The MTP terms, one per depth (empty without MTP)."""
+        return tuple(v for k, v in self.terms.items() if k.startswith("mtp_"))
+
+    @property
+    def aux_loss(self) -> Tensor | None:
+        """The load-balancing term, or None when the step's term set has none."""
+        return self.terms.get("aux")
+
+
+@pytree_node
+@attrs.frozen
+class Metrics(_Terms):
+    """What one step reports: the objective's terms by name (``terms``: whatever term set the step ran, e.g.
+    ``loss``, ``mtp_<depth>``, ``aux``), plus the step's scalars. Tensors are 0-dim and already reduced over
+    ranks."""
+
+    terms: dict  # every objective term by name (reduced), the keys of the logs
+    objective: Tensor  # the weighted sum of the terms
+    grad_norm: Tensor
+    lr: float
+    tokens: Tensor  # valid main targets in the step
+    skipped: bool = False
+    router_load: Tensor | None = None  # [moe layers, e]: real tokens routed to each expert in the step (all ranks)
+    mtp_tokens: tuple = ()  # valid targets per MTP depth (a depth with 0 reports loss 0 with count 0)
+    forward_backward_s: float = 0.0  # seconds of forward + backward + gradient reduction (until the device is done)
+
+    def as_dict(self) -> dict[str, float]:
+        d = {name: float(v) for name, v in self.terms.items()}
+        d.update({"objective": float(self.objective), "grad_norm": float(self.grad_norm), "lr": float(self.lr),
+                  "tokens": int(self.tokens), "skipped": bool(self.skipped),
+                  "time_forward_backward": float(self.forward_backward_s)})
+        for i, n in enumerate(self.mtp_tokens, start=1):
+            d[f"mtp_{i}_tokens"] = int(n)
+        if self.router_load is not None:
+            d.update(router_metrics(self.router_load))
+        return d
+
+
+def router_metrics(load: Tensor) -> dict[str, float]:
+    """Per MoE layer ``i``: ``router_max_mean_<i>`` (largest expert load / mean load) and ``router_idle_<i>``
+    (experts that received no token); ``router_max_mean`` / ``router_idle``: the worst layer and the total."""
+    load = load.float()
+    ratio = (load.max(-1).values / load.mean(-1).clamp(min=1e-9)).tolist()
+    idle = (load == 0).sum(-1).tolist()
+    d = {f"router_max_mean_{i}": r for i, r in enumerate(ratio)}
+    d.update({f"router_idle_{i}": int(z) for i, z in enumerate(idle)})
+    d.update({"router_max_mean": max(ratio), "router_idle": int(sum(idle))})
+    return d
+
+
+def step_runtime(mesh, train_config=None):
+    """The ``StepRuntime`` for ``mesh`` (``q38.layers.context``): the one-device ``LocalRuntime`` for ``None``, else
+    the mesh's ``MeshRuntime``."""
+    if mesh is None:
+        from q38.parallel.local import LocalRuntime
+
+        if train_config is None:
+            return LocalRuntime(torch.float32)
+        return LocalRuntime(train_config.torch_param_dtype, train_config.compute_dtype)
+    from q38.parallel.mesh import Mesh
+    from q38.parallel.runtime import mesh_runtime
+
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            "train_step's mesh must be None (one device) or a q38.parallel mesh (q38.parallel.make_mesh(...)); "
+            f"got {type(mesh).__name__}"
+        )
+    return mesh_runtime(mesh, train_config)
+
+
+def _as_step_batch(batch, depths: int) -> StepBatch:
+    if isinstance(batch, StepBatch):
+        return batch
+    if isinstance(batch, dict):
+        get = batch.get
+    else:
+        get = lambda k, default=None: getattr(batch, k, default)  # noqa: E731
+    input_ids, labels = get("input_ids"), get("labels")
+    if input_ids is None or labels is None:
+        raise ValueError("a batch needs input_ids and labels ([batch, seq] int64; labels -100 = ignored)")
+    if input_ids.shape != labels.shape:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must have one shape")
+    return prepare_batch(input_ids, labels, get("doc_ids"), depths, get("attention_mask"))
+
+
+@attrs.frozen
+class Gradients(_Terms):
+    """``grads``: one tensor per trained parameter leaf (flatten order; every leaf, or a LoRA run's adapter
+    matrices), summed over micro-batches (and, on a mesh, ranks);
+    ``terms``: each objective term's value by name (reduced over ranks); ``router_load``: real tokens per expert and
+    MoE layer in the step (reduced over ranks, router bias included in the routing)."""
+
+    grads: list
+    terms: dict
+    objective: Tensor
+    grad_norm: Tensor
+    tokens: Tensor
+    router_load: Tensor
+    ep_max_load: tuple = ()  # EP: the largest per-rank count of routed slots, per MoE layer call
+    prefetched: int = 0  # FSDP gathers that were started a layer early (in forward) and consumed
+    prefetched_backward: int = 0  # FSDP gathers started in backward for the next layer's recompute and consumed
+    async_reductions: int = 0  # gradient reductions issued async in backward and waited after it (overlap_comm)
+    ep_copies: tuple = ()  # EP balance: expert copies the plan made, per MoE layer call
+    mtp_tokens: tuple = ()  # valid targets of each MTP depth in the step (0: that term is 0, not NaN)
+    cp_early: int = 0  # CP exchanges started async, before the compute that does not need them (overlap_comm)
+
+
+def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
+    """Micro-batch gradient accumulation in ``reduce_dtype`` (the mixed-precision policy; fp32 by default)."""
+    return [
+        gi if a is None else (a if gi is None else a.to(reduce_dtype) + gi.to(reduce_dtype))
+        for a, gi in zip(acc, g)
+    ]
+
+
+def make_layer_hooks(runtime, tc, regions: KernelRegions | None = None, lora: bool = False) -> LayerHooks:
+    """How the model runs on ``runtime`` (from ``step_runtime``): gathers in the policy's ``param_dtype``, recompute /
+    offload / reshard-after-forward around each layer, EP dispatch, FSDP prefetch. ``regions``: the step's
+    ``KernelRegions`` (the layers' ``SeqInfo.region``), for selective recompute. ``lora``: the parameters hold LoRA
+    nodes, merged after each gather (``q38.lora.merge_adapters``)."""
+    gather = runtime.gather
+    if lora:
+        gather = lambda tree: merge_adapters(runtime.gather(tree))  # noqa: E731
+    return LayerHooks(
+        gather=gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(runtime, tc), regions),
+        dispatch=runtime.dispatch,
+        prefetch=runtime.prefetch if runtime.prefetch_enabled else None,
+    )
+
+
+def _reshard_hooks(runtime, tc):
+    """FSDP reshard-after-forward without recompute (recompute re-gathers inside the recomputed layer anyway).
+    Not with EP balance: its graph differs per rank (which experts a rank hosts copies of), so backward re-gathers
+    would not line up across ranks (measured: a gloo collective mismatch on fsdp_ep_cp with bf16)."""
+    if tc.recompute or tc.offload_activations or tc.enable_ep_balance:
+        return None
+    return runtime.saved_tensor_hooks()
+
+
+def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients:
+    """Forward and backward of the whole objective over all micro-batches; no update. ``terms``: the objective's
+    named terms (default ``default_terms``; see ``q38.train.core.objective``). The layers and the loss run
+    ``state.kernels``."""
+    mc, tc = state.model_config, state.train_config
+    terms = default_terms(mc, tc) if terms is None else tuple(terms)
+    runtime = step_runtime(mesh, tc)
+    depths = mc.mtp_num_layers
+    mbs = split_micro_batches(_as_step_batch(batch, depths), tc.micro_batches)
+    regions = KernelRegions()
+    hooks = make_layer_hooks(runtime, tc, regions, lora=state.peft is not None)
+    bias = state.router_bias
+
+    # Only the leaves that train take part in autograd (a LoRA run's frozen base is gathered, never reduced).
+    flat, spec = pytree.tree_flatten(state.params)
+    trains = state.trainable()
+    leaves = [t.detach().requires_grad_(m) for t, m in zip(flat, trains)]
+    trained = [t for t, m in zip(leaves, trains) if m]
+    p = pytree.tree_unflatten(leaves, spec)
+    runtime.bind(p, defer_reductions=True)  # gradients come from runtime.grad, which waits the reductions
+
+    def run(mb: StepBatch):
+        info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels, region=regions.enter)
+        return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, hooks=hooks, router_bias=bias)
+
+    def count_routing(mb: StepBatch):  # aux counts of the whole step need every micro-batch's routing first
+        return expert_counts(routing(run(mb).router_logits, mc.num_experts_per_tok, bias), aux_mask(mb, tc))
+
+    # Global normalisers and aux tables, known before the forwards (docs/objective.md#terms).
+    ctx = step_context(mbs, runtime, mc, tc, count_routing)
+
+    grads = [None] * len(trained)
+    sums = None  # {term name: Σ over micro-batches of this rank's partials}
+    load = None  # [moe layers, e] real-token expert counts, for router metrics and the router-bias update
+    for i, mb in enumerate(mbs):
+        out = run(mb)
+        routes = routing(out.router_logits, mc.num_experts_per_tok, bias)
+        ti = TermInput(out, mb, i, routes, runtime.gather(head_weight(p)), ctx, runtime, mc, tc, state.kernels)
+        values = {t.name: t.fn(ti) for t in terms}
+        g = runtime.grad(total(values, terms), trained)
+        grads = _accumulate(grads, g, tc.torch_reduce_dtype)
+        values = pytree.tree_map(lambda v: v.detach(), values)
+        sums = values if sums is None else pytree.tree_map(torch.add, sums, values)
+        mb_load = expert_counts(routes, mb.real_mask)
+        load = mb_load if load is None else load + mb_load
+    grads = [torch.zeros_like(t) if g is None else g.to(t.dtype) for t, g in zip(trained, grads)]
+
+    # One collective for every term and the router loads.
+    names = [t.name for t in terms]
+    packed = runtime.all_reduce_sum(torch.cat([torch.stack([sums[n].float() for n in names]), load.reshape(-1)]))
+    reduced = dict(zip(names, packed[: len(names)]))
+    router_load = packed[len(names) :].view_as(load)
+    grad_norm = runtime.grad_sq_norm(grads).sqrt()
+    loads, copies = runtime.ep_stats()
+    return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
+                     prefetched=runtime.prefetched, prefetched_backward=runtime.prefetched_backward,
+                     async_reductions=runtime.async_reductions, ep_copies=copies, mtp_tokens=tuple(ctx.n_mtp),
+                     cp_early=runtime.cp_early)
+
+
+def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
+    """DeepSeek-V3 §2.1.2: each expert's selection bias rises by ``rate`` when its load in the step is below its
+    layer's mean and falls by ``rate`` when above (unchanged when equal). ``load``: ``[moe layers, e]`` global."""
+    load = load.to(bias)
+    return bias + rate * torch.sign(load.mean(-1, keepdim=True) - load)
+
+
+def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainState, Metrics]:
+    """One optimizer step on ``batch`` (dict with ``input_ids``, ``labels``, optional ``doc_ids``, or a ``StepBatch``
+    from ``q38.parallel.shard_batch``). ``params`` is the whole train state (a ``TrainState``: parameters, AdamW moments,
+    step, router bias, and the kernels the layers run), as an optax-style train state is; ``mesh`` is None or a q38
+    mesh. ``terms``: the objective's named terms (default ``default_terms``)."""
+    state = params
+    tc = state.train_config
+    t0 = time.perf_counter()
+    with record_function("q38.forward_backward"):
+        r = loss_and_grads(state, batch, mesh, terms)
+    grads, loss, objective, grad_norm = r.grads, r.loss, r.objective, r.grad_norm
+    flat, spec = pytree.tree_flatten(state.params)
+    trains = state.trainable()
+    step = int(state.step) + 1
+    lr = learning_rate(step, tc)
+    finite = bool(torch.isfinite(objective)) and bool(torch.isfinite(grad_norm))  # waits for the device
+    forward_backward_s = time.perf_counter() - t0
+    if not finite:
+        if tc.nan_policy == "stop":
+            raise FloatingPointError(
+                f"non-finite loss or gradient at step {step} (loss={float(loss)}, grad_norm={float(grad_norm)}); "
+                "lower the learning rate, check the data, or set nan_policy: skip"
+            )
+        metrics = Metrics(r.terms, objective, grad_norm, lr, r.tokens, skipped=True, router_load=r.router_load,
+                          mtp_tokens=r.mtp_tokens, forward_backward_s=forward_backward_s)
+        return attrs.evolve(state, step=state.step + 1), metrics
+
+    scale = 1.0
+    if tc.grad_clip is not None:
+        scale = torch.clamp(tc.grad_clip / (grad_norm + 1e-6), max=1.0)
+    with record_function("q38.optimizer"):
+        new_p, new_m, new_v = _adamw(state, [t for t, m in zip(flat, trains) if m], grads, scale, lr, step)
+    updated = iter(new_p)
+    new_state = attrs.evolve(
+        state,
+        params=pytree.tree_unflatten([next(updated) if m else t for t, m in zip(flat, trains)], spec),
+        exp_avg=pytree.tree_unflatten(new_m, pytree.tree_structure(state.exp_avg)),
+        exp_avg_sq=pytree.tree_unflatten(new_v, pytree.tree_structure(state.exp_avg_sq)),
+        step=state.step + 1,
+    )
+    if state.router_bias is not None:
+        new_state = attrs.evolve(new_state, router_bias=update_router_bias(state.router_bias, r.router_load,
+                                                                           tc.router_bias_rate))
+    return new_state, Metrics(r.terms, objective, grad_norm, lr, r.tokens, router_load=r.router_load,
+                              mtp_tokens=r.mtp_tokens, forward_backward_s=forward_backward_s)
+
+
+def _adamw(state: TrainState, flat: list[Tensor], grads: list[Tensor], scale, lr: float, step: int):
+    """Decoupled-weight-decay Adam in fp32 with torch's kernels (``q38.train.core.optim``) over the trained leaves
+    ``flat`` (their moments are the leaves of ``exp_avg`` / ``exp_avg_sq``); returns new lists (the inputs are
+    untouched)."""
+    tc = state.train_config
+    return adamw_step(
+        flat, grads, tree_leaves(state.exp_avg), tree_leaves(state.exp_avg_sq), decay_mask(state.params, tc),
+        step=step, lr=lr, beta1=tc.beta1, beta2=tc.beta2, eps=tc.eps, weight_decay=tc.weight_decay,
+        grad_scale=scale,
+    )

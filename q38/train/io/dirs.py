@@ -1,0 +1,192 @@
+"""Output and input directory checks shared by the run, data preparation and Hugging Face export.
+
+Each check runs before anything is written and ends in one ``ConfigError`` naming the path and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+from q38.model_config import ConfigError
+
+LOCK_FILE = ".q38.lock"  # the fcntl (flock) advisory lock of a run directory
+
+
+def _check_writable_dir(d: Path, what: str) -> None:
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"{what} {d} exists and is not a directory; move it away or choose another run.out_dir")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".q38-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{what} {d} is not writable ({e.strerror or e}); fix its permissions or choose another "
+                          "run.out_dir") from None
+
+
+def check_out_dir(out_dir: str | os.PathLike) -> None:
+    """``out_dir`` and ``out_dir/checkpoints`` are (or can be made) writable directories."""
+    from q38.train.io.checkpoint import CHECKPOINTS
+
+    out = Path(out_dir)
+    _check_writable_dir(out, "run.out_dir")
+    _check_writable_dir(out / CHECKPOINTS, "checkpoints directory")
+
+
+def check_safetensors_dir(path: str | os.PathLike, what: str) -> None:
+    """A Hugging Face directory's ``config.json`` parses and every ``*.safetensors`` header is readable."""
+    from q38.train.io.untrusted import check_config_bounds, inside, load_json
+
+    p = Path(path)
+    cfg = p / "config.json"
+    if not cfg.exists() and not cfg.is_symlink():
+        raise ConfigError(f"{what}: {p} has no config.json (not a Hugging Face checkpoint directory)")
+    check_config_bounds(load_json(inside(p, "config.json", what, follow=True), f"{what}: {cfg}", follow=True),
+                        f"{what}: {cfg}")
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{what}: {p} holds no *.safetensors file")
+    from safetensors import safe_open
+
+    for f in files:
+        inside(p, f.name, what, follow=True)  # a regular file (a HF cache links to blobs), not a FIFO or device
+        try:
+            _check_safetensors_extent(f, f.stat().st_size)  # the header can be intact while the data is cut short
+            with safe_open(str(f), framework="pt") as fh:
+                fh.keys()
+        except ConfigError:
+            raise
+        except Exception as e:  # SafetensorError, OSError: a truncated or corrupt file
+            raise ConfigError(f"{what}: {f} is not a readable safetensors file ({' '.join(str(e).split())})") \
+                from None
+
+
+def _check_safetensors_extent(f: Path, size: int) -> None:
+    """The header's data offsets fit in the file (a truncated file fails here, before any tensor is read)."""
+    import struct
+
+    from q38.train.io.untrusted import MAX_JSON_BYTES, MAX_NDIM, MAX_TENSOR_ELEMENTS, open_regular
+
+    with open_regular(f, str(f), follow=True) as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{size} bytes, shorter than a safetensors header")
+        n = struct.unpack("<Q", head)[0]
+        if n > MAX_JSON_BYTES:
+            raise ConfigError(f"{f}: a header of {n} bytes, more than the limit {MAX_JSON_BYTES}")
+        if 8 + n > size:
+            raise ConfigError(f"{f} is truncated: {size} bytes, its header alone needs {8 + n}")
+        try:
+            header = json.loads(fh.read(n))
+        except RecursionError:
+            raise ConfigError(f"{f}: the header nests deeper than a safetensors header does") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{f}: the header is not a JSON object")
+    end = 0
+    for k, v in header.items():  # every tensor's shape x dtype is exactly its byte range, inside the file
+        if k == "__metadata__":
+            continue
+        try:
+            shape, (a, b), dt = v["shape"], v["data_offsets"], v["dtype"]
+            ok = (isinstance(shape, list) and len(shape) <= MAX_NDIM and
+                  all(type(d) is int and d >= 0 for d in shape) and type(a) is int and type(b) is int and 0 <= a <= b)
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigError(f"{f}: tensor {str(k)[:80]!r} has a malformed header entry")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel > MAX_TENSOR_ELEMENTS:
+            raise ConfigError(f"{f}: tensor {str(k)[:80]!r} has shape {shape} ({numel} elements), more than the "
+                              f"limit {MAX_TENSOR_ELEMENTS}")
+        item = _ST_ITEMSIZE.get(dt)
+        if item is None:
+            raise ConfigError(f"{f}: tensor {str(k)[:80]!r} has dtype {str(dt)[:20]!r}, not one q38 reads")
+        if (b - a) * 8 != numel * item:
+            raise ConfigError(f"{f}: tensor {str(k)[:80]!r} of shape {shape} {dt} needs {numel * item // 8} "
+                              f"bytes, its header gives it {b - a}")
+        end = max(end, b)
+    if 8 + n + end > size:
+        raise ConfigError(f"{f} is truncated: {size} bytes, its header needs {8 + n + end}")
+
+
+_ST_ITEMSIZE = {  # safetensors dtype -> bits per element
+    "F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8,
+    "U16": 16, "U32": 32, "U64": 64, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+    "F6_E3M2": 6,
+}
+
+
+# ---- where a command may write -------------------------------------------------------------------------------------
+
+METRICS_FILE = "metrics.jsonl"  # the run log of ``q38 train`` (trainer.py writes it under this name)
+
+
+def _checkpoint_like(d: Path) -> bool:
+    """A q38 checkpoint directory, complete (``is_checkpoint``) or not yet verified (``meta.json`` + ``.metadata``)."""
+    from q38.train.io.checkpoint import META_FILE, is_checkpoint
+
+    return is_checkpoint(d) or ((d / META_FILE).is_file() and (d / ".metadata").is_file())
+
+
+def _run_like(d: Path) -> str | None:
+    """What makes ``d`` a run directory of ``q38 train`` (its checkpoints, metrics log or lock), or None."""
+    from q38.train.io.checkpoint import CHECKPOINTS
+
+    for name, is_it in ((CHECKPOINTS, Path.is_dir), (METRICS_FILE, Path.exists), (LOCK_FILE, Path.exists)):
+        if is_it(d / name):
+            return name
+    return None
+
+
+def check_output_dir(out: str | os.PathLike, inputs: Sequence[str | os.PathLike] = (), *, what: str,
+                     own: Callable[[Path], bool] | None = None, overwrite: bool = False, role: str = "input") -> None:
+    """The one rule of every command that writes a directory (``prepare-data --out``, ``convert``, ``init-hf``,
+    ``plan --search --out``): ``out`` may be new, empty, a non-empty directory for which ``own(out)`` says it is this
+    command's earlier output, or any other non-empty directory (or a file) with ``overwrite``. Refused always, also
+    with ``overwrite``: ``out`` is, contains or lies inside one of ``inputs``; it is a run directory (checkpoints/,
+    metrics.jsonl or a run lock), a checkpoint directory or inside one, or a directory of checkpoints. ``what`` names
+    the argument in the one-line ``ConfigError`` (e.g. ``--out``); ``role`` names the inputs (``input``, ``source``).
+    Nothing is created or changed."""
+    out = Path(out)
+    o = out.resolve()
+    always = "(--overwrite does not change this)"
+    for src in inputs:
+        s = Path(src).resolve()
+        if o == s or s in o.parents:
+            raise ConfigError(f"{what} {out} is the {role} {src} or inside it; writing there would change the {role}; "
+                              f"point {what} outside it {always}")
+        if o in s.parents:
+            raise ConfigError(f"{what} {out} contains the {role} {src}; writing there could replace it; point {what} "
+                              f"outside it {always}")
+    always = f"choose another directory {always}"
+    ck = next((p for p in (o, *o.parents) if p.is_dir() and _checkpoint_like(p)), None)
+    if ck is not None:
+        raise ConfigError(f"{what} {out} is a q38 checkpoint directory{'' if ck == o else f' ({ck})'} or inside one; "
+                          f"writing there would break the checkpoint; {always}")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        if not overwrite:
+            raise ConfigError(f"{what} {out} exists and is a file; choose a new directory, or pass --overwrite")
+        return
+    marker = _run_like(out)
+    if marker is not None:
+        raise ConfigError(f"{what} {out} is a q38 train run directory (it holds {marker}); writing there could "
+                          f"destroy the run; {always}")
+    entries = list(out.iterdir())
+    held = next((e for e in entries if e.is_dir() and _checkpoint_like(e)), None)
+    if held is not None:
+        raise ConfigError(f"{what} {out} holds q38 checkpoints ({held.name}); writing there could destroy them; "
+                          f"{always}")
+    if entries and not overwrite and not (own is not None and own(out)):
+        raise ConfigError(f"{what} {out} exists and is not empty; choose a new or empty directory, or pass "
+                          "--overwrite")
+
+
+# ---- one run per out_dir ------------------------------------------------------------------------------------------

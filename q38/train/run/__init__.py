@@ -1,0 +1,1 @@
+"""A run: the trainer loop, launch, run config, metrics, evaluation, watchdog, profiling, safety, trackers."""

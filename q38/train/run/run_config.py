@@ -1,0 +1,288 @@
+"""The run config of ``q38 train`` (``RunConfig``: ``model``, ``init_from``, ``layout``, ``data``, ``train``, ``run``,
+``kernels``, ``peft``), read from YAML with ``--set`` overrides and checked up front."""
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from q38.hf_config import load_model_config
+from q38.model_config import SPECS_DIR, ModelConfig
+from q38.errors import ConfigError, check_keys, need
+from q38.kernels import KernelConfig
+from q38.lora import PeftConfig
+from q38.train.core.step_config import TrainConfig
+from q38.train.run.profile import ProfileOptions
+from q38.schema import structure
+
+
+
+DEFAULT_CONFIG = SPECS_DIR / "train" / "tiny.yaml"
+DEVICES = ("auto", "cpu", "cuda", "npu")
+BACKENDS = ("auto", "gloo", "nccl", "hccl")
+DTYPES = ("float32", "bfloat16", "float16")
+EVAL_BATCHES = 16  # run.eval_batches default: a bounded eval (16 global batches: seconds for the default run)
+
+
+def _check_keys(section: str, d: Mapping[str, Any], cls) -> None:
+    check_keys(d, [a.name for a in attrs.fields(cls)], f"unknown key(s) in section {section!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@attrs.frozen(kw_only=True)
+class DataConfig:
+    path: Any = "builtin:tiny"  # JSONL, builtin:NAME, a prepared dir, a Megatron PREFIX, or a list of {path, weight}
+    tokenizer: str = "byte"
+    seq_len: int = 256
+    batch_size: int = 8  # rows per data-parallel rank per step
+    overlong: str = "truncate"  # samples longer than seq_len: truncate | error | split
+    shuffle: bool = True
+    train_on: str = "assistant"  # chat records' targets: assistant | all | last_assistant (q38.train.data.chat)
+    eval_split: float = 0.0  # fraction of each source's rows held out for evaluation (its last rows)
+    eval_path: str | None = None  # or a separate eval set (JSONL or a prepared directory)
+    prefetch: int = 1  # batches read ahead on a background thread while the step runs (0: read in the step)
+
+    def __attrs_post_init__(self) -> None:
+        from q38.train.data.chat import TRAIN_ON
+        from q38.train.data.loader import OVERLONG_MODES
+
+        need(isinstance(self.eval_split, (int, float)) and not isinstance(self.eval_split, bool)
+              and 0 <= self.eval_split < 1, f"data.eval_split must be a fraction in [0, 1), got {self.eval_split!r}")
+        need(not (self.eval_split and self.eval_path is not None),
+              "data.eval_split and data.eval_path are both set; hold out a fraction or name an eval set, not both")
+
+        need(_is_int(self.prefetch) and self.prefetch >= 0,
+             f"data.prefetch must be an integer >= 0 (batches read ahead), got {self.prefetch!r}")
+        need(_is_int(self.seq_len) and self.seq_len > 0, f"data.seq_len must be a positive integer, got {self.seq_len!r}")
+        need(_is_int(self.batch_size) and self.batch_size > 0,
+              f"data.batch_size must be a positive integer, got {self.batch_size!r}")
+        need(self.overlong in OVERLONG_MODES,
+              f"data.overlong must be one of {', '.join(OVERLONG_MODES)}, got {self.overlong!r}")
+        need(self.train_on in TRAIN_ON, f"data.train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RunOptions:
+    steps: int = 300  # total optimizer steps of the run (a resumed run continues up to this step)
+    seed: int = 0
+    out_dir: str = "runs/tiny"
+    log_every: int = 10
+    save_every: int = 0  # 0: only at the end (and on SIGTERM / SIGINT)
+    keep_last: int = 3  # checkpoints kept in out_dir/checkpoints (0: all)
+    save_hf: bool = False  # also export the final state as a Hugging Face directory out_dir/hf/step_<n> (all ranks)
+    save_hf_every: int = 0  # with save_hf: also export at every checkpoint whose step is a multiple (0: final only)
+    device: str = "auto"  # auto | cpu | cuda | npu
+    backend: str = "auto"  # process-group backend: auto | gloo | nccl | hccl
+    dtype: str = "float32"  # alias of train.param_dtype (bfloat16: the bf16 policy); masters and moments stay fp32
+    warmup_log_steps: int = 2  # steps excluded from throughput (compile / cache warm-up)
+    peak_flops: float | None = None  # per device, for MFU; None: known devices only
+    progress: bool = True
+    tensorboard: bool = False  # the same as listing tensorboard in run.trackers
+    # where each step's record goes besides metrics.jsonl (always written): tensorboard, wandb, swanlab
+    trackers: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    tracker_project: str = "q38"  # the wandb / SwanLab project
+    tracker_mode: str = "online"  # online | offline (wandb / SwanLab write locally, to sync later)
+    resume: bool = True  # continue from the latest checkpoint in out_dir
+    # continue from this checkpoint (must verify; needs resume: true); None: the newest in out_dir
+    resume_from: str | None = None
+    eval_every: int = 0  # steps between held-out evaluations (0: only after the last step, when there is eval data)
+    # global batches per evaluation (at most: fewer when the eval split is smaller); 0: the whole eval split
+    eval_batches: int = EVAL_BATCHES
+    # on an accelerator: refuse to start when q38 plan's predicted per-rank peak exceeds the device's memory
+    memory_check: bool = True
+    # write checkpoints between run.save_every steps in the background (staged to host memory first; the final one
+    # and one on a stop signal are written in the step)
+    async_save: bool = False
+    # a torch.profiler trace per rank of some steps ({start, steps, memory}; q38.train.run.profile); None: no profiling
+    profile: ProfileOptions | None = None
+    # seconds a process-group rendezvous or a collective may wait before it fails (torch's own default: 30 min for
+    # gloo, 10 min for NCCL)
+    timeout_s: float = 1800.0
+    # a train step running longer than this ends the run with a stack dump per rank and one line naming the rank that
+    # holds it up (q38.train.run.watchdog); None: no step timeout
+    step_timeout_s: float | None = None
+
+    def __attrs_post_init__(self) -> None:
+        for k in ("eval_every", "eval_batches"):
+            v = getattr(self, k)
+            need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
+        need(self.resume or self.resume_from is None,
+              f"run.resume_from is {self.resume_from!r} but run.resume is false; set run.resume: true to continue "
+              "from that checkpoint, or drop run.resume_from to start fresh")
+        for k in ("steps", "log_every"):
+            v = getattr(self, k)
+            need(_is_int(v) and v > 0, f"run.{k} must be a positive integer, got {v!r}")
+        need(isinstance(self.save_hf, bool), f"run.save_hf must be true or false, got {self.save_hf!r}")
+        need(not self.save_hf_every or self.save_hf, "run.save_hf_every is set but run.save_hf is false; set "
+              "run.save_hf: true to export Hugging Face directories, or run.save_hf_every: 0")
+        for k in ("save_every", "keep_last", "warmup_log_steps", "save_hf_every"):
+            v = getattr(self, k)
+            need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
+        need(isinstance(self.out_dir, str) and self.out_dir.strip() != "",
+              "run.out_dir must be a non-empty path (where metrics and checkpoints go)")
+        need(str(self.device).split(":")[0] in DEVICES, f"run.device must be one of {', '.join(DEVICES)} "
+              f"(optionally with :index), got {self.device!r}")
+        need(self.backend in BACKENDS, f"run.backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        from q38.train.run.trackers import MODES, check_trackers
+
+        check_trackers(self.trackers)
+        need(self.tracker_mode in MODES, f"run.tracker_mode must be one of {', '.join(MODES)}, got "
+             f"{self.tracker_mode!r}")
+        need(self.dtype in DTYPES, f"run.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for k in ("timeout_s", "step_timeout_s"):
+            v = getattr(self, k)
+            need(v is None and k == "step_timeout_s" or isinstance(v, (int, float)) and not isinstance(v, bool)
+                 and 0 < v < float("inf"), f"run.{k} must be a positive number of seconds"
+                 + (" or null" if k == "step_timeout_s" else "") + f", got {v!r}")
+        need(self.peak_flops is None or (isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0),
+              f"run.peak_flops must be a positive number (FLOP/s per device) or null, got {self.peak_flops!r}")
+
+
+@attrs.frozen(kw_only=True)
+class RunConfig:
+    model: ModelConfig
+    model_source: str
+    init_from: str | None
+    layout: str
+    data: DataConfig
+    train: TrainConfig
+    run: RunOptions
+    source: str
+    kernels: KernelConfig = KernelConfig()  # a run setting, not model identity (q38.kernels)
+    peft: PeftConfig | None = None  # LoRA (q38.lora; docs/finetuning.md#lora); None: a full fine-tune
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> "RunConfig":
+        from q38.errors import read_yaml_file
+
+        path = Path(path) if path is not None else DEFAULT_CONFIG
+        if not path.is_file():
+            raise ConfigError(f"train config not found: {path} (pass a YAML file, or no argument for the default)")
+        raw = read_yaml_file(path, "train config") or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping with sections model, layout, data, train, run")
+        bad = next((k for k in raw if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ConfigError(f"{path}: top-level key {bad!r} is not a section name; valid sections: model, "
+                              "init_from, layout, data, train, run, kernels")
+        return cls.from_dict(raw, source=str(path), overrides=overrides, base_dir=path.parent)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], *, source: str = "config", overrides=None, base_dir=None) -> "RunConfig":
+        import difflib
+
+        raw = dict(raw)
+        sections = ("model", "init_from", "layout", "data", "train", "run", "kernels", "peft")
+        for k, v in (overrides or {}).items():
+            sec, _, key = k.partition(".")
+            if not key:
+                raw[sec] = v
+            else:
+                cur = raw.get(sec) or {}
+                if not isinstance(cur, dict):
+                    raise ConfigError(f"--set {k}: section {sec!r} is not a mapping in {source}")
+                raw[sec] = dict(cur, **{key: v})
+        for k in raw:
+            if not isinstance(k, str):
+                raise ConfigError(f"{source}: top-level key {k!r} is not a section name; valid sections: "
+                                  f"{', '.join(sections)}")
+            if k not in sections:
+                close = difflib.get_close_matches(k, sections, n=1)
+                raise ConfigError(
+                    f"{source}: unknown top-level key {k!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                    + f"; valid sections: {', '.join(sections)}"
+                )
+        for sec in ("data", "train", "run", "kernels", "peft"):
+            if raw.get(sec) is not None and not isinstance(raw[sec], dict):
+                raise ConfigError(f"{source}: section {sec!r} must be a mapping, got {type(raw[sec]).__name__}")
+        init_from = raw.get("init_from")
+        if init_from is not None:
+            init_from = _resolve(str(init_from), base_dir)
+        model_src = raw.get("model")
+        if model_src is None and init_from is not None:
+            model_src = init_from  # the model of the checkpoint the run starts from
+        if model_src is None:
+            raise ConfigError(
+                f"{source}: the 'model' key is required (a preset name, a YAML file or a Hugging Face directory)"
+            )
+        legacy: dict = {}  # pre-KernelConfig kernel keys in the model section / model YAML, mapped with a note
+        if isinstance(model_src, dict):
+            model = ModelConfig.from_dict(model_src, source=f"{source}: model", kernels_out=legacy)
+            model_src = "inline"
+        else:
+            model = _load_model_config(_resolve(str(model_src), base_dir), kernels_out=legacy)
+        kernels = KernelConfig.from_dict({**legacy, **(raw.get("kernels") or {})}, source=f"{source}: kernels")
+        data = dict(raw.get("data") or {})
+        _check_keys("data", data, DataConfig)
+        if "path" in data and isinstance(data["path"], list):
+            data["path"] = [dict(e, path=_resolve(str(e["path"]), base_dir)) if isinstance(e, dict) and "path" in e
+                            else e for e in data["path"]]
+        elif "path" in data and not isinstance(data["path"], str):
+            raise ConfigError(f"data.path must be a string (a JSONL file, a prepared directory or builtin:NAME) or a "
+                              f"list of {{path, weight}}, got {data['path']!r}")
+        elif "path" in data and not str(data["path"]).startswith("builtin:"):
+            data["path"] = _resolve(str(data["path"]), base_dir)
+        if data.get("eval_path") is not None and not str(data["eval_path"]).startswith("builtin:"):
+            data["eval_path"] = _resolve(str(data["eval_path"]), base_dir)
+        run = dict(raw.get("run") or {})
+        _check_keys("run", run, RunOptions)
+        train = TrainConfig.from_dict(_train_with_run_dtype(raw.get("train") or {}, run, source),
+                                      source=f"{source}: train")
+        return cls(
+            model=model, model_source=str(model_src), init_from=init_from, layout=str(raw.get("layout", "single")),
+            data=structure(DataConfig, data, "data"), train=train, run=structure(RunOptions, run, "run"),
+            source=source, kernels=kernels,
+            peft=None if raw.get("peft") is None else PeftConfig.from_dict(dict(raw["peft"]), source=source),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model_source, "init_from": self.init_from, "layout": self.layout,
+            "data": attrs.asdict(self.data), "train": self.train.to_dict(), "run": attrs.asdict(self.run),
+            "source": self.source, "kernels": self.kernels.to_dict(),
+            **({"peft": self.peft.to_dict()} if self.peft is not None else {}),
+        }
+
+
+def _train_with_run_dtype(train: Mapping[str, Any], run: Mapping[str, Any], source: str) -> dict:
+    """``run.dtype: bfloat16`` means the bf16 mixed-precision policy: ``train.param_dtype: bfloat16`` (compute and
+    gathers), fp32 master weights and moments. It may not contradict an explicit ``train.param_dtype``."""
+    train = dict(train)
+    dt = run.get("dtype")
+    if dt is None or dt == "float32":
+        return train
+    if train.get("param_dtype", dt) != dt:
+        raise ConfigError(f"{source}: run.dtype {dt!r} and train.param_dtype {train['param_dtype']!r} disagree; "
+                          "run.dtype is an alias of train.param_dtype: drop run.dtype or make them equal")
+    train["param_dtype"] = dt
+    return train
+
+
+def _resolve(p: str, base_dir) -> str:
+    """A relative path names a file next to the config when one exists there, else it is relative to the CWD."""
+    if base_dir is not None and not os.path.isabs(p) and (Path(base_dir) / p).exists():
+        return str(Path(base_dir) / p)
+    if base_dir is not None and not os.path.isabs(p) and (Path(base_dir) / (p + ".idx")).exists():
+        return str(Path(base_dir) / p)  # a Megatron corpus PREFIX (PREFIX.idx + PREFIX.bin)
+    return p
+
+
+def _load_model_config(src: str, kernels_out: dict | None = None) -> ModelConfig:
+    """A preset name, a model YAML, a Hugging Face directory / config.json, or a q38 checkpoint (its meta.json)."""
+    from q38.train.io.checkpoint import is_checkpoint, latest_checkpoint, read_meta
+
+    p = Path(src)
+    ck = p if is_checkpoint(p) else (latest_checkpoint(p / "checkpoints") if p.is_dir() else None)
+    if ck is not None:
+        # a checkpoint's kernel keys (older meta.json) do not bind this run: dropped, not mapped
+        return ModelConfig.from_dict(read_meta(ck)["model_config"], source=str(ck))
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise ConfigError(f"model: {p} is a directory without config.json (not a Hugging Face checkpoint) and "
+                          "without a q38 checkpoint; name a preset, a model YAML or a checkpoint directory")
+    return load_model_config(src, kernels_out=kernels_out)
+
+
