@@ -168,6 +168,10 @@ def plan_cli(args: list[str]) -> int:
                         overwrite=ns.overwrite, lora_rank=ns.lora_rank, lora_base_dtype=ns.lora_base_dtype,
                         fewest_ranks=ns.fewest_ranks, doc_len=ns.doc_len, efficiencies=ns.efficiencies)
     try:
+        if ns.train:  # the whole run config is checked as `q38 train` checks it; the plan reads its data/train settings
+            from q38.train.run.run_config import RunConfig
+
+            RunConfig.from_yaml(ns.train)
         with reading("--model", ns.model):
             cfg = load_model_config(ns.model)
         if ns.layout is None:
@@ -487,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[cmd](rest)
     except SystemExit as e:  # --help
         return int(e.code or 0) if isinstance(e.code, (int, type(None))) else 2
+    except BrokenPipeError:  # stdout closed early (`q38 plan ... | head`): the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 141  # 128 + SIGPIPE, what a shell tool reports
     except KeyboardInterrupt:
         if debug:
             traceback.print_exc()

@@ -123,3 +123,29 @@ def test_convert_and_init_hf_errors(capsys, tmp_path):
     _one_line_error(capsys, ["init-hf", "--model", "tiny", str(tmp_path)], "exists and is not empty")
     _one_line_error(capsys, ["init-hf", "--model", "tinyy", str(tmp_path / "new")], "unknown model preset 'tinyy'")
     assert main(["frobnicate"]) == 2
+
+
+def test_plan_checks_the_whole_train_file(capsys, tmp_path):
+    """``q38 plan --train FILE`` refuses what ``q38 train FILE`` would refuse, not only the keys the plan reads."""
+    bad = tmp_path / "run.yaml"
+    bad.write_text("model: tiny\ntrain:\n  lr: 1.0e-3\n  warmpu_steps: 3\n")
+    _one_line_error(capsys, ["plan", "--model", "tiny", "--layout", "single", "--world", "1", "--train", str(bad)],
+                    "warmpu_steps", "warmup_steps")
+    bad.write_text("model: tiny\nrun:\n  steps: ten\n")
+    _one_line_error(capsys, ["plan", "--model", "tiny", "--layout", "single", "--world", "1", "--train", str(bad)],
+                    "run.steps")
+
+
+def test_a_closed_stdout_is_a_quiet_ending():
+    """``q38 plan ... | head -1``: the reader has closed the pipe before q38 writes (here: before q38 has even started);
+    q38 stops with SIGPIPE's status and no error line."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "q38.cli", "plan", "--model", "qwen3_8_2_4t", "--layout",
+                          "qwen3_8_2_4t", "--world", "1024"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    p.stderr.close()
+    assert p.wait(timeout=120) == 141, err
+    assert err == ""
