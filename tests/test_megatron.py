@@ -196,3 +196,43 @@ def test_a_corpus_with_sequence_modes_and_a_bin_of_another_index(tmp_path, mcore
     p.with_suffix(".bin").write_bytes(other.with_suffix(".bin").read_bytes())
     with pytest.raises(DataError, match=r"does not belong to this index|past the end of"):
         MegatronRows(str(p), 16)
+
+
+def _open_on_ranks(rank, world, prefix):
+    from q38.train.data import megatron
+
+    ix = megatron.MegatronIndex(str(prefix))
+    part = ix.max_token(rank, world)
+    try:
+        MegatronRows(str(prefix), 16, tokenizer=BYTE)
+        return part, None
+    except DataError as e:
+        return part, str(e)
+
+
+@pytest.mark.dist
+def test_the_token_id_scan_is_split_over_the_ranks(tmp_path, mcore, monkeypatch):
+    """Each of 2 gloo ranks reads half of the .bin's chunks; a bad id in the second half stops both ranks with the same
+    line (its first position), as the one-process scan does."""
+    from q38.train.data import megatron
+    from tests.dist_utils import run_distributed
+
+    monkeypatch.setattr(megatron, "CHUNK", 64)  # forked ranks inherit it: a 400-document corpus is many chunks
+    prefix = _corpus(tmp_path, n=400)
+    ix = megatron.MegatronIndex(str(prefix))
+    assert ix.num_tokens > 8 * 64
+    ok = run_distributed(_open_on_ranks, 2, prefix)
+    assert [e for _, e in ok] == [None, None]
+    whole = ix.max_token()
+    assert max(p[1] for p, _ in ok) == whole[1] and ok[0][0] != ok[1][0]  # two different halves, one answer
+    tokens = np.memmap(prefix.with_suffix(".bin"), dtype=ix.dtype, mode="r+")
+    at = 64 * 5 + 3  # in chunk 5: rank 1's half (chunks 1, 3, 5, ...)
+    tokens[at] = 300
+    tokens[64 * 7 + 1] = 300  # a later occurrence: the line names the first
+    tokens.flush()
+    del tokens
+    bad = run_distributed(_open_on_ranks, 2, prefix)
+    assert bad[0][0][1] < 300 <= bad[1][0][1]  # only rank 1 read it
+    assert bad[0][1] == bad[1][1] and f"holds token id 300 >= the tokenizer's vocab_size 261 (at token {at})" in bad[0][1]
+    with pytest.raises(DataError, match=f"at token {at}\\)"):
+        MegatronRows(str(prefix), 16, tokenizer=BYTE)  # one process: the same line

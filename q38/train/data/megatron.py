@@ -20,7 +20,7 @@ Everything is checked before a token is read, in bounded memory (the index array
 chunks): the header, the index file's size against its counts, every sequence lying back to back inside the
 ``.bin`` and the ``.bin`` ending where the last one does, the document indices ascending from 0 to at most ``S``;
 then the token ids themselves against the run's tokenizer and model vocabulary (one pass over the ``.bin`` in
-fixed-size reads, skipped when the token dtype cannot hold an id that large). A corpus carries no record of its
+fixed-size reads, split over the ranks, skipped when the token dtype cannot hold an id that large). A corpus carries no record of its
 tokenizer: ``data.tokenizer`` must name the one it was made with, and the largest id is what can be checked.
 """
 
@@ -61,7 +61,8 @@ def _fail(msg: str) -> None:
     raise DataError(f"data: {msg}")
 
 
-def _chunks(n: int, size: int = CHUNK):
+def _chunks(n: int, size: int | None = None):
+    size = size or CHUNK
     for a in range(0, n, size):
         yield a, min(n, a + size)
 
@@ -160,19 +161,38 @@ class MegatronIndex:
             prev = int(d[-1])
         self.num_documents = self.num_doc_index - 1 + (prev < self.num_sequences)
 
-    def max_token(self) -> tuple[int, int, int]:
-        """(smallest id, largest id, position of the largest) over the whole .bin, read in fixed-size chunks."""
+    def max_token(self, part: int = 0, parts: int = 1) -> tuple[int, int, int]:
+        """(smallest id, largest id, position of the largest) over part ``part`` of ``parts`` equal runs of the .bin's
+        chunks (the whole .bin by default), read in fixed-size chunks."""
         lo, hi, at = 0, -1, -1
+        spans = list(_chunks(self.num_tokens))[part::parts]
         with open(self.bin, "rb") as fh:
-            buf = np.empty(CHUNK, dtype=self.dtype)
-            for a, b in _chunks(self.num_tokens):
-                part = buf[:b - a]
-                fh.readinto(memoryview(part).cast("B"))
-                m = int(part.max())
-                lo = min(lo, int(part.min()))
-                if m > hi:
-                    hi, at = m, a + int(np.argmax(part))
+            buf = np.empty(min(CHUNK, self.num_tokens), dtype=self.dtype)
+            for a, b in spans:
+                part_ = buf[:b - a]
+                fh.seek(a * self.dtype.itemsize)
+                fh.readinto(memoryview(part_).cast("B"))
+                m = int(part_.max())
+                lo = min(lo, int(part_.min()))
+                if m > hi or (m == hi and a + int(np.argmax(part_)) < at):
+                    hi, at = m, a + int(np.argmax(part_))
         return lo, hi, at
+
+    def max_token_all_ranks(self) -> tuple[int, int, int]:
+        """``max_token`` with the scan split over the ranks of the default process group (each rank reads one
+        ``1/world`` of the .bin, then one ``all_gather_object``), so opening a terabyte corpus on many ranks costs
+        each rank its share; every rank gets the same answer (the first position of the largest id)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return self.max_token()
+        world = dist.get_world_size()
+        mine = self.max_token(dist.get_rank(), world)
+        got: list = [None] * world
+        dist.all_gather_object(got, mine)
+        hi = max(h for _, h, _ in got)
+        at = min(a for _, h, a in got if h == hi)
+        return min(lo for lo, _, _ in got), hi, at
 
 
 class MegatronRows(MappedRows):
@@ -188,7 +208,7 @@ class MegatronRows(MappedRows):
         limit = min(v for v in (vocab_size, tokenizer.vocab_size if tokenizer is not None else None, 1 << 62)
                     if v is not None)
         if ix.num_tokens and (ix.dtype.kind == "i" or np.iinfo(ix.dtype).max >= limit) and limit < 1 << 62:
-            lo, hi, at = ix.max_token()
+            lo, hi, at = ix.max_token_all_ranks()
             if lo < 0:
                 _fail(f"{ix.bin} holds a negative token id ({lo}); the corpus is corrupt; rebuild it with Megatron's "
                       f"preprocess_data.py")
