@@ -162,18 +162,18 @@ def _forward_backward_items(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: 
     numel, n_mb, d, act = ps.numel, st.n_mb, cfg.hidden_size, st.act
     saved, working, saved_note = _activations(cfg, st, kinds)
     memory = [
-        Item("master weights", numel * st.mst, f"{st.master_dtype}, {numel:,} params on the fullest rank"),
-        Item("optimizer moments", numel * 8, "AdamW m and v, fp32"),
+        Item("master weights", numel * st.mst, f"{numel:,} params on the fullest rank"),
+        Item("optimizer moments", numel * 8, "AdamW m and v"),
     ]
     if st.micro_batches > 1:
         memory.append(Item("gradient accumulator", numel * st.red * 2,
-                           f"{st.reduce_dtype}; sum and the next micro-batch's"))
+                           "sum and the next micro-batch's"))
     memory.append(Item("activations (saved)", 0.0 if st.offload_activations else saved,
                        saved_note + (" — offloaded to host" if st.offload_activations else "")
-                       + f"; {st.rows_mb:g} rows × {st.seq} tokens per micro-batch"))
+                       + ", one micro-batch"))
     if st.param_dtype != st.master_dtype:  # each layer's shards are cast just before its gather (FSDP2's policy)
         memory.append(Item("compute-dtype copy of shards", ps.largest_layer_local * act,
-                           f"{st.param_dtype} cast of the layer's shards before the gather", "layer"))
+                           "the layer's shards cast before the gather", "layer"))
     # Without recompute the runtime frees each gathered layer after its forward and gathers it again in backward
     # (train.reshard_after_forward, not with offload); otherwise the matmuls keep every gathered weight alive.
     if st.recompute == "none" and ps.gathered_layers and not st.resharded:

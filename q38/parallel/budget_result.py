@@ -10,6 +10,7 @@ from q38.parallel.budget_comm import CommTerm
 from q38.parallel.efficiency import OpTime
 from q38.parallel.hardware import MEMORY_HEADROOM
 from q38.parallel.param_stats import Item, phase_total
+from q38.parallel.precision import Precision
 
 
 @attrs.frozen
@@ -54,6 +55,20 @@ class Budget:
         verdict = "DOES NOT FIT" if self.peak_bytes > self.hbm_bytes else "OVER THE CAP"
         largest = max(self.memory, key=lambda it: it.bytes).name.strip()
         return f"{verdict}: {share}; the largest item is {largest}: {fixes}"
+
+    @property
+    def precision(self) -> Precision:
+        return Precision(param=self.param_dtype, reduce=self.reduce_dtype)
+
+    @property
+    def cp(self) -> int:
+        return dict(self.mesh).get("cp", 1)
+
+    @property
+    def tokens_per_rank(self) -> int:
+        """Tokens each rank computes per step: its ``rows_per_rank`` rows, each a ``1 / cp`` slice of the sequence
+        (``q38.parallel.mesh.shard_batch``: rows split over the batch dims, the sequence over ``cp``)."""
+        return self.rows_per_rank * (self.seq_len // self.cp)
 
     @property
     def peak_fwd_bwd(self) -> float:
@@ -145,8 +160,9 @@ def format_budget(b: Budget) -> str:
 
     lines = [
         f"budget · {b.model} · layout {b.layout} · world {b.world} = {format_mesh(b.mesh)}",
-        f"  {b.rows_per_rank} rows × {b.seq_len} tokens per data-parallel rank, {b.micro_batches} micro-batch(es), "
-        f"recompute {b.recompute}, params {b.param_dtype} / grads {b.reduce_dtype} / master + moments fp32",
+        f"  tokens per rank {b.tokens_per_rank:,} = {b.rows_per_rank} row(s) × {b.seq_len // b.cp} (seq_len "
+        f"{b.seq_len}" + (f" split over cp={b.cp}" if b.cp > 1 else "") + f"), {b.micro_batches} micro-batch(es); "
+        f"{b.global_tokens:,} tokens per step; recompute {b.recompute}",
         "peak memory per rank (fullest rank), forward/backward phase",
     ]
     for it in b.memory:
@@ -179,8 +195,7 @@ def format_budget(b: Budget) -> str:
             f"{_fmt_s(b.comm_exposed_s)} (of {_fmt_s(b.comm_exposed_s + b.comm_hidden_s)}; "
             f"{_fmt_s(b.comm_hidden_s)} hidden) + optimizer {_fmt_s(b.optimizer_s)}; bound by {b.bound}")
         mfu = b.mfu
-        lines.append(f"  {b.tokens_per_s:,.0f} tokens/s over {b.global_tokens:,} tokens per step; "
-                     f"MFU {100 * mfu:.1f}%" if mfu is not None else "")
+        lines.append(f"  {b.tokens_per_s:,.0f} tokens/s; MFU {100 * mfu:.1f}%" if mfu is not None else "")
     return "\n".join(lines)
 
 
