@@ -94,7 +94,8 @@ def test_one_tokens_per_rank_figure_equals_the_runtime_batch_sharding(capsys):
     for f in range(sizes["fsdp"]):
         for c in range(sizes["cp"]):
             mesh = Mesh(_Coords({"fsdp": f, "cp": c}), layout, dict(sizes), Topology(4))
-            local.add(shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh, cfg.mtp_num_layers).input_ids.numel())
+            sb = shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh, cfg.mtp_num_layers)
+            local.add(sb.input_ids.numel())
     assert local == {printed} == {128}
     b = estimate(cfg, layout, 4, seq_len=128, rows_per_rank=2)
     assert b.tokens_per_rank == printed

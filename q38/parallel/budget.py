@@ -2,37 +2,9 @@
 collective and mesh dim, FLOPs, and a step time placed on a hardware profile (``specs/hardware/*.yaml``).
 
 Nothing here allocates a tensor or starts a process: shapes come from the abstract parameter tree and the layout's
-placements (``Layout.placements``), FLOPs from :mod:`q38.flops` (the formula MFU uses), activations from per-layer
-formulas written from what each layer saves for backward.
-
-**Memory** is the larger of two phases of ``train_step`` as the code runs it:
-
-- *forward/backward*: fp32 master weights and AdamW moments, gradients accumulated over earlier micro-batches,
-  the tensors autograd saves (per layer kind, per the recompute mode), the gathered compute-form parameters that
-  stay alive (without recompute ``F.linear`` saves the gathered weight of every layer until its backward; with
-  recompute only the layer being recomputed and the prefetched next one), the loss workspace, EP receive buffers
-  and duplicated experts, CP key/value buffers, and the backward working set of one layer (the larger of its
-  start, all its recomputed tensors, and its torch GDN core's own backward, which rebuilds the in-chunk factors:
-  ``gdn_backward_working``);
-- *optimizer*: the functional AdamW builds new parameter and moment tensors while the old ones are alive, with
-  fp32 (clipped) gradient copies and, on the foreach path, a ``sqrt(exp_avg_sq)`` temporary per parameter.
-
-Activation formulas exist for two implementations: the pure-torch reference (``gdn_implementation: torch``,
-SDPA on CPU; checked against a live-storage measurement in tests/test_plan_budget.py) and the accelerator kernels
-(``fla`` GDN, flash SDPA), written from the tensors those kernels save (not yet measured: benchmarks/gpu.sh).
-
-**Time**: compute = executed FLOPs / (peak × achievable fraction), a third of it in forward. Each collective is
-priced by ``q38.parallel.links.LinkModel`` on the group it really spans (``group_shape``: ranks are numbered
-row-major over the mesh and consecutive ranks share a node, so the layout's mesh order decides which groups stay
-inside a node), the price the simulated cluster (benchmarks/cluster_sim.py) holds the real collectives to. Overlap
-is what the runtime does, switched by the same settings (``train.overlap_comm``, ``fsdp_prefetch``, ``ep_overlap``):
-prefetched forward gathers (``prefetch``: the first even gather of every parameter of the layers after the first
-and of the MTP block; several mesh dims sharding one tensor dim evenly are one collective), their recompute in
-backward (layer i-1's started when layer i's recompute begins), CP key/value gathers started before the query-side
-compute, gradient reductions issued async in backward (``async_reduce``) and the EP exchange of one half of
-the slots in flight during the other half's experts (``ep_overlap``, hidden at most behind the MoE compute) hide
-behind the compute of their phase; every other collective is synchronous. Each phase takes ``sync + max(compute,
-async)``. The optimizer step is bound by memory bandwidth.
+placements, FLOPs from :mod:`q38.flops` (the formula MFU uses). :func:`estimate` puts together the memory
+(``budget_memory``), the collectives (``budget_comm``) and the per-op compute (:func:`price_ops`) into a
+:class:`Budget` (``budget_result``); what each counts and why: docs/plan.md#what-the-budget-counts.
 """
 
 import math

@@ -1,5 +1,5 @@
 """The communication side of the budget: every collective of a step per group, with its bytes and its time on the
-links its group spans (``links.LinkModel``); the EP exchange per dispatch (docs/plan.md#time)."""
+links its group spans (``links.LinkModel``); the EP exchange per dispatch (docs/plan.md#what-the-budget-counts)."""
 
 import functools
 import math

@@ -1,5 +1,6 @@
-"""The memory side of the budget: bytes autograd saves per layer kind, and the items of each phase of a step (forward/
-backward, optimizer, start) on the fullest rank, as ``train_step`` allocates them (docs/plan.md#memory)."""
+"""The memory side of the budget: bytes autograd saves per layer kind, and the items of each phase of a step
+(forward/backward, optimizer, start) on the fullest rank, as ``train_step`` allocates them
+(docs/plan.md#what-the-budget-counts)."""
 
 import math
 

@@ -1,16 +1,10 @@
 """``q38 plan``: per-rank memory and FSDP traffic of a (model, layout, world size), by pure shape arithmetic.
 
-No process group, no tensors: the abstract parameter tree and the layout's placements give every rank's local
-shard shapes with DTensor's nested ``torch.chunk`` split (:func:`local_numel_grid`), computed for all ranks at
-once as one array per parameter shape over the mesh. Parameters with the same (shape, placements) share one
-computation, so the 2.4T preset on 1024 ranks plans in well under a second.
-
-Traffic model, per rank and step (one micro-batch): each parameter is all-gathered from its storage shards to
-its compute form before the forward and again in the backward (FSDP reshards after forward, and activation
-recompute needs the weights again); its gradient is reduce-scattered back to the storage shards and then
-all-reduced over the mesh dims that replicate it. Counted as bytes received per rank: an all-gather or
-reduce-scatter moves ``compute − local`` elements, a ring all-reduce over ``R`` ranks ``2 (R − 1) / R · local``.
-EP all-to-all and CP exchanges scale with tokens and are not counted here.
+No process group, no tensors: every rank's local shard shapes follow DTensor's nested ``torch.chunk`` split
+(:func:`local_numel_grid`), computed for all ranks at once as one array per (shape, placements), so the 2.4T preset
+on 1024 ranks plans in well under a second. Traffic counts the FSDP gathers, reduce-scatters and all-reduces of one
+micro-batch as bytes received per rank (docs/plan.md#plan-a-large-run-without-hardware); EP and CP exchanges, which
+scale with tokens, are the budget's (:mod:`q38.parallel.budget`).
 """
 
 import math

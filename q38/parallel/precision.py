@@ -1,6 +1,6 @@
 """The dtype each part of a step is stored, computed or sent in, read from a run config the way the trainer reads it
 (``train.param_dtype`` or its alias ``run.dtype``, ``train.reduce_dtype``; master weights and AdamW moments are always
-fp32), and the one block of ``q38 plan`` that states it (docs/plan.md#dtypes)."""
+fp32), and the one block of ``q38 plan`` that states it (docs/plan.md#dtypes-and-tokens-per-rank)."""
 
 from typing import Any, Mapping
 
