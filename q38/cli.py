@@ -98,7 +98,8 @@ def _add_budget_args(ap) -> None:
     ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step")
     ap.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute mode")
     ap.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32"),
-                    help="compute/gather dtype (default: the run config's train.param_dtype, else bf16)")
+                    help="compute/gather dtype (default: the run config's train.param_dtype or run.dtype, else fp32 "
+                         "as q38 train)")
     ap.add_argument("--reduce-dtype", choices=("bf16", "fp32"),
                     help="gradient reduce dtype (default: the run config's train.reduce_dtype, else fp32)")
     ap.add_argument("--gdn-kernel", choices=("fla", "torch"), help="GDN implementation to plan activations for "
@@ -136,7 +137,8 @@ def plan_cli(args: list[str]) -> int:
     from q38.model_config import ConfigError
     from q38.parallel.layout import Layout, LayoutError
     from q38.parallel.plan import DTYPES, format_plan, plan
-    from q38.parallel.search import BudgetQuery, budget_report
+    from q38.parallel.precision import format_precision
+    from q38.parallel.search import BudgetQuery, budget_report, query_precision
     from q38.train.io.dirs import check_output_dir
 
     # argparse errors and the argument checks below: one line through main (exit 2)
@@ -145,8 +147,8 @@ def plan_cli(args: list[str]) -> int:
     ap.add_argument("--model", required=True, help="model preset name, q38 YAML, HF config.json or checkpoint dir")
     ap.add_argument("--layout", help="parallel layout preset name or YAML path (optional with --search)")
     ap.add_argument("--world", type=positive_int, required=True, help="number of ranks (WORLD_SIZE)")
-    ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
-                    help="compute / gather dtype (train.param_dtype); masters, grads and moments are fp32")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), help="alias of --param-dtype (masters and moments are fp32; "
+                    "grads in --reduce-dtype)")
     ap.add_argument("--optimizer-states", type=nonnegative_int, default=2, help="fp32 optimizer values per parameter")
     ap.add_argument("--mesh", default="", help="override mesh sizes, e.g. ep=8,cp=2")
     _add_budget_args(ap)
@@ -161,9 +163,12 @@ def plan_cli(args: list[str]) -> int:
                        ("--fewest-ranks", ns.fewest_ranks)):
             if v:
                 raise ValueError(f"{opt} applies only to q38 plan --search; add --search or drop {opt}")
+    if ns.dtype and ns.param_dtype and DTYPES[ns.dtype] != DTYPES[ns.param_dtype]:
+        raise ValueError(f"--dtype {ns.dtype} and --param-dtype {ns.param_dtype} disagree; --dtype is an alias of "
+                         "--param-dtype: give one")
     query = BudgetQuery(world=ns.world, model=str(ns.model), layout=ns.layout, train=ns.train, hardware=ns.hardware,
                         seq_len=ns.seq_len, global_batch=ns.global_batch, micro_batches=ns.micro_batches,
-                        recompute=ns.recompute, param_dtype=ns.param_dtype, reduce_dtype=ns.reduce_dtype,
+                        recompute=ns.recompute, param_dtype=ns.param_dtype or ns.dtype, reduce_dtype=ns.reduce_dtype,
                         gdn_kernel=ns.gdn_kernel, search=ns.search, memory_cap=ns.memory_cap, out=ns.out,
                         overwrite=ns.overwrite, lora_rank=ns.lora_rank, lora_base_dtype=ns.lora_base_dtype,
                         fewest_ranks=ns.fewest_ranks, doc_len=ns.doc_len, efficiencies=ns.efficiencies)
@@ -174,9 +179,11 @@ def plan_cli(args: list[str]) -> int:
             RunConfig.from_yaml(ns.train)
         with reading("--model", ns.model):
             cfg = load_model_config(ns.model)
+        prec = query_precision(query)  # the one dtype story of every section below
         if ns.layout is None:
             if not ns.search:
                 raise LayoutError("--layout is required (a preset name or YAML path), unless --search finds one")
+            print(format_precision(prec))
             return budget_report(query, cfg, None, check_output_dir)
         with reading("--layout", ns.layout):
             layout = Layout.load(ns.layout)
@@ -187,8 +194,8 @@ def plan_cli(args: list[str]) -> int:
                 raise LayoutError(f"--mesh expects name=size pairs separated by commas, got {ns.mesh!r}") from None
             layout = layout.with_mesh(**sizes)
         report = plan(
-            cfg, layout, ns.world, param_dtype=DTYPES[ns.dtype], optimizer_state_factor=ns.optimizer_states,
-            model_name=str(ns.model), reduce_dtype=DTYPES[ns.reduce_dtype or "fp32"],
+            cfg, layout, ns.world, param_dtype=DTYPES[prec.param], optimizer_state_factor=ns.optimizer_states,
+            model_name=str(ns.model), reduce_dtype=DTYPES[prec.reduce],
         )
         if any(getattr(ns, k) for k in BUDGET_ARGS):
             print(format_plan(report))

@@ -1,20 +1,10 @@
 """Matmul FLOPs of one training step, from the model config alone: the one formula MFU (``q38 train``) and the step
 time predictor (``q38 plan``) share.
 
-Counted: every matrix product the layer math performs (projections, routed and shared experts, router, attention
-scores and values, the Gated DeltaNet chunk algorithm, the depthwise causal conv, the MTP fc, the LM head per
-depth), forward once and backward twice, as a matmul's backward is two matmuls of the same size. Not counted:
-elementwise ops, norms, softmax (a few percent of a layer at most, and none of it on the tensor cores).
-
-Exceptions to "backward = 2 × forward", from what the code does:
-
-- the chunked LM loss recomputes its logits in backward: 1 forward + 3 backward head products;
-- the GDN triangular solve's backward is a solve plus a product twice its size: 1 + 3;
-- activation recompute runs each recomputed layer's forward again (executed FLOPs, not model FLOPs);
-- ``aux_loss_scope: global_batch`` with several micro-batches runs one extra no-grad forward of the model.
-
-``causal_skip``: attention kernels on accelerators (flash / fused SDPA) skip the masked upper triangle, so a
-query attends to ``(s + 1) / 2`` keys on average; the CPU math path computes every score (``causal_skip=False``).
+Every matrix product of the layer math is counted, forward once and backward twice, except where the code does
+otherwise (the loss recomputes its logits, the GDN solve's backward, recompute, the aux forward); elementwise ops
+are not. ``causal_skip``: the kernel skips the masked upper triangle of causal attention. The rules:
+docs/plan.md#flops.
 """
 
 import attrs

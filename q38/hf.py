@@ -1,26 +1,11 @@
-"""Hugging Face checkpoint I/O: ``load_hf`` / ``save_hf`` between a HF directory and ``(ModelConfig, ModelParams)``.
+"""Hugging Face checkpoint I/O: ``load_hf`` / ``save_hf`` between a HF directory and ``(ModelConfig, ModelParams)``,
+for the Qwen3.5-MoE and Qwen3-Next layouts and their MTP keys (the key tables: docs/hf_checkpoints.md).
 
-Layouts (the key tables, for users: docs/hf_checkpoints.md):
-
-* **Qwen3.5-MoE** — text prefix ``model.language_model.`` (``model_type`` ``qwen3_5_moe``; ``model.visual.*`` is
-  ignored) or ``model.`` (``qwen3_5_moe_text``, what ``Qwen3_5MoeForCausalLM.save_pretrained`` writes); flat GDN
-  projections ``in_proj_qkv / in_proj_z / in_proj_b / in_proj_a``; routed experts fused
-  (``mlp.experts.gate_up_proj [e, 2f, d]``, ``mlp.experts.down_proj [e, d, f]``) or per expert
-  (``mlp.experts.{i}.{gate,up,down}_proj.weight``; transformers 5.23 ``save_pretrained`` writes this form).
-* **Qwen3-Next** — prefix ``model.``, per-expert experts, ``in_proj_qkvz`` / ``in_proj_ba`` grouped per key head.
-* **MTP** — top-level ``mtp.*`` keys with (usually) per-expert experts.
-
-The q38 ↔ HF correspondence lives in the tables below (``*_RENAMES``: one q38 leaf ↔ one HF key, same tensor; the
-model edges, norms, MoE and MTP block) plus the per-expert converter, and in each mixer kind's record
-(``q38.layers.kinds``: its renames and converters: conv weight, grouped qkvz, grouped ba). ``_plan`` turns them
-into one ``Rule`` (``q38.layers.hf_keys``) per q38 leaf group; loading, saving and key validation all walk that one
-list.
-
-Loading reads blocks: each rule maps a block of a q38 leaf (a rank's shard, or the whole leaf) onto slices of HF
-tensors read with safetensors ``get_slice`` (``HFReader``), so a sharded load reads only its shards
-(``q38.train.io.hf_io``). Saving is planned before any tensor exists (``plan_export``) and streams one rule's tensors
-at a time into the safetensors files, file by file (so ranks can share an export), inside a temporary sibling
-directory that is renamed into place when complete. docs/checkpoints.md says what each path holds in memory.
+The q38 ↔ HF correspondence is data: the ``*_RENAMES`` tables here (one q38 leaf ↔ one HF key), the per-expert
+converter, and each mixer kind's record in ``q38.layers.kinds``; ``_plan`` turns them into one ``Rule`` per leaf
+group, the one list loading, saving and key validation all walk. Loading reads only the slices a block needs
+(``HFReader``); saving is planned before any tensor exists (``plan_export``) and streams file by file into a
+temporary sibling directory renamed into place (docs/checkpoints.md).
 """
 
 import json

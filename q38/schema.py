@@ -1,20 +1,9 @@
 """Typed config loading: YAML / ``--set`` values → the attrs config classes, every field checked by its type and range.
 
-``structure(cls, mapping, section)`` turns a mapping into ``cls`` through a strict ``cattrs`` converter: the field's
-type annotation is the whole type declaration (``int``, ``float``, ``bool``, ``str``, ``X | None``,
-``tuple[str, ...]``), and an optional attrs validator from this module (``ge``, ``gt``, ``in_range``, ``one_of``)
-gives its range. A new config field therefore needs only an annotation and, if it has one, a range validator::
-
-    beta1: float = attrs.field(default=0.9, validator=in_range(0, 1, hi_open=True))
-
-Conversions are the ones YAML 1.1 makes ambiguous and nothing else: ``3e-4`` / ``1e30`` / ``1.0e30`` (strings to
-PyYAML) become floats, an integral float (``1e3``, ``8.0``) is accepted for an int. Everything else of the wrong
-type — ``"ten"`` for an int, ``"maybe"`` for a bool, ``1.5`` for an int — is refused with one line naming the key,
-the value and the expected type or range: ``train.beta1 must be in [0, 1), got 2``.
-
-Why cattrs: the config classes are already attrs classes, and cattrs structures attrs classes from their own
-annotations (unions, optionals, tuples, nested classes) with per-attribute error attribution, so the type of each
-field is stated once, where the field is declared, instead of in a second hand-written table of checks.
+``structure(cls, mapping, section)`` goes through a strict ``cattrs`` converter, so a field's annotation is its
+whole type declaration and an optional validator from here (``ge``, ``gt``, ``in_range``, ``one_of``) its range. Only
+the conversions YAML 1.1 makes ambiguous are made; anything else of the wrong type is refused in one line naming the
+key, the value and what is expected (docs/configuration.md#typed-fields).
 """
 
 from __future__ import annotations

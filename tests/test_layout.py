@@ -427,7 +427,7 @@ def test_plan_traffic_fsdp(tiny_cfg):
 def test_plan_cli(capsys, tmp_path):
     assert plan_cli(["--model", "tiny", "--layout", "fsdp_ep", "--world", "4", "--dtype", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "layout fsdp_ep · world 4 = fsdp=2 × ep=2" in out and "compute and gathers bfloat16" in out
+    assert "layout fsdp_ep · world 4 = fsdp=2 × ep=2" in out and "\n  params          bf16  " in out
     assert plan_cli(["--model", "tiny", "--layout", "fsdp_ep", "--world", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "WORLD_SIZE=3" in err

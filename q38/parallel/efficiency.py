@@ -1,30 +1,10 @@
 """What each kernel of a step reaches on a device, and the FLOPs it really executes: how ``q38 plan`` prices compute.
 
-A hardware profile (``specs/hardware/*.yaml``) holds an ``efficiency`` table: per priced op and kernel
-implementation, the fraction of the dtype's dense peak that kernel reaches on the FLOPs it executes, each entry
-``measured`` (with the run that measured it: command, date, device) or ``assumed`` (with its source: a published
-number, a vendor figure or a stated engineering assumption). The ops:
-
-- ``matmul``: the dense projections, router, shared experts, MTP fc (``torch``: ``F.linear``);
-- ``experts``: the routed experts (``kernels.experts``: ``grouped_mm``, ``batched``);
-- ``attention``: the attention core (``kernels.attention``: ``eager``, ``sdpa``, ``flex``, ``varlen``, ``npu``);
-- ``gdn``: the gated delta rule core (``kernels.gdn``: ``torch``, ``fla``, ``npu``);
-- ``loss``: the chunked LM head and cross-entropy (``kernels.loss``: ``torch``, ``compiled``).
-
-The implementation names are the kernel registry's (``q38.kernels.REGISTRY``), so the plan looks up exactly what
-``resolve_kernels`` picked for the run. An (op, kernel) the table does not list is priced at the profile's
-``achievable_fraction`` and says so.
-
-**Executed FLOPs.** Every term is the one ``q38.flops`` counts, except attention, where what a kernel executes depends
-on how it masks: ``eager`` and ``sdpa`` with a mask (packed rows or CP) compute every (query, key) pair of the row;
-``sdpa`` without a mask (one document per row, no CP) skips the causal upper triangle; ``flex`` computes the blocks
-(128 × 128) of its block mask that hold an unmasked pair; ``varlen`` and ``npu`` compute each document's own causal
-triangle. Packed rows are modelled as documents of one length (``doc_len`` tokens, cut at the row's end): the
-plan's stated assumption, a ``q38 plan --doc-len`` option (default ``DEFAULT_DOC_LEN``).
-
-Measured values come from ``benchmarks/gpu.sh`` as JSON lines (``read_measured``: one object per line, ``op``,
-``impl``, ``efficiency`` or ``tflops``, ``device``, ``command``, ``date``, optional ``dtype``); ``q38 plan
---efficiencies FILE`` puts them over the profile's entries.
+A hardware profile's ``efficiency`` table gives, per priced op (``matmul``, ``experts``, ``attention``, ``gdn``,
+``loss``) and kernel (the registry's names, as ``resolve_kernels`` picks them), the fraction of the dtype's dense
+peak reached, each entry ``measured`` or ``assumed`` with its source; ``read_measured`` reads the JSON lines
+``benchmarks/gpu.sh`` writes. Attention's executed FLOPs depend on how the kernel masks (:func:`attention_factor`).
+The ops, the masking rules and the ``--doc-len`` assumption: docs/plan.md#how-compute-is-priced.
 """
 
 import datetime

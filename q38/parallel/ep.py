@@ -55,27 +55,11 @@ def plan_ep_balance(load_e: list[float], ep: int, e_local: int, max_dup: int) ->
 
 class EPDispatch:
     """Expert parallelism for one MoE layer (the ``q38.layers.moe.ExpertDispatch`` contract): each routed slot
-    travels to the rank owning its expert, runs there through ``experts`` (the ``kernels.experts`` callable
-    ``moe_apply`` passes; default ``swiglu_batched``), and its output travels back and is added, with the shared
-    expert's output, into its token's row. docs/parallel.md#expert-parallelism has the byte arithmetic.
-
-    ``hierarchical`` (``train.ep_dispatch: hierarchical``): when the EP group spans nodes, a token crosses to each
-    remote node once (a *unit*: its row, plus the expert codes and gate weights of its slots on that node), to the
-    EP rank there with the sender's local index (rail-aligned), which fans it out to the owning ranks of its node
-    and sums their outputs before the unit crosses back once. Inside one node it is the flat path.
-
-    Both paths combine in one canonical order, so they agree bit for bit: into the shared expert's output go a
-    token's own-node slot outputs (in (owner rank, slot) order), then each remote node's sum of its slots there
-    (summed in the same order) in node order; each expert runs its rows in (source rank, slot) order, and the rows'
-    gradients are summed back in the mirror order.
-
-    ``overlap`` (``train.ep_overlap``): the tokens are split in two halves, each a chain of async all-to-alls; the
-    shared expert runs while both halves' first exchange is in flight, and each half's experts run while the other
-    half's exchange is in flight. Backward exchanges are synchronous.
-
-    With ``balance`` (EP balance), hot experts are copied into up to ``max_dup`` spare slots per rank from the
-    layer's global load; the copies' weights come through an autograd all-gather, so their gradients are summed
-    back into the originals by its reduce-scatter. Only where the work runs changes, not the math.
+    travels to the rank owning its expert, runs there through ``experts`` (default ``swiglu_batched``), and its
+    output travels back and is added, with the shared expert's, into its token's row. ``hierarchical``: a token
+    crosses to each remote node once; ``overlap``: two halves of the tokens, one's exchange in flight while the
+    other computes; ``balance``: hot experts copied into up to ``max_dup`` spare slots per rank. Every path adds in
+    one canonical order, so they agree bit for bit (docs/parallel.md#expert-parallelism).
     """
 
     def __init__(self, group, rank: int, size: int, balance: bool = False, max_dup: int = 2,

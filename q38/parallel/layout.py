@@ -1,30 +1,10 @@
 """Parallel layouts: the spec tables of ``specs/parallel/*.yaml`` read, validated and turned into placements.
 
-A parameter declares its *logical axes* and its FSDP dim where its layer declares it (``ParamInfo(shape, init,
-axes=(...), fsdp_dim=...)`` in ``q38/layers``; docs/parallel.md#what-a-layout-is). A layout holds only data about the mesh:
-
-1. ``fsdp``: the mesh dims that shard every parameter's FSDP dim (one role for all weights, so a new weight is
-   FSDP-sharded by default);
-2. ``rules``: logical axis → mesh dims (major → minor), for the axes that need more than the FSDP role
-   (routed experts over ``ep``); an axis without a rule is replicated;
-3. ``compute``: the mesh dims that stay sharded after the just-in-time FSDP all-gather (EP-local experts);
-4. ``activations``: ``batch`` / ``sequence`` → mesh dims; ``uneven``: parameters allowed ``torch.chunk`` shards.
-
-The pure function :func:`logical_to_spec` turns one parameter's axes into a JAX-style, tensor-dim-indexed spec
-(``mesh_axes_per_dim``: one tuple of mesh dim names per tensor dim), converted to DTensor's mesh-dim-indexed
-placements in one place (:meth:`ParamPlacement.dtensor_placements`).
-
-Everything that can be wrong is refused with a message naming the layout, the parameter, the tensor dim, the
-mesh dim and the sizes: a rule for a logical axis no parameter declares, a rule naming a mesh dim the mesh does
-not have (never silently replicated), one mesh dim sharding two dims of one tensor, a sharded dim the mesh does
-not divide (unless the parameter is listed under ``uneven``), and a world size the mesh cannot fill.
-
-Mesh dims are data: any name shards parameters as the rules say and splits the batch. The names with behaviour
-in the runtime are declared once, in :data:`MESH_DIM_ROLES`.
-
-Several mesh dims on one tensor dim are applied in mesh order, as DTensor does with repeated ``Shard(d)``
-placements: the first (outermost) mesh dim splits the tensor dim, the next splits each piece, and so on. A rule
-that lists them in another order would need DTensor's ``_StridedShard``; it is refused instead.
+Parameters declare logical axes and an FSDP dim; a layout is data about the mesh only (``fsdp``, ``rules``,
+``compute``, ``activations``, ``uneven``: docs/parallel.md#what-a-layout-is). :func:`logical_to_spec` turns one
+parameter's axes into a tensor-dim-indexed spec, converted to DTensor placements in one place
+(:meth:`ParamPlacement.dtensor_placements`). Anything wrong is refused with a message naming the layout, parameter,
+tensor dim, mesh dim and sizes. Mesh dim names are data; the ones with runtime behaviour are :data:`MESH_DIM_ROLES`.
 """
 
 import difflib

@@ -2,20 +2,8 @@
 crosses (``LinkModel``, the one price the plan and the simulated cluster both use), and the collective calls every
 step exchange goes through (``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all_single``), which count
 the bytes each rank receives per link class (``Ledger``), time the host's wait (``CommClock``) and, in a simulated
-cluster (``simulate``), hold each collective until its link would have delivered it.
-
-Link classes. A collective whose group lies inside one node is ``intra`` (NVLink / HCCS). One whose group spans
-nodes is ``inter``:
-
-- ring collectives (all-gather, reduce-scatter, all-reduce) move every byte through the ring, so all of it is
-  charged to the slowest hop, the NIC. A group with ``g`` ranks in each node it spans drives ``g`` NICs per node
-  at once (NCCL runs one ring per NIC), so its inter-node bandwidth per rank is ``g`` times one NIC's.
-- an all-to-all sends each peer its own rows: bytes to a peer on the same node are ``intra``, the rest leave
-  through the rank's own NIC (``inter``), counted per peer from the real split sizes.
-
-The time of one collective is ``latency + max(intra bytes / intra bandwidth, inter bytes / inter bandwidth)``, the
-latency of the slowest link it uses. A rank's collectives run one after another on one communication queue (one
-NCCL stream), so a collective issued while another is in flight starts when that one ends.
+cluster (``simulate``), hold each collective until its link would have delivered it. How ring and all-to-all
+collectives are charged to intra- and inter-node links: docs/parallel.md#nodes-and-mesh-order.
 """
 
 import contextlib

@@ -1,16 +1,10 @@
 """``q38 plan``: per-rank memory and FSDP traffic of a (model, layout, world size), by pure shape arithmetic.
 
-No process group, no tensors: the abstract parameter tree and the layout's placements give every rank's local
-shard shapes with DTensor's nested ``torch.chunk`` split (:func:`local_numel_grid`), computed for all ranks at
-once as one array per parameter shape over the mesh. Parameters with the same (shape, placements) share one
-computation, so the 2.4T preset on 1024 ranks plans in well under a second.
-
-Traffic model, per rank and step (one micro-batch): each parameter is all-gathered from its storage shards to
-its compute form before the forward and again in the backward (FSDP reshards after forward, and activation
-recompute needs the weights again); its gradient is reduce-scattered back to the storage shards and then
-all-reduced over the mesh dims that replicate it. Counted as bytes received per rank: an all-gather or
-reduce-scatter moves ``compute − local`` elements, a ring all-reduce over ``R`` ranks ``2 (R − 1) / R · local``.
-EP all-to-all and CP exchanges scale with tokens and are not counted here.
+No process group, no tensors: every rank's local shard shapes follow DTensor's nested ``torch.chunk`` split
+(:func:`local_numel_grid`), computed for all ranks at once as one array per (shape, placements), so the 2.4T preset
+on 1024 ranks plans in well under a second. Traffic counts the FSDP gathers, reduce-scatters and all-reduces of one
+micro-batch as bytes received per rank (docs/plan.md#plan-a-large-run-without-hardware); EP and CP exchanges, which
+scale with tokens, are the budget's (:mod:`q38.parallel.budget`).
 """
 
 import math
@@ -22,6 +16,7 @@ import torch
 
 from q38.model_config import ModelConfig
 from q38.parallel.layout import Layout, ParamPlacement, format_mesh
+from q38.parallel.precision import Precision, format_precision
 
 DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -114,6 +109,10 @@ class PlanReport:
     @property
     def total_bytes_max(self) -> int:
         return self.param_bytes_max + self.grad_bytes_max + self.optimizer_bytes_max
+
+    @property
+    def precision(self) -> Precision:
+        return Precision(param=self.param_dtype, reduce=self.reduce_dtype)
 
     @property
     def comm_bytes(self) -> int:
@@ -216,9 +215,9 @@ def plan(
     """Per-rank parameter, gradient and optimizer bytes, the largest gathered layer, the expert placement and the
     FSDP collective volume of one step, for ``model_cfg`` under ``layout`` on ``world_size`` ranks.
 
-    Under the mixed-precision policy: master weights and gradients are fp32, optimizer state is
-    ``optimizer_state_factor`` fp32 values per parameter (AdamW m and v); gathered layers and all-gathers are in
-    ``param_dtype`` (the compute dtype), reduce-scatters and all-reduces in ``reduce_dtype``. Raises :class:`LayoutError` when the layout does not fit the model or the world size.
+    Under the mixed-precision policy (:class:`~q38.parallel.precision.Precision`): master weights are fp32,
+    optimizer state is ``optimizer_state_factor`` fp32 values per parameter (AdamW m and v), gradients and their
+    reductions are in ``reduce_dtype``; gathered layers and all-gathers in ``param_dtype`` (the compute dtype). Raises :class:`LayoutError` when the layout does not fit the model or the world size.
     """
     from q38.model import abstract_params
 
@@ -228,7 +227,7 @@ def plan(
     mesh_sizes = list(mesh.values())
     pbytes = torch.tensor([], dtype=param_dtype).element_size()  # compute form: gathered layers, all-gathers
     rbytes = torch.tensor([], dtype=reduce_dtype).element_size()  # gradient reductions
-    mbytes = 4  # fp32 master weights and their gradients
+    mbytes = 4  # fp32 master weights
     t = _tally(pl, mesh)
     held, gathered, reduced, layers, rows = t.held, t.gathered, t.reduced, t.layers, t.rows
     largest_tensor, largest_tensor_numel = t.largest_tensor, t.largest_tensor_numel
@@ -264,8 +263,8 @@ def plan(
         numel_rank0=rank0,
         param_bytes_max=numel_max * mbytes,
         param_bytes_rank0=rank0 * mbytes,
-        grad_bytes_max=numel_max * mbytes,
-        grad_bytes_rank0=rank0 * mbytes,
+        grad_bytes_max=numel_max * rbytes,
+        grad_bytes_rank0=rank0 * rbytes,
         optimizer_bytes_max=numel_max * 4 * optimizer_state_factor,
         optimizer_bytes_rank0=rank0 * 4 * optimizer_state_factor,
         largest_layer=largest_layer,
@@ -321,22 +320,21 @@ def format_plan(r: PlanReport) -> str:
     lines = [
         f"q38 plan · model {r.model} ({_count(r.total_params)} params, {_count(r.expert_params)} in routed experts)"
         f" · layout {r.layout} · world {r.world_size} = {format_mesh(r.mesh)}",
-        f"master weights and grads float32, compute and gathers {r.param_dtype}, reductions {r.reduce_dtype}, "
-        f"optimizer {r.optimizer_state_factor} × fp32 per param",
+        format_precision(r.precision),
         "",
         fmt(head),
         fmt(["-" * w for w in widths]),
         *map(fmt, body),
         "",
         "per rank                      fullest rank      rank 0",
-        f"  master weights (fp32) {_gib(r.param_bytes_max):>16}  {_gib(r.param_bytes_rank0):>12}"
+        f"  master weights        {_gib(r.param_bytes_max):>16}  {_gib(r.param_bytes_rank0):>12}"
         f"   ({_count(r.numel_max)} params; emptiest rank {_count(r.numel_min)})",
-        f"  gradients (fp32)      {_gib(r.grad_bytes_max):>16}  {_gib(r.grad_bytes_rank0):>12}",
-        f"  AdamW moments (fp32)  {_gib(r.optimizer_bytes_max):>16}  {_gib(r.optimizer_bytes_rank0):>12}",
+        f"  gradients             {_gib(r.grad_bytes_max):>16}  {_gib(r.grad_bytes_rank0):>12}",
+        f"  AdamW moments         {_gib(r.optimizer_bytes_max):>16}  {_gib(r.optimizer_bytes_rank0):>12}",
         f"  total                 {_gib(r.total_bytes_max):>16}  "
         f"{_gib(r.param_bytes_rank0 + r.grad_bytes_rank0 + r.optimizer_bytes_rank0):>12}",
-        f"largest gathered layer    {r.largest_layer}: {_gib(r.largest_layer_bytes)} in {r.param_dtype} "
-        "(FSDP-gathered, experts EP-local)",
+        f"largest gathered layer    {r.largest_layer}: {_gib(r.largest_layer_bytes)} "
+        "(compute form: FSDP-gathered, experts EP-local)",
         f"largest gathered tensor   {r.largest_tensor}: {_gib(r.largest_tensor_bytes)}",
     ]
     e = r.experts

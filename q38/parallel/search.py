@@ -22,6 +22,7 @@ from q38.layers.kinds import MIXER_KINDS, kept_regions
 from q38.parallel.efficiency import DEFAULT_DOC_LEN, read_measured
 from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate, recompute_mode
 from q38.parallel.layout import Layout, LayoutError
+from q38.parallel.precision import Precision, run_precision
 
 TEMPLATES = {(False, False): "fsdp", (True, False): "fsdp_cp", (False, True): "fsdp_ep", (True, True): "fsdp_ep_cp"}
 MAX_CP = 16
@@ -345,6 +346,13 @@ def _train_defaults(q, model_arg: str) -> tuple[dict, str | None]:
     return raw, path
 
 
+def query_precision(q: BudgetQuery) -> Precision:
+    """The dtypes ``q38 plan`` reports and prices: the run config's (``--train``, or the shipped one named like the
+    model) with ``--dtype`` / ``--reduce-dtype`` applied, as the trainer would resolve them."""
+    raw, _ = _train_defaults(q, str(q.model))
+    return run_precision(raw, param_dtype=q.param_dtype, reduce_dtype=q.reduce_dtype)
+
+
 def _dtype_name(x: str) -> str:
     names = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
     if str(x) not in names:
@@ -412,8 +420,8 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     # the torch core's chunk as the run would resolve it (an accelerator with a hardware profile, else the CPU)
     chunk = kernels.gdn_chunk_size if kernels.gdn_chunk_size != "auto" else auto_gdn_chunk(
         "cuda" if hw is not None else "cpu", cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    kw = budget_kwargs({**train, "param_dtype": q.param_dtype or train.get("param_dtype") or "bf16",
-                        "reduce_dtype": q.reduce_dtype or train.get("reduce_dtype") or "fp32"}, gdn=gdn, chunk=chunk)
+    prec = run_precision(raw, param_dtype=q.param_dtype, reduce_dtype=q.reduce_dtype)
+    kw = budget_kwargs({**train, "param_dtype": prec.param, "reduce_dtype": prec.reduce}, gdn=gdn, chunk=chunk)
     kw["peft"] = planned_peft(raw.get("peft"), q.lora_rank, q.lora_base_dtype, src)
     if kw["peft"] is not None and kw["peft"].base_dtype == "fp8":
         print("note: peft.base_dtype fp8 is priced here; the trainer does not run an FP8 base yet", file=sys.stderr)

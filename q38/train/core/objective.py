@@ -1,41 +1,10 @@
-"""The training objective, defined once: named terms with weights, their inputs (shifted targets, global
-normalisers, router statistics) and the load-balancing aux loss in its three forms.
+"""The training objective, defined once: named terms with weights (``objective = Σ weight · term``, :func:`total`),
+their inputs (shifted targets, global normalisers, router statistics) and the load-balancing aux loss in its three
+forms (``pooled``, ``per_layer``, ``sequence``).
 
-**Terms.** ``objective = Σ_name weight[name] · term[name]`` (:func:`total`). The default terms
-(:func:`default_terms`) are ``loss`` (main LM, weight 1), ``mtp_<d>`` for each MTP depth (weight
-``mtp_loss_scaling_factor / depths``, i.e. the factor times the mean over depths) and ``aux`` (weight ``coef``:
-``aux_loss_coef`` or the model's ``router_aux_loss_coef``). A term is one function of :class:`TermInput` returning
-this rank's and this micro-batch's *partial*: the term's value is the sum of the partials over ranks and
-micro-batches (docs/objective.md#terms), so gradients are only ever summed. The step accumulates the partials over
-micro-batches as a pytree (``{name: tensor}``) and reduces them once; ``metrics.jsonl``, TensorBoard and the progress
-line use the same names. A new term is one function plus one weight: ``default_terms(mc, tc) + (Term("z", w, fn),)``
-passed as ``train_step(..., terms=...)``.
-
-**Aux loss** (``aux_loss_type``). Notation: ``E`` experts, top-``k``, ``L`` MoE layers (main layers then MTP depths),
-``c_le`` the number of counted tokens whose top-k (as actually routed, router bias included) holds expert ``e`` in
-layer ``l``, ``p_le`` the sum over counted tokens of the router probability (softmax over all experts) of ``e``,
-``N`` the number of counted tokens. All three use the transformers normalisation ``f = c / N`` (``Σ_e f_e = k``), so a
-perfectly balanced router scores ``k`` in every form.
-
-- ``pooled`` (transformers ``load_balancing_loss_func``; exact parity):
-  ``E · Σ_e (Σ_l c_le / (L·N)) · (Σ_l p_le / (L·N))``. Layers are pooled before the product, so two layers collapsed
-  onto different experts can score like balanced ones.
-- ``per_layer`` (Megatron ``aux_loss``): ``(1/L) · Σ_l E · Σ_e (c_le / N) · (p_le / N)``. Megatron adds
-  ``coef_M · E/(k·N²) · Σ_e c_le p_le`` per layer (its ``f`` is normalised by ``k·N``, and layers are summed), so
-  Megatron's ``coef_M`` equals q38's ``coef · k / L``.
-- ``sequence`` (DeepSeek-V3 sequence-wise, Megatron ``seq_aux_loss``): the same product per sequence ``s`` (a document
-  of a packed row) with its own ``c_lse``, ``p_lse`` and token count ``T_s``, averaged over sequences and layers:
-  ``(1/(L·S)) · Σ_l Σ_s E · Σ_e (c_lse / T_s) · (p_lse / T_s)``. Per layer, DeepSeek's ``α`` equals q38's ``coef · k``;
-  Megatron sums the L layers (``α = coef · k / L`` matches q38) and divides padded rows by the batch's mean real
-  length, so it matches per document, not for padded batches (docs/objective.md#the-aux-loss).
-
-Counted tokens (``aux_loss_tokens``): ``real`` = every non-padding token (``attention_mask``, else ``doc_ids != -1``;
-as transformers and Megatron), ``labelled`` = positions whose label is not -100. Scope (``aux_loss_scope``):
-``micro_batch`` takes ``c`` and ``N`` (``S`` for ``sequence``) over one global micro-batch (all data-parallel, CP and
-EP ranks) and averages the micro-batches; ``global_batch`` takes them over the whole step (for ``pooled`` /
-``per_layer`` with several micro-batches, one extra no-grad forward counts the routing first). A sequence never spans
-micro-batches, so ``sequence``'s per-sequence statistics are the same in both scopes; only ``S`` differs. Under CP a
-sequence spans ranks: its counts are summed over the CP group.
+A term returns this rank's and this micro-batch's partial; the term is the sum of the partials, so values and
+gradients are only ever summed, and a new term is one function plus one weight. The default terms, the aux-loss
+formulas, their parity with transformers, Megatron and DeepSeek-V3, counted tokens and scope: docs/objective.md.
 """
 
 from typing import Callable

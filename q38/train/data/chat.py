@@ -1,29 +1,10 @@
 """Chat records formatted as the checkpoint formats them: its own Jinja chat template, exact assistant-only masks.
 
-A Hugging Face tokenizer directory may ship a chat template (``chat_template.jinja``, extra named templates in
-``additional_chat_templates/``, or ``chat_template`` in ``tokenizer_config.json``). When it does, a ``{"messages":
-[...], "tools": [...]}`` record is rendered with that template exactly as transformers'
-``apply_chat_template(messages, tools=tools, tokenize=True)`` renders it (same sandboxed Jinja environment and
-helpers: ``raise_exception``, ``strftime_now``, the non-escaping ``tojson`` filter, ``namespace``, ``dict``, the
-``loopcontrols`` extension; same variables: ``messages``, ``tools``, ``documents``, ``add_generation_prompt`` and
-the special tokens ``bos_token``/``eos_token``/... of ``tokenizer_config.json``), then tokenized without added
-special tokens, so the ids equal transformers' ids.
-
-Targets (``train_on``):
-
-* ``assistant`` — only what the assistant generates. If the template marks it with ``{% generation %}`` blocks, the
-  tokens overlapping those blocks' characters (transformers' ``return_assistant_tokens_mask``). Otherwise the
-  prefix method: for assistant message ``i``, its turn starts where the full rendering ``F`` stops agreeing with
-  the prompt ``render(messages[:i], add_generation_prompt=True)`` and ends with the turn's end token (the last
-  added token of ``render(messages[:i + 1])``, e.g. ``<|im_end|>``), so the trailing newline after it is not a
-  target. Templates that re-render earlier turns once later messages follow (Qwen drops the ``<think>`` block of
-  turns before the last user query) are handled: the prompt is compared with ``F`` from the end token of the
-  previous assistant turn on, both located by counting end tokens.
-* ``last_assistant`` — only the last assistant turn (the last ``{% generation %}`` block).
-* ``all`` — every token.
-
-Without a template (the byte tokenizer, a tokenizer directory without one) records fall back to plain ChatML
-(``encode_chat``), which has no notation for tools, tool calls or reasoning: those records raise.
+A ``{"messages": [...], "tools": [...]}`` record is rendered with the tokenizer directory's chat template exactly
+as transformers' ``apply_chat_template`` renders it, so the ids equal transformers' ids; the targets follow
+``train_on`` (``assistant``: the template's ``{% generation %}`` blocks, else the prefix method; ``last_assistant``;
+``all``). Without a template, plain ChatML (``encode_chat``), which refuses tools, tool calls and reasoning. How the
+rendering matches transformers and how the masks are found: docs/data.md#chat-templates-and-targets.
 """
 
 from __future__ import annotations

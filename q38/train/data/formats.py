@@ -1,25 +1,10 @@
 """The common record shapes of chat and instruction data, converted to q38's records before tokenization.
 
-q38's own records are ``{"text": str}`` and ``{"messages": [...], "tools": [...]}`` (``q38.train.data.chat``). The
-other shapes users bring, as ms-swift and LLaMA-Factory read them:
-
-* ``sharegpt``: ``{"conversations": [{"from": ROLE, "value": str}, ...], "system": str, "tools": ...}`` with the
-  roles ``human``/``user`` -> user, ``gpt``/``assistant`` -> assistant, ``system``, ``function_call`` (the value is
-  a JSON call ``{"name", "arguments"}`` or a list of them) -> an assistant turn with ``tool_calls``, and
-  ``observation``/``tool``/``function`` (the call's result) -> a tool turn. ``tools`` is a list (or a JSON string
-  of a list) of function schemas; a bare ``{"name", "description", "parameters"}`` is wrapped as ``{"type":
-  "function", "function": ...}``.
-* ``alpaca``: ``{"instruction": str, "input": str, "output": str, "system": str, "history": [[query, reply],
-  ...]}``: the history's pairs, then the user turn ``instruction`` + ``"\\n"`` + ``input`` (the instruction alone
-  when ``input`` is empty) and the assistant turn ``output``.
-* ``messages``: OpenAI-style messages as the API and its exports write them: ``content`` as a list of
-  ``{"type": "text", "text": str}`` parts is joined into one string, the ``developer`` role is the system role,
-  keys the API leaves ``null`` (``refusal``, ``function_call``, ``audio``, ...) are dropped; ``tool_calls`` and the
-  ``tool`` role pass through.
-* ``text``: ``{"text": str}``.
-
-``auto`` recognises each record by its keys (``text``, ``messages``, ``conversations``, ``instruction`` +
-``output``). A record that does not fit gets one line naming it (``file:line``) and the field.
+q38's own records are ``{"text": str}`` and ``{"messages": [...], "tools": [...]}`` (``q38.train.data.chat``); the
+other shapes users bring are read as ms-swift and LLaMA-Factory read them: ``sharegpt``, ``alpaca``, OpenAI-style
+``messages``, and ``text``. ``auto`` recognises each record by its keys; a record that does not fit gets one line
+naming it (``file:line``) and the field. The conversions:
+docs/data.md#chat-formats-sharegpt-alpaca-openai-messages-with-tools.
 """
 
 from __future__ import annotations

@@ -3,25 +3,9 @@ Megatron-Core's ``IndexedDatasetBuilder`` write them) read in place as a ``data.
 the tokens memory-mapped, rows cut and documents numbered by the same code as q38's prepared shards
 (``q38.train.data.shards.MappedRows``).
 
-The index format (all little-endian):
-
-* ``b"MMIDIDX\\x00\\x00"`` (9 bytes), ``uint64`` version (1), ``uint8`` token dtype code (1 uint8, 2 int8, 3 int16,
-  4 int32, 5 int64, 6 float64, 7 float32, 8 uint16), ``uint64`` sequence count ``S``, ``uint64`` document-index
-  count ``D``;
-* ``int32[S]`` sequence lengths (tokens), ``int64[S]`` sequence byte offsets into ``PREFIX.bin``, ``int64[D]``
-  document indices (sequence numbers where documents start, from 0, the last one = ``S``), and, for multimodal
-  corpora only, ``int8[S]`` sequence modes (ignored here: the tokens are read as text).
-
-``PREFIX.bin`` holds the sequences' tokens back to back. A document is the run of sequences between two document
-indices (one sequence per document unless the corpus was made with sentence splitting); its tokens are the
-training targets and attention and the loss never cross its borders, exactly as for a prepared shard's document.
-
-Everything is checked before a token is read, in bounded memory (the index arrays are memory-mapped and walked in
-chunks): the header, the index file's size against its counts, every sequence lying back to back inside the
-``.bin`` and the ``.bin`` ending where the last one does, the document indices ascending from 0 to at most ``S``;
-then the token ids themselves against the run's tokenizer and model vocabulary (one pass over the ``.bin`` in
-fixed-size reads, split over the ranks, skipped when the token dtype cannot hold an id that large). A corpus carries no record of its
-tokenizer: ``data.tokenizer`` must name the one it was made with, and the largest id is what can be checked.
+Everything is checked before a token is read, in bounded memory: the index header and sizes, the sequences' layout
+in the ``.bin``, the document indices, then the token ids against the tokenizer and model vocabulary (the scan split over the ranks). The index
+format and the checks: docs/data.md#megatron-indexed-corpora-read-as-they-are.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Pre-tokenized, memory-mapped token shards (written by ``q38 prepare-data``), weighted mixtures of them, and the
 held-out evaluation split.
 
-On-disk format of a prepared directory (all little-endian, every array readable with ``numpy.memmap``):
-
-* ``manifest.json`` — written last (tmp + rename): format version, tokenizer identity and vocabulary size, the
-  source files (path, size, mtime, sha256), one entry per shard (token / document / target counts, the largest
-  token id, file sizes and sha256), and the totals. A directory without it is not (completely) prepared.
-* ``NAME.tokens`` — the shard's documents back to back: ``uint16`` when the vocabulary fits, else ``uint32``.
-* ``NAME.docs`` — ``int64[docs + 1]`` document start offsets into ``NAME.tokens`` (the last entry = token count).
-* ``NAME.mask`` — ``uint8[tokens]``, 1 where the token is a training target; present only when some token of the
-  shard is not a target (chat records: only assistant turns are targets). Absent: every token is a target.
-
-A document's ``(input_ids, labels)`` is ``tokens[docs[i]:docs[i+1]]`` and ``where(mask, tokens, -100)`` —
-exactly what ``q38.train.data.loader.encode_record`` produced for its record.
-
-Rows for training are cut on the fly: row ``k`` of a shard is ``tokens[k*seq_len:(k+1)*seq_len]`` (the shard's
-last partial row is dropped), so ``seq_len`` is chosen at train time, opening a directory reads only its manifest
-and file sizes, and a row read touches only its own pages. Documents run across row borders (Megatron-style);
-each row's pieces are numbered ``0, 1, ...`` in ``doc_ids`` so attention and the loss never cross a document.
-
-Sample order: global sample ``g`` (``g = consumed_samples``: ``step * global_batch_size + j``) is mapped to a
-source by a fixed-size block schedule (``MIX_BLOCK`` samples per block, the sources' exact integer shares of each
-block in a seeded order) and to a row of that source by a seeded bijection of its rows per epoch (a Feistel
-network with cycle walking: no permutation array, constant memory). Everything is a pure function of
-``(seed, g)``, so resume is exact and a different data-parallel size with the same global batch keeps the order.
+A prepared directory is a ``manifest.json`` (written last) and per shard ``NAME.tokens``, ``NAME.docs`` and an
+optional ``NAME.mask``, all readable with ``numpy.memmap``. Rows of ``seq_len`` are cut on the fly, so opening a
+directory reads only its manifest and a row read touches only its own pages; the sample order is a pure function
+of ``(seed, consumed samples)`` (exact resume, any data-parallel size). The file format and the order:
+docs/data.md#prepared-shards-on-disk.
 """
 
 from __future__ import annotations

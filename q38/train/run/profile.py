@@ -1,17 +1,6 @@
-"""Profiling on demand (``run.profile``): a ``torch.profiler`` trace per rank of a few chosen steps, and device
-memory snapshots (CUDA), one of them written on its own when a step runs out of device memory.
-
-``run.profile: {start: 10, steps: 3, memory: true}`` records steps 10, 11, 12 and writes
-``out_dir/profile/trace_rank<r>_steps10-12.json`` (Chrome trace format: open in Perfetto, ``ui.perfetto.dev``, or
-``chrome://tracing``). q38 names its own phases in it with ``record_function``: ``q38.forward_backward``,
-``q38.optimizer``, ``q38.full_attention`` / ``q38.linear_attention`` (each layer's mixer), ``q38.moe``,
-``q38.dispatch`` / ``q38.experts`` / ``q38.combine`` (expert parallelism), ``q38.gather`` / ``q38.reduce_scatter``
-(FSDP), ``q38.loss``. With ``memory: true`` the trace also holds allocations, and on CUDA
-``memory_rank<r>_steps10-12.pickle`` is the allocator's history over those steps (``torch.cuda.memory``'s
-snapshot, for ``pytorch.org/memory_viz``).
-
-A step that raises CUDA's out-of-memory error writes ``out_dir/profile/oom_rank<r>_step<n>.pickle`` (the
-allocator's state at that moment) before the run ends with one line naming it.
+"""Profiling on demand (``run.profile``): a ``torch.profiler`` trace per rank of a few chosen steps (Chrome trace
+format, with q38's phases named by ``record_function``), device memory snapshots (CUDA), and one snapshot written on
+its own when a step runs out of device memory. File names, phase names and viewers: docs/operations.md.
 """
 
 from __future__ import annotations

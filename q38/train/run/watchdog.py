@@ -2,21 +2,11 @@
 holds it up, after every rank has written its Python stacks (and, on NCCL, its flight recorder) to
 ``out_dir/hangs/``.
 
-A thread per rank watches the step. When the step overruns, the thread
-  1. writes ``hangs/step_<n>_rank<r>.txt``: every thread's stack (``faulthandler``), and on NCCL the flight
-     recorder's pickle next to it (``torch._C._distributed_c10d._dump_nccl_trace``, when torch has it);
-  2. decides where its own main thread is: *waiting* inside ``torch.distributed`` (a collective, a barrier, the
-     store), or *busy* anywhere else (compute, the data loader, a sleep) — the innermost frame of the main thread's
-     stack says which;
-  3. posts that verdict to the rendezvous store and reads the other ranks' for a few seconds: a rank that is busy,
-     or that never answers (stopped, dead, swapping), is the one the others wait for;
-  4. prints ``q38 train [rank r]: error: step n ran past run.step_timeout_s=T s: rank k is busy in file:line
-     (function); ...; stacks in out_dir/hangs`` and ends the process (``os._exit``: the main thread is stuck, so
-     nothing else could). No checkpoint is written or touched: the newest complete one resumes.
-
-The verdict reads the innermost frame of a stack and needs no cooperation from the code that hangs. What it cannot
-see: a rank blocked inside a C++ op that itself waits on another rank outside ``torch.distributed`` (it reads as
-busy).
+A thread per rank watches the step; on overrun it dumps the stacks, reads from its main thread's innermost frame
+whether this rank is *waiting* in ``torch.distributed`` or *busy* elsewhere, swaps that verdict with the other ranks
+through the rendezvous store (a rank that is busy or never answers is the culprit), prints the line and ends the
+process with ``os._exit`` (the main thread is stuck). No checkpoint is touched. A rank blocked in a C++ op that waits
+on another rank outside ``torch.distributed`` reads as busy. docs/operations.md says how to read the output.
 """
 
 from __future__ import annotations

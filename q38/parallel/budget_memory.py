@@ -1,0 +1,246 @@
+"""The memory side of the budget: bytes autograd saves per layer kind, and the items of each phase of a step
+(forward/backward, optimizer, start) on the fullest rank, as ``train_step`` allocates them
+(docs/plan.md#what-the-budget-counts)."""
+
+import math
+
+import attrs
+
+from q38.model_config import ModelConfig
+from q38.kernels import GDN_CHUNK
+from q38.layers.kinds import MIXER_KINDS, Workload, kept_regions
+from q38.parallel.param_stats import Item, ParamStats
+
+
+@attrs.frozen
+class LayerActivations:
+    """Bytes autograd saves for one layer over one micro-batch, split into the mixer core and the rest;
+    ``kept``: what selective recompute stores for the layer (the outputs of the ops inside the kernel region:
+    every intermediate of the torch GDN reference, the output (and logsumexp) of a fused kernel);
+    ``widest``: the largest single saved tensor (backward working set)."""
+
+    core: float
+    rest: float
+    widest: float
+    kept: float = 0.0
+    # bytes alive at the peak of the mixer core's own backward: the layer's saved tensors still needed then plus the
+    # working set of that backward (0: not modelled; the layer total + ``widest`` bound applies alone)
+    mixer_backward: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.core + self.rest
+
+
+def _moe_saved(cfg: ModelConfig, n: float | int, act: int, ep: int, ep_balance: bool) -> tuple[float, float]:
+    """Router, routed experts (grouped matmul path), shared expert. Returns (bytes, widest)."""
+    d, e, k, f, fs = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                      cfg.shared_expert_intermediate_size)
+    m = n * k
+    # the gate weight scales the [m, f] activation inside the fused SwiGLU (moe.py: _WeightedSwiGLU), which saves
+    # h = [gate | up] and the weights: no [m, d] weighted output, no separate silu(gate); the shared expert runs the
+    # same function (moe.py: shared_expert): its h [n, 2fs] and activation [n, fs]
+    elems = n * e + 2 * n + n * k + 3 * m * d + m * 2 * f + m * f + m + 3 * n * fs
+    ints = n * k * 8 + 2 * m * 8
+    if ep > 1:  # the dispatch's receive buffer, saved for the expert matmuls (the combine adds the returned rows into
+        elems += m * d  # their tokens' rows by index_add, whose backward saves nothing of them)
+    return elems * act + ints, m * 2 * f * act
+
+
+def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, *, act_bytes: int, cp: int = 1,
+                      ep: int = 1, ep_balance: bool = False, gdn_kernel: bool = False,
+                      kv_native: bool = False, gdn_chunk: int = GDN_CHUNK) -> LayerActivations:
+    """Saved bytes of one decoder layer of mixer kind ``kind`` (a ``layer_types`` entry; its ``saved`` formula,
+    q38/layers/kinds.py) for ``rows`` rows of ``seq`` local tokens. Norms and residual stream included.
+    ``kv_native``: attention takes k, v with their own heads (unpacked rows, no CP; see ``estimate``'s
+    ``packed_rows``). ``gdn_kernel``: fla's GDN kernel (else the torch core, in chunks of ``gdn_chunk``)."""
+    w = Workload(rows=rows, seq=seq, cp=cp, act_bytes=act_bytes, kv_native=kv_native, gdn_kernel=bool(gdn_kernel),
+                 gdn_chunk=gdn_chunk)
+    n, d = w.tokens, cfg.hidden_size
+    mixer = MIXER_KINDS[kind].saved(cfg, w)
+    moe, moe_w = _moe_saved(cfg, n, act_bytes, ep, ep_balance)
+    common = (4 * n * d) * act_bytes + 2 * n * 4  # the two norms' inputs (residual stream) and outputs, rsqrt
+    return LayerActivations(core=mixer.core, rest=mixer.rest + moe + common, widest=max(mixer.widest, moe_w),
+                            kept=mixer.kept, mixer_backward=mixer.mixer_backward)
+
+
+@attrs.frozen(kw_only=True)
+class _Step:
+    """One step as :func:`estimate` prices it, its arguments resolved: the mesh, one micro-batch's local shape
+    (``rows_mb`` rows of ``seq`` tokens on a CP rank) and the byte sizes of the compute (``act``: activations and
+    gathered weights), gradient (``red``) and master (``mst``) dtypes."""
+
+    mesh: dict
+    micro_batches: int
+    recompute: str
+    seq: int
+    rows_mb: float
+    act: int
+    red: int
+    mst: int
+    param_dtype: str
+    reduce_dtype: str
+    master_dtype: str
+    offload_activations: bool
+    resharded: bool  # without recompute, each gathered layer is freed after its forward and gathered again
+    ep_balance: bool
+    max_dup_experts: int
+    gdn_kernel: bool
+    kv_native: bool
+    gdn_chunk: int
+    async_reduce: bool = False  # gradient reduce-scatters / all-reduces issued async in backward
+    ep_dispatch: str = "flat"  # flat | hierarchical
+    ep_overlap: bool = False  # the EP exchange of one half of the slots in flight while the other half computes
+    cp_early: bool = False  # CP exchanges marked ``early`` started before the compute that does not need them
+
+    @property
+    def cp(self) -> int:
+        return self.mesh.get("cp", 1)
+
+    @property
+    def ep(self) -> int:
+        return self.mesh.get("ep", 1)
+
+    @property
+    def n_mb(self) -> float:
+        return self.rows_mb * self.seq
+
+
+def _activations(cfg: ModelConfig, st: _Step, kinds: list) -> tuple[float | int, float | int, str]:
+    """``(saved, working, note)``: the bytes autograd saves over every layer of one micro-batch (per the recompute
+    mode) and the backward working set of one layer."""
+    n_mb, d, act = st.n_mb, cfg.hidden_size, st.act
+    acts = [layer_activations(cfg, k.name, st.rows_mb, st.seq, act_bytes=act, cp=st.cp, ep=st.ep,
+                              ep_balance=st.ep_balance, gdn_kernel=st.gdn_kernel, kv_native=st.kv_native,
+                              gdn_chunk=st.gdn_chunk) for k in kinds]
+    # The "layer" transient group also holds the EP receive buffers / duplicated experts and the CP k/v buffers;
+    # those belong to the MoE and the attention, freed (or not yet made) when a GDN core runs its backward.
+    not_at_mixer = 0.0
+    if st.ep > 1:
+        not_at_mixer += n_mb * cfg.num_experts_per_tok * d * act * 2
+        if st.ep_balance:
+            not_at_mixer += st.max_dup_experts * 3 * d * cfg.moe_intermediate_size * act * 2
+    if st.cp > 1:
+        not_at_mixer += 2 * n_mb * st.cp * cfg.num_key_value_heads * cfg.head_dim * act * 2
+    if st.recompute == "none":
+        saved = sum(a.total for a in acts)
+        working = max(a.widest for a in acts) * 2 + 2 * n_mb * d * act
+        # at a mixer core's backward the later layers' saved tensors (and this layer's MoE part) are already freed
+        later = 0.0
+        for a in reversed(acts):
+            if a.mixer_backward:
+                working = max(working, a.mixer_backward - a.total - later - not_at_mixer + 2 * n_mb * d * act)
+            later += a.total
+        return saved, working, f"{len(kinds)} layers × saved tensors"
+    keep = kept_regions(st.recompute)
+    kept = sum(a.kept for a, k in zip(acts, kinds) if k.region in keep)
+    saved = len(kinds) * n_mb * d * act + kept
+    # the layer in backward: its recomputed saved tensors at the start (MoE backward), or, later, the mixer
+    # core's backward (torch GDN: its own working set, gdn_backward_working)
+    working = max(max(a.total + a.widest, a.mixer_backward - not_at_mixer) for a in acts) + 2 * n_mb * d * act
+    return saved, working, f"{len(kinds)} layer inputs" + (" + kept kernel outputs" if kept else "")
+
+
+def _loss_workspace(cfg: ModelConfig, st: _Step, chunk_tokens: int | None,
+                    chunk_budget_bytes: int | None) -> tuple[float | int, float | int]:
+    """``(logits live, bytes)`` of the chunked loss: each depth's valid hidden rows (index_select, saved), the chunk
+    workspace and the dx accumulators."""
+    n_mb, v, act = st.n_mb, cfg.vocab_size, st.act
+    if chunk_budget_bytes is not None:
+        chunk_logits = min(n_mb, max(1, chunk_budget_bytes // (v * 8))) * v
+    elif chunk_tokens is not None:
+        chunk_logits = min(n_mb, chunk_tokens) * v
+    else:
+        chunk_logits = n_mb * v * 3
+    d = cfg.hidden_size
+    loss_ws = (1 + cfg.mtp_num_layers) * n_mb * d * act + chunk_logits * (4 + (act if act < 4 else 0)) + 2 * n_mb * d * 4
+    return chunk_logits, loss_ws
+
+
+def _forward_backward_items(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list,
+                            loss: tuple[float | int, float | int]) -> list[Item]:
+    """The memory of the forward/backward phase, item by item."""
+    numel, n_mb, d, act = ps.numel, st.n_mb, cfg.hidden_size, st.act
+    saved, working, saved_note = _activations(cfg, st, kinds)
+    memory = [
+        Item("master weights", numel * st.mst, f"{numel:,} params on the fullest rank"),
+        Item("optimizer moments", numel * 8, "AdamW m and v"),
+    ]
+    if st.micro_batches > 1:
+        memory.append(Item("gradient accumulator", numel * st.red * 2,
+                           "sum and the next micro-batch's"))
+    memory.append(Item("activations (saved)", 0.0 if st.offload_activations else saved,
+                       saved_note + (" — offloaded to host" if st.offload_activations else "")
+                       + ", one micro-batch"))
+    if st.param_dtype != st.master_dtype:  # each layer's shards are cast just before its gather (FSDP2's policy)
+        memory.append(Item("compute-dtype copy of shards", ps.largest_layer_local * act,
+                           "the layer's shards cast before the gather", "layer"))
+    # Without recompute the runtime frees each gathered layer after its forward and gathers it again in backward
+    # (train.reshard_after_forward, not with offload); otherwise the matmuls keep every gathered weight alive.
+    if st.recompute == "none" and ps.gathered_layers and not st.resharded:
+        memory.append(Item("gathered params (held)", ps.gathered_layers * act,
+                           "every layer's gathered weights, saved for its backward (no recompute)"))
+    elif ps.gathered_layers:
+        ahead = any(v > 0 for v in ps.gather_prefetchable.values())
+        memory.append(Item("gathered params (transient)", (2 if ahead else 1) * ps.largest_layer * act,
+                           f"{'current + prefetched' if ahead else 'current'} layer, compute form", "layer"))
+    memory.append(Item("layer backward working set", working, "recomputed layer + gradients of its widest tensors"
+                       if st.recompute != "none" else "gradients of the widest saved tensors", "layer"))
+    model_extra = (n_mb * d * 2 + cfg.mtp_num_layers * n_mb * (5 * d)) * act  # embedding out, final norm, MTP block
+    memory.append(Item("model edges", model_extra, "embedding output, final norm, MTP block"))
+    chunk_logits, loss_ws = loss
+    memory.append(Item("loss workspace", loss_ws, f"chunked CE: {chunk_logits:,.0f} logits live + hidden rows",
+                       "loss"))
+    if st.ep > 1:
+        e_local = math.ceil(cfg.num_experts / st.ep)
+        recv = n_mb * cfg.num_experts_per_tok * d * act * 2
+        memory.append(Item("EP receive buffers", recv, f"dispatch + combine of {n_mb * cfg.num_experts_per_tok:,.0f}"
+                           f" routed rows ({e_local} local experts), the layer in flight", "layer"))
+        if st.ep_balance:
+            memory.append(Item("EP-balance duplicate experts", st.max_dup_experts * 3 * d * cfg.moe_intermediate_size
+                               * act * 2, f"{st.max_dup_experts} copied experts per rank (weights + gradients)",
+                               "layer"))
+    if st.cp > 1:
+        memory.append(Item("CP buffers", 2 * n_mb * st.cp * cfg.num_key_value_heads * cfg.head_dim * act * 2,
+                           "gathered keys/values of the layer in flight (+ gradient)", "layer"))
+    return memory
+
+
+def _optimizer_items(st: _Step, numel: int, grad_clip: bool, impl: str) -> list[Item]:
+    """q38.train.core.optim.adamw_step as it runs: the old state and the gradients stay alive while it updates fp32
+    copies of weights and moments; the gradients it updates with are fp32 copies when they are scaled by the
+    clipping factor (``_foreach_mul`` returns new tensors) or stored in another dtype; torch's foreach AdamW divides
+    by ``_foreach_sqrt(exp_avg_sq)``, a new tensor per parameter of the group (≈ all of them), the fused kernel
+    updates in place."""
+    opt = [
+        Item("master weights", numel * st.mst),
+        Item("optimizer moments", numel * 8),
+        Item("gradients", numel * st.red),
+        Item("new weights and moments", numel * (4 + 8), "fp32 copies the functional AdamW updates and returns"),
+    ]
+    if grad_clip or st.red != 4:
+        opt.append(Item("fp32 gradients for the update", numel * 4,
+                        "scaled by the clipping factor" if grad_clip else f"{st.reduce_dtype} gradients cast to fp32"))
+    if impl == "foreach":
+        opt.append(Item("update temporaries", numel * 4, "foreach AdamW: sqrt(exp_avg_sq) of every parameter"))
+    return opt
+
+
+def _start_items(cfg: ModelConfig, st: _Step, ps: ParamStats) -> list[Item]:
+    """Starting the run: every path that loads state allocates only the rank's shards (the template, or the shards
+    read from a Hugging Face directory) plus what one read holds: resume reads each saved chunk whole
+    (``torch.load`` of one DCP item; the saving layout's largest shard, assumed to be this one), init_from a HF
+    directory reads one slice in the file's dtype (bf16 assumed) and casts it to fp32; the grouped Qwen3-Next
+    projections read their one HF tensor whole. The moments are zeros of the same shards."""
+    numel, big = ps.numel, ps.largest_shard
+    hf_whole = 0
+    if cfg.family.checkpoint_layout == "qwen3_next":
+        hf_whole = (2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim) * cfg.hidden_size * 2
+    return [
+        Item("master weights", numel * st.mst),
+        Item("optimizer moments", numel * 8),
+        Item("resume: one saved chunk", big * 4, "fp32, read whole by DCP before its block is copied", "resume"),
+        Item("init_from HF: one slice + fp32 copy", big * (2 + 4) + hf_whole,
+             "bf16 slice and its cast" + (" + one grouped in_proj_qkvz read whole" if hf_whole else ""),
+             "init_from"),
+    ]
