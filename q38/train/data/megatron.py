@@ -4,8 +4,8 @@ the tokens memory-mapped, rows cut and documents numbered by the same code as q3
 (``q38.train.data.shards.MappedRows``).
 
 Everything is checked before a token is read, in bounded memory: the index header and sizes, the sequences' layout
-in the ``.bin``, the document indices, then the token ids against the tokenizer and model vocabulary (the scan split over the ranks). The index
-format and the checks: docs/data.md#megatron-indexed-corpora-read-as-they-are.
+in the ``.bin``, the document indices, then the token ids against the tokenizer and model vocabulary (that scan is
+split over the ranks). The index format and the checks: docs/data.md#megatron-indexed-corpora-read-as-they-are.
 """
 
 from __future__ import annotations
