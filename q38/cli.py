@@ -266,7 +266,8 @@ def _convert_files(a, *, lead: bool) -> int:
     if a.from_hf and a.base is not None:
         raise ValueError("--base names the base of a LoRA run for --to-hf / --to-peft; --from-hf takes none")
     if a.to_peft and a.max_shard_bytes is not None:
-        raise ValueError("--max-shard-bytes: a PEFT adapter is one adapter_model.safetensors (what PEFT reads); drop it")
+        raise ValueError("--max-shard-bytes: a PEFT adapter is one adapter_model.safetensors (what PEFT reads); drop "
+                         "it")
     out = Path(a.out)
     if a.to_hf or a.to_peft:
         say = (lambda line: print(f"q38 convert: note: {line}", file=sys.stderr)) if lead else None

@@ -19,7 +19,7 @@ import torch
 from q38.cli import main
 from q38.hf import load_hf, save_hf
 from q38.layers.common import leaf_generator
-from q38.lora import PeftConfig, add_adapters, is_adapted, merged_params
+from q38.lora import TARGETS, PeftConfig, add_adapters, is_adapted, merged_params
 from q38.model import init_params, logits
 from q38.model_config import ModelConfig
 from q38.pytree import named_leaves, tree_map_with_path
@@ -83,17 +83,18 @@ def _peft_logits(base_dir, adapter_dir, ids):
 
 
 PER_EXPERT = PeftConfig(rank=4, alpha=8, experts="per_expert")
+EVERY_TARGET = PeftConfig(rank=4, alpha=8, experts="per_expert", targets=TARGETS)  # the router too
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    """A Hugging Face base directory, a LoRA checkpoint over it (every default target, per-expert experts), and the
-    logits q38 computes with the LoRA parameters."""
+    """A Hugging Face base directory, a LoRA checkpoint over it (every target q38 has, the router included; per-expert
+    experts), and the logits q38 computes with the LoRA parameters."""
     d = tmp_path_factory.mktemp("lora")
     base = _base_params()
     save_hf(d / "hf-base", CFG, base)
-    params = _lora_params(base, PER_EXPERT)
-    _write_lora_checkpoint(d / "run", params, PER_EXPERT, init_from=d / "hf-base")
+    params = _lora_params(base, EVERY_TARGET)
+    _write_lora_checkpoint(d / "run", params, EVERY_TARGET, init_from=d / "hf-base")
     ids = _ids()
     with torch.no_grad():
         ours = logits(merged_params(params), ids, CFG)
@@ -110,8 +111,11 @@ def test_peft_loads_the_adapter_with_q38s_logits(lora_run):
     cfg = json.loads((d / "adapter" / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 8
     assert cfg["base_model_name_or_path"] == str(d / "hf-base")
-    assert cfg["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
-    assert "self_attn.q_proj" in cfg["target_modules"] and "linear_attn.in_proj_qkv" in cfg["target_modules"]
+    assert cfg["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"]
+    assert sorted(cfg["target_modules"]) == sorted(
+        ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "linear_attn.in_proj_qkv",
+         "linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.in_proj_a", "linear_attn.out_proj",
+         "mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"])
     got, model = _peft_logits(d / "hf-base", d / "adapter", lora_run["ids"])
     assert got.std() > 0.5
     diff = (got - lora_run["logits"]).abs().max().item()
@@ -141,7 +145,7 @@ def test_adapter_without_its_experts_misses_q38s_logits(lora_run):
     cut = d / "adapter-no-experts"
     cut.mkdir()
     cfg = json.loads((d / "adapter" / "adapter_config.json").read_text())
-    cfg["target_parameters"] = None
+    cfg["target_parameters"] = ["mlp.gate.weight"]  # the router stays: only the experts are skipped
     (cut / "adapter_config.json").write_text(json.dumps(cfg))
     sd = load_file(d / "adapter" / "adapter_model.safetensors")
     kept = {k: v for k, v in sd.items() if ".mlp.experts." not in k}
@@ -250,3 +254,71 @@ def test_merged_export_refuses_another_base(tmp_path, capsys):
     _, got = load_hf(out)
     want = dict(named_leaves(merged_params(params)))
     assert all(torch.equal(t, want[n]) for n, t in named_leaves(got))
+
+
+
+def _export_rank(rank, world, ck, out, kind):
+    from q38.train.io.peft_export import export_merged, export_peft
+
+    if kind == "merged":
+        export_merged(ck, out, max_shard_bytes=100_000)
+    else:
+        export_peft(ck, out)
+
+
+@pytest.mark.slow  # ~5-10 s: two forked gloo ranks (the split itself is export_checkpoint's, tested by default)
+@pytest.mark.dist
+def test_exports_on_two_ranks_write_the_same_bytes(tmp_path):
+    """Under a process group each rank writes its share of the merged model's files (rank 0 the one PEFT file): the
+    bytes equal one process's export, and no temporary directory is left."""
+    import hashlib
+
+    from q38.train.io.peft_export import export_merged, export_peft
+    from tests.dist_utils import run_distributed
+
+    params = _lora_params(init_params(CFG, seed=3), PER_EXPERT)
+    _write_lora_checkpoint(tmp_path / "run", params, PER_EXPERT, seed=3)
+    ck = tmp_path / "run" / "checkpoints" / "step_000003"
+    export_merged(ck, tmp_path / "one", max_shard_bytes=100_000)
+    export_peft(ck, tmp_path / "one-peft")
+    run_distributed(_export_rank, 2, str(ck), str(tmp_path / "two"), "merged")
+    run_distributed(_export_rank, 2, str(ck), str(tmp_path / "two-peft"), "peft")
+
+    def digest(d):
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+    assert len(list((tmp_path / "one").glob("*.safetensors"))) > 2  # several files: the split is exercised
+    assert digest(tmp_path / "two") == digest(tmp_path / "one")
+    assert digest(tmp_path / "two-peft") == digest(tmp_path / "one-peft")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+@pytest.mark.slow  # ~40 s: a LoRA run of 3 steps through the trainer, then both exports through the CLI
+def test_trained_lora_run_exports_end_to_end(tmp_path):
+    """A real LoRA run (the trainer, ``init_from`` a Hugging Face directory, every default target) exported with
+    ``q38 convert --to-peft`` and ``--to-hf``: ``peft`` on transformers and the merged model in transformers both give
+    the logits q38 computes with the checkpoint's adapters (loaded as a resume loads them)."""
+    from q38.train.io.checkpoint import latest_checkpoint, load_checkpoint
+    from q38.train.io.peft import lora_state
+    from q38.train.run.trainer import train
+    from tests.run_utils import run_config, small_model_dict
+
+    cfg = ModelConfig.from_dict(small_model_dict())
+    base = _base_params(cfg)
+    save_hf(tmp_path / "hf-base", cfg, base)
+    rc = run_config(tmp_path / "run", steps=3, init_from=str(tmp_path / "hf-base"), peft={"rank": 4, "alpha": 16},
+                    train={"lr": 5e-2, "warmup_steps": 0})
+    train(rc)
+    ck = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    state = lora_state(base, rc.model, rc.train, rc.peft, seed=rc.run.seed, empty=True)
+    state, _ = load_checkpoint(ck, state)
+    ids = _ids(cfg)
+    with torch.no_grad():
+        ours = logits(merged_params(state.params), ids, cfg)
+        assert (ours - logits(base, ids, cfg)).abs().max() > 100 * LOGIT_TOL  # the run moved the model
+    assert main(["convert", "--to-peft", str(tmp_path / "run"), str(tmp_path / "adapter")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
+    got, _ = _peft_logits(tmp_path / "hf-base", tmp_path / "adapter", ids)
+    assert (got - ours).abs().max() <= LOGIT_TOL
+    with torch.no_grad():
+        merged = _hf_model(tmp_path / "merged")(input_ids=ids).logits
+    assert (merged - ours).abs().max() <= LOGIT_TOL

@@ -3,23 +3,11 @@
 (``export_merged``, ``q38 convert --to-hf`` of a LoRA checkpoint). Both stream: no process holds the model, each
 tensor is read from the DCP checkpoint (and the base) only when its output is written.
 
-The PEFT layout, as ``peft`` (0.17+) builds it on transformers' ``Qwen3_5MoeForCausalLM``:
-
-* a q38 projection that is an ``nn.Linear`` in transformers (attention ``q/k/v/o_proj``, GDN ``in_proj_qkv/z/b/a``,
-  ``out_proj``, the shared expert's ``gate/up/down_proj``) is a ``target_modules`` entry; its adapter is
-  ``base_model.model.<module>.lora_A.weight [r, in]`` / ``.lora_B.weight [out, r]``, q38's ``A`` / ``B`` as they are;
-* the routed experts are the 3-D parameters ``mlp.experts.gate_up_proj [e, 2f, d]`` / ``down_proj [e, d, f]``
-  (``target_parameters``). PEFT keeps one ``lora_A [e·r, in]`` whose rows ``k·r .. k·r + r`` are expert ``k``'s ``A``,
-  and one ``lora_B [out, r·e]`` whose column ``j·e + k`` is column ``j`` of expert ``k``'s ``B``; expert ``k``'s delta
-  is ``scale · B_k @ A_k`` as in q38. Two targeted parameters of one module are nested wrappers, the first one
-  registered (``gate_up_proj``) innermost: its keys are ``….mlp.experts.base_layer.lora_A.weight``, those of
-  ``down_proj`` ``….mlp.experts.lora_A.weight`` (one targeted parameter: no ``base_layer.``). The router weight
-  ``mlp.gate.weight`` (not an ``nn.Linear``) is a 2-D ``target_parameters`` entry: ``A [r, d]``, ``B [e, r]``.
-
-What PEFT cannot express exactly is refused with one line that names it and points to the merged export: the
-``shared`` expert mode (one adapter for all experts of a layer: PEFT has none for a fused expert tensor), adapters of
-the MTP layers (transformers' model has no ``mtp.*`` modules), a q38 weight the checkpoint does not store as one HF
-tensor unchanged (grouped or split projections), and checkpoint families other than Qwen3.5-MoE.
+The PEFT layout is the one ``peft`` builds on transformers' ``Qwen3_5MoeForCausalLM`` (the page above has the
+table): ``nn.Linear`` projections are ``target_modules`` with q38's ``A`` / ``B`` as they are; the fused routed
+experts (and the router) are ``target_parameters``, an expert adapter flattened as ``to_peft_a`` / ``to_peft_b`` say,
+two on one module nested in the order transformers registers them (``PARAMETER_ORDER``). What PEFT cannot express
+exactly is refused in one line that points to the merged export (``plan_peft``).
 """
 
 import json
