@@ -196,6 +196,48 @@ def test_merged_export_from_each_kind_of_base(tmp_path, base_kind):
         assert torch.equal(t, want[n]), n
 
 
+
+def _dtypes(d):
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            out.update({k: fh.get_slice(k).get_dtype() for k in fh.keys()})
+    return out
+
+
+@pytest.mark.parametrize("form", ["bf16_with_fp32_A_log", "fp8"])
+def test_merged_export_keeps_the_base_checkpoint_dtypes(tmp_path, form):
+    """The merged model is written in the dtypes of the Hugging Face base, tensor by tensor: bf16 weights with the
+    fp32 ``A_log`` of the released BF16 checkpoints, or block-FP8 again (same keys, scales and layout) for an FP8
+    base. Values: the fp32 merge cast to each dtype (bf16: exactly; FP8: within its quantization)."""
+    from q38.fp8 import default_quantized
+    from q38.hf import fp8_dtypes
+
+    base = _base_params()
+    keep = lambda q: torch.float32 if q.endswith("A_log") else torch.bfloat16  # noqa: E731
+    dtypes = keep if form != "fp8" else fp8_dtypes(keep)
+    save_hf(tmp_path / "hf-base", CFG, base, dtypes=dtypes)
+    _, stored = load_hf(tmp_path / "hf-base")  # the base as the run reads it (FP8 dequantized)
+    peft = PeftConfig(rank=2, alpha=4)
+    params = _lora_params(tree_map_with_path(lambda p, t: t.float(), stored), peft)
+    _write_lora_checkpoint(tmp_path / "run", params, peft, init_from=tmp_path / "hf-base")
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
+    assert _dtypes(tmp_path / "merged") == _dtypes(tmp_path / "hf-base")
+    _, got = load_hf(tmp_path / "merged")
+    want = dict(named_leaves(merged_params(params)))
+    base_of = dict(named_leaves(stored))
+    for n, t in named_leaves(got):
+        w = want[n].to(t.dtype)
+        if form == "fp8" and default_quantized(n):
+            err = (t - w).abs().max()
+            assert err <= 0.07 * w.abs().max(), n  # e4m3: 3 mantissa bits
+            if peft.adapts(n):  # the delta is there, well above FP8's rounding
+                assert err < 0.5 * (t - base_of[n]).abs().max(), n
+        else:
+            assert torch.equal(t, w), n
+
 def _refused(capsys, argv, *needles):
     rc = main(argv)
     err = capsys.readouterr().err.strip()
