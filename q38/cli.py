@@ -222,28 +222,37 @@ def _dtype(name: str | None):
 
 
 def _convert(argv: list[str]) -> int:
-    p = OneLineParser(prog="q38 convert", description="Convert between q38 checkpoints and Hugging Face safetensors.")
+    p = OneLineParser(prog="q38 convert", description="Convert between q38 checkpoints and Hugging Face safetensors "
+                      "(and a LoRA run's adapters to the PEFT format).")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--to-hf", action="store_true", help="SRC is a q38 run / checkpoints / checkpoint directory")
+    g.add_argument("--to-hf", action="store_true", help="SRC is a q38 run / checkpoints / checkpoint directory; of a "
+                   "LoRA run, the merged model (base + scale * B @ A) is written")
     g.add_argument("--from-hf", action="store_true", help="SRC is a Hugging Face checkpoint directory")
+    g.add_argument("--to-peft", action="store_true", help="SRC is a LoRA run / checkpoints / checkpoint directory: "
+                   "its adapters as a Hugging Face PEFT adapter (adapter_config.json + adapter_model.safetensors, "
+                   "routed experts as target_parameters)")
     p.add_argument("src")
     p.add_argument("out")
     p.add_argument("--dtype", default=None, help="cast parameters (float32, bfloat16, float16), or --to-hf fp8: "
                    "block-FP8 (128x128 e4m3 blocks with weight_scale_inv, as the released -FP8 checkpoints); "
                    "default: --to-hf writes each tensor in the dtype of the Hugging Face checkpoint the run started "
                    "from (block-FP8 again for an FP8 source), else in the run's compute dtype "
-                   "(train_config.param_dtype) with train.fp32_params in fp32; --from-hf keeps the stored dtype "
-                   "(block-FP8 weights dequantized to fp32)")
+                   "(train_config.param_dtype) with train.fp32_params in fp32; --to-peft writes the adapters' fp32 "
+                   "masters; --from-hf keeps the stored dtype (block-FP8 weights dequantized to fp32)")
+    p.add_argument("--base", default=None,
+                   help="--to-hf / --to-peft of a LoRA run: where its base (the init_from it was trained on) is now, "
+                   "if it moved; checked against the hash the checkpoint recorded (default: the recorded path)")
     p.add_argument("--drop-router-bias", action="store_true",
-                   help="--to-hf: export a run trained with aux_loss_free without its router bias (the HF format has "
-                   "none, so the exported model routes by the plain top-k)")
+                   help="--to-hf / --to-peft: export a run trained with aux_loss_free without its router bias (the HF "
+                   "format has none, so the exported model routes by the plain top-k)")
     p.add_argument("--mtp-num-layers", type=int, default=None,
                    help="--from-hf: override the MTP depth (0 for a checkpoint saved without mtp.* weights)")
     p.add_argument("--mtp-shared-layer", action="store_true",
                    help="--from-hf: run the checkpoint's one MTP layer (mtp.layers.0) at every depth of "
                    "--mtp-num-layers, as vLLM and SGLang draft with it")
     p.add_argument("--overwrite", action="store_true",
-                   help="--to-hf: replace an existing non-empty OUT_DIR (never one equal to or inside the source)")
+                   help="--to-hf / --to-peft: replace an existing non-empty OUT_DIR (never one equal to or inside the "
+                   "source)")
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="--to-hf: largest safetensors file (default 5e9, as transformers writes)")
     a = p.parse_args(argv)
@@ -263,9 +272,15 @@ def _convert_files(a, *, lead: bool) -> int:
     dtype = FP8 if a.dtype == "fp8" else _dtype(a.dtype)
     if dtype == FP8 and not a.to_hf:
         raise ValueError("--dtype fp8 writes block-FP8 with --to-hf; --from-hf reads an FP8 checkpoint by itself "
-                         "(dequantized): drop --dtype or give float32 / bfloat16")
+                         "(dequantized), --to-peft writes the adapters in float32 / bfloat16 / float16: drop --dtype "
+                         "or give one of those")
+    if a.from_hf and a.base is not None:
+        raise ValueError("--base names the base of a LoRA run for --to-hf / --to-peft; --from-hf takes none")
+    if a.to_peft and a.max_shard_bytes is not None:
+        raise ValueError("--max-shard-bytes: a PEFT adapter is one adapter_model.safetensors (what PEFT reads); drop "
+                         "it")
     out = Path(a.out)
-    if a.to_hf:
+    if a.to_hf or a.to_peft:
         say = (lambda line: print(f"q38 convert: note: {line}", file=sys.stderr)) if lead else None
         ck = resolve_checkpoint(a.src, on_skip=say)
         meta = read_meta(ck)
@@ -275,13 +290,35 @@ def _convert_files(a, *, lead: bool) -> int:
                 "the Qwen3.5 / Qwen3-Next Hugging Face format has no router bias, so the exported "
                 "model would route by the plain top-k; pass --drop-router-bias to export without it"
             )
+        lora = bool(meta.get("peft"))
+        if a.to_peft and not lora:
+            raise ValueError(f"{ck} is not a LoRA checkpoint (its meta.json has no peft entry): it holds a whole "
+                             "model, not adapters; export it with --to-hf")
+        if a.base is not None and not lora:
+            raise ValueError(f"--base names the base of a LoRA run, but {ck} is not a LoRA checkpoint; drop --base")
         _check_export_target(Path(a.src), ck, out, a.overwrite)
+        what = f"step {meta.get('step')} of {ck}"
+        if a.to_peft:
+            from q38.train.io.peft_export import export_peft
+
+            export_peft(ck, out, dtype=dtype, base=a.base)
+            if lead:
+                print(f"q38 convert: wrote {out} (PEFT LoRA adapter, rank {meta['peft'].get('rank')}, {what})")
+            return 0
         if dtype is None:  # checkpoints hold fp32 masters: export in the source's dtypes, else the compute dtype
             dtype = SOURCE
-        export_checkpoint(ck, out, dtype=dtype, max_shard_bytes=a.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+        shard = a.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES
+        if lora:
+            from q38.train.io.peft_export import export_merged
+
+            export_merged(ck, out, dtype=dtype, max_shard_bytes=shard, base=a.base)
+            what = f"merged: the base {a.base or meta['peft']['base'].get('init_from') or 'of the seed'} + the " \
+                   f"adapters of {what}"
+        else:
+            export_checkpoint(ck, out, dtype=dtype, max_shard_bytes=shard)
         if lead:
             print(f"q38 convert: wrote {out} (Hugging Face safetensors, {meta['model_config'].get('model_type')}, "
-                  f"step {meta.get('step')} of {ck})")
+                  f"{what})")
         return 0
     src = Path(a.src)
     if not (src / "config.json").is_file():

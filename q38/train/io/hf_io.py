@@ -204,12 +204,15 @@ def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=No
     sibling, renamed when every rank's files are complete). Collective under a process group (each rank writes its
     share of the files); at most one conversion rule's tensors in memory per rank. ``dtype``: a torch dtype (cast
     every tensor), ``None`` (the saved dtype), ``"source"`` (each tensor in the dtype of the Hugging Face checkpoint
-    the run started from, block-FP8 included) or ``"fp8"`` (block-FP8): see ``export_dtypes``."""
+    the run started from, block-FP8 included) or ``"fp8"`` (block-FP8): see ``export_dtypes``. (A LoRA checkpoint
+    holds adapters, not a model: ``q38.train.io.peft_export.export_merged`` writes its merged model.)"""
     ck, out = Path(ck), Path(out)
-    rank, world = _rank(), _world()
 
     def prepare():
         meta = read_meta(ck)
+        if meta.get("peft"):
+            raise ConfigError(f"{ck} is a LoRA checkpoint (adapters only); export its merged model with "
+                              "q38.train.io.peft_export.export_merged (`q38 convert --to-hf`)")
         cfg = ModelConfig.from_dict(meta["model_config"], source=f"{ck}/meta.json")
         reader = checkpoint_reader(ck)
         check_saved_params(reader, cfg, ck)  # the index agrees with meta.json's model before anything is allocated
@@ -223,13 +226,22 @@ def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=No
         return reader, saved, export
 
     reader, saved, export = all_ranks_ok(prepare, f"reading checkpoint {ck}")
+    return write_export(export, out, lambda: _leaf_loader(ck, reader, saved), f"exporting {ck} to {out}")
+
+
+def write_export(export, out: Path, make_load: Callable[[], Callable[[tuple[str, ...]], tuple]], what: str) -> Path:
+    """The collective half of an export: every rank writes output files ``rank, rank + W, ...`` of ``export`` (a
+    ``q38.hf.HFExport``) into a shared temporary sibling of ``out``, reading the q38 leaves of each conversion rule
+    through ``make_load()(names)`` (called once per rank); rank 0 then writes ``config.json`` (and the index) and
+    renames the directory over ``out``. A failure on any rank is one error on every rank (``all_ranks_ok``)."""
+    rank, world = _rank(), _world()
     with shared_tmp_dir(export_tmp_dir(out, _broadcast(os.urandom(4).hex()))) as tmp:
         def write():
-            load = _leaf_loader(ck, reader, saved)
+            load = make_load()
             for i in range(rank, len(export.files), world):
                 export.write_file(tmp, i, load)
 
-        all_ranks_ok(write, f"exporting {ck} to {out}")
+        all_ranks_ok(write, what)
         if rank == 0:
             export.write_metadata(tmp)
             _fsync_dir(tmp)

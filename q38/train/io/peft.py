@@ -31,19 +31,29 @@ def _safetensors_headers_sha256(d: Path) -> str:
     return h.hexdigest()
 
 
+def _file_sha256(f: Path) -> str:
+    from q38.train.io.untrusted import open_regular
+
+    h = hashlib.sha256()
+    with open_regular(f, str(f), follow=True) as fh:  # a Hugging Face cache links its files to blobs
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def base_reference(init_from: str | None, seed: int) -> dict:
     """What identifies a LoRA run's base: its path and a hash of its index (see the module docstring)."""
     if not init_from:
         return {"init_from": None, "seed": int(seed)}
-    from q38.train.io.checkpoint import MANIFEST_FILE, _sha256, is_checkpoint, resolve_checkpoint
+    from q38.train.io.checkpoint import MANIFEST_FILE, is_checkpoint, resolve_checkpoint
 
     p = Path(init_from)
     if (p / "config.json").is_file() and not is_checkpoint(p):
         index = p / "model.safetensors.index.json"
-        digest = _sha256(index) if index.is_file() else _safetensors_headers_sha256(p)
+        digest = _file_sha256(index) if index.is_file() else _safetensors_headers_sha256(p)
         return {"init_from": str(p), "sha256": digest}
     ck = resolve_checkpoint(p)
-    return {"init_from": str(ck), "sha256": _sha256(ck / MANIFEST_FILE)}
+    return {"init_from": str(ck), "sha256": _file_sha256(ck / MANIFEST_FILE)}
 
 
 def check_base(meta: dict, ref: dict, where: str) -> None:
