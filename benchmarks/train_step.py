@@ -76,7 +76,8 @@ def main():
     peak = known_peak_flops(dev, args.dtype)
     kinds = ", ".join(f"{n} {name}" for name, n in count_by_kind(cfg).items() if n)
     print(f"config: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers ({kinds}), {cfg.num_experts} experts "
-          f"top-{cfg.num_experts_per_tok}, {args.batch} × {args.seq} tokens, {dev}/{args.dtype}; {fpt / 1e9:.2f} GFLOP/token; peak {peak}")
+          f"top-{cfg.num_experts_per_tok}, {args.batch} × {args.seq} tokens, {dev}/{args.dtype}; "
+          f"{fpt / 1e9:.2f} GFLOP/token; peak {peak}")
     rows = []
     tc = TrainConfig(lr=1e-4, total_steps=1000, loss_chunk_size=1024)
     state = init_state(cfg, tc, seed=0, device=dev, dtype=dtype)

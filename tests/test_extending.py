@@ -83,9 +83,9 @@ def sliding_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, in
 
 
 def sliding_flops(cfg: ModelConfig, w: Workload) -> MixerFlops:
-    d, h, g, c, win = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.sliding_window
+    d, h, g, c = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     dense = 2 * w.tokens * d * (2 * h * c + 2 * g * c + h * c)
-    win = min(win, w.seq)
+    win = min(cfg.sliding_window, w.seq)
     keys = (win * (win + 1) / 2 + (w.seq - win) * win) / w.seq if w.causal_skip else w.seq  # visible keys per query
     return MixerFlops(terms={"dense": dense, "attention": 4 * w.tokens * h * c * keys}, kernel=("attention",))
 
@@ -152,7 +152,7 @@ LOOPED_ENTRY = """\
 # (recipe, file, anchor, text, where): each edit puts ``text`` before or after the one occurrence of ``anchor``
 EDITS = (
     ("kind", "q38/model_config.py", "    partial_rotary_factor: float = 0.25\n",
-     "    sliding_window: int = 4096  # sliding_attention layers: the keys each query sees, itself included\n", "after"),
+     "    sliding_window: int = 4096  # sliding_attention layers: the keys a query sees, itself included\n", "after"),
     ("kind", "q38/model_config.py", '        need(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")\n',
      '        need(self.sliding_window > 0, f"sliding_window must be > 0, got {self.sliding_window}")\n', "after"),
     ("kind", "q38/hf_config.py", "        rope_theta=rope_theta,\n",
@@ -214,7 +214,8 @@ def run_in(root: Path, *args: str, env: dict | None = None, timeout: int = 600) 
 
 
 def _passed(r: subprocess.CompletedProcess) -> None:
-    assert r.returncode == 0, f"pytest in the extended copy failed (rc {r.returncode}):\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, (f"pytest in the extended copy failed (rc {r.returncode}):\n{r.stdout[-6000:]}\n"
+                               f"{r.stderr[-3000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -411,9 +412,10 @@ def test_the_registry_states_its_fallbacks():
         k.check_registry({**k.REGISTRY, "gdn": {**gdn, "fla": attrs.evolve(gdn["fla"], fallback=True)}})
     with pytest.raises(ValueError, match="kernels.gdn: 0 implementations marked fallback=True"):
         k.check_registry({**k.REGISTRY, "gdn": {n: attrs.evolve(i, fallback=False) for n, i in gdn.items()}})
-    with pytest.raises(ValueError, match=r"kernels.gdn: fallback torch is not portable: it lacks devices \['npu'\], cp"):
-        k.check_registry({**k.REGISTRY, "gdn": {**gdn, "torch": attrs.evolve(gdn["torch"], devices=("cpu", "cuda",
-                                                                                                      "meta"), cp=False)}})
+    narrow = attrs.evolve(gdn["torch"], devices=("cpu", "cuda", "meta"), cp=False)
+    with pytest.raises(ValueError, match=r"kernels.gdn: fallback torch is not portable: it lacks devices \['npu'\], "
+                                         r"cp$"):
+        k.check_registry({**k.REGISTRY, "gdn": {**gdn, "torch": narrow}})
 
 
 def test_a_kind_with_its_own_region_is_one_record(monkeypatch, tiny_cfg, tmp_path):
