@@ -39,6 +39,17 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
 
 MTP_DEPTH_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp_num_layers")
 
+# The layer-kind table (q38.layers.kinds.MIXER_KINDS) whose names ``layer_types`` entries may take. The table
+# registers itself here when it is imported, which importing q38 does; this module cannot import it (the layers
+# import this module).
+_layer_kinds: Mapping[str, Any] | None = None
+
+
+def register_layer_kinds(table: Mapping[str, Any]) -> None:
+    """Check ``layer_types`` against ``table`` (a live mapping: a kind added to it later is accepted too)."""
+    global _layer_kinds
+    _layer_kinds = table
+
 
 # legacy ModelConfig field → KernelConfig field (q38.kernels)
 LEGACY_KEYS = {
@@ -174,8 +185,12 @@ class ModelConfig:
             f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}; "
             "give one entry per layer or drop layer_types to use the 3:1 default",
         )
-        # each entry names a layer kind: checked against the kind table (q38.layers.kinds, which imports this module)
-        # where the layers are built
+        if _layer_kinds is None:
+            raise RuntimeError("the layer-kind table is not loaded: import q38 (it loads q38.layers.kinds) before "
+                               "building a ModelConfig")
+        bad = [t for t in self.layer_types if t not in _layer_kinds]
+        need(not bad, f"layer_types entries must be one of {tuple(_layer_kinds)}; got {sorted(set(bad))} (a new "
+                      "kind is a record in q38/layers/kinds.py: docs/extending.md#add-a-layer-kind)")
         need(
             self.num_experts_per_tok <= self.num_experts,
             f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})",

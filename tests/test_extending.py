@@ -160,7 +160,7 @@ EDITS = (
     ("kind", "q38/hf_config.py", "        layer_types=list(cfg.layer_types),\n",
      '        **({"sliding_window": cfg.sliding_window} if "sliding_attention" in cfg.layer_types else {}),\n',
      "after"),
-    ("kind", "q38/layers/kinds.py", "from q38.model_config import ModelConfig\n",
+    ("kind", "q38/layers/kinds.py", "from q38.model_config import ",
      "from q38.layers.sliding import sliding_apply, sliding_cp_exchange, sliding_flops, sliding_hf, sliding_saved\n",
      "before"),
     ("kind", "q38/layers/kinds.py", "              saved=gdn_saved, cp_exchange=gdn_cp_exchange, hf_rules=_gdn_hf),\n",

@@ -17,7 +17,7 @@ from q38.layers.cost import CPExchange, MixerFlops, MixerSaved, Workload  # noqa
 from q38.layers.gdn import GDNParams, abstract_gdn, gdn_apply
 from q38.layers.gdn_cost import gdn_cp_exchange, gdn_flops, gdn_saved
 from q38.layers.hf_keys import CheckpointLayout, Rule, conv_rule, grouped_block, renames
-from q38.model_config import ModelConfig
+from q38.model_config import ModelConfig, register_layer_kinds
 
 # ---- the record -------------------------------------------------------------------------------------------------
 
@@ -165,9 +165,8 @@ MTP_LAYER_TYPE = "full_attention"  # the mixer of every MTP depth
 
 
 class KindTable(dict):
-    """``name -> MixerKind``; its keys are the accepted ``layer_types`` entries. Looking up another name raises the
-    ``ConfigError`` a model config with that entry gets (the config is read before the layers are imported, so it
-    is checked here, where the layers are built)."""
+    """``name -> MixerKind``; its keys are the accepted ``layer_types`` entries (``ModelConfig`` checks them against
+    this table, which registers itself with ``q38.model_config``). Looking up another name raises a ``ConfigError``."""
 
     def __missing__(self, name: str) -> MixerKind:
         raise ConfigError(f"layer_types entry {name!r} is not a layer kind; known kinds: {', '.join(self)} "
@@ -189,6 +188,7 @@ def check_kinds(kinds: Iterable[MixerKind]) -> None:
 
 check_kinds(_KINDS)
 MIXER_KINDS: KindTable = KindTable((k.name, k) for k in _KINDS)
+register_layer_kinds(MIXER_KINDS)
 
 
 def kind_of(mixer_params: Any) -> MixerKind:
