@@ -71,8 +71,10 @@ def test_kind_of_refuses_a_params_class_two_kinds_share(monkeypatch, tiny_cfg):
     twin = attrs.evolve(first, name="twin_of_" + first.name)
     monkeypatch.setitem(MIXER_KINDS, twin.name, twin)
     p = first.abstract(tiny_cfg)
-    with pytest.raises(TypeError, match="more than one layer kind.*layer_kinds"):
+    with pytest.raises(TypeError, match=f"params class of {first.name}, {twin.name}: .*layer_kinds"):
         kind_of(p)
+    with pytest.raises(TypeError, match="params class of no layer kind"):
+        kind_of(object())
 
 
 def test_count_by_kind_counts_the_main_layers(tiny_cfg):

@@ -194,11 +194,11 @@ register_layer_kinds(MIXER_KINDS)
 def kind_of(mixer_params: Any) -> MixerKind:
     """The kind whose params class ``mixer_params`` is, when exactly one kind has that class (else a ``TypeError``:
     ask the config, ``layer_kinds``, which always knows)."""
-    found = [k for k in MIXER_KINDS.values() if isinstance(mixer_params, k.params)]
+    found = [k for k in MIXER_KINDS.values() if type(mixer_params) is k.params]
     if len(found) != 1:
-        raise TypeError(f"{type(mixer_params).__name__} is the params class of "
-                        f"{'no' if not found else 'more than one'} layer kind ({', '.join(k.name for k in found)}); "
-                        "the layer's kind is its layer_types entry (layer_kinds(cfg))")
+        whose = f"of {', '.join(k.name for k in found)}" if found else f"of no layer kind ({', '.join(MIXER_KINDS)})"
+        raise TypeError(f"{type(mixer_params).__name__} is the params class {whose}: the layer's kind is its "
+                        "layer_types entry (layer_kinds(cfg))")
     return found[0]
 
 
