@@ -29,7 +29,8 @@ from q38.model_config import ModelConfig
 from q38.kernels import DEFAULT_KERNELS, GDN_CHUNK
 from q38.layers.context import LocalSeqComm, SeqInfo
 from q38.layers.gdn import gdn_core_fla, gdn_core_torch
-from q38.layers.kinds import Workload, _gdn_flops
+from q38.layers.cost import Workload
+from q38.layers.gdn_cost import gdn_flops
 from q38.layers.rope import positions_from_docs
 
 
@@ -66,7 +67,7 @@ def main():
     doc = (torch.arange(s) * args.docs // s).expand(b, s).contiguous().to(dev)
     cfg = ModelConfig.preset("tiny").replace(linear_num_key_heads=hk, linear_num_value_heads=h,
                                              linear_key_head_dim=a, linear_value_head_dim=a)
-    fl = _gdn_flops(cfg, Workload(rows=b, seq=s, gdn_chunk=GDN_CHUNK))
+    fl = gdn_flops(cfg, Workload(rows=b, seq=s, gdn_chunk=GDN_CHUNK))
     useful = 3 * (fl.terms["gdn_core"] + fl.terms["solve"])
     cores = {"fla": gdn_core_fla, "torch": gdn_core_torch}
 

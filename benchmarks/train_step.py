@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import q38  # noqa: E402
 from q38.kernels import KernelConfig, resolve_kernels  # noqa: E402
+from q38.layers.kinds import count_by_kind  # noqa: E402
 from q38.train.core.step_config import TrainConfig  # noqa: E402
 from q38.train.core.state import init_state  # noqa: E402
 from q38.train.core.step import train_step  # noqa: E402
@@ -73,9 +74,10 @@ def main():
     batch = {"input_ids": ids, "labels": ids}
     fpt = flops_per_token(cfg, args.seq)
     peak = known_peak_flops(dev, args.dtype)
-    print(f"config: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers ({cfg.num_linear_layers} GDN + "
-          f"{cfg.num_full_layers} attn), {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, {args.batch} × "
-          f"{args.seq} tokens, {dev}/{args.dtype}; {fpt / 1e9:.2f} GFLOP/token; peak {peak}")
+    kinds = ", ".join(f"{n} {name}" for name, n in count_by_kind(cfg).items() if n)
+    print(f"config: hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers ({kinds}), {cfg.num_experts} experts "
+          f"top-{cfg.num_experts_per_tok}, {args.batch} × {args.seq} tokens, {dev}/{args.dtype}; "
+          f"{fpt / 1e9:.2f} GFLOP/token; peak {peak}")
     rows = []
     tc = TrainConfig(lr=1e-4, total_steps=1000, loss_chunk_size=1024)
     state = init_state(cfg, tc, seed=0, device=dev, dtype=dtype)

@@ -63,8 +63,8 @@ def step_flops(cfg: ModelConfig, rows: int, seq: int, *, cp: int = 1, recompute:
                micro_batches: int = 1, aux_global: bool = False, causal_skip: bool = True,
                valid_targets: tuple[float, ...] | None = None, gdn_chunk: int = GDN_CHUNK) -> StepFlops:
     """FLOPs of one step over ``rows`` rows of ``seq`` local tokens (this rank's share of the step, all
-    micro-batches together). ``recompute``: ``none`` | ``full`` | ``selective_attention`` | ``selective_gdn`` |
-    ``selective_both`` (kept kernels are not recomputed). ``valid_targets``: rows' valid targets per depth (main,
+    micro-batches together). ``recompute``: a mode of ``q38.layers.kinds.recompute_modes()`` (the
+    regions a ``selective_…`` mode keeps are not recomputed). ``valid_targets``: rows' valid targets per depth (main,
     MTP 1, ...); default every token minus the shifted-out tail of each row (unpacked rows, CP rank-agnostic).
     ``gdn_chunk``: the torch GDN core's chunk length (``kernels.gdn_chunk_size``); MFU's model FLOPs
     (``train_flops_per_token``) take the accelerator one, ``GDN_CHUNK``, whatever the run uses."""

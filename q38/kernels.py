@@ -1,41 +1,7 @@
-"""Kernels are a run setting, not model identity: ``KernelConfig`` (one implementation per op), the registry of what
-every implementation needs and supports, ``auto`` resolution, and the up-front check of a run's combination.
-
-Ops: ``gdn`` (the gated delta rule core), ``causal_conv1d`` (the GDN depthwise conv), ``attention`` (the full
-attention core), ``experts`` (the routed experts' SwiGLU over slots sorted by expert), ``loss`` (the chunked LM
-loss's per-block epilogues), ``block`` (how each decoder layer runs: op by op, or compiled as one graph).
-The torch paths are the oracle and run everywhere.
-
-Each ``KernelImpl`` holds the callable that implements it (``fn``: the callable, or a ``module:attr`` path imported on
-first use, so optional packages such as flash-linear-attention load only when their implementation runs). A resolved
-``KernelConfig`` travels with the step (``TrainState.kernels`` → ``SeqInfo.kernels``); a layer calls
-``info.kernels.fn(op)(...)`` and never asks which implementation it got. What an implementation cannot do is said
-once, here (``KernelImpl`` fields and ``problem``), and checked by ``resolve_kernels``; the callables assume a
-resolved config. Their call contracts, per op:
-
-- ``gdn``: ``fn(q, k, v, g, beta, info, *, chunk_size, backward) -> o`` with ``q, k [b s hk a]`` (per key head),
-  ``v [b s h p]``, ``g, beta [b s h]``; ``chunk_size`` and ``backward`` (``custom`` | ``autograd``) steer the torch
-  core only.
-- ``causal_conv1d``: ``fn(x [b s ch], w [ch w], info, halo) -> y [b s ch]`` (no activation); ``halo``: the CP halo
-  exchange the layer started (``q38.layers.gdn.ConvHalo``), None on one device.
-- ``attention``: ``fn(q [b h s c], k [b g t c], v [b g t c], mask, scale) -> o [b h s c]`` with ``mask`` a
-  ``q38.layers.attention.AttentionMask`` (query / key token indices and doc ids: key visible iff not in the future
-  and in the query's document) or None (plain causal); each implementation builds its own form of it (a dense
-  ``[b 1 s t]`` boolean only in the ``eager``/``sdpa`` references, a block mask in ``flex``, ``cu_seqlens`` in
-  ``varlen``/``npu``).
-- ``experts``: ``fn(x_md, counts_e, we_gate_up, we_down, w_m) -> y_md`` over slots sorted by expert.
-- ``loss``: ``fn(hidden [n d], w_head [v d], targets [n], chunk, ignore_index) -> Σ CE`` (the chunked loss's sum).
-- ``block``: ``fn(apply) -> apply``: how a decoder layer's apply function (``q38.layers.block.layer_apply``) runs:
-  ``eager`` returns it as is, ``compiled`` a ``torch.compile``'d copy (one graph per layer kind; docs/kernels.md).
-
-One tuning knob rides along: ``gdn_chunk_size``, the chunk length of the torch GDN core (the result is the same
-up to rounding for any chunk; only speed and memory change). ``auto`` takes ``GDN_CHUNK`` (64, FLA's chunk and the
-one ``q38 plan`` models) except on CPU with head dims ≤ 64, where 32 is faster (``auto_gdn_chunk``).
-
-Model configs that name kernels (``gdn_implementation`` / ``causal_conv1d_implementation`` /
-``attention_implementation`` / ``gdn_chunk_size`` in a model YAML, a run config's ``model`` mapping or a checkpoint's
-``meta.json``) are accepted: ``q38.model_config.legacy_kernel_keys`` maps the keys onto ``kernels`` with a note, never onto
-model identity.
+"""Kernels are a run setting, not model identity: ``KernelConfig`` (one implementation per op), ``REGISTRY`` (what
+every implementation needs and supports, each op's portable ``fallback`` marked), ``auto`` resolution and the
+up-front check of a run's combination. A layer calls ``info.kernels.fn(op)(...)`` on a resolved config and never
+asks which implementation it got. Each op's call contract and the registry's rules: docs/kernels.md#the-registry.
 """
 
 from __future__ import annotations
@@ -55,12 +21,7 @@ GDN_CHUNK = 64  # the torch GDN core's chunk on accelerators (FLA's), and the on
 
 def auto_gdn_chunk(device: str, key_head_dim: int | None = None, value_head_dim: int | None = None) -> int:
     """The torch GDN core's chunk length for ``auto``: ``GDN_CHUNK`` except on CPU with head dims ≤ 64 (not known:
-    ``GDN_CHUNK``).
-
-    Per chunk the core does ``C²(a + p)`` intra-chunk work and ``C·a·p`` state work, so the best chunk grows with the
-    head dims. On CPU (2 cores, fp32) the ``[C, C]`` factors are memory-bound: at a = p = 64, C = 32 runs the
-    default benchmark model 2-5 % faster than 64 (benchmarks/README.md); at a = p = 128 C = 64 is as fast or
-    faster (the core alone)."""
+    ``GDN_CHUNK``), where 32 is faster (docs/kernels.md#the-registry)."""
     if str(device).split(":")[0] == "cpu" and key_head_dim is not None and max(key_head_dim, value_head_dim) <= 64:
         return 32
     return GDN_CHUNK
@@ -162,6 +123,10 @@ class KernelImpl:
     fn: Callable | str | None = None
     # (module, what provides it): the optional package the callable imports
     requires: tuple[str, str] | None = None
+    # the op's portable path: exactly one per op, runs wherever any of the op's implementations runs, supports CP,
+    # packed rows and backward and needs no optional package (checked by ``check_registry``); what a run is told to
+    # name when another implementation cannot load, and what ``DEFAULT_KERNELS`` runs
+    fallback: bool = False
 
     def load(self, op: str, name: str) -> Callable:
         """The callable ``fn`` names, its module and ``requires`` imported now if they were not (an ``ImportError``
@@ -172,7 +137,7 @@ class KernelImpl:
             try:
                 importlib.import_module(self.requires[0])
             except ImportError as e:
-                portable = list(REGISTRY[op])[-1]
+                portable = fallback(op)
                 raise ImportError(f"kernels.{op}: {name} needs {self.requires[1]}; set kernels.{op}: {portable} to "
                                   "use the reference path") from e
         if callable(self.fn):
@@ -181,7 +146,8 @@ class KernelImpl:
         return getattr(importlib.import_module(module), attr)
 
 
-# Per op: implementations in ``auto`` preference order (fastest first); the last is the portable torch path.
+# Per op: implementations in ``auto`` preference order (fastest first); the one with ``fallback=True`` is the
+# portable torch path.
 REGISTRY: dict[str, dict[str, KernelImpl]] = {
     "gdn": {
         "fla": KernelImpl(devices=("cuda",), cp=True, packed=True, backward=True, problem=_fla_problem,
@@ -191,7 +157,7 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
                           requires=("fla", "flash-linear-attention (pip install 'q38[cuda]') and a CUDA device")),
         "npu": KernelImpl(devices=("npu",), cp=False, packed=False, backward=False,
                           problem=lambda: "MindSpeed's Ascend GDN kernels are not wired into q38 yet"),
-        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True, fallback=True,
                             note="chunked WY form with its own backward (docs/gdn_backward.md)",
                             fn="q38.layers.gdn:gdn_core_torch"),
     },
@@ -203,7 +169,7 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
                                                       "CUDA device")),
         "npu": KernelImpl(devices=("npu",), cp=False, packed=False, backward=False,
                           problem=lambda: "torch_npu's causal conv kernel is not wired into q38 yet"),
-        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True, fallback=True,
                             fn="q38.layers.gdn:conv_torch"),
     },
     "attention": {
@@ -228,7 +194,7 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
                                "document (CP: local queries against their documents' gathered keys)",
                           fn="q38.layers.attention:npu_attention",
                           requires=("torch_npu", "torch_npu (Ascend) and an NPU device")),
-        "sdpa": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+        "sdpa": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True, fallback=True,
                            note="F.scaled_dot_product_attention (a dense boolean [b 1 s t] mask for packed rows / CP: the "
                                 "reference; causal without a mask: the flash kernel)",
                            fn="q38.layers.attention:sdpa_attention"),
@@ -242,6 +208,7 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
                                  note="F.grouped_mm over the slots sorted by expert: no padding, no per-expert Python",
                                  fn="q38.layers.moe:swiglu_grouped_mm"),
         "batched": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+                              fallback=True,
                               note="slots scattered into [experts, capacity, d] and one padded bmm per projection",
                               fn="q38.layers.moe:swiglu_batched"),
     },
@@ -252,7 +219,7 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
                                     "custom op); one device, no expert parallelism yet; auto does not pick it until a "
                                     "device run measures it faster (benchmarks/gpu.sh)",
                                fn="q38.layers.block:compiled_block"),
-        "eager": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+        "eager": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True, fallback=True,
                             note="the layer's ops run one by one", fn="q38.layers.block:eager_block"),
     },
     "loss": {
@@ -262,11 +229,42 @@ REGISTRY: dict[str, dict[str, KernelImpl]] = {
                                     "backward instead of five and four; auto does not pick it until a device run "
                                     "measures it faster (benchmarks/gpu.sh)",
                                fn="q38.train.core.loss:chunked_loss_sum_compiled"),
-        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True,
+        "torch": KernelImpl(devices=("cpu", "cuda", "npu", "meta"), cp=True, packed=True, backward=True, fallback=True,
                             note="eager passes over fp32 copies of each logits block",
                             fn="q38.train.core.loss:chunked_loss_sum_eager"),
     },
 }
+
+
+def check_registry(registry: Mapping[str, Mapping[str, KernelImpl]]) -> None:
+    """The registry's rules, checked when it is built: every op of ``OPS`` has implementations, exactly one of them
+    marked ``fallback``, and that one is portable (it runs on every device any implementation of the op runs on,
+    supports CP, packed rows and backward, is picked by ``auto`` without conditions and imports no optional
+    package)."""
+    if set(registry) != set(OPS):
+        raise ValueError(f"kernel registry ops {sorted(registry)} differ from OPS {sorted(OPS)}")
+    for op, impls in registry.items():
+        marked = [n for n, i in impls.items() if i.fallback]
+        if len(marked) != 1:
+            raise ValueError(f"kernels.{op}: {len(marked)} implementations marked fallback=True ({marked}); mark "
+                             "exactly one, the portable torch path")
+        i = impls[marked[0]]
+        devices = {d for j in impls.values() for d in j.devices}
+        lacks = [what for what, ok in (
+            (f"devices {sorted(devices - set(i.devices))}", devices <= set(i.devices)), ("cp", i.cp),
+            ("packed rows", i.packed), ("backward", i.backward and not i.no_backward),
+            ("every dtype", not i.dtypes), ("auto without conditions", i.auto and i.auto_if is None),
+            ("no optional package", i.requires is None and i.fn is not None)) if not ok]
+        if lacks:
+            raise ValueError(f"kernels.{op}: fallback {marked[0]} is not portable: it lacks {', '.join(lacks)}")
+
+
+def fallback(op: str) -> str:
+    """The name of ``op``'s portable implementation (its ``fallback`` entry)."""
+    return next(n for n, i in REGISTRY[op].items() if i.fallback)
+
+
+check_registry(REGISTRY)
 
 
 def _check_choice(op: str, value: str) -> None:
@@ -314,7 +312,7 @@ class KernelConfig:
         return all(getattr(self, op) != "auto" for op in (*OPS, "gdn_chunk_size"))
 
     def fn(self, op: str) -> Callable:
-        """The callable of ``op``'s chosen implementation (its contract: the module docstring). Needs a resolved
+        """The callable of ``op``'s chosen implementation (its contract: docs/kernels.md#the-registry). Needs a resolved
         choice (``resolve_kernels``), which has also checked that the implementation serves the run."""
         name = getattr(self, op)
         if name == "auto":
@@ -469,7 +467,6 @@ def describe_kernels(
     return "kernels: " + ", ".join(parts)
 
 
-# the paths that run everywhere (torch GDN and conv, ``sdpa`` attention, ``batched`` experts, the eager loss; GDN
-# chunks of ``GDN_CHUNK``): what a layer runs when its caller passes no kernels
-DEFAULT_KERNELS = KernelConfig(gdn="torch", causal_conv1d="torch", attention="sdpa", experts="batched", loss="torch",
-                               block="eager", gdn_chunk_size=GDN_CHUNK)
+# every op's fallback (the paths that run everywhere; GDN chunks of ``GDN_CHUNK``): what a layer runs when its caller
+# passes no kernels
+DEFAULT_KERNELS = KernelConfig(**{op: fallback(op) for op in OPS}, gdn_chunk_size=GDN_CHUNK)

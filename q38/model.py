@@ -15,7 +15,7 @@ from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.layers.block import abstract_layer, layer_apply
 from q38.layers.common import ParamInfo, materialize
 from q38.layers.context import SeqInfo, seq_info
-from q38.layers.kinds import MTP_LAYER_TYPE
+from q38.layers.kinds import MIXER_KINDS, MTP_LAYER_TYPE
 from q38.layers.moe import ExpertDispatch
 from q38.layers.norm import rms_norm
 from q38.pytree import named_leaves, pytree_node, tree_map_with_path
@@ -103,9 +103,10 @@ def generic_path(path: str) -> str:
 @functools.lru_cache(maxsize=1)
 def declared_params() -> dict[str, ParamInfo]:
     """Every kind of parameter the layers declare, keyed by :func:`generic_path`: its logical axes and FSDP dim
-    (shapes are those of a small model with every layer kind, MTP and an untied head; only the axes are used).
-    This is how a layout places tensors that carry no ``ParamInfo`` (e.g. a live parameter tree)."""
-    cfg = attrs.evolve(ModelConfig.preset("tiny"), tie_word_embeddings=False, mtp_num_layers=1)
+    (shapes are those of a small model with one layer of every kind of the table, MTP and an untied head; only the
+    axes are used). This is how a layout places tensors that carry no ``ParamInfo`` (e.g. a live parameter tree)."""
+    cfg = attrs.evolve(ModelConfig.preset("tiny"), tie_word_embeddings=False, mtp_num_layers=1,
+                       num_hidden_layers=len(MIXER_KINDS), layer_types=tuple(MIXER_KINDS))
     leaves = named_leaves(abstract_params(cfg), is_leaf=is_param_info)
     return {generic_path(p): info for p, info in leaves}
 
@@ -153,11 +154,11 @@ def shift_tokens(
     return out
 
 
-def _run_layer(hooks: LayerHooks, p, x, cfg, info, router_bias=None, recomputed_next=None):
+def _run_layer(hooks: LayerHooks, p, x, cfg, info, router_bias=None, recomputed_next=None, kind=None):
     """One layer through the hooks. ``recomputed_next``: the params of the layer backward recomputes after this
-    one (the one before it in forward; None for the first layer)."""
+    one (the one before it in forward; None for the first layer). ``kind``: its ``layer_types`` entry."""
     apply = info.kernels.fn("block")(layer_apply)  # kernels.block: the layer eager or compiled
-    fn = lambda p_, x_: apply(hooks.gather(p_), x_, cfg, info, hooks.dispatch, router_bias)  # noqa: E731
+    fn = lambda p_, x_: apply(hooks.gather(p_), x_, cfg, info, hooks.dispatch, router_bias, kind)  # noqa: E731
     if hooks.wrap_layer is None:
         return fn(p, x)
     if hooks.prefetch is None:
@@ -218,7 +219,7 @@ def forward(
         if hooks.prefetch is not None and torch.is_grad_enabled() and i < len(upcoming):
             hooks.prefetch(upcoming[i])
         x, rl = _run_layer(hooks, lp, x, config, info, None if router_bias is None else router_bias[i],
-                           params.layers[i - 1] if i > 0 else None)
+                           params.layers[i - 1] if i > 0 else None, config.layer_types[i])
         router_logits.append(rl)
     hidden = rms_norm(x, hooks.gather(params.final_norm), config.rms_norm_eps)
 
@@ -242,7 +243,7 @@ def forward(
             bias = None if router_bias is None else router_bias[len(params.layers) + depth - 1]
             # backward recomputes it next
             before = mp.layers[mtp_layer_index(config, depth - 1)] if depth > 1 else params.layers[-1]
-            h, rl = _run_layer(hooks, lp, h, config, info, bias, before)
+            h, rl = _run_layer(hooks, lp, h, config, info, bias, before, MTP_LAYER_TYPE)
             router_logits.append(rl)
             h_prev = rms_norm(h, norm, config.rms_norm_eps)
             mtp_hidden.append(h_prev)

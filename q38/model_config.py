@@ -37,10 +37,18 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "qwen3_8_moe": ModelFamily(name="qwen3_8_moe", checkpoint_layout="qwen3_5_moe", prefix="model.language_model."),
 }
 
-# The mixer kinds a layer may be: the names of q38.layers.kinds.MIXER_KINDS, which holds one record per name (that
-# module checks the two agree when it is imported; this module cannot import it: the layers import this one).
-LAYER_TYPES = ("linear_attention", "full_attention")
 MTP_DEPTH_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp_num_layers")
+
+# The layer-kind table (q38.layers.kinds.MIXER_KINDS) whose names ``layer_types`` entries may take. The table
+# registers itself here when it is imported, which importing q38 does; this module cannot import it (the layers
+# import this module).
+_layer_kinds: Mapping[str, Any] | None = None
+
+
+def register_layer_kinds(table: Mapping[str, Any]) -> None:
+    """Check ``layer_types`` against ``table`` (a live mapping: a kind added to it later is accepted too)."""
+    global _layer_kinds
+    _layer_kinds = table
 
 
 # legacy ModelConfig field → KernelConfig field (q38.kernels)
@@ -177,9 +185,12 @@ class ModelConfig:
             f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}; "
             "give one entry per layer or drop layer_types to use the 3:1 default",
         )
-
-        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
-        need(not bad, f"layer_types entries must be one of {LAYER_TYPES}; got {sorted(set(bad))}")
+        if _layer_kinds is None:
+            raise RuntimeError("the layer-kind table is not loaded: import q38 (it loads q38.layers.kinds) before "
+                               "building a ModelConfig")
+        bad = [t for t in self.layer_types if t not in _layer_kinds]
+        need(not bad, f"layer_types entries must be one of {tuple(_layer_kinds)}; got {sorted(set(bad))} (a new "
+                      "kind is a record in q38/layers/kinds.py: docs/extending.md#add-a-layer-kind)")
         need(
             self.num_experts_per_tok <= self.num_experts,
             f"num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts ({self.num_experts})",
@@ -230,14 +241,6 @@ class ModelConfig:
     def mtp_layers_stored(self) -> int:
         """MTP decoder layers the model holds: one when shared by every depth, else one per depth."""
         return min(1, self.mtp_num_layers) if self.mtp_shared_layer else self.mtp_num_layers
-
-    @property
-    def num_full_layers(self) -> int:
-        return sum(t == "full_attention" for t in self.layer_types)
-
-    @property
-    def num_linear_layers(self) -> int:
-        return self.num_hidden_layers - self.num_full_layers
 
     # ---- constructors -------------------------------------------------------------------------------
     def replace(self, **changes: Any) -> "ModelConfig":

@@ -20,7 +20,7 @@ def test_presets_load_and_name_their_family():
     assert {"tiny", "qwen3_5_35b_a3b", "qwen3_5_397b_a17b", "qwen3_8_2_4t"} <= set(names)
     big = ModelConfig.preset("qwen3_8_2_4t")
     assert big.model_type == "qwen3_8_moe" and big.hidden_size == 8192 and big.num_hidden_layers == 92
-    assert big.num_full_layers == 23 and big.mtp_num_layers == 1
+    assert big.layer_types.count("full_attention") == 23 and big.mtp_num_layers == 1
     assert ModelConfig.preset("qwen3_5_397b_a17b").num_experts == 512
 
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from q38 import ModelConfig, abstract_params, count_params, init_params
+from q38.layers.kinds import count_by_kind
 from q38.model import is_param_info
 from q38.cli import plan_cli
 from q38.parallel import Layout, LayoutError, format_plan, plan
@@ -367,7 +368,7 @@ def _expected_rank0_numel_2_4t(c: ModelConfig) -> tuple[int, int]:
     moe = (c.num_experts * d + 3 * c.shared_expert_intermediate_size * d + d) // W
     moe += (c.num_experts // 32) * 3 * (c.moe_intermediate_size // 32) * d
     layer = 2 * d + moe
-    n_full, n_lin = c.num_full_layers, c.num_linear_layers
+    n_full, n_lin = count_by_kind(c)["full_attention"], count_by_kind(c)["linear_attention"]
     body = n_full * attn + n_lin * gdn + c.num_hidden_layers * layer + d
     mtp = 3 * d + 2 * d * d // W + c.mtp_num_layers * (attn + layer)
     full = 2 * vocab_rows * d + body + mtp

@@ -25,7 +25,7 @@ SMALL = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_ke
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
              num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64, shared_expert_intermediate_size=96)
 # "wide": the small preset with the 2.4T model's GDN head dims (128), where the GDN backward's per-token column
-# blocks outweigh its in-chunk matrices (kinds.gdn_backward_working)
+# blocks outweigh its in-chunk matrices (gdn_cost.gdn_backward_working)
 WIDE = dict(SMALL, linear_key_head_dim=128, linear_value_head_dim=128)
 ROWS, SEQ = 8, 128
 
@@ -120,7 +120,7 @@ def test_gdn_backward_working_set_matches_a_measurement(rows, seq, heads, a, p, 
     (tests/mem_utils.py), measured on the custom autograd function alone; within 2 % (3 % with r = 2 value heads
     per key head, where the formula keeps the r = 1 peak's shape)."""
     from q38.layers.gdn import gated_delta_rule_chunked
-    from q38.layers.kinds import gdn_backward_working
+    from q38.layers.gdn_cost import gdn_backward_working
     from tests.mem_utils import PeakMemory
 
     cfg = ModelConfig.preset("tiny").replace(linear_num_value_heads=heads, linear_num_key_heads=heads // r,

@@ -25,7 +25,7 @@ MixerParams = Union[tuple(k.params for k in MIXER_KINDS.values())]  # noqa: UP00
 @attrs.frozen
 class LayerParams:
     attn_norm: Tensor  # [d] input_layernorm (zero-centred)
-    mixer: MixerParams  # the params of the layer type's mixer kind (full attention or Gated DeltaNet)
+    mixer: MixerParams  # the params of the layer's mixer kind (its layer_types entry)
     mlp_norm: Tensor  # [d] post_attention_layernorm
     moe: MoEParams
 
@@ -47,11 +47,13 @@ def layer_apply(
     info: SeqInfo,
     dispatch: ExpertDispatch | None = None,
     router_bias: Float[Tensor, " e"] | None = None,
+    kind: str | None = None,
 ) -> tuple[Float[Tensor, "b s d"], Float[Tensor, "n e"]]:
     """``x + mixer(norm(x))``, then ``x + moe(norm(x))``; returns the router logits too. ``router_bias``: the MoE
-    layer's expert-selection bias (aux-loss-free balancing), or None."""
+    layer's expert-selection bias (aux-loss-free balancing), or None. ``kind``: the layer's ``layer_types`` entry
+    (the model passes it; None: the one kind whose params class ``p.mixer`` is, ``kind_of``)."""
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
-    kind = kind_of(p.mixer)
+    kind = kind_of(p.mixer) if kind is None else MIXER_KINDS[kind]
     with record_function(f"q38.{kind.name}"):  # phase names in a profiler trace (run.profile)
         x = x + kind.apply(p.mixer, h, cfg, info)
     with record_function("q38.moe"):
@@ -79,13 +81,13 @@ def compiled_block(apply: Callable) -> Callable:
     if run is None:
         compiled = torch.compile(apply, fullgraph=True)
 
-        def run(p, x, cfg, info, dispatch=None, router_bias=None):
+        def run(p, x, cfg, info, dispatch=None, router_bias=None, kind=None):
             if dispatch is not None or not info.comm.is_local:
                 raise NotImplementedError("kernels.block: compiled runs on one device without expert parallelism "
                                           "(no cp / ep mesh dims) for now; set kernels.block: eager")
             for op in OPS:
                 info.kernels.fn(op)
-            return compiled(p, x, cfg, info, dispatch, router_bias)
+            return compiled(p, x, cfg, info, dispatch, router_bias, kind)
 
         _COMPILED[apply] = run
     return run

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from q38.model_config import ConfigError, ModelConfig
 from q38.flops import StepFlops, step_flops
 from q38.kernels import GDN_CHUNK
-from q38.layers.kinds import MIXER_KINDS, RECOMPUTE_MODES, layer_kinds
+from q38.layers.kinds import RECOMPUTE_MODES, flagged_regions, layer_kinds, selective_mode
 from q38.parallel.layout import Layout
 from q38.parallel.efficiency import DEFAULT_DOC_LEN, OpTime, attention_factor
 from q38.parallel.param_stats import Item, ParamStats, param_stats
@@ -35,16 +35,7 @@ __all__ = [
 
 def recompute_mode(train: Mapping[str, Any]) -> str:
     """The recompute mode of a run config's ``train`` settings (the YAML mapping or ``TrainConfig.to_dict()``)."""
-    if not train.get("recompute"):
-        return "none"
-    kept = [k.region for k in MIXER_KINDS.values() if train.get(k.keep_flag)]
-    if not kept:
-        return "full"
-    if len(kept) == len(MIXER_KINDS):
-        return "selective_both"
-    if len(kept) == 1:
-        return f"selective_{kept[0]}"
-    raise ConfigError(f"no recompute mode keeps exactly the regions {kept}; keep one of them or all")
+    return selective_mode(flagged_regions(train)) if train.get("recompute") else "none"
 
 
 def estimate(

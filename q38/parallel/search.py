@@ -240,10 +240,10 @@ def write_best(c: Candidate, out_dir: str | Path, model: str, seq_len: int,
 
 def format_search(cands: list[Candidate], cap: float | int, shipped: Budget | None, top: int = 10) -> str:
     lines = [f"{len(cands)} layouts fit {cap / GIB:,.1f} GiB per device; fastest first",
-             f"  {'mesh':<28} {'mb':>3} {'recompute':<20} {'peak GiB':>9} {'step s':>8} {'tok/s':>12} {'MFU':>6}  bound"]
+             f"  {'mesh':<28} {'mb':>3} {'recompute':<24} {'peak GiB':>9} {'step s':>8} {'tok/s':>12} {'MFU':>6}  bound"]
 
     def row(mesh: str, b: Budget) -> str:
-        return (f"  {mesh:<28} {b.micro_batches:>3} {b.recompute:<20} {b.peak_bytes / GIB:>9.1f} {b.step_s:>8.2f} "
+        return (f"  {mesh:<28} {b.micro_batches:>3} {b.recompute:<24} {b.peak_bytes / GIB:>9.1f} {b.step_s:>8.2f} "
                 f"{b.tokens_per_s:>12,.0f} {100 * (b.mfu or 0):>5.1f}%  {b.bound}")
 
     for c in cands[:top]:

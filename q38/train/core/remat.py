@@ -6,15 +6,15 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from q38.layers.kinds import MIXER_KINDS
+from q38.layers.kinds import flagged_regions
 from q38.train.core.step_config import TrainConfig
 
 
 class KernelRegions:
-    """The hot-kernel region the running layer is in (``attention``, ``gdn`` or None), one per step: the layers
-    enter ``enter(name)`` (given to them as ``SeqInfo.region``) around their hot kernel, and the selective recompute
-    policy keeps the outputs of the ops inside a kept region. Forward and the recompute in backward run one after
-    the other, never at once, so one record serves both."""
+    """The hot-kernel region the running layer is in (a region name of the kind table, ``q38.layers.kinds``, or
+    None), one per step: the layers enter ``enter(name)`` (given to them as ``SeqInfo.region``) around their hot
+    kernel, and the selective recompute policy keeps the outputs of the ops inside a kept region. Forward and the
+    recompute in backward run one after the other, never at once, so one record serves both."""
 
     def __init__(self) -> None:
         self.current: str | None = None
@@ -58,7 +58,7 @@ def layer_wrapper(tc: TrainConfig, saved_hooks=None, regions: KernelRegions | No
     every tensor saved for backward lives in host memory until it is needed. ``saved_hooks`` (a context factory,
     used without recompute): the FSDP reshard-after-forward hooks of the mesh runtime. ``regions``: the step's
     ``KernelRegions``, whose ``enter`` the layers' ``SeqInfo.region`` must be (needed for selective recompute)."""
-    keep = frozenset(k.region for k in MIXER_KINDS.values() if getattr(tc, k.keep_flag))
+    keep = flagged_regions(tc)
 
     if keep and regions is None:
         raise ValueError("selective recompute (skip_*_recompute) needs the step's KernelRegions (regions=)")

@@ -141,18 +141,22 @@ class TrainConfig:
         return d
 
 
+def _keep_flag_kinds() -> list:
+    """One layer kind per selective-recompute keep flag (the kind table's, ``q38.layers.kinds``)."""
+    from q38.layers.kinds import MIXER_KINDS
+
+    return list({k.keep_flag: k for k in MIXER_KINDS.values()}.values())
+
+
 def validate_train_config(t: TrainConfig) -> None:
     """Rules between fields (each field's own type and range is checked by its validator). Each message names the
     options involved and the fix."""
     rules = (
         (0 <= t.warmup_steps <= t.total_steps,
          f"warmup_steps ({t.warmup_steps}) must be between 0 and total_steps ({t.total_steps})"),
-        (not (t.skip_flash_attn_recompute and not t.recompute),
-         "skip_flash_attn_recompute: true needs recompute: true (it keeps the attention kernel's output during "
-         "activation recompute); set recompute: true or drop skip_flash_attn_recompute"),
-        (not (t.skip_gdn_recompute and not t.recompute),
-         "skip_gdn_recompute: true needs recompute: true (it keeps the GDN kernel's output during activation "
-         "recompute); set recompute: true or drop skip_gdn_recompute"),
+        *((not (getattr(t, k.keep_flag) and not t.recompute),
+           f"{k.keep_flag}: true needs recompute: true (it keeps the {k.region} kernel's output during activation "
+           f"recompute); set recompute: true or drop {k.keep_flag}") for k in _keep_flag_kinds()),
         (not t.dynamic_chunk_loss or t.loss_chunk_budget_bytes is not None,
          "dynamic_chunk_loss: true needs loss_chunk_budget_bytes (the memory budget for one chunk's logits), "
          "e.g. loss_chunk_budget_bytes: 268435456"),
