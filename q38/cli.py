@@ -176,7 +176,8 @@ def plan_cli(args: list[str]) -> int:
         if ns.train:  # the whole run config is checked as `q38 train` checks it; the plan reads its data/train settings
             from q38.train.run.run_config import RunConfig
 
-            RunConfig.from_yaml(ns.train)
+            model = str(Path(ns.model).resolve()) if Path(ns.model).exists() else ns.model
+            RunConfig.from_yaml(ns.train, overrides={"model": model})  # --model is the plan's model
         with reading("--model", ns.model):
             cfg = load_model_config(ns.model)
         prec = query_precision(query)  # the one dtype story of every section below
