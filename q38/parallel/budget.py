@@ -770,6 +770,8 @@ def estimate(
         comm_ps, reduced = lora_budget.scaled_gathers(ls, act), ls.adapters
     fl = step_flops(cfg, rows_per_rank, st.seq, cp=cp, recompute=recompute, micro_batches=micro_batches,
                     gdn_chunk=gdn_chunk, aux_global=aux_global, causal_skip=True)
+    if ls is not None:  # no weight gradient for the frozen weights without an adapter; the merges added
+        fl = lora_budget.lora_flops(fl, cfg, peft, rows_per_rank * st.seq, micro_batches, recompute)
     hw = hardware
     peak = hw.peak(param_dtype) if hw else None
     ops: tuple[OpTime, ...] = ()

@@ -589,7 +589,8 @@ class Layout:
                     f"({axes[e.dims[0]]}) and dim {e.dims[1]} ({axes[e.dims[1]]})")
                 continue
             cspec = logical_to_spec(axes, compute_map, (), None, order)
-            is_uneven = any(rx.match(path) for rx in uneven_res)
+            # block-FP8 scales (q38.fp8.Fp8Weight): a weight's grid of 128 x 128 blocks need not split evenly
+            is_uneven = any(rx.match(path) for rx in uneven_res) or path.endswith(".scale_inv")
             ok = True
             for i, dims in enumerate(spec):
                 k = math.prod(sizes[m] for m in dims)

@@ -415,8 +415,6 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     kw = budget_kwargs({**train, "param_dtype": q.param_dtype or train.get("param_dtype") or "bf16",
                         "reduce_dtype": q.reduce_dtype or train.get("reduce_dtype") or "fp32"}, gdn=gdn, chunk=chunk)
     kw["peft"] = planned_peft(raw.get("peft"), q.lora_rank, q.lora_base_dtype, src)
-    if kw["peft"] is not None and kw["peft"].base_dtype == "fp8":
-        print("note: peft.base_dtype fp8 is priced here; the trainer does not run an FP8 base yet", file=sys.stderr)
     kw["doc_len"] = q.doc_len or DEFAULT_DOC_LEN
     shipped = fallback = None
     global_batch = q.global_batch

@@ -1,0 +1,309 @@
+"""A LoRA run over a frozen block-FP8 base (``peft.base_dtype: fp8``; q38.fp8.Fp8Weight): step 0 is the base model
+as an independent dequantizer reads the stored bits and scales; a block-FP8 checkpoint's bytes are kept as
+released; only adapters train; a mesh equals one process; the base costs one byte a value plus its scales on each
+rank; the plan prices it."""
+
+import math
+
+import pytest
+import torch
+
+from q38.fp8 import FP8_MAX, Fp8Format, Fp8Weight, default_quantized
+from q38.layers.common import materialize
+from q38.lora import PeftConfig, build_fp8_base, is_adapter_path, merged_params
+from q38.model import declared_info, init_params, logits
+from q38.model_config import ModelConfig
+from q38.parallel.layout import Layout
+from q38.pytree import named_leaves, tree_map_with_path
+from q38.train.core.state import state_from_params
+from q38.train.core.step import loss_and_grads, train_step
+from q38.train.core.step_config import TrainConfig
+from q38.train.io.peft import fp8_base, lora_state
+from tests.dist_utils import run_distributed
+
+BLOCK = (16, 16)  # small blocks, so the tiny model's matrices hold several (and partial ones: 4 x 64 gates are not)
+PEFT = PeftConfig(rank=4, alpha=8, mtp=True, base_dtype="fp8")
+
+
+def _cfg():
+    return ModelConfig.preset("tiny").replace(initializer_range=0.1, mtp_num_layers=1)
+
+
+def _batch(seed=0, b=4, s=32):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 384, (b, s), generator=g)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    doc = torch.zeros(b, s, dtype=torch.long)
+    doc[:, 10:] = 1
+    return {"input_ids": ids, "labels": labels, "doc_ids": doc}
+
+
+def _region(seed=0):
+    return lambda path, info, index: materialize(info, path, seed=seed, dtype=torch.float32, index=index)
+
+
+def _fp8_state(tc, *, mesh=None, block=BLOCK, peft=PEFT, nonzero_b=False):
+    cfg = _cfg()
+    base = build_fp8_base(cfg, region=_region(), quantized=default_quantized, block=block,
+                          dtype=tc.torch_param_dtype, mesh=mesh)
+    state = lora_state(base, cfg, tc, peft, seed=0, mesh=mesh)
+    if nonzero_b:
+        import attrs
+
+        from q38.layers.common import leaf_generator
+
+        def perturb(path, t):
+            if not path.endswith(("lora_b", "shared_b")):
+                return t
+            full = torch.randn(t.shape, generator=leaf_generator(1, path)) * 0.05
+            if hasattr(t, "to_local"):
+                from torch.distributed.tensor import DTensor, distribute_tensor
+
+                assert isinstance(t, DTensor)
+                return distribute_tensor(full, t.device_mesh, t.placements)
+            return full
+        state = attrs.evolve(state, params=tree_map_with_path(perturb, state.params))
+    return state
+
+
+def _dequantize_reference(bits: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    """Written from the format: ``W[r, c] = float(e4m3(q[r, c])) * scale_inv[r // bo, c // bi]``, one block at a
+    time (not q38's vectorised dequantizer)."""
+    bo, bi = block
+    q = bits.view(torch.float8_e4m3fn).to(torch.float32)
+    out = torch.empty_like(q)
+    *lead, o, i = q.shape
+    for e in range(math.prod(lead)):
+        qe, se, oe = q.reshape(-1, o, i)[e], scale.reshape(-1, *scale.shape[-2:])[e], out.reshape(-1, o, i)[e]
+        for r in range(0, o, bo):
+            for c in range(0, i, bi):
+                oe[r:r + bo, c:c + bi] = qe[r:r + bo, c:c + bi] * se[r // bo, c // bi]
+    return out
+
+
+def _fp8_leaves(params):
+    """``{weight path: Fp8Weight}`` of a tree (under an adapter or not)."""
+    out = {}
+    tree_map_with_path(lambda p, x: out.__setitem__(p.removesuffix(".base"), x) if isinstance(x, Fp8Weight) else x,
+                       params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+    return out
+
+
+def test_fp8_base_step0_is_the_dequantized_base_model():
+    """Every projection the release quantizes is held as e4m3 bits + fp32 block scales (amax / 448, checked here);
+    step 0's loss, MTP loss and logits equal those of the base model whose weights are this test's own block-by-block
+    dequantization of the stored bits (fp32 compute: bit for bit), and that dequantization is within e4m3's
+    rounding (2^-4 relative, plus a subnormal step) of the fp32 base."""
+    cfg, tc = _cfg(), TrainConfig(loss_chunk_size=16)
+    state = _fp8_state(tc)
+    fp8 = _fp8_leaves(state.params)
+    assert fp8 and set(fp8) == {n for n, _ in named_leaves(init_params(cfg, seed=0, device="meta"))
+                                if default_quantized(n)}
+    base = dict(named_leaves(init_params(cfg, seed=0)))
+    ref = {}
+    for path, w in fp8.items():
+        assert w.bits.dtype == torch.uint8 and w.scale_inv.dtype == torch.float32 and w.block == BLOCK
+        full = base[path]
+        *lead, o, i = full.shape
+        go, gi = -(-o // 16), -(-i // 16)
+        assert tuple(w.scale_inv.shape) == (*lead, go, gi)
+        pad = torch.zeros(*lead, go * 16, gi * 16)
+        pad[..., :o, :i] = full
+        amax = pad.reshape(*lead, go, 16, gi, 16).abs().amax(dim=(-3, -1))
+        assert torch.equal(w.scale_inv, amax / FP8_MAX), path
+        ref[path] = _dequantize_reference(w.bits, w.scale_inv, BLOCK)
+        step = w.scale_inv.repeat_interleave(16, -2)[..., :o, :].repeat_interleave(16, -1)[..., :i] * 2.0 ** -9
+        assert ((ref[path] - full).abs() <= full.abs() * 2.0 ** -4 + step).all(), path
+    ref_params = tree_map_with_path(lambda p, t: ref.get(p, t), init_params(cfg, seed=0))
+    r0 = loss_and_grads(state_from_params(ref_params, cfg, tc), _batch())
+    r = loss_and_grads(state, _batch())
+    assert float(r.loss) == float(r0.loss) and float(r.mtp_losses[0]) == float(r0.mtp_losses[0])
+    merged = merged_params(state.params)
+    for (n, m), (_, w0) in zip(named_leaves(merged), named_leaves(ref_params)):
+        assert torch.equal(m, w0), n
+    ids = _batch()["input_ids"]
+    assert torch.equal(logits(merged, ids, cfg), logits(ref_params, ids, cfg))
+
+
+def test_fp8_base_only_adapters_train_and_hold_state():
+    """bf16 policy, two steps: only adapter matrices change; moments exist for them only; the base's bits (uint8)
+    and scales (fp32) and its other frozen leaves (bf16) are untouched."""
+    tc = TrainConfig(loss_chunk_size=16, lr=1e-2, param_dtype="bfloat16")
+    s0 = _fp8_state(tc)
+    s = s0
+    for i in range(2):  # (step 1 moves B only: A's gradient is zero while B is)
+        s, m = train_step(s, _batch(seed=i, b=2, s=16))
+        assert torch.isfinite(m.loss)
+    before, after = dict(named_leaves(s0.params)), dict(named_leaves(s.params))
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    adapters = {n for n in before if is_adapter_path(n)}
+    assert changed == adapters
+    assert {n for n, _ in named_leaves(s.exp_avg)} == adapters == {n for n, _ in named_leaves(s.exp_avg_sq)}
+    for n, t in before.items():
+        want = (torch.float32 if n in adapters or n.endswith(".scale_inv") else
+                torch.uint8 if n.endswith(".bits") else torch.bfloat16)
+        assert t.dtype == want, n
+
+
+def test_fp8_checkpoint_keeps_its_bytes(tmp_path):
+    """A block-FP8 Hugging Face checkpoint (written by q38 in the released layout, 16 x 16 blocks; fused main-layer
+    experts, per-expert MTP experts) read as an FP8 base: every quantized leaf's bits and scales are the file's
+    (read here with safetensors), so the base is bit-exact to the release, in the checkpoint's block size."""
+    from safetensors import safe_open
+
+    from q38.hf import fp8_dtypes, open_hf, save_hf
+
+    cfg = _cfg()
+    out = save_hf(tmp_path / "hf", cfg, init_params(cfg, seed=0), dtypes=fp8_dtypes(lambda q: torch.float32),
+                  fp8=Fp8Format(block=BLOCK))
+    src = open_hf(out)
+    base = fp8_base(cfg, str(out), seed=0, dtype=torch.float32)
+    fp8 = _fp8_leaves(base)
+    assert set(fp8) == {n for n in src.leaf_rules() if default_quantized(n)}
+    files = {}
+
+    def tensor(key):
+        f = src.index[key]
+        if f not in files:
+            files[f] = safe_open(str(out / f), framework="pt")
+        return files[f].get_tensor(key)
+
+    for path, w in fp8.items():
+        assert w.block == BLOCK
+        rule, _ = src.leaf_rules()[path]
+        if len(rule.hf) == 1:  # a 2-D weight or fused experts: the tensor as stored
+            assert torch.equal(w.bits, tensor(rule.hf[0]).view(torch.uint8)), path
+            assert torch.equal(w.scale_inv, tensor(rule.hf[0] + "_scale_inv")), path
+        else:  # per-expert MTP experts: gate, up (rows stacked) / down, expert by expert
+            e = w.bits.shape[0]
+            per = len(rule.hf) // e
+            for x in range(e):
+                keys = rule.hf[x * per:(x + 1) * per]
+                assert torch.equal(w.bits[x], torch.cat([tensor(k).view(torch.uint8) for k in keys])), path
+                assert torch.equal(w.scale_inv[x], torch.cat([tensor(k + "_scale_inv") for k in keys])), path
+
+
+# ---- a mesh equals one process; the base's bytes per rank ---------------------------------------------------------
+
+
+def _layout_fn(rank, world, layout_name, mesh_sizes, tc):
+    from q38.parallel.mesh import make_mesh, shard_batch
+
+    cfg = _cfg()
+    mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)
+    state = _fp8_state(tc, mesh=mesh, nonzero_b=True)
+    r = loss_and_grads(state, shard_batch(_batch(), mesh, cfg.mtp_num_layers), mesh)
+    names = [n for n, _ in named_leaves(state.params) if is_adapter_path(n)]
+    grads = {n: g.full_tensor() for n, g in zip(names, r.grads)}
+    return {"loss": float(r.loss), "grad_norm": float(r.grad_norm), "grads": grads if rank == 0 else None}
+
+
+_LAYOUTS = [("fsdp_ep", {"fsdp": 1, "ep": 2}, 2), ("fsdp", {"fsdp": 2}, 2), ("fsdp_ep", {"fsdp": 2, "ep": 2}, 4)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout,mesh_sizes,world", [
+    pytest.param(*c, marks=() if i == 0 else pytest.mark.slow, id=f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[1].items())}")
+    for i, c in enumerate(_LAYOUTS)])
+def test_fp8_base_layout_matches_single_process(layout, mesh_sizes, world):
+    """Each rank builds its own shards of the bits and scales (quantizing only the blocks it touches); gathered in
+    uint8 / fp32 and dequantized after the gather: loss and every adapter gradient equal one process (fp32; 1e-5
+    relative to the tensor's largest entry, as the compute-base test: the summation order over ranks differs)."""
+    tc = TrainConfig(loss_chunk_size=16, aux_loss_coef=0.01)
+    ref = _fp8_state(tc, nonzero_b=True)
+    r = loss_and_grads(ref, _batch())
+    names = [n for n, _ in named_leaves(ref.params) if is_adapter_path(n)]
+    outs = run_distributed(_layout_fn, world, layout, mesh_sizes, tc)
+    for o in outs:
+        assert abs(o["loss"] - float(r.loss)) <= 1e-5
+        assert abs(o["grad_norm"] - float(r.grad_norm)) <= 1e-4
+    for n, g in zip(names, r.grads):
+        assert (outs[0]["grads"][n] - g).abs().max() <= 1e-5 * max(1.0, float(g.abs().max())), n
+
+
+def _bytes_fn(rank, world):
+    from q38.parallel.links import Ledger
+    from q38.parallel.mesh import make_mesh, shard_batch
+
+    cfg = _cfg()
+    tc = TrainConfig(loss_chunk_size=16, param_dtype="bfloat16")
+    mesh = make_mesh(Layout.preset("fsdp_ep").with_mesh(fsdp=2, ep=2), world)
+    state = _fp8_state(tc, mesh=mesh)
+    by_part = {}
+    for part in ("params", "exp_avg", "exp_avg_sq"):
+        for n, t in named_leaves(getattr(state, part)):
+            kind = "adapter" if is_adapter_path(n) else "bits" if n.endswith(".bits") else \
+                "scale" if n.endswith(".scale_inv") else "other"
+            key = (part, kind, str(t.dtype))
+            by_part[key] = by_part.get(key, 0) + t.to_local().untyped_storage().nbytes()
+    from q38.parallel.mesh import local_index
+
+    numel = {"bits": 0, "weight_shard": 0}
+    for n, t in named_leaves(state.params):
+        if n.endswith(".bits"):  # the shard of the bits is the weight's own shard under the layout
+            info = declared_info(n.removesuffix(".bits").removesuffix(".base"))
+            pl = mesh.layout.placements_of_shapes([(n, info)], mesh.sizes)[n].dtensor_placements()
+            numel["bits"] += t.to_local().numel()
+            numel["weight_shard"] += math.prod(s.stop - s.start for s in local_index(info.shape, mesh, pl))
+    Ledger.reset()
+    r = loss_and_grads(state, shard_batch(_batch(), mesh, cfg.mtp_num_layers), mesh)
+    gathered = Ledger.by_kind.get("all_gather", {"intra": 0, "inter": 0})
+    return {"bytes": by_part, "numel": numel, "grad_bytes": sum(g.to_local().untyped_storage().nbytes() for g in r.grads),
+            "all_gather": gathered["intra"] + gathered["inter"]}
+
+
+@pytest.mark.slow  # ~12 s: one 4-rank run
+@pytest.mark.dist
+def test_fp8_base_costs_one_byte_a_value_plus_scales_on_each_rank():
+    """4 gloo ranks, fsdp_ep (fsdp 2 x ep 2), bf16 policy: each rank holds its shard of every quantized projection as
+    1 byte a value (uint8 bits) plus fp32 block scales (a 16 x 16 block: 4 / 256 bytes a value), and nothing else
+    for it: no master, no moments, no gradient (gradients are the adapters' only)."""
+    cfg = _cfg()
+    outs = run_distributed(_bytes_fn, 4)
+    quantized = sum(t.numel() for n, t in named_leaves(init_params(cfg, seed=0, device="meta"))
+                    if default_quantized(n))
+    total_bits = 0
+    for o in outs:
+        b = o["bytes"]
+        assert set(b) == {("params", "bits", "torch.uint8"), ("params", "scale", "torch.float32"),
+                          ("params", "other", "torch.bfloat16"),
+                          ("params", "adapter", "torch.float32"), ("exp_avg", "adapter", "torch.float32"),
+                          ("exp_avg_sq", "adapter", "torch.float32")}, sorted(b)
+        assert b[("params", "bits", "torch.uint8")] == o["numel"]["bits"]  # one byte a value
+        # scales: at most one fp32 per 16 x 16 block touched, i.e. ~4/256 byte a value (partial blocks: more)
+        assert b[("params", "scale", "torch.float32")] <= b[("params", "bits", "torch.uint8")] * 4 / 256 * 4
+        assert o["grad_bytes"] == b[("params", "adapter", "torch.float32")]
+        assert o["numel"]["bits"] == o["numel"]["weight_shard"]
+        total_bits += o["numel"]["bits"]
+    assert total_bits >= quantized  # every value is held somewhere (replicated over a mesh dim: more than once)
+
+
+@pytest.mark.slow  # ~60 s: three short runs of the trainer
+def test_fp8_base_run_resumes_bit_identical(tmp_path):
+    """The trainer with ``peft.base_dtype: fp8`` (fresh base, quantized as each rank draws it): 2 steps then a resume
+    to 3 equal 3 straight steps exactly; the checkpoint holds no base bits or scales."""
+    from q38.train.io import checkpoint as ck
+    from q38.train.run.trainer import train
+    from tests.run_utils import losses, run_config
+
+    peft = {"rank": 4, "alpha": 8, "base_dtype": "fp8"}
+    ref = train(run_config(tmp_path / "ref", steps=3, peft=peft))
+    out = tmp_path / "run"
+    first = train(run_config(out, steps=2, peft=peft))
+    second = train(run_config(out, steps=3, peft=peft))
+    assert [r["step"] for r in second] == [3]
+    assert losses(first + second) == losses(ref)
+    assert [r["grad_norm"] for r in first + second] == [r["grad_norm"] for r in ref]
+    saved = ck.saved_tensors(out / "checkpoints" / "step_000003")
+    assert saved and not any(k.endswith((".bits", ".scale_inv", ".base")) for k in saved)
+
+
+def test_fp8_base_from_a_q38_checkpoint_is_refused(tmp_path):
+    from q38.errors import ConfigError
+    from q38.lora import check_runnable
+
+    (tmp_path / "meta.json").write_text("{}")
+    with pytest.raises(ConfigError, match="export it first"):
+        check_runnable(PEFT, str(tmp_path))
+    check_runnable(PEFT, None)  # a fresh base: runs
