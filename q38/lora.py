@@ -391,7 +391,8 @@ def build_fp8_base(model_config, *, region, quantized, block: tuple[int, int], d
         bits, scale = quantize_blocks(region(path, info, (*lead, r, c)), block)
         if part == "scale_inv":
             return scale
-        return bits[..., rows.start - r.start : rows.stop - r.start, cols.start - c.start : cols.stop - c.start]
+        # a copy: a view would keep the whole covering region's storage alive on this rank
+        return bits[..., rows.start - r.start : rows.stop - r.start, cols.start - c.start : cols.stop - c.start].clone()
 
     def leaf(path, info):
         if not quantized(path):

@@ -13,6 +13,8 @@ layer runs, so its layer computes the merged weight's gradient as a full fine-tu
 merge and its backward (3 × ``2 · r · o · i`` per gather).
 """
 
+import functools
+
 import attrs
 
 from q38.parallel.param_stats import Item, ParamStats, param_stats
@@ -87,10 +89,25 @@ def _lora_stats(cfg, layout, mesh: dict, peft, placements, prefetch: bool, act: 
 
         q = param_stats({p: pp for p, pp in placements.items() if default_quantized(p)}, mesh, prefetch).numel
         base_bytes = (q * FP8_BYTES + (base.numel - q) * act) / base.numel
-    return LoraStats(all=param_stats({**placements, **ad_pl}, mesh, prefetch),
-                     base=base, adapters=param_stats(ad_pl, mesh, prefetch),
+    adapters = param_stats(ad_pl, mesh, prefetch)
+    return LoraStats(all=_combined(base, adapters), base=base, adapters=adapters,
                      merged_total=sum(per_layer.values()), merged_layer=max(per_layer.values(), default=0),
                      base_bytes=base_bytes, base_dtype="fp8" if peft.base_dtype == "fp8" else f"{act * 8}-bit")
+
+
+def _combined(a: ParamStats, b: ParamStats) -> ParamStats:
+    """The statistics of two disjoint sets of parameters (the base and its adapters) from each one's: sums exact;
+    the fullest rank's and the largest layer's elements as the sum of each set's (an upper bound, equal when the same
+    rank and layer are the fullest in both, as with adapters on their weights' axes). ``param_stats`` over both sets
+    at once costs as much again for every layout the search prices."""
+    def add(x: dict, y: dict) -> dict:
+        return {k: x.get(k, 0.0) + y.get(k, 0.0) for k in {*x, *y}}
+
+    return ParamStats(a.numel + b.numel, max(a.largest_shard, b.largest_shard), a.largest_layer + b.largest_layer,
+                      a.largest_layer_local + b.largest_layer_local, a.gathered_layers + b.gathered_layers,
+                      add(a.gather_group, b.gather_group), add(a.gather_prefetchable, b.gather_prefetchable),
+                      add(a.layer_gather, b.layer_gather), add(a.allreduce_dim, b.allreduce_dim),
+                      add(a.recompute_prefetchable, b.recompute_prefetchable))
 
 
 def _base_item(ls: LoraStats) -> Item:
@@ -170,13 +187,24 @@ def lora_flops(fl, cfg, peft, tokens: int, micro_batches: int, recompute: str):
     the router's unless adapted, any untargeted projection's or expert's; a routed expert weight is used by
     ``num_experts_per_tok`` of every token), and the adapters' merges are added to ``dense`` (``2 · r · o · i``
     forward, twice that backward, per gather: once per micro-batch, twice with recompute)."""
+    dense, experts, merge = _lora_flop_terms(cfg, peft)
+    gathers = micro_batches * (1 if recompute == "none" else 2)
+    head = fl.head / 4  # the LM head's forward (main + MTP depths): its weight gradient goes
+    return attrs.evolve(fl, dense=fl.dense - dense * tokens + merge * gathers, experts=fl.experts - experts * tokens,
+                        head=fl.head - head)
+
+
+@functools.lru_cache(maxsize=32)
+def _lora_flop_terms(cfg, peft) -> tuple[float, float, float]:
+    """Per token: the dropped weight-gradient FLOPs of untargeted dense and expert weights; per gather: the
+    merges' FLOPs (one walk of the parameters per model and setting: the search asks for thousands of budgets)."""
     from q38.model import abstract_params, is_param_info
     from q38.pytree import named_leaves
 
+    tokens = 1
     k = cfg.num_experts_per_tok
     dropped = {"dense": 0.0, "experts": 0.0}
     merge = 0.0
-    gathers = micro_batches * (1 if recompute == "none" else 2)
     for path, info in named_leaves(abstract_params(cfg), is_leaf=is_param_info):
         if info is None or len(info.shape) < 2 or not (path.startswith(("layers.", "mtp.")) and (
                 ".mixer." in path or ".moe." in path or path == "mtp.fc")):
@@ -186,11 +214,9 @@ def lora_flops(fl, cfg, peft, tokens: int, micro_batches: int, recompute: str):
         o, i = info.shape[-2:]
         if peft.adapts(path):
             lead = info.shape[0] if len(info.shape) == 3 and peft.experts == "per_expert" else 1
-            merge += 3 * 2 * peft.rank * o * i * lead * gathers
+            merge += 3 * 2 * peft.rank * o * i * lead
         elif len(info.shape) == 3:  # routed experts: each token runs k of them
             dropped["experts"] += 2 * tokens * k * o * i
         else:
             dropped["dense"] += 2 * tokens * o * i
-    head = fl.head / 4  # the LM head's forward (main + MTP depths): its weight gradient goes
-    return attrs.evolve(fl, dense=fl.dense - dropped["dense"] + merge, experts=fl.experts - dropped["experts"],
-                        head=fl.head - head)
+    return dropped["dense"], dropped["experts"], merge
