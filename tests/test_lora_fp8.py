@@ -348,3 +348,20 @@ def test_plan_prices_an_fp8_base_lora_run_within_15_percent(recompute):
     print(f"LoRA FP8 base fsdp_ep 4 ranks recompute {recompute}: predicted {b.peak_bytes:,.0f} B, measured "
           f"{measured:,} B, ratio {ratio:.3f}")
     assert abs(ratio - 1) <= 0.20, ratio
+
+
+@pytest.mark.slow  # ~1 min: two searches over 16 H200 (one without pruning)
+def test_pruned_search_keeps_every_fitting_candidate():
+    """``search(prune=True)`` (what ``fewest_ranks`` runs: a factorisation is priced at its least-memory settings
+    first and dropped when those do not fit) finds exactly the fitting candidates of the full search, LoRA over an
+    FP8 base, Qwen3.5-35B-A3B on 16 H200 under a 40 GiB cap."""
+    from q38.parallel.budget import GIB, Hardware
+    from q38.parallel.search import search
+
+    cfg, hw = ModelConfig.preset("qwen3_5_35b_a3b"), Hardware.load("h200")
+    kw = dict(seq_len=4096, global_batch=16, memory_cap=40 * GIB, peft=PeftConfig(rank=16, base_dtype="fp8"))
+    key = lambda cands: sorted((c.mesh, c.ep_dispatch, c.budget.micro_batches, c.budget.recompute)  # noqa: E731
+                               for c in cands)
+    full, _ = search(cfg, 16, hw, **kw)
+    pruned, _ = search(cfg, 16, hw, prune=True, **kw)
+    assert key(pruned) == key(full) and len(full) > 0

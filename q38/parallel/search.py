@@ -136,7 +136,7 @@ def search(
     would run with that candidate's CP) and priced per op; a candidate the choices cannot serve (an explicit kernel
     without CP support on a CP layout) is left out. None: the run's own ``gdn_kernel`` / ``gdn_chunk`` in ``kw``, every
     FLOP at the profile's ``achievable_fraction``. ``prune`` (what ``fewest_ranks`` asks): a factorisation is first
-    priced at its least-memory settings (the most micro-batches, every recompute mode and dispatch) on one mesh
+    priced at its least-memory settings (the most micro-batches, full recompute, each EP dispatch) on one mesh
     order (memory does not depend on the order), and dropped with all its orders and settings when none fits."""
     from q38.model import abstract_params
 
@@ -149,7 +149,12 @@ def search(
         raise ConfigError(
             f"world {world} has no valid factorisation fsdp × cp × ep for {model_name or cfg.model_type} "
             f"(seq_len {seq_len}, global batch {global_batch} sequences): {shown}; change --world or --global-batch")
-    abstract = abstract_params(cfg)
+    from q38.model import is_param_info
+    from q38.pytree import named_leaves
+
+    leaves = named_leaves(abstract_params(cfg), is_leaf=is_param_info)  # once: every layout places the same leaves
+    # full recompute keeps the fewest activations of all modes (the others keep kernel outputs besides)
+    least_modes = ("full",) if "full" in recompute_modes else tuple(recompute_modes)
     fits: list[Candidate] = []
     smallest: tuple[float, str] | None = None
     for fsdp, cp, ep, dpr in facts:
@@ -160,7 +165,7 @@ def search(
             try:
                 layout = Layout.from_dict(d, source=d["name"])
                 mesh = layout.resolve_mesh(world)
-                pl = layout.placements(abstract, mesh)
+                pl = layout.placements_of_shapes(leaves, mesh)
             except LayoutError:
                 continue
             rows = global_batch // (fsdp * ep * dpr)
@@ -181,7 +186,7 @@ def search(
                 least = min((estimate(cfg, layout, world, seq_len=seq_len, rows_per_rank=rows, micro_batches=rows,
                                       recompute=rc, hardware=hardware, placements=pl, model_name=model_name,
                                       ep_dispatch=disp, **ckw).peak_bytes, rc)
-                            for disp in (ep_dispatches if ep > 1 else ("flat",)) for rc in recompute_modes)
+                            for disp in (ep_dispatches if ep > 1 else ("flat",)) for rc in least_modes)
                 if smallest is None or least[0] < smallest[0]:
                     smallest = (least[0], f"{d['name']} mb={rows} recompute={least[1]}")
                 if least[0] > cap:
