@@ -365,3 +365,79 @@ def test_pruned_search_keeps_every_fitting_candidate():
     full, _ = search(cfg, 16, hw, **kw)
     pruned, _ = search(cfg, 16, hw, prune=True, **kw)
     assert key(pruned) == key(full) and len(full) > 0
+
+
+def test_trainer_runs_an_fp8_base_from_a_block_fp8_checkpoint(tmp_path):
+    """``q38 train`` with ``init_from`` a block-FP8 Hugging Face directory and ``peft.base_dtype: fp8``: the step-1
+    loss equals that of a compute-base LoRA run (fp32) from this test's own dequantization of the checkpoint, written
+    back as an fp32 checkpoint (the same model, bit for bit)."""
+    from safetensors import safe_open
+
+    from q38.hf import fp8_dtypes, save_hf
+    from q38.train.run.trainer import train
+    from tests.run_utils import losses, run_config, small_model_dict
+
+    cfg = ModelConfig.from_dict(small_model_dict())
+    fp8_dir = save_hf(tmp_path / "fp8", cfg, init_params(cfg, seed=3), dtypes=fp8_dtypes(lambda q: torch.float32),
+                      fp8=Fp8Format(block=BLOCK))
+    tensors = {}
+    for f in sorted(fp8_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            tensors.update({k: fh.get_tensor(k) for k in fh.keys()})
+    deq = {}
+    for k, t in tensors.items():
+        if k.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            deq[k] = _dequantize_reference(t.view(torch.uint8), tensors[k + "_scale_inv"], BLOCK)
+        else:
+            deq[k] = t
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    ref_dir = tmp_path / "deq"
+    ref_dir.mkdir()
+    hf_cfg = json.loads((fp8_dir / "config.json").read_text())
+    hf_cfg.pop("quantization_config")
+    (ref_dir / "config.json").write_text(json.dumps(hf_cfg))
+    save_file(deq, str(ref_dir / "model.safetensors"))
+    for f in fp8_dir.iterdir():  # tokenizer / generation files, if any
+        if f.suffix not in (".safetensors", ".json") or f.name == "generation_config.json":
+            shutil.copy(f, ref_dir / f.name)
+    peft = {"rank": 4, "alpha": 8}
+    common = dict(steps=1, model=str(fp8_dir), train={"lr": 3e-3, "warmup_steps": 0})
+    got = train(run_config(tmp_path / "a", init_from=str(fp8_dir), peft=dict(peft, base_dtype="fp8"), **common))
+    ref = train(run_config(tmp_path / "b", init_from=str(ref_dir), peft=peft, **dict(common, model=str(ref_dir))))
+    assert losses(got) == losses(ref)
+
+
+def test_plan_combines_base_and_adapter_stats_exactly():
+    """The LoRA plan's statistics of base + adapters, combined from each set's (one ``param_stats`` pass less per
+    layout the search prices), equal ``param_stats`` over both sets at once (tiny on fsdp_ep; Qwen3.8-2.4T on 64
+    ranks, fsdp 1 x cp 4 x ep 16)."""
+    import attrs
+
+    from q38.lora import adapter_info
+    from q38.model import abstract_params, is_param_info
+    from q38.parallel import lora_budget
+    from q38.parallel.param_stats import param_stats
+    from q38.parallel.search import candidate_layout
+
+    peft = PeftConfig(rank=16)
+    for name, world in (("tiny", 4), ("qwen3_8_2_4t", 64)):
+        cfg = ModelConfig.preset(name)
+        lay = Layout.from_dict(candidate_layout(cfg, *((2, 1, 2) if world == 4 else (1, 4, 16))), source=name)
+        mesh = lay.resolve_mesh(world)
+        pl = lay.placements(abstract_params(cfg), mesh)
+        ls = lora_budget._lora_stats(cfg, lay, mesh, peft, pl, True, 2)
+        infos = {f"{p}.{k}": adapter_info(i, k, 16) for p, i in named_leaves(abstract_params(cfg), is_leaf=is_param_info)
+                 if i is not None and peft.adapts(p) for k in ("lora_a", "lora_b")}
+        exact = param_stats({**pl, **lay.placements_of_shapes(list(infos.items()), mesh)}, mesh, True)
+        for f in attrs.fields(type(exact)):
+            a, b = getattr(exact, f.name), getattr(ls.all, f.name)
+            if isinstance(a, dict):
+                assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-9 * max(1.0, a[k]) for k in a), f.name
+            else:
+                assert a == b, f.name

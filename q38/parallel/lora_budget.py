@@ -129,10 +129,14 @@ def lora_memory(items: list[Item], ls: LoraStats, st) -> list[Item]:
         elif it.name == "gradient accumulator":
             out.append(Item("gradient accumulator", ad * st.red * 2, "adapters only"))
         elif it.name == "compute-dtype copy of shards":
-            extra = ls.base.largest_layer_local * st.act if ls.base_dtype == "fp8" else 0
-            out.append(Item(it.name, ls.adapters.largest_layer_local * st.act + extra,
-                            "the layer's adapter shards cast" + (" + its base dequantized" if extra else ""),
+            out.append(Item(it.name, ls.adapters.largest_layer_local * st.act, "the layer's adapter shards cast",
                             "layer"))
+        elif it.name == "gathered params (transient)" and ls.base_dtype == "fp8":
+            k = round(it.bytes / (ls.all.largest_layer * st.act)) if ls.all.largest_layer else 1  # + prefetched
+            held = k * (ls.base.largest_layer * ls.base_bytes + ls.adapters.largest_layer * st.act)
+            out.append(Item(it.name, held + ls.base.largest_layer * st.act,
+                            f"{'current + prefetched' if k > 1 else 'current'} layer: base gathered in FP8, "
+                            "dequantized to the compute dtype", "layer"))
         else:
             out.append(it)
     if st.recompute == "none":

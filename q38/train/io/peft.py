@@ -38,7 +38,8 @@ def base_reference(init_from: str | None, seed: int) -> dict:
     """What identifies a LoRA run's base: its path and a hash of its index (see the module docstring)."""
     if not init_from:
         return {"init_from": None, "seed": int(seed)}
-    from q38.train.io.checkpoint import MANIFEST_FILE, _sha256, is_checkpoint, resolve_checkpoint
+    from q38.train.io.checkpoint import MANIFEST_FILE, is_checkpoint, resolve_checkpoint
+    from q38.train.io.untrusted import sha256_file as _sha256
 
     p = Path(init_from)
     if (p / "config.json").is_file() and not is_checkpoint(p):
