@@ -10,7 +10,7 @@ import torch
 
 from q38.fp8 import FP8_MAX, Fp8Format, Fp8Weight, default_quantized
 from q38.layers.common import materialize
-from q38.lora import PeftConfig, build_fp8_base, is_adapter_path, merged_params
+from q38.lora import PeftConfig, is_adapter_path, merged_params
 from q38.model import declared_info, init_params, logits
 from q38.model_config import ModelConfig
 from q38.parallel.layout import Layout
@@ -18,7 +18,7 @@ from q38.pytree import named_leaves, tree_map_with_path
 from q38.train.core.state import state_from_params
 from q38.train.core.step import loss_and_grads, train_step
 from q38.train.core.step_config import TrainConfig
-from q38.train.io.peft import fp8_base, lora_state
+from q38.train.io.peft import build_fp8_base, fp8_base, lora_state
 from tests.dist_utils import run_distributed
 
 BLOCK = (16, 16)  # small blocks, so the tiny model's matrices hold several (and partial ones: 4 x 64 gates are not)
@@ -204,7 +204,8 @@ _LAYOUTS = [("fsdp_ep", {"fsdp": 1, "ep": 2}, 2), ("fsdp", {"fsdp": 2}, 2), ("fs
 
 @pytest.mark.dist
 @pytest.mark.parametrize("layout,mesh_sizes,world", [
-    pytest.param(*c, marks=() if i == 0 else pytest.mark.slow, id=f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[1].items())}")
+    pytest.param(*c, marks=() if i == 0 else pytest.mark.slow,
+                 id=f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[1].items())}")
     for i, c in enumerate(_LAYOUTS)])
 def test_fp8_base_layout_matches_single_process(layout, mesh_sizes, world):
     """Each rank builds its own shards of the bits and scales (quantizing only the blocks it touches); gathered in
@@ -249,7 +250,8 @@ def _bytes_fn(rank, world):
     Ledger.reset()
     r = loss_and_grads(state, shard_batch(_batch(), mesh, cfg.mtp_num_layers), mesh)
     gathered = Ledger.by_kind.get("all_gather", {"intra": 0, "inter": 0})
-    return {"bytes": by_part, "numel": numel, "grad_bytes": sum(g.to_local().untyped_storage().nbytes() for g in r.grads),
+    grad_bytes = sum(g.to_local().untyped_storage().nbytes() for g in r.grads)
+    return {"bytes": by_part, "numel": numel, "grad_bytes": grad_bytes,
             "all_gather": gathered["intra"] + gathered["inter"]}
 
 
@@ -432,7 +434,8 @@ def test_plan_combines_base_and_adapter_stats_exactly():
         mesh = lay.resolve_mesh(world)
         pl = lay.placements(abstract_params(cfg), mesh)
         ls = lora_budget._lora_stats(cfg, lay, mesh, peft, pl, True, 2)
-        infos = {f"{p}.{k}": adapter_info(i, k, 16) for p, i in named_leaves(abstract_params(cfg), is_leaf=is_param_info)
+        leaves = named_leaves(abstract_params(cfg), is_leaf=is_param_info)
+        infos = {f"{p}.{k}": adapter_info(i, k, 16) for p, i in leaves
                  if i is not None and peft.adapts(p) for k in ("lora_a", "lora_b")}
         exact = param_stats({**pl, **lay.placements_of_shapes(list(infos.items()), mesh)}, mesh, True)
         for f in attrs.fields(type(exact)):

@@ -61,8 +61,67 @@ def check_base(meta: dict, ref: dict, where: str) -> None:
                            f"{json.dumps(ref)}; set init_from to the checkpoint's base, or use a new run.out_dir")
 
 
+def build_fp8_base(model_config, *, region, quantized, block: tuple[int, int], dtype, mesh=None, raw=None,
+                   device=None):
+    """The frozen base of a ``base_dtype: fp8`` run: every parameter ``quantized(path)`` as an ``Fp8Weight``
+    (``bits`` and ``scale_inv`` each sharded on the weight's logical axes), every other in ``dtype``. Each rank
+    builds only its own blocks: ``region(path, info, index)`` returns the fp32 values of block ``index`` (a tuple of
+    slices) of parameter ``path``; a quantized shard reads the whole 128 × 128 blocks it touches and quantizes them
+    (``amax / 448`` scales, as the released format does), so its bits and scales equal those of the whole tensor.
+    ``raw(path, info, index, part)`` (a block-FP8 source): the stored ``bits`` / ``scale_inv`` of that block, kept
+    as they are (no requantization); None for a parameter it does not hold in FP8 (then ``region`` is quantized)."""
+    from torch.distributed.tensor import DTensor
+
+    from q38.fp8 import Fp8Weight, quantize_blocks
+    from q38.lora import scale_info
+    from q38.model import abstract_params, is_param_info
+    from q38.parallel.mesh import _contiguous_strides, local_index
+    from q38.pytree import tree_map_with_path
+
+    bo, bi = block
+
+    def place(path, info, make_local):
+        if mesh is None:
+            return make_local(tuple(slice(0, n) for n in info.shape))
+        placements = mesh.layout.placements_of_shapes([(path, info)], mesh.sizes)[path].dtensor_placements()
+        local = make_local(local_index(info.shape, mesh, placements))
+        return DTensor.from_local(local, mesh.device_mesh, placements, run_check=False,
+                                  shape=torch.Size(info.shape), stride=_contiguous_strides(info.shape))
+
+    def quantized_part(path, info, index, part):
+        *lead, rows, cols = index
+        o, i = info.shape[-2:]
+        shape = tuple(sl.stop - sl.start for sl in index)
+        if 0 in shape:
+            return torch.empty(shape, dtype=torch.uint8 if part == "bits" else torch.float32, device=device)
+        got = raw(path, info, index, part) if raw is not None else None
+        if got is not None:
+            return got
+        if part == "bits":  # the whole blocks the shard touches
+            r = slice(rows.start // bo * bo, min(-(-rows.stop // bo) * bo, o))
+            c = slice(cols.start // bi * bi, min(-(-cols.stop // bi) * bi, i))
+        else:  # index is a block range
+            r = slice(rows.start * bo, min(rows.stop * bo, o))
+            c = slice(cols.start * bi, min(cols.stop * bi, i))
+        bits, scale = quantize_blocks(region(path, info, (*lead, r, c)), block)
+        if part == "scale_inv":
+            return scale
+        # a copy: a view would keep the whole covering region's storage alive on this rank
+        return bits[..., rows.start - r.start : rows.stop - r.start, cols.start - c.start : cols.stop - c.start].clone()
+
+    def leaf(path, info):
+        if not quantized(path):
+            return place(path, info, lambda index: region(path, info, index).to(dtype))
+        bits = place(f"{path}.bits", info, lambda index: quantized_part(path, info, index, "bits").contiguous())
+        sinfo = scale_info(info, block)
+        scale = place(f"{path}.scale_inv", sinfo, lambda index: quantized_part(path, info, index, "scale_inv"))
+        return Fp8Weight(bits, scale, block=block, dtype=dtype)
+
+    return tree_map_with_path(leaf, abstract_params(model_config), is_leaf=is_param_info)
+
+
 def _raw_fp8(src, reader):
-    """``raw(path, info, index, part)`` for ``q38.lora.build_fp8_base`` over an opened block-FP8 Hugging Face
+    """``raw(path, info, index, part)`` for ``build_fp8_base`` over an opened block-FP8 Hugging Face
     checkpoint ``src``: the stored e4m3 bits (``uint8``) of block ``index`` of a q38 leaf, or its scales (``index``
     a range of blocks), read through the leaf's key rule; None for a leaf whose tensors are not all FP8. The scales
     are read per element and checked constant over each of q38's blocks (a q38 leaf assembled from several HF
@@ -112,14 +171,13 @@ def _raw_fp8(src, reader):
 
 
 def fp8_base(model_config, init_from: str | None, *, seed: int, dtype, mesh=None, device=None):
-    """The frozen base of a ``peft.base_dtype: fp8`` run (``q38.lora.build_fp8_base``): the projections the
+    """The frozen base of a ``peft.base_dtype: fp8`` run (``build_fp8_base``): the projections the
     released FP8 checkpoints quantize (``q38.fp8.default_quantized``) as ``Fp8Weight`` s, every other leaf in
     ``dtype``; from ``init_from`` (a Hugging Face directory; a block-FP8 one keeps its bits and scales, in its own
     block size) or the seed's fresh init (quantized in 128 × 128 blocks). Each rank reads or draws only the blocks
     its shards touch."""
     from q38.fp8 import default_quantized
     from q38.layers.common import materialize
-    from q38.lora import build_fp8_base
 
     if not init_from:
         def region(path, info, index):
