@@ -6,7 +6,8 @@ An adapted parameter is a node in place of the weight in the parameter tree: ``L
 shared_b)`` (one adapter shared by every routed expert of a layer: ``A [r, in]``, ``B [out, r]``). The layers never
 see the node: the step's gather hook brings base and adapter into compute form (each sharded on its own logical
 axes) and :func:`merge_adapters` replaces the node by ``base + (alpha / r) · B @ A``. ``B`` starts at zero, so step 0
-is the base model exactly.
+is the base model exactly. A block-FP8 base (``peft.base_dtype: fp8``) is a ``q38.fp8.Fp8Weight`` in place of a
+tensor base (or of a frozen weight without adapter), dequantized by the merge after its bits and scales are gathered.
 
 Dims: ``e`` routed experts, ``r`` the LoRA rank; ``o`` / ``i`` a projection's output and input widths.
 """
