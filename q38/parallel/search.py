@@ -540,12 +540,12 @@ def _state_floor_bytes(cfg: ModelConfig, peft, param_dtype: str) -> float:
               if i is not None]
     total = sum(n for _, n in leaves)
     if peft is None:
-        return total * (4 + 8)
+        return float(total * (4 + 8))
     act = _nbytes(param_dtype)
     if peft.base_dtype != "fp8":
-        return total * act
+        return float(total * act)
     q = sum(n for p, n in leaves if default_quantized(p))
-    return q * FP8_BYTES + (total - q) * act
+    return float(q * FP8_BYTES + (total - q) * act)
 
 
 def format_fewest(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_len: int,
