@@ -324,7 +324,7 @@ def test_plan_prices_a_lora_run_within_15_percent(recompute):
     assert rs(b) < rs(full) / 5  # only the adapters' gradients are reduced (0.11 of the full fine-tune here)
 
 
-@pytest.mark.slow  # ~7 min on the shared 2-core machine (three searches over 8-256 devices)
+@pytest.mark.slow  # ~10 s (three searches over 8-256 devices; ~7 min before the search was pruned)
 def test_fewest_ranks_lora_against_full_fine_tune():
     """The search's fewest-devices answer for Qwen3.5-35B-A3B under a 60 GiB cap (measured: full fine-tune 32 H200,
     LoRA 8 with a bf16 or an FP8 base): LoRA fits on fewer devices; an FP8 base needs no more than a bf16 one."""

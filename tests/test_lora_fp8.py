@@ -117,13 +117,14 @@ def test_fp8_base_step0_is_the_dequantized_base_model():
         step = w.scale_inv.repeat_interleave(16, -2)[..., :o, :].repeat_interleave(16, -1)[..., :i] * 2.0 ** -9
         assert ((ref[path] - full).abs() <= full.abs() * 2.0 ** -4 + step).all(), path
     ref_params = tree_map_with_path(lambda p, t: ref.get(p, t), init_params(cfg, seed=0))
-    r0 = loss_and_grads(state_from_params(ref_params, cfg, tc), _batch())
-    r = loss_and_grads(state, _batch())
+    batch = _batch(b=2, s=16)
+    r0 = loss_and_grads(state_from_params(ref_params, cfg, tc), batch)
+    r = loss_and_grads(state, batch)
     assert float(r.loss) == float(r0.loss) and float(r.mtp_losses[0]) == float(r0.mtp_losses[0])
     merged = merged_params(state.params)
     for (n, m), (_, w0) in zip(named_leaves(merged), named_leaves(ref_params)):
         assert torch.equal(m, w0), n
-    ids = _batch()["input_ids"]
+    ids = batch["input_ids"]
     assert torch.equal(logits(merged, ids, cfg), logits(ref_params, ids, cfg))
 
 
