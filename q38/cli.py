@@ -115,7 +115,7 @@ def _add_budget_args(ap) -> None:
     ap.add_argument("--lora-rank", type=positive_int, help="plan a LoRA run of this rank (else the run config's "
                                                            "peft section, if any; docs/finetuning.md#lora)")
     ap.add_argument("--lora-base-dtype", choices=("compute", "fp8"),
-                    help="LoRA: the frozen base in the compute dtype or in block-FP8 (fp8 is priced, not yet run)")
+                    help="LoRA: the frozen base in the compute dtype or in block-FP8")
     ap.add_argument("--fewest-ranks", action="store_true", help="with --search: the fewest devices of --hardware "
                     "(whole nodes, doubling, up to --world) that fit, LoRA and full fine-tune")
     ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config (a new "

@@ -8,7 +8,8 @@ weight_block_size: [bo, bi], modules_to_not_convert: [...]}``. Each quantized ``
 Quantizing a block: ``scale = amax(|W|) / 448`` (448 = the largest finite e4m3 value), ``q = W / scale`` rounded to
 e4m3.
 
-This module knows the format only (no q38 model): ``q38.hf`` reads and writes checkpoints with it.
+This module knows the format only (no q38 model): ``q38.hf`` reads and writes checkpoints with it, and a LoRA run's
+frozen block-FP8 base (``Fp8Weight``, docs/finetuning.md#a-block-fp8-base) keeps its weights in it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from typing import Any, Mapping
 
 import attrs
 import torch
-from jaxtyping import Float
+import torch.utils._pytree as pytree
+from jaxtyping import Float, UInt8
 from torch import Tensor
 
 __all__ = [
-    "FP8_DTYPE", "FP8_MAX", "Fp8Format", "SCALE_SUFFIX", "dequantize", "quantize", "scale_key", "scale_shape",
-    "default_quantized",
+    "FP8_DTYPE", "FP8_MAX", "Fp8Format", "Fp8Weight", "SCALE_SUFFIX", "dequantize", "dequantize_blocks", "quantize",
+    "quantize_blocks", "scale_key", "scale_shape", "default_quantized",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -142,3 +144,72 @@ DEFAULT_QUANTIZED = (
 def default_quantized(leaf: str) -> bool:
     """Whether an FP8 export quantizes q38 leaf ``leaf`` by default (``DEFAULT_QUANTIZED``)."""
     return any(leaf.endswith("." + s) for s in DEFAULT_QUANTIZED)
+
+
+# ---- a weight held in block-FP8 (a LoRA run's frozen base) ---------------------------------------------------------
+
+
+def quantize_blocks(
+    w: Float[Tensor, "*lead o i"], block: tuple[int, int]
+) -> tuple[UInt8[Tensor, "*lead o i"], Float[Tensor, "*lead go gi"]]:
+    """``quantize`` of every ``[o, i]`` matrix of ``w`` (leading dims: e.g. experts), the e4m3 values returned as
+    their bits (``uint8``: the dtype collectives move; gloo refuses float8 tensors)."""
+    *lead, o, i = w.shape
+    flat = w.reshape(-1, o, i)
+    qs = [quantize(m, block) for m in flat] if flat.shape[0] else []
+    go, gi = scale_shape((o, i), block)
+    if not qs:
+        return (torch.empty(w.shape, dtype=torch.uint8, device=w.device),
+                torch.empty((*lead, go, gi), dtype=torch.float32, device=w.device))
+    q = torch.stack([a for a, _ in qs]).view(torch.uint8).reshape(w.shape)
+    s = torch.stack([b for _, b in qs]).reshape(*lead, go, gi)
+    return q, s
+
+
+def dequantize_blocks(
+    bits: UInt8[Tensor, "*lead o i"], scale_inv: Float[Tensor, "*lead go gi"], block: tuple[int, int], dtype
+) -> Float[Tensor, "*lead o i"]:
+    """The weight of e4m3 ``bits`` (uint8) and the scales of their whole ``[o, i]`` block grid (``scale_inv``
+    ``[.., ceil(o / bo), ceil(i / bi)]``): ``float(q) * scale`` in fp32, then cast to ``dtype``."""
+    o, i = bits.shape[-2:]
+    bo, bi = block
+    w = bits.view(FP8_DTYPE).float()
+    if o % bo == 0 and i % bi == 0:  # whole blocks: scaled in place through a blocked view (no per-value scales)
+        go, gi = o // bo, i // bi
+        w.view(*w.shape[:-2], go, bo, gi, bi).mul_(scale_inv.float().view(*scale_inv.shape[:-2], go, 1, gi, 1))
+        return w.to(dtype)
+    s = scale_inv.float().repeat_interleave(bo, dim=-2)[..., :o, :].repeat_interleave(bi, dim=-1)[..., :i]
+    return (w * s).to(dtype)
+
+
+@attrs.frozen
+class Fp8Weight:
+    """A frozen weight held in block-FP8: ``bits`` ``[.., o, i]`` (uint8: the e4m3 bit patterns) and ``scale_inv``
+    ``[.., ceil(o / bo), ceil(i / bi)]`` fp32, sharded on the weight's logical axes (each tensor chunked over the
+    mesh on its own; the weight is dequantized only once both are gathered, so a shard border may cut a block).
+    ``block`` and ``dtype`` (the compute dtype it is dequantized to) are static (the pytree context)."""
+
+    bits: Tensor
+    scale_inv: Tensor
+    block: tuple[int, int] = attrs.field(default=(128, 128), kw_only=True)
+    dtype: torch.dtype = attrs.field(default=torch.float32, kw_only=True)
+
+    def dequantize(self) -> Tensor:
+        """The weight in ``dtype`` (of gathered ``bits`` and ``scale_inv``)."""
+        return dequantize_blocks(self.bits, self.scale_inv, self.block, self.dtype)
+
+
+def _fp8_flatten(w: Fp8Weight):
+    return [w.bits, w.scale_inv], (w.block, w.dtype)
+
+
+def _fp8_unflatten(children, ctx) -> Fp8Weight:
+    return Fp8Weight(*children, block=ctx[0], dtype=ctx[1])
+
+
+pytree.register_pytree_node(
+    Fp8Weight, _fp8_flatten, _fp8_unflatten, serialized_type_name="q38.fp8.Fp8Weight",
+    flatten_with_keys_fn=lambda w: ([(pytree.GetAttrKey("bits"), w.bits),
+                                     (pytree.GetAttrKey("scale_inv"), w.scale_inv)], (w.block, w.dtype)),
+)
+FP8_LEAVES = ("bits", "scale_inv")  # the leaf names of an Fp8Weight (``layers.0.mixer.w_q.base.bits``)

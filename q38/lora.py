@@ -6,7 +6,8 @@ An adapted parameter is a node in place of the weight in the parameter tree: ``L
 shared_b)`` (one adapter shared by every routed expert of a layer: ``A [r, in]``, ``B [out, r]``). The layers never
 see the node: the step's gather hook brings base and adapter into compute form (each sharded on its own logical
 axes) and :func:`merge_adapters` replaces the node by ``base + (alpha / r) · B @ A``. ``B`` starts at zero, so step 0
-is the base model exactly.
+is the base model exactly. A block-FP8 base (``peft.base_dtype: fp8``) is a ``q38.fp8.Fp8Weight`` in place of a
+tensor base (or of a frozen weight without adapter), dequantized by the merge after its bits and scales are gathered.
 
 Dims: ``e`` routed experts, ``r`` the LoRA rank; ``o`` / ``i`` a projection's output and input widths.
 """
@@ -18,6 +19,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from q38.errors import ConfigError, check_keys, need
+from q38.fp8 import FP8_LEAVES, Fp8Weight, scale_shape
 from q38.layers.common import ParamInfo
 
 # q38's own parameter names that can carry an adapter (docs/finetuning.md#lora lists what each is)
@@ -44,8 +46,9 @@ class PeftConfig:
     """The ``peft:`` section of a run config. ``rank`` / ``alpha``: the adapter's rank and scale ``alpha / rank``;
     ``targets``: q38 parameter names (``TARGETS``); ``experts``: ``per_expert`` (an adapter per routed expert) or
     ``shared`` (one per layer, shared by its experts); ``mtp``: adapt the MTP layers too; ``base_dtype``: how the
-    frozen base is stored (``compute``: the compute dtype, ``train.param_dtype``; ``fp8``: priced by ``q38 plan``
-    only, refused by the trainer)."""
+    frozen base is stored (``compute``: the compute dtype, ``train.param_dtype``; ``fp8``: the projections the
+    released FP8 checkpoints quantize (``q38.fp8.DEFAULT_QUANTIZED``) held in block-FP8, ``q38.fp8.Fp8Weight``, the
+    other frozen leaves in the compute dtype)."""
 
     method: str = "lora"
     rank: int = 16
@@ -96,11 +99,19 @@ class PeftConfig:
         return path.rsplit(".", 1)[-1] in self.targets and (".mixer." in path or ".moe." in path)
 
 
-def check_runnable(peft: "PeftConfig | None") -> None:
-    """What the trainer runs of a ``peft`` setting; ``base_dtype: fp8`` is a plan-only setting today."""
-    if peft is not None and peft.base_dtype != "compute":
-        raise ConfigError("peft.base_dtype: fp8 (a block-FP8 frozen base) is not implemented in the trainer yet; "
-                          "q38 plan prices it, a run needs peft.base_dtype: compute")
+def check_runnable(peft: "PeftConfig | None", init_from: str | None = None) -> None:
+    """What the trainer runs of a ``peft`` setting: an FP8 base is built from a fresh init or a Hugging Face
+    directory (read per rank block), not from a q38 checkpoint."""
+    if peft is None or peft.base_dtype != "fp8" or not init_from:
+        return
+    from pathlib import Path
+
+    p = Path(init_from)
+    if not ((p / "config.json").is_file() and not (p / "meta.json").is_file()):
+        raise ConfigError(f"peft.base_dtype: fp8 with init_from {init_from} (a q38 checkpoint) is not implemented: "
+                          "the FP8 base is read from a Hugging Face directory; export it first (q38 convert "
+                          f"{init_from} OUT, optionally --dtype fp8) and set init_from: OUT, or use "
+                          "peft.base_dtype: compute")
 
 
 # ---- the adapter nodes ---------------------------------------------------------------------------------------------
@@ -183,12 +194,23 @@ def adapter_info(base: ParamInfo, key: str, rank: int) -> ParamInfo:
 
 
 def split_path(path: str) -> tuple[str, str | None]:
-    """``layers.0.mixer.w_q.lora_a`` → (``layers.0.mixer.w_q``, ``lora_a``); a base leaf gives ``base``; any other
-    path (``None``)."""
+    """``layers.0.mixer.w_q.lora_a`` → (``layers.0.mixer.w_q``, ``lora_a``); a base leaf gives ``base``; a leaf of
+    a block-FP8 weight (``q38.fp8.Fp8Weight``) ``bits`` / ``scale_inv`` (``base.bits`` / ``base.scale_inv`` under an
+    adapter); any other path (``None``)."""
     head, _, last = path.rpartition(".")
+    if head and last in FP8_LEAVES:
+        h2, _, l2 = head.rpartition(".")
+        return (h2, f"base.{last}") if h2 and l2 == "base" else (head, last)
     if head and (last in ADAPTER_KEYS or last == "base"):
         return head, last
     return path, None
+
+
+def scale_info(base: ParamInfo, block: tuple[int, int] = (128, 128)) -> ParamInfo:
+    """The declaration of the block scales ``[.., ceil(o / bo), ceil(i / bi)]`` of a weight declared ``base``: its
+    logical axes and FSDP dim (the scale grid is sharded like the weight, chunked on its own)."""
+    *lead, o, i = base.shape
+    return ParamInfo((*lead, *scale_shape((o, i), block)), "ones", axes=base.axes, fsdp_dim=base.fsdp_dim)
 
 
 # ---- building and merging ------------------------------------------------------------------------------------------
@@ -203,12 +225,15 @@ def declared_info(path: str) -> ParamInfo:
     if key is None:
         return weight_info(path)
     base = declared_info(head)
-    return base if key == "base" else adapter_info(base, key, 1)
+    if key.endswith("scale_inv"):
+        return scale_info(base)
+    return base if key in ("base", "bits", "base.bits") else adapter_info(base, key, 1)
 
 
 def add_adapters(params, peft: PeftConfig, *, seed: int, make=None, base_dtype=None):
-    """``params`` (a ``ModelParams`` of tensors or DTensors) with every targeted weight replaced by its adapted node;
-    every frozen leaf cast to ``base_dtype`` (the compute dtype: the base is stored as the layers use it).
+    """``params`` (a ``ModelParams`` of tensors or DTensors, some weights possibly ``Fp8Weight``: a block-FP8 base,
+    kept as it is) with every targeted weight replaced by its adapted node; every other frozen leaf cast to
+    ``base_dtype`` (the compute dtype: the base is stored as the layers use it).
     ``make(path, info)`` builds an adapter matrix (default: ``materialize`` on the base's device); on a mesh it builds
     the rank's shard (``q38.parallel.mesh.build_adapter``). Values depend only on ``seed`` and the path."""
     from q38.layers.common import materialize
@@ -220,16 +245,17 @@ def add_adapters(params, peft: PeftConfig, *, seed: int, make=None, base_dtype=N
     make = make or default_make
 
     def node(path, t):
-        base = t if base_dtype is None or not t.is_floating_point() else t.to(base_dtype)
+        fp8 = isinstance(t, Fp8Weight)
+        base = t if fp8 or base_dtype is None or not t.is_floating_point() else t.to(base_dtype)
         if not peft.adapts(path):
             return base
         info = declared_info(path)
         shared = info.axes[:1] == ("expert",) and peft.experts == "shared"
         keys = ("shared_a", "shared_b") if shared else ("lora_a", "lora_b")
-        a, b = (make(f"{path}.{k}", adapter_info(info, k, peft.rank), t) for k in keys)
+        a, b = (make(f"{path}.{k}", adapter_info(info, k, peft.rank), t.bits if fp8 else t) for k in keys)
         return (SharedLora if shared else Lora)(base, a, b, scale=peft.scale)
 
-    return tree_map_with_path(node, params)
+    return tree_map_with_path(node, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
 
 
 def delta(n: "Lora | SharedLora") -> Tensor:
@@ -252,14 +278,33 @@ def merge_weight(n: "Lora | SharedLora") -> Float[Tensor, "..."]:
     return torch.baddbmm(n.base, b, a, alpha=n.scale)
 
 
+def _node(x) -> bool:
+    return is_adapted(x) or isinstance(x, Fp8Weight)
+
+
+def _dequantized(x):
+    """An adapted node or weight with its block-FP8 base (if any) dequantized to the base's compute dtype."""
+    if isinstance(x, Fp8Weight):
+        return x.dequantize()
+    if is_adapted(x) and isinstance(x.base, Fp8Weight):
+        return attrs.evolve(x, base=x.base.dequantize())
+    return x
+
+
 def merge_adapters(tree):
-    """Every adapted node of ``tree`` (in compute form: gathered and cast) replaced by its merged weight; other leaves
-    pass through. The identity on a tree without adapters."""
-    return pytree.tree_map(lambda x: merge_weight(x) if is_adapted(x) else x, tree, is_leaf=is_adapted)
+    """Every adapted node of ``tree`` (in compute form: gathered and cast) replaced by its merged weight, every
+    block-FP8 weight (``Fp8Weight``, gathered: its bits and scales) dequantized first; other leaves pass through.
+    The identity on a tree without adapters or FP8 weights."""
+    def m(x):
+        x = _dequantized(x)
+        return merge_weight(x) if is_adapted(x) else x
+
+    return pytree.tree_map(m, tree, is_leaf=_node)
 
 
 def base_params(tree):
-    """``tree`` with every adapted node replaced by its frozen base (the model the adapters were trained on)."""
+    """``tree`` with every adapted node replaced by its frozen base (the model the adapters were trained on; a
+    block-FP8 base stays an ``Fp8Weight``)."""
     return pytree.tree_map(lambda x: x.base if is_adapted(x) else x, tree, is_leaf=is_adapted)
 
 
@@ -267,12 +312,16 @@ def merged_params(tree):
     """``tree`` with every adapted node replaced by its merged weight in fp32 (``base + scale · B @ A``): the model
     a merged export writes."""
     def m(x):
+        if isinstance(x, Fp8Weight):
+            return attrs.evolve(x, dtype=torch.float32).dequantize()
         if not is_adapted(x):
             return x
+        if isinstance(x.base, Fp8Weight):
+            x = attrs.evolve(x, base=attrs.evolve(x.base, dtype=torch.float32).dequantize())
         f = attrs.evolve(x, **{k: getattr(x, k).float() for k in attrs.fields_dict(type(x)) if k != "scale"})
         return merge_weight(f)
 
-    return pytree.tree_map(m, tree, is_leaf=is_adapted)
+    return pytree.tree_map(m, tree, is_leaf=_node)
 
 
 def trainable_mask(tree) -> list[bool]:
@@ -292,4 +341,6 @@ def trainable_tree(tree, fn):
     from q38.pytree import tree_map_with_path
 
     train_all = all(trainable_mask(tree))
-    return tree_map_with_path(lambda p, x: fn(x) if train_all or is_adapter_path(p) else None, tree)
+    return tree_map_with_path(lambda p, x: fn(x) if train_all or is_adapter_path(p) else None, tree,
+                              is_leaf=lambda x: isinstance(x, Fp8Weight))  # a block-FP8 base: no moments at all
+

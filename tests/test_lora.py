@@ -217,8 +217,6 @@ def test_lora_run_resumes_bit_identical_and_refuses_another_base(tmp_path):
     assert ck.read_meta(step)["peft"]["base"] == {"init_from": None, "seed": 0}
     with pytest.raises(BaseMismatch, match="trained its adapters on base"):
         train(run_config(out, steps=6, peft=peft, run={"seed": 1}))
-    with pytest.raises(ConfigError, match="base_dtype: fp8.*not implemented"):
-        train(run_config(tmp_path / "fp8", steps=1, peft=dict(peft, base_dtype="fp8")))
 
 
 # ---- per-rank bytes: the frozen base costs its storage dtype and nothing else ----------------------------------
@@ -326,7 +324,7 @@ def test_plan_prices_a_lora_run_within_15_percent(recompute):
     assert rs(b) < rs(full) / 5  # only the adapters' gradients are reduced (0.11 of the full fine-tune here)
 
 
-@pytest.mark.slow  # ~7 min on the shared 2-core machine (three searches over 8-256 devices)
+@pytest.mark.slow  # ~10 s (three searches over 8-256 devices; ~7 min before the search was pruned)
 def test_fewest_ranks_lora_against_full_fine_tune():
     """The search's fewest-devices answer for Qwen3.5-35B-A3B under a 60 GiB cap (measured: full fine-tune 32 H200,
     LoRA 8 with a bf16 or an FP8 base): LoRA fits on fewer devices; an FP8 base needs no more than a bf16 one."""

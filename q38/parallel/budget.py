@@ -135,8 +135,10 @@ def estimate(
         opt_items = lora_budget.lora_optimizer(opt_items, ls)
         start_items = lora_budget.lora_start(start_items, ls, st)
         comm_ps, reduced = lora_budget.scaled_gathers(ls, act), ls.adapters
-    fl = step_flops(cfg, rows_per_rank, st.seq, cp=cp, recompute=recompute, micro_batches=micro_batches,
+    fl = _step_flops(cfg, rows_per_rank, st.seq, cp=cp, recompute=recompute, micro_batches=micro_batches,
                     gdn_chunk=gdn_chunk, aux_global=aux_global, causal_skip=True)
+    if ls is not None:  # no weight gradient for the frozen weights without an adapter; the merges added
+        fl = lora_budget.lora_flops(fl, cfg, peft, rows_per_rank * st.seq, micro_batches, recompute)
     hw = hardware
     peak = hw.peak(param_dtype) if hw else None
     ops: tuple[OpTime, ...] = ()
@@ -166,6 +168,9 @@ def estimate(
         hbm_bytes=hw.hbm_bytes if hw else None, ops=ops, kernels=kernels if ops else None,
         doc_len=doc_len if packed_rows else None,
     )
+
+
+_step_flops = functools.lru_cache(maxsize=512)(step_flops)  # the search prices thousands of budgets of few shapes
 
 
 def price_ops(fl: StepFlops, hw: Hardware, param_dtype: str, kernels, *, packed: bool, seq: int, cp: int,

@@ -545,6 +545,7 @@ class Layout:
                 errors[kind] = [msg]
 
         out = {}
+        specs: dict = {}
         for path, leaf in leaves:
             kind = generic_path(path)
             if isinstance(leaf, tuple):
@@ -562,14 +563,18 @@ class Layout:
                     f"parameter {path!r} has rank {len(shape)} but its declaration has axes {list(axes)}")
                 continue
             try:
-                spec = logical_to_spec(axes, rule_map, self.fsdp, info.fsdp_dim, order)
+                sk = (tuple(axes), info.fsdp_dim)  # the specs depend on the axes only: once per kind of leaf
+                if sk not in specs:
+                    specs[sk] = (logical_to_spec(axes, rule_map, self.fsdp, info.fsdp_dim, order),
+                                 logical_to_spec(axes, compute_map, (), None, order))
+                spec, cspec = specs[sk]
             except AxisCollision as e:
                 err(("twice", kind, e.mesh_dim), path,
                     f"parameter {path!r} ({kind}): mesh dim {e.mesh_dim!r} shards both dim {e.dims[0]} "
                     f"({axes[e.dims[0]]}) and dim {e.dims[1]} ({axes[e.dims[1]]})")
                 continue
-            cspec = logical_to_spec(axes, compute_map, (), None, order)
-            is_uneven = any(rx.match(path) for rx in uneven_res)
+            # block-FP8 scales (q38.fp8.Fp8Weight): a weight's grid of 128 x 128 blocks need not split evenly
+            is_uneven = any(rx.match(path) for rx in uneven_res) or path.endswith(".scale_inv")
             ok = True
             for i, dims in enumerate(spec):
                 k = math.prod(sizes[m] for m in dims)

@@ -84,7 +84,6 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
             cache[key] = local_numel_grid(pp.shape, key[1], sizes)
         return cache[key]
 
-    held = torch.zeros(sizes, dtype=torch.int64)
     layer_compute: dict[str, int] = {}
     layer_local: dict[str, int] = {}
     gather_group: dict = {}  # elements received per forward gather, per collective's mesh dims (fullest rank)
@@ -92,45 +91,56 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
     recompute_prefetchable: dict = {}
     layer_gather: dict = {}  # elements of layer params only (recompute re-gathers these)
     allreduce_dim: dict = {}  # replicated mesh dims of one all-reduce → elements it reduces (ring-weighted)
+    # What a leaf costs depends on its shape and specs only, not its path: computed once per kind of leaf (the
+    # search prices thousands of layouts of models whose layers repeat), the path deciding where it is counted.
+    per_sig: dict = {}
+    count: dict = {}
     for path, pp in placements.items():
-        local, comp = grid(pp, False), grid(pp, True)
-        held += local
-        lmax, cmax = int(local.max()), int(comp.max())
+        sig = (pp.shape, pp.mesh_axes_per_dim, pp.compute_axes_per_dim)
+        m = per_sig.get(sig)
+        if m is None:
+            local, comp = grid(pp, False), grid(pp, True)
+            lmax = int(local.max())
+            sd = pp.shard_dims(False)
+            steps, cur = [], lmax  # each collective multiplies what the rank holds
+            for g in gather_collectives(pp, names, mesh):
+                n = math.prod(mesh[x] for x in g)
+                steps.append((g, cur * (n - 1), all(pp.shape[sd[names.index(x)]] % mesh[x] == 0 for x in g)))
+                cur *= n
+            sharding = {n for n, a in zip(names, sd) if a is not None}
+            rep = tuple(n for n in names if n not in sharding and mesh[n] > 1)
+            k = math.prod(mesh[n] for n in rep)
+            m = per_sig[sig] = (local, lmax, int(comp.max()), steps, rep, 2 * (k - 1) / k * lmax if rep else 0.0)
+        count[sig] = count.get(sig, 0) + 1
+        _, lmax, cmax, steps, rep, reduced = m
         in_layer = ".layers." in f".{path}"
         if in_layer:
             key = _layer_key(path)
             layer_compute[key] = layer_compute.get(key, 0) + cmax
             layer_local[key] = layer_local.get(key, 0) + lmax
-        sd = pp.shard_dims(False)
-        colls = gather_collectives(pp, names, mesh)
         # MeshRuntime.prefetch starts the first gather of every leaf of the next layer when its chunks are even:
         # layers after the first, and the MTP block (before the last layer); the edges are gathered when used
         ahead = prefetch and (path.startswith("mtp.") or (in_layer and not path.startswith("layers.0.")))
-        cur = lmax  # each collective multiplies what the rank holds
-        for i, g in enumerate(colls):
-            n = math.prod(mesh[x] for x in g)
-            recv = cur * (n - 1)
+        for i, (g, recv, even) in enumerate(steps):
             gather_group[g] = gather_group.get(g, 0.0) + recv
             if in_layer:
                 layer_gather[g] = layer_gather.get(g, 0.0) + recv
-            even = all(pp.shape[sd[names.index(x)]] % mesh[x] == 0 for x in g)
             if ahead and i == 0 and even:
                 gather_prefetchable[g] = gather_prefetchable.get(g, 0.0) + recv
             # in backward, layer i-1's gathers start when layer i's recompute begins (layer L-1's behind the MTP
             # block's); the first layer backward recomputes (the last MTP depth) gathers its own
             if prefetch and i == 0 and even and in_layer and not path.startswith("mtp."):
                 recompute_prefetchable[g] = recompute_prefetchable.get(g, 0.0) + recv
-            cur *= n
-        sharding = {n for n, a in zip(names, sd) if a is not None}
-        rep = tuple(n for n in names if n not in sharding and mesh[n] > 1)
         if rep:  # replicated dims: one ring all-reduce of the reduce-scattered shard over their flattened group
-            k = math.prod(mesh[n] for n in rep)
-            allreduce_dim[rep] = allreduce_dim.get(rep, 0.0) + 2 * (k - 1) / k * lmax
+            allreduce_dim[rep] = allreduce_dim.get(rep, 0.0) + reduced
+    held = torch.zeros(sizes, dtype=torch.int64)
+    for sig, c in count.items():
+        held += per_sig[sig][0] * c
     numel = int(held.max())
     largest_layer = max(layer_compute.values(), default=0)
     gathered_layers = sum(layer_compute[k] - layer_local[k] for k in layer_compute)
 
-    stats = ParamStats(numel, max((int(grid(pp, False).max()) for pp in placements.values()), default=0),
+    stats = ParamStats(numel, max((m[1] for m in per_sig.values()), default=0),
                        largest_layer, max(layer_local.values(), default=0), gathered_layers, gather_group,
                        gather_prefetchable, layer_gather, allreduce_dim, recompute_prefetchable)
     if len(_STATS_CACHE) > 64:

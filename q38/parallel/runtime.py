@@ -186,7 +186,10 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         return work, parts
 
     def _dt(self, t) -> torch.dtype:
-        """The dtype bound leaf ``t`` is gathered in (``param_dtype`` unless ``compute_dtype`` keeps it fp32)."""
+        """The dtype bound leaf ``t`` is gathered in (``param_dtype`` unless ``compute_dtype`` keeps it fp32; an
+        integer leaf, e.g. the e4m3 bits of a block-FP8 base, as it is stored)."""
+        if not t.is_floating_point():
+            return t.dtype
         return self._dtype_of.get(id(t), self.param_dtype)
 
     def _gather_one(self, t):
@@ -200,7 +203,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         if not t.requires_grad:  # a frozen leaf (a LoRA run's base): gathered outside autograd, never reduced
             x = t.to_local().detach()
             with torch.no_grad():
-                y = _gather_forward(x, steps, self.param_dtype, pending)
+                y = _gather_forward(x, steps, dt, pending)
         elif not steps:
             x = t.to_local(grad_placements=t.placements)
             y = x.to(dt)

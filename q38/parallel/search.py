@@ -127,6 +127,7 @@ def search(
     model_name: str | None = None,
     ep_dispatches: tuple[str, ...] = ("flat", "hierarchical"),
     kernels: KernelConfig | None = None,
+    prune: bool = False,
     **kw,
 ) -> tuple[list[Candidate], float]:
     """All fitting candidates, fastest first, and the memory cap used (bytes). Raises ConfigError (one line) when
@@ -135,7 +136,9 @@ def search(
     config's kernel choices, resolved per candidate for the hardware's device (``plan_kernels``: what the trainer
     would run with that candidate's CP) and priced per op; a candidate the choices cannot serve (an explicit kernel
     without CP support on a CP layout) is left out. None: the run's own ``gdn_kernel`` / ``gdn_chunk`` in ``kw``, every
-    FLOP at the profile's ``achievable_fraction``."""
+    FLOP at the profile's ``achievable_fraction``. ``prune`` (what ``fewest_ranks`` asks): a factorisation is first
+    priced at its least-memory settings (the most micro-batches, full recompute, each EP dispatch) on one mesh
+    order (memory does not depend on the order), and dropped with all its orders and settings when none fits."""
     from q38.model import abstract_params
 
     kw.pop("ep_dispatch", None)
@@ -147,17 +150,23 @@ def search(
         raise ConfigError(
             f"world {world} has no valid factorisation fsdp × cp × ep for {model_name or cfg.model_type} "
             f"(seq_len {seq_len}, global batch {global_batch} sequences): {shown}; change --world or --global-batch")
-    abstract = abstract_params(cfg)
+    from q38.model import is_param_info
+    from q38.pytree import named_leaves
+
+    leaves = named_leaves(abstract_params(cfg), is_leaf=is_param_info)  # once: every layout places the same leaves
+    # full recompute keeps the fewest activations of all modes (the others keep kernel outputs besides)
+    least_modes = ("full",) if "full" in recompute_modes else tuple(recompute_modes)
     fits: list[Candidate] = []
     smallest: tuple[float, str] | None = None
     for fsdp, cp, ep, dpr in facts:
         orders = mesh_orders(fsdp, cp, ep) if dpr == 1 else [None]
+        probed = not prune
         for order in orders:
             d = candidate_layout(cfg, fsdp, cp, ep, dpr, order)
             try:
                 layout = Layout.from_dict(d, source=d["name"])
                 mesh = layout.resolve_mesh(world)
-                pl = layout.placements(abstract, mesh)
+                pl = layout.placements_of_shapes(leaves, mesh)
             except LayoutError:
                 continue
             rows = global_batch // (fsdp * ep * dpr)
@@ -173,6 +182,16 @@ def search(
                 if resolved[cp] is None:
                     continue
                 ckw.update(kernels_kwargs(resolved[cp]))
+            if not probed:  # the least memory this factorisation can take (the most micro-batches)
+                probed = True
+                least = min((estimate(cfg, layout, world, seq_len=seq_len, rows_per_rank=rows, micro_batches=rows,
+                                      recompute=rc, hardware=hardware, placements=pl, model_name=model_name,
+                                      ep_dispatch=disp, **ckw).peak_bytes, rc)
+                            for disp in (ep_dispatches if ep > 1 else ("flat",)) for rc in least_modes)
+                if smallest is None or least[0] < smallest[0]:
+                    smallest = (least[0], f"{d['name']} mb={rows} recompute={least[1]}")
+                if least[0] > cap:
+                    break
             for disp in (ep_dispatches if ep > 1 else ("flat",)):
                 for mb in _divisors(rows):
                     for rc in recompute_modes:
@@ -423,8 +442,6 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     prec = run_precision(raw, param_dtype=q.param_dtype, reduce_dtype=q.reduce_dtype)
     kw = budget_kwargs({**train, "param_dtype": prec.param, "reduce_dtype": prec.reduce}, gdn=gdn, chunk=chunk)
     kw["peft"] = planned_peft(raw.get("peft"), q.lora_rank, q.lora_base_dtype, src)
-    if kw["peft"] is not None and kw["peft"].base_dtype == "fp8":
-        print("note: peft.base_dtype fp8 is priced here; the trainer does not run an FP8 base yet", file=sys.stderr)
     kw["doc_len"] = q.doc_len or DEFAULT_DOC_LEN
     shipped = fallback = None
     global_batch = q.global_batch
@@ -503,13 +520,40 @@ def fewest_ranks(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_le
     layout of :func:`search` fits, with its fastest candidate; None when none fits up to ``max_world``.
     ``global_batch``: sequences per step (default: one per rank)."""
     world = hardware.devices_per_node
+    cap = float(kw["memory_cap"]) if kw.get("memory_cap") is not None else MEMORY_HEADROOM * hardware.hbm_bytes
+    floor = _state_floor_bytes(cfg, kw.get("peft"), kw.get("param_dtype", "bf16"))
     while world <= max_world:
+        if floor / world > cap:  # the state alone, spread evenly, does not fit: no layout can
+            world *= 2
+            continue
         try:
-            cands, _ = search(cfg, world, hardware, seq_len=seq_len, global_batch=global_batch or world, **kw)
+            cands, _ = search(cfg, world, hardware, seq_len=seq_len, global_batch=global_batch or world, prune=True,
+                              **kw)
             return world, cands[0]
         except ConfigError:
             world *= 2
     return None
+
+
+def _state_floor_bytes(cfg: ModelConfig, peft, param_dtype: str) -> float:
+    """Bytes of state a run holds over all its ranks at the least (each value stored once): a full fine-tune's fp32
+    masters and AdamW moments; a LoRA run's frozen base in its storage dtype (adapters left out)."""
+    from q38.fp8 import default_quantized
+    from q38.model import abstract_params, is_param_info
+    from q38.parallel.budget import _nbytes
+    from q38.parallel.lora_budget import FP8_BYTES
+    from q38.pytree import named_leaves
+
+    leaves = [(p, math.prod(i.shape)) for p, i in named_leaves(abstract_params(cfg), is_leaf=is_param_info)
+              if i is not None]
+    total = sum(n for _, n in leaves)
+    if peft is None:
+        return float(total * (4 + 8))
+    act = _nbytes(param_dtype)
+    if peft.base_dtype != "fp8":
+        return float(total * act)
+    q = sum(n for p, n in leaves if default_quantized(p))
+    return float(q * FP8_BYTES + (total - q) * act)
 
 
 def format_fewest(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_len: int,

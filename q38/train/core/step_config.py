@@ -116,8 +116,8 @@ class TrainConfig:
 
         import torch
 
-        if any(fnmatch.fnmatchcase(path, pat) for pat in self.fp32_params):
-            return torch.float32
+        if path.endswith(".scale_inv") or any(fnmatch.fnmatchcase(path, pat) for pat in self.fp32_params):
+            return torch.float32  # (block-FP8 scales are gathered as stored: q38.fp8.Fp8Weight)
         return self.torch_param_dtype
 
     @property

@@ -675,9 +675,10 @@ def hashing_writer(path: str | os.PathLike, **kw):
     return HashingWriter(str(path), **kw)
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: Path, *, follow: bool = False) -> str:
+    """The SHA-256 of a regular file, read in 1 MiB pieces (``follow``: a symlink to a regular file is read too)."""
     h = hashlib.sha256()
-    with open_regular(path, str(path)) as f:
+    with open_regular(path, str(path), follow=follow) as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()

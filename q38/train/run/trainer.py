@@ -239,7 +239,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                           "or `--to-hf OUT` (the merged model)")
     from q38.lora import check_runnable
 
-    check_runnable(cfg.peft)
+    check_runnable(cfg.peft, cfg.init_from)
     torch.manual_seed(cfg.run.seed)
     data = _open_data(cfg)
     resume = _find_resume(cfg, lead)
@@ -381,7 +381,13 @@ def _build_lora_state(cfg: RunConfig, resume: _Resume, mesh, device: str, plan: 
 
     if resume.latest is not None:  # before the base is read
         check_base(read_meta(resume.latest), base_reference(cfg.init_from, cfg.run.seed), str(resume.latest))
-    base = _initial_params(cfg, device, cfg.train.torch_param_dtype, mesh)
+    if cfg.peft.base_dtype == "fp8":  # projections in block-FP8 (each rank reads or draws only its blocks)
+        from q38.train.io.peft import fp8_base
+
+        base = fp8_base(cfg.model, cfg.init_from, seed=cfg.run.seed, dtype=cfg.train.torch_param_dtype, mesh=mesh,
+                        device=device)
+    else:
+        base = _initial_params(cfg, device, cfg.train.torch_param_dtype, mesh)
     state = lora_state(base, cfg.model, cfg.train, cfg.peft, seed=cfg.run.seed, mesh=mesh, device=device,
                        kernels=plan.kernels, empty=resume.latest is not None)
     if resume.latest is None:
