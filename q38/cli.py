@@ -174,10 +174,13 @@ def plan_cli(args: list[str]) -> int:
                         fewest_ranks=ns.fewest_ranks, doc_len=ns.doc_len, efficiencies=ns.efficiencies)
     try:
         if ns.train:  # the whole run config is checked as `q38 train` checks it; the plan reads its data/train settings
+            from q38.parallel.search import _train_defaults
             from q38.train.run.run_config import RunConfig
 
+            _train_defaults(query, str(ns.model))  # the file itself: found, YAML, a mapping
             model = str(Path(ns.model).resolve()) if Path(ns.model).exists() else ns.model
-            RunConfig.from_yaml(ns.train, overrides={"model": model})  # --model is the plan's model
+            with reading("--train", ns.train):
+                RunConfig.from_yaml(ns.train, overrides={"model": model})  # --model is the plan's model
         with reading("--model", ns.model):
             cfg = load_model_config(ns.model)
         prec = query_precision(query)  # the one dtype story of every section below

@@ -232,7 +232,7 @@ def _cases():
                                                  ["section 'kernels' must be a mapping"])
     C["plan:train-kernels-list"] = lambda c: (["plan", "--model", "tiny", "--layout", "single", "--world", "1",
                                                "--train", c.data("kernels: [1]\n", "t.yaml")],
-                                              ["kernels must be a mapping"])
+                                              ["'kernels' must be a mapping"])
 
     def hf_config(text, *needles):
         def case(c):

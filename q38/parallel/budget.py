@@ -7,6 +7,7 @@ placements, FLOPs from :mod:`q38.flops` (the formula MFU uses). :func:`estimate`
 :class:`Budget` (``budget_result``); what each counts and why: docs/plan.md#what-the-budget-counts.
 """
 
+import functools
 import math
 from typing import Any, Mapping
 
