@@ -22,7 +22,8 @@ def _cfg(tiny_cfg, **kw):
 
 def _two_layers(tiny_cfg, **kw):
     """One GDN and one full-attention layer (MTP kept): every layer kind once, for the checks that hold per layer
-    (accumulation, recompute, offload); the tiny preset's two further GDN layers would only repeat them."""
+    (accumulation, recompute, offload, MTP scaling, determinism); the tiny preset's two further GDN layers would
+    only repeat them."""
     return _cfg(tiny_cfg, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"), **kw)
 
 
@@ -86,7 +87,7 @@ def test_mtp_and_main_loss_equal_loop_reference(tiny_cfg, gen):
 
 
 def test_doubling_mtp_factor_doubles_mtp_gradients(tiny_cfg, gen):
-    cfg = _cfg(tiny_cfg, mtp_num_layers=2)
+    cfg = _two_layers(tiny_cfg, mtp_num_layers=2)
     batch = _batch(cfg, gen)
     # The MTP layers' routers also feed the aux loss (which does not scale), so it is switched off here.
     g1 = _grads(init_state(cfg, TrainConfig(mtp_loss_scaling_factor=0.1, aux_loss_coef=0.0), seed=0), batch)
@@ -174,7 +175,7 @@ def test_loss_falls_over_10_steps_and_inputs_are_not_mutated(tiny_cfg, gen):
 
 
 def test_train_step_is_deterministic(tiny_cfg, gen):
-    cfg = _cfg(tiny_cfg)
+    cfg = _two_layers(tiny_cfg)
     batch = _batch(cfg, gen)
     a, ma = train_step(init_state(cfg, TrainConfig(), seed=5), batch)
     b, mb = train_step(init_state(cfg, TrainConfig(), seed=5), batch)
