@@ -327,7 +327,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.dist
 def test_workers_do_not_outlive_a_killed_torchrun_agent(tmp_path):
     """kill -9 of the torchrun agent alone: both workers are gone within seconds (parent-death signal), the newest
-    complete checkpoint is intact, and the same command relaunched resumes and finishes."""
+    complete checkpoint is intact, and the same command relaunched (without the test's pause) resumes and
+    finishes."""
     out = tmp_path / "run"
     # 1 s per step: without the parent-death signal the workers would still be training at the check (10 steps
     # after step 2 are left, the check waits 5 s); the relaunch runs at full speed.
