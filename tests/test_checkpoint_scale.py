@@ -230,16 +230,27 @@ def _resume_rank(rank, world, layout, sizes, ck_dir):
             "params": _locals(unshard(params))}
 
 
+@pytest.fixture(scope="module")
+def saved4(tmp_path_factory):
+    """One checkpoint saved on 4 ranks × fsdp_ep (the same for every test that reads it): its directory and rank 0's
+    unsharded view of what was saved. The tests only read it; teardown checks that none of them changed a byte."""
+    ck_dir = tmp_path_factory.mktemp("saved4") / "ck"
+    saved = run_distributed(_save_rank, 4, "fsdp_ep", {"fsdp": 2, "ep": 2}, str(ck_dir))[0]
+    assert [p.name for p in ck_dir.parent.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
+    files = {p: p.read_bytes() for p in sorted(ck_dir.rglob("*")) if p.is_file()}
+    yield ck_dir, saved
+    assert {p: p.read_bytes() for p in sorted(ck_dir.rglob("*")) if p.is_file()} == files
+
+
 RESUME_CASES = [("fsdp", {"fsdp": 4}, 4), ("fsdp_ep", {"fsdp": 2, "ep": 2}, 4),
                 ("fsdp_ep_cp", {"fsdp": 1, "ep": 2, "cp": 2}, 4), ("fsdp", {"fsdp": 2}, 2)]
 
 
 @pytest.mark.parametrize("layout,sizes,world", RESUME_CASES, ids=[f"{c[0]}-{c[2]}ranks" for c in RESUME_CASES])
-def test_resume_and_init_from_q38_load_into_shards(tmp_path, layout, sizes, world):
+def test_resume_and_init_from_q38_load_into_shards(saved4, layout, sizes, world):
     """Saved on 4 ranks × fsdp_ep; loaded on this layout: bit-identical state, and no rank allocates a whole
     parameter whose shard is smaller (on resume: params and both moments; on init_from: params)."""
-    ck_dir = tmp_path / "ck"
-    saved = run_distributed(_save_rank, 4, "fsdp_ep", {"fsdp": 2, "ep": 2}, str(ck_dir))[0]
+    ck_dir, saved = saved4
     outs = run_distributed(_resume_rank, world, layout, sizes, str(ck_dir))
     for r, o in enumerate(outs):
         assert o["resume_full"] == [] and o["init_full"] == [], f"rank {r}: {o['resume_full']} {o['init_full']}"
@@ -250,12 +261,11 @@ def test_resume_and_init_from_q38_load_into_shards(tmp_path, layout, sizes, worl
     assert all(torch.equal(outs[0]["params"][n], saved[f"params.{n}"]) for n in outs[0]["params"])
 
 
-def test_a_sharded_checkpoint_resumes_in_one_process(tmp_path):
+def test_a_sharded_checkpoint_resumes_in_one_process(saved4):
     from q38.train.io.checkpoint import load_checkpoint
     from q38.train.core.state import init_state
 
-    ck_dir = tmp_path / "ck"
-    saved = run_distributed(_save_rank, 4, "fsdp_ep", {"fsdp": 2, "ep": 2}, str(ck_dir))[0]
+    ck_dir, saved = saved4
     state, meta = load_checkpoint(ck_dir, init_state(CFG_A, TrainConfig()))
     assert meta["step"] == 7
     got = _locals(state)
@@ -278,14 +288,13 @@ def _export_rank(rank, world, ck_dir, out, dtype):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_export_is_byte_identical_to_save_hf_on_any_number_of_ranks(tmp_path, world):
+def test_export_is_byte_identical_to_save_hf_on_any_number_of_ranks(tmp_path, saved4, world):
     """``export_checkpoint`` (each rank writes every world-th file) writes the bytes ``save_hf`` writes from the whole
     parameters in one process; the files load in q38 to the saved parameters."""
     from q38.train.io.checkpoint import load_params
     from q38.train.io.hf_io import export_checkpoint
 
-    ck_dir = tmp_path / "ck"
-    run_distributed(_save_rank, 4, "fsdp_ep", {"fsdp": 2, "ep": 2}, str(ck_dir))
+    ck_dir = saved4[0]
     _, params, _ = load_params(ck_dir, dtype=torch.bfloat16)
     ref = save_hf(tmp_path / "ref", CFG_A, params, max_shard_bytes=40_000)
     out = tmp_path / "out"
@@ -298,7 +307,7 @@ def test_export_is_byte_identical_to_save_hf_on_any_number_of_ranks(tmp_path, wo
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
 
 
-def test_export_loads_in_transformers_with_q38_logits(tmp_path):
+def test_export_loads_in_transformers_with_q38_logits(tmp_path, saved4):
     """The export of a sharded checkpoint, loaded by transformers' ``from_pretrained``: logits within 1e-4 of q38's."""
     pytest.importorskip("transformers")
     import q38
@@ -306,8 +315,7 @@ def test_export_loads_in_transformers_with_q38_logits(tmp_path):
     from q38.train.io.hf_io import export_checkpoint
     from tests.test_hf_parity import _hf_from_pretrained
 
-    ck_dir = tmp_path / "ck"
-    run_distributed(_save_rank, 4, "fsdp_ep", {"fsdp": 2, "ep": 2}, str(ck_dir))
+    ck_dir = saved4[0]
     export_checkpoint(ck_dir, tmp_path / "hf", dtype=torch.float32)
     _, params, _ = load_params(ck_dir)
     ids = torch.randint(0, CFG_A.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -412,7 +420,7 @@ def test_run_save_hf_exports_each_checkpoint_from_every_rank(tmp_path, world):
         train(run_config(tmp_path / "bad", steps=1, run={"save_hf_every": 1}))
 
 
-def test_convert_to_hf_under_torchrun_equals_one_process(tmp_path):
+def test_convert_to_hf_under_torchrun_equals_one_process(tmp_path, saved4):
     """``torchrun --nproc_per_node 2 -m q38.cli convert --to-hf``: each worker writes its share of the files; the
     directory equals the one-process ``q38 convert --to-hf`` byte for byte."""
     import os
@@ -422,8 +430,7 @@ def test_convert_to_hf_under_torchrun_equals_one_process(tmp_path):
     from q38.cli import main
     from tests.run_utils import REPO
 
-    ck_dir = tmp_path / "ck"
-    run_distributed(_save_rank, 4, "fsdp_ep", {"fsdp": 2, "ep": 2}, str(ck_dir))
+    ck_dir = saved4[0]
     assert main(["convert", "--to-hf", str(ck_dir), str(tmp_path / "one"), "--max-shard-bytes", "40000"]) == 0
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"

@@ -17,6 +17,7 @@ from q38.cli import main
 from q38.train.io import checkpoint as ck
 from q38.train.data.loader import IGNORE_INDEX, DataError, load_documents
 from q38.train.data.tokenizer import ByteTokenizer
+from q38.train.data import shards
 from q38.train.data.prepare import prepare_data
 from q38.train.data.shards import (
     MIX_BLOCK,
@@ -32,7 +33,7 @@ from q38.train.run.trainer import RunConfig, train
 from tests.run_utils import REPO, losses, metrics, run_dict, write_config
 
 BYTE = ByteTokenizer()
-CORPUS = REPO / "q38" / "train" / "corpus"
+CORPUS = REPO / "q38" / "train" / "data" / "corpus"
 CHAT = CORPUS / "chat_example.jsonl"
 QUIET = dict(progress=False, log=lambda s: None)
 
@@ -415,9 +416,12 @@ def test_bad_shard_inputs(tmp_path, capsys, tiny_shards):
     _expect_error(tmp_path, capsys, {"path": str(tmp_path)}, rf"{tmp_path} has no manifest\.json")
 
 
-def test_bad_token_in_a_shard_is_caught_when_the_shard_is_first_read(tmp_path, tiny_shards):
+def test_bad_token_in_a_shard_is_caught_when_the_shard_is_first_read(tmp_path, tiny_shards, monkeypatch):
     """The manifest's max_token_id is not trusted: the first read of a shard checks all of its tokens, so a row
-    without the bad token is refused as well, and the line names the shard file and the row."""
+    without the bad token is refused as well, and the line names the shard file and the row. The file is read in
+    chunks of ID_CHUNK tokens (bounded memory): at 16, the bad token lies in the third, and its position is still
+    counted from the start of the shard."""
+    monkeypatch.setattr(shards, "ID_CHUNK", 16)
     d = _copy(tiny_shards, tmp_path / "tampered")
     arr = np.fromfile(d / "shard_000000.tokens", dtype=np.uint16)
     arr[37] = 999

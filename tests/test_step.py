@@ -20,6 +20,13 @@ def _cfg(tiny_cfg, **kw):
     return tiny_cfg.replace(initializer_range=0.1, **kw)
 
 
+def _two_layers(tiny_cfg, **kw):
+    """One GDN and one full-attention layer (MTP kept): every layer kind once, for the checks that hold per layer
+    (accumulation, recompute, offload, MTP scaling, determinism); the tiny preset's two further GDN layers would
+    only repeat them."""
+    return _cfg(tiny_cfg, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"), **kw)
+
+
 def _batch(cfg, gen, b=4, s=48, packed=True):
     ids = torch.randint(0, cfg.vocab_size, (b, s), generator=gen)
     labels = ids.clone()
@@ -80,7 +87,7 @@ def test_mtp_and_main_loss_equal_loop_reference(tiny_cfg, gen):
 
 
 def test_doubling_mtp_factor_doubles_mtp_gradients(tiny_cfg, gen):
-    cfg = _cfg(tiny_cfg, mtp_num_layers=2)
+    cfg = _two_layers(tiny_cfg, mtp_num_layers=2)
     batch = _batch(cfg, gen)
     # The MTP layers' routers also feed the aux loss (which does not scale), so it is switched off here.
     g1 = _grads(init_state(cfg, TrainConfig(mtp_loss_scaling_factor=0.1, aux_loss_coef=0.0), seed=0), batch)
@@ -106,7 +113,7 @@ def test_aux_loss_equals_transformers(gen):
 
 @pytest.mark.parametrize("scope", ["global_batch"])
 def test_four_micro_batches_equal_one_big_batch(tiny_cfg, gen, scope):
-    cfg = _cfg(tiny_cfg)
+    cfg = _two_layers(tiny_cfg)
     batch = _batch(cfg, gen, b=4)
     # eps = 1e-3 keeps Adam's first update Lipschitz in the gradient (with eps ~ 0 it is sign(g) · lr, which turns
     # 1e-9 rounding noise in near-zero gradients into lr-sized differences).
@@ -124,7 +131,7 @@ def test_four_micro_batches_equal_one_big_batch(tiny_cfg, gen, scope):
 
 
 def test_recompute_and_offload_give_identical_gradients(tiny_cfg, gen):
-    cfg = _cfg(tiny_cfg)
+    cfg = _two_layers(tiny_cfg)
     batch = _batch(cfg, gen)
     params = init_params(cfg, seed=2)
     variants = [
@@ -145,18 +152,18 @@ def test_recompute_and_offload_give_identical_gradients(tiny_cfg, gen):
             assert (a - b).abs().max() <= 1e-6
 
 
-def test_loss_falls_over_50_steps_and_inputs_are_not_mutated(tiny_cfg, gen):
-    # 2 layers (1 GDN + 1 attention) + MTP keep 50 type-checked steps cheap; every module family is still there.
-    cfg = _cfg(tiny_cfg, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"))
+def test_loss_falls_over_10_steps_and_inputs_are_not_mutated(tiny_cfg, gen):
+    # At lr 1e-2 the loss on this one batch is below a tenth of its start after 10 steps (the check asks for half).
+    cfg = _two_layers(tiny_cfg)
     batch = _batch(cfg, gen, b=2, s=32, packed=False)
     ids = torch.randint(0, 40, (2, 32), generator=gen)
     batch = {"input_ids": ids, "labels": ids.clone()}
     before = {k: v.clone() for k, v in batch.items()}
-    state = init_state(cfg, TrainConfig(lr=3e-3, warmup_steps=5, total_steps=50, loss_chunk_size=32), seed=0)
+    state = init_state(cfg, TrainConfig(lr=1e-2, warmup_steps=2, total_steps=10, loss_chunk_size=32), seed=0)
     p0 = [t.clone() for t in tree_leaves(state.params)]
     losses = []
     s = state
-    for _ in range(50):
+    for _ in range(10):
         s, m = train_step(s, batch)
         losses.append(float(m.loss))
     assert losses[-1] < 0.5 * losses[0]
@@ -164,11 +171,11 @@ def test_loss_falls_over_50_steps_and_inputs_are_not_mutated(tiny_cfg, gen):
         assert torch.equal(batch[k], before[k])
     for a, b in zip(p0, tree_leaves(state.params)):
         assert torch.equal(a, b)
-    assert int(state.step) == 0 and int(s.step) == 50
+    assert int(state.step) == 0 and int(s.step) == 10
 
 
 def test_train_step_is_deterministic(tiny_cfg, gen):
-    cfg = _cfg(tiny_cfg)
+    cfg = _two_layers(tiny_cfg)
     batch = _batch(cfg, gen)
     a, ma = train_step(init_state(cfg, TrainConfig(), seed=5), batch)
     b, mb = train_step(init_state(cfg, TrainConfig(), seed=5), batch)
@@ -215,7 +222,7 @@ def test_recompute_reruns_layers_and_skip_options_keep_kernel_outputs(tiny_cfg, 
                 self.n["attn"] += 1
             return func(*args, **(kwargs or {}))
 
-    cfg = _cfg(tiny_cfg, mtp_num_layers=0)
+    cfg = _two_layers(tiny_cfg, mtp_num_layers=0)
     batch = _batch(cfg, gen, packed=False)
     params = init_params(cfg, seed=2)
     counts = {}

@@ -226,10 +226,11 @@ def _wait_for_step(out: Path, step: int, proc, timeout=120.0):
 
 
 DRIVER = """
-import sys, time
+import os, sys, time
 import q38.train.run.trainer as T
 _train = T.train
-T.train = lambda cfg, on_step=None: _train(cfg, on_step=lambda rec: time.sleep(0.4))  # slow steps: time to signal
+PAUSE = float(os.environ.get("Q38_TEST_STEP_PAUSE", "0.4"))  # slow steps: time to signal
+T.train = lambda cfg, on_step=None: _train(cfg, on_step=lambda rec: time.sleep(PAUSE))
 from q38.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -326,14 +327,18 @@ def _alive(pid: int) -> bool:
 @pytest.mark.dist
 def test_workers_do_not_outlive_a_killed_torchrun_agent(tmp_path):
     """kill -9 of the torchrun agent alone: both workers are gone within seconds (parent-death signal), the newest
-    complete checkpoint is intact, and the same command relaunched resumes and finishes."""
+    complete checkpoint is intact, and the same command relaunched (without the test's pause) resumes and
+    finishes."""
     out = tmp_path / "run"
-    steps = 30  # 0.4 s each: without the parent-death signal the workers would still be training at the check
+    # 1 s per step: without the parent-death signal the workers would still be training at the check (10 steps
+    # after step 2 are left, the check waits 5 s); the relaunch runs at full speed.
+    steps = 12
     cfg = write_config(tmp_path / "run.yaml", run_dict(out, steps=steps, layout="fsdp", run={"save_every": 1}))
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
+    env["Q38_TEST_STEP_PAUSE"] = "1.0"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(driver),
            "train", str(cfg)]
     log = open(tmp_path / "first.log", "w")  # not a pipe: the workers inherit it and would keep it open
@@ -357,7 +362,8 @@ def test_workers_do_not_outlive_a_killed_torchrun_agent(tmp_path):
                 os.kill(w, signal.SIGKILL)
     latest = ck.latest_checkpoint(out / "checkpoints")
     assert latest is not None and ck.verify_checkpoint(latest) is None
-    again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    again = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**env, "Q38_TEST_STEP_PAUSE": "0"},
+                           timeout=240)
     assert again.returncode == 0, again.stderr
     assert f"resumed from {latest}" in again.stdout
     assert [m["step"] for m in metrics(out)] == list(range(1, steps + 1))

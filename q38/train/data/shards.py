@@ -29,6 +29,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 MIX_BLOCK = 16384  # samples per mixture block: weights are realised exactly in every block, to 1 / MIX_BLOCK
 EVAL_KEY = 0x5EED_E7A1  # fixed key of the eval-row order (independent of run.seed: the same split every run)
+ID_CHUNK = 1 << 22  # tokens per bounded read when a shard's token ids are checked at open
 
 
 # ---- identities and helpers -----------------------------------------------------------------------------------------
@@ -393,15 +394,26 @@ class ShardRows(MappedRows):
                         f"`q38 prepare-data INPUT... --out {self.path}`")
 
     def _check_ids(self, s: dict[str, Any], tok: np.ndarray) -> None:
-        """Every token id of shard ``s`` is below ``vocab_size``; else one line naming the file, row and token."""
-        if not len(tok) or int(tok.max()) < self.vocab_size:
-            return
-        at = int(np.argmax(tok >= self.vocab_size))
-        raise DataError(
-            f"data: {self.path / s['files']['tokens']} holds token id {int(tok[at])} >= the model's vocab_size "
-            f"{self.vocab_size} at token {at} (row {at // self.seq_len} of the shard at seq_len {self.seq_len}); the "
-            f"shard does not match {self.path / MANIFEST}; re-run `q38 prepare-data INPUT... --out {self.path}`"
-        )
+        """Every token id of shard ``s`` is below ``vocab_size``; else one line naming the file, row and token. One
+        pass over the file in reads of ``ID_CHUNK`` tokens into one buffer: a max over the memory map would page the
+        whole shard into this process's resident set (its peak RSS would grow with the corpus)."""
+        n = len(tok)
+        if not n or int(np.iinfo(self.dtype).max) < self.vocab_size:
+            return  # empty, or the dtype cannot hold an id that large
+        f = self.path / s["files"]["tokens"]
+        buf = np.empty(min(n, ID_CHUNK), dtype=self.dtype)
+        with open(f, "rb") as fh:
+            for a in range(0, n, ID_CHUNK):
+                part = buf[:min(n, a + ID_CHUNK) - a]
+                fh.readinto(memoryview(part).cast("B"))  # the map's length is the file's: the read is whole
+                if int(part.max()) < self.vocab_size:
+                    continue
+                at = a + int(np.argmax(part >= self.vocab_size))
+                raise DataError(
+                    f"data: {f} holds token id {int(part[at - a])} >= the model's vocab_size {self.vocab_size} at "
+                    f"token {at} (row {at // self.seq_len} of the shard at seq_len {self.seq_len}); the shard does "
+                    f"not match {self.path / MANIFEST}; re-run `q38 prepare-data INPUT... --out {self.path}`"
+                )
 
 
 # ---- mixtures and the batch iterator ------------------------------------------------------------------------------
