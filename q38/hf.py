@@ -383,19 +383,19 @@ class HFReader:
     def __exit__(self, *exc) -> None:
         pass
 
-    def _read(self, key: str, index: tuple[slice, ...] | None) -> Tensor:
+    def _read(self, key: str, index: tuple[slice, ...] | None, dtype=None) -> Tensor:
         from safetensors import safe_open
 
         if key in self.src.quantized:
-            return self._read_fp8(key, index)
+            return self._read_fp8(key, index, dtype)
         with safe_open(str(self.src.path / self.src.index[key]), framework="pt") as fh:
             t = fh.get_tensor(key) if index is None else fh.get_slice(key)[index]
             # a copy that owns its memory: what safetensors returns is a view of its map of the whole file
-            t = t.to(device=self.device, dtype=self.dtype, copy=True)
+            t = t.to(device=self.device, dtype=dtype, copy=True)
         self.bytes_read += t.numel() * t.element_size()
         return t
 
-    def _read_fp8(self, key: str, index: tuple[slice, ...] | None) -> Tensor:
+    def _read_fp8(self, key: str, index: tuple[slice, ...] | None, dtype=None) -> Tensor:
         """Block ``index`` of the e4m3 weight ``key``: the slice's values and the scales of the blocks it touches."""
         from safetensors import safe_open
 
@@ -411,7 +411,7 @@ class HFReader:
             scale = fh.get_slice(sk)[covering(rows, shape[0], block[0]), covering(cols, shape[1], block[1])]
             scale = scale.to(device=self.device, dtype=torch.float32, copy=True)
         self.bytes_read += q.numel() * q.element_size() + scale.numel() * scale.element_size()
-        return dequantize(q, scale, rows, cols, block).to(self.dtype or torch.float32)
+        return dequantize(q, scale, rows, cols, block).to(dtype or torch.float32)
 
     def stored_dtype(self, leaf: str) -> torch.dtype:
         """The dtype leaf ``leaf`` loads in without a cast: its stored dtype (its rule's first HF tensor), fp32 for
@@ -420,12 +420,14 @@ class HFReader:
         return torch.float32 if dt == FP8_DTYPE else dt
 
     def block(self, leaf: str, index: tuple[slice, ...]) -> Tensor:
-        """The block ``index`` of q38 leaf ``leaf`` (contiguous, in the reader's dtype and device)."""
+        """The block ``index`` of q38 leaf ``leaf`` (contiguous, in the reader's dtype, or ``dtype(leaf)`` when the
+        reader's dtype is a function of the leaf, and device)."""
         rule, which = self._rules[leaf]
+        dtype = self.dtype(leaf) if callable(self.dtype) else self.dtype
         shape = tuple(sl.stop - sl.start for sl in index)
         if 0 in shape:
-            return torch.empty(shape, dtype=self.dtype or self.stored_dtype(leaf), device=self.device)
-        return rule.block(lambda i, hf_index: self._read(rule.hf[i], hf_index), which, index).contiguous()
+            return torch.empty(shape, dtype=dtype or self.stored_dtype(leaf), device=self.device)
+        return rule.block(lambda i, hf_index: self._read(rule.hf[i], hf_index, dtype), which, index).contiguous()
 
 
 def _dtype_of(st_dtype: str) -> torch.dtype:
@@ -435,14 +437,15 @@ def _dtype_of(st_dtype: str) -> torch.dtype:
 def load_hf(
     path: str | os.PathLike,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | Callable[[str], torch.dtype] | None = None,
     device: torch.device | str | None = None,
     mtp_num_layers: int | None = None,
     mtp_shared_layer: bool | None = None,
 ) -> tuple[ModelConfig, ModelParams]:
     """Read a HF checkpoint directory (``config.json`` + safetensors) → ``(ModelConfig, ModelParams)``.
 
-    ``dtype``: cast every tensor (default: keep the stored dtypes; a block-FP8 weight is dequantized to fp32).
+    ``dtype``: cast every tensor, or each leaf to ``dtype(path)`` (default: keep the stored dtypes; a block-FP8
+    weight is dequantized to fp32).
     ``mtp_num_layers``: override the config's MTP depth, e.g. ``0`` for a checkpoint written by transformers'
     ``save_pretrained`` (which drops ``mtp.*``); with an override, ``mtp.*`` keys beyond that depth are ignored.
     ``mtp_shared_layer``: run ``mtp.layers.0`` at every depth (docs/model.md#multi-token-prediction-mtp). Raises

@@ -233,7 +233,8 @@ def declared_info(path: str) -> ParamInfo:
 def add_adapters(params, peft: PeftConfig, *, seed: int, make=None, base_dtype=None):
     """``params`` (a ``ModelParams`` of tensors or DTensors, some weights possibly ``Fp8Weight``: a block-FP8 base,
     kept as it is) with every targeted weight replaced by its adapted node; every other frozen leaf cast to
-    ``base_dtype`` (the compute dtype: the base is stored as the layers use it).
+    ``base_dtype`` (the compute dtype: the base is stored as the layers use it), a dtype or ``base_dtype(path)``
+    (``TrainConfig.compute_dtype``: the ``train.fp32_params`` leaves, e.g. ``A_log``, stay fp32).
     ``make(path, info)`` builds an adapter matrix (default: ``materialize`` on the base's device); on a mesh it builds
     the rank's shard (``q38.parallel.mesh.build_adapter``). Values depend only on ``seed`` and the path."""
     from q38.layers.common import materialize
@@ -246,7 +247,8 @@ def add_adapters(params, peft: PeftConfig, *, seed: int, make=None, base_dtype=N
 
     def node(path, t):
         fp8 = isinstance(t, Fp8Weight)
-        base = t if fp8 or base_dtype is None or not t.is_floating_point() else t.to(base_dtype)
+        dt = base_dtype(path) if callable(base_dtype) else base_dtype
+        base = t if fp8 or dt is None or not t.is_floating_point() else t.to(dt)
         if not peft.adapts(path):
             return base
         info = declared_info(path)

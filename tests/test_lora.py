@@ -101,9 +101,10 @@ def _kind_targets(layer_type):
 @pytest.mark.parametrize("mode", list(PEFTS))
 def test_only_adapters_train(mode):
     """After two steps only adapter matrices changed; the state holds moments only for them; the base is stored in
-    the compute dtype (bf16 under the bf16 policy) and has no master copy."""
+    the compute dtype (bf16 under the bf16 policy, but the GDN decay A_log and norm weight fp32, as the released
+    checkpoints store them) and has no master copy."""
     tc = TrainConfig(loss_chunk_size=16, lr=1e-2, param_dtype="bfloat16")
-    s0 = _lora_state(tc, PEFTS[mode], dtype=torch.bfloat16)
+    s0 = _lora_state(tc, PEFTS[mode], dtype=tc.compute_dtype)
     s = s0
     for i in range(2):
         s, m = train_step(s, _batch(seed=i))
@@ -113,8 +114,10 @@ def test_only_adapters_train(mode):
     adapters = {n for n in before if is_adapter_path(n)}
     assert changed == adapters
     assert {n for n, _ in named_leaves(s.exp_avg)} == adapters == {n for n, _ in named_leaves(s.exp_avg_sq)}
+    fp32 = {n for n in before if n.endswith((".mixer.A_log", ".mixer.norm_w"))}
+    assert fp32 and all(".mixer." in n for n in fp32)
     for n, t in before.items():
-        assert t.dtype == (torch.float32 if n in adapters else torch.bfloat16), n
+        assert t.dtype == (torch.float32 if n in adapters | fp32 else torch.bfloat16), n
 
 
 def test_peft_config_refusals():
@@ -230,7 +233,7 @@ def _bytes_fn(rank, world, lora):
     tc = TrainConfig(loss_chunk_size=16, param_dtype="bfloat16")
     layout = Layout.preset("fsdp_ep").with_mesh(fsdp=2, ep=2)
     mesh = make_mesh(layout, world)
-    state = shard(_lora_state(tc, PEFTS["per_expert"], dtype=torch.bfloat16) if lora else init_state(cfg, tc), mesh)
+    state = shard(_lora_state(tc, PEFTS["per_expert"], dtype=tc.compute_dtype) if lora else init_state(cfg, tc), mesh)
     local = lambda t: t.to_local()  # noqa: E731
     by_part = {}
     for part in ("params", "exp_avg", "exp_avg_sq"):
@@ -261,10 +264,13 @@ def test_frozen_base_costs_its_storage_dtype_only_on_each_rank():
     e, r = cfg.num_experts, peft.rank
     for o, f in zip(outs, full):
         b = o["bytes"]
-        assert set(b) == {("params", "base", "torch.bfloat16"), ("params", "adapter", "torch.float32"),
-                          ("exp_avg", "adapter", "torch.float32"), ("exp_avg_sq", "adapter", "torch.float32")}
-        # the base in bf16 is half of the full fine-tune's fp32 master shard of the same weights, with no moments
-        assert b[("params", "base", "torch.bfloat16")] * 2 == f["bytes"][("params", "base", "torch.float32")]
+        assert set(b) == {("params", "base", "torch.bfloat16"), ("params", "base", "torch.float32"),
+                          ("params", "adapter", "torch.float32"), ("exp_avg", "adapter", "torch.float32"),
+                          ("exp_avg_sq", "adapter", "torch.float32")}
+        # the base in bf16 (A_log and the GDN norm fp32, train.fp32_params) is half of the full fine-tune's fp32
+        # master shard of the same weights but those, with no moments
+        assert (b[("params", "base", "torch.bfloat16")] * 2 + b[("params", "base", "torch.float32")]
+                == f["bytes"][("params", "base", "torch.float32")])
         assert b[("exp_avg", "adapter", "torch.float32")] == b[("params", "adapter", "torch.float32")]
         assert o["shapes"]["layers.0.moe.we_gate_up.lora_a"][0] == e // 2  # EP-split with the experts
         assert o["shapes"]["layers.0.moe.we_gate_up.base"][0] == e // 2
@@ -341,3 +347,44 @@ def test_fewest_ranks_lora_against_full_fine_tune():
     print(f"fewest h200 at 60 GiB: full {full[0]}, LoRA bf16 base {lora[0]}, LoRA fp8 base {fp8[0]}")
     assert lora[0] < full[0] and fp8[0] <= lora[0]
     assert lora[1].budget.peak_bytes <= 60 * GIB
+
+
+@pytest.mark.parametrize("source", ["hf", "seed"])
+def test_a_lora_run_keeps_the_fp32_leaves_of_its_base_in_fp32(tmp_path, source):
+    """Under the bf16 policy a LoRA run's frozen base is bf16 but for ``train.fp32_params`` (A_log, the GDN norm):
+    those keep the exact fp32 values the Hugging Face checkpoint stores (read here with safetensors itself), or
+    that a fresh fp32 init draws; rounding them to bf16 on the way in (a decay-rate error in every token) would
+    change their bits."""
+    from safetensors import safe_open
+
+    from q38.hf import save_hf
+    from q38.train.io.peft import lora_state
+    from q38.train.run.run_config import RunConfig
+    from q38.train.run.trainer import _initial_params
+    from tests.run_utils import run_dict, small_model_dict
+
+    cfg = ModelConfig.from_dict(small_model_dict())
+    sections = {"train": {"param_dtype": "bfloat16"}, "peft": {"rank": 2, "alpha": 4}}
+    if source == "hf":
+        save_hf(tmp_path / "base", cfg, init_params(cfg, seed=3))  # every tensor fp32 in the files
+        sections["init_from"] = str(tmp_path / "base")
+    rc = RunConfig.from_dict(run_dict(tmp_path / "out", **sections))
+    state = lora_state(_initial_params(rc, "cpu", rc.train.compute_dtype), rc.model, rc.train, rc.peft, seed=0)
+    params = dict(named_leaves(state.params))
+    kept = {n: t for n, t in params.items() if n.endswith((".mixer.A_log", ".mixer.norm_w"))}
+    assert kept and all(t.dtype == torch.float32 for t in kept.values())
+    assert params["layers.0.mixer.w_qkv.base"].dtype == torch.bfloat16
+    if source == "hf":
+        stored = None
+        for file in sorted((tmp_path / "base").glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    if key.endswith("layers.0.linear_attn.A_log"):
+                        stored = f.get_tensor(key)
+        assert stored.dtype == torch.float32
+        assert torch.equal(kept["layers.0.mixer.A_log"], stored)
+        assert not torch.equal(stored.to(torch.bfloat16).float(), stored)  # the test can tell the two apart
+    else:
+        fresh = dict(named_leaves(init_params(cfg, seed=rc.run.seed)))
+        for n, t in kept.items():
+            assert torch.equal(t, fresh[n]), n

@@ -47,7 +47,7 @@ def _region(seed=0):
 def _fp8_state(tc, *, mesh=None, block=BLOCK, peft=PEFT, nonzero_b=False):
     cfg = _cfg()
     base = build_fp8_base(cfg, region=_region(), quantized=default_quantized, block=block,
-                          dtype=tc.torch_param_dtype, mesh=mesh)
+                          dtype=tc.compute_dtype, mesh=mesh)
     state = lora_state(base, cfg, tc, peft, seed=0, mesh=mesh)
     if nonzero_b:
         import attrs
@@ -130,7 +130,7 @@ def test_fp8_base_step0_is_the_dequantized_base_model():
 
 def test_fp8_base_only_adapters_train_and_hold_state():
     """bf16 policy, two steps: only adapter matrices change; moments exist for them only; the base's bits (uint8)
-    and scales (fp32) and its other frozen leaves (bf16) are untouched."""
+    and scales (fp32) and its other frozen leaves (bf16; A_log and the GDN norm fp32) are untouched."""
     tc = TrainConfig(loss_chunk_size=16, lr=1e-2, param_dtype="bfloat16")
     s0 = _fp8_state(tc)
     s = s0
@@ -143,8 +143,8 @@ def test_fp8_base_only_adapters_train_and_hold_state():
     assert changed == adapters
     assert {n for n, _ in named_leaves(s.exp_avg)} == adapters == {n for n, _ in named_leaves(s.exp_avg_sq)}
     for n, t in before.items():
-        want = (torch.float32 if n in adapters or n.endswith(".scale_inv") else
-                torch.uint8 if n.endswith(".bits") else torch.bfloat16)
+        fp32 = n.endswith((".scale_inv", ".mixer.A_log", ".mixer.norm_w"))
+        want = (torch.float32 if n in adapters or fp32 else torch.uint8 if n.endswith(".bits") else torch.bfloat16)
         assert t.dtype == want, n
 
 

@@ -65,8 +65,8 @@ def materialize(
     info: ParamInfo, path: str, *, seed: int, device=None, dtype=None, index: tuple[slice, ...] | None = None
 ) -> Tensor:
     """Create one parameter tensor (or the sub-block ``index`` of it, e.g. a shard) from its ``ParamInfo``; values
-    depend only on ``seed`` and ``path``."""
-    dtype = dtype or torch.float32
+    depend only on ``seed`` and ``path``. ``dtype``: a dtype, or ``dtype(path)`` (e.g. ``TrainConfig.compute_dtype``)."""
+    dtype = (dtype(path) if callable(dtype) else dtype) or torch.float32
     full = tuple(slice(0, n) for n in info.shape)
     index = tuple(index) if index is not None else full
     shape = tuple(sl.stop - sl.start for sl in index)

@@ -630,7 +630,8 @@ def empty_params(model: ModelConfig, *, device=None, dtype=None, mesh=None):
 
 def load_params(path: str | os.PathLike, *, device=None, dtype=None, mesh=None) -> tuple[ModelConfig, Any, dict]:
     """``(model config, params, meta)`` of a q38 checkpoint (a checkpoint, checkpoints or run directory); the
-    optimizer moments are not read. ``dtype``: cast (default: the dtype the parameters were saved in). ``mesh``:
+    optimizer moments are not read. ``dtype``: cast, or ``dtype(path)`` per parameter (default: the dtype the
+    parameters were saved in). ``mesh``:
     the parameters as DTensors of that mesh's layout, each rank reading only its shards."""
     path = resolve_checkpoint(path)
     meta = read_meta(path)
@@ -641,6 +642,10 @@ def load_params(path: str | os.PathLike, *, device=None, dtype=None, mesh=None) 
     params = empty_params(cfg, device=device, dtype=saved, mesh=mesh)
     sd = {f"params.{n}": t for n, t in named_leaves(params)}
     _dcp_load(sd, path, reader, model=cfg)
-    if dtype is not None and dtype != saved:
+    if callable(dtype):  # a dtype per parameter (TrainConfig.compute_dtype)
+        from q38.pytree import tree_map_with_path
+
+        params = tree_map_with_path(lambda p, t: t.to(dtype(p)), params)
+    elif dtype is not None and dtype != saved:
         params = tree_map(lambda t: t.to(dtype), params)
     return cfg, params, meta

@@ -69,7 +69,8 @@ def check_base(meta: dict, ref: dict, where: str) -> None:
 def build_fp8_base(model_config, *, region, quantized, block: tuple[int, int], dtype, mesh=None, raw=None,
                    device=None):
     """The frozen base of a ``base_dtype: fp8`` run: every parameter ``quantized(path)`` as an ``Fp8Weight``
-    (``bits`` and ``scale_inv`` each sharded on the weight's logical axes), every other in ``dtype``. Each rank
+    (``bits`` and ``scale_inv`` each sharded on the weight's logical axes), every other in ``dtype`` (or
+    ``dtype(path)``). Each rank
     builds only its own blocks: ``region(path, info, index)`` returns the fp32 values of block ``index`` (a tuple of
     slices) of parameter ``path``; a quantized shard reads the whole 128 × 128 blocks it touches and quantizes them
     (``amax / 448`` scales, as the released format does), so its bits and scales equal those of the whole tensor.
@@ -115,12 +116,13 @@ def build_fp8_base(model_config, *, region, quantized, block: tuple[int, int], d
         return bits[..., rows.start - r.start : rows.stop - r.start, cols.start - c.start : cols.stop - c.start].clone()
 
     def leaf(path, info):
+        dt = dtype(path) if callable(dtype) else dtype  # TrainConfig.compute_dtype: fp32_params stay fp32
         if not quantized(path):
-            return place(path, info, lambda index: region(path, info, index).to(dtype))
+            return place(path, info, lambda index: region(path, info, index).to(dt))
         bits = place(f"{path}.bits", info, lambda index: quantized_part(path, info, index, "bits").contiguous())
         sinfo = scale_info(info, block)
         scale = place(f"{path}.scale_inv", sinfo, lambda index: quantized_part(path, info, index, "scale_inv"))
-        return Fp8Weight(bits, scale, block=block, dtype=dtype)
+        return Fp8Weight(bits, scale, block=block, dtype=dt)
 
     return tree_map_with_path(leaf, abstract_params(model_config), is_leaf=is_param_info)
 
@@ -210,7 +212,8 @@ def lora_state(base, model_config, train_config, peft: PeftConfig, *, seed: int,
                kernels=None, empty: bool = False):
     """The state of a LoRA run over ``base`` (parameters, or DTensors on ``mesh``): adapters added (each rank
     drawing only its shards; ``empty``: allocated only, a resume's load target), the base in the compute dtype
-    (an ``Fp8Weight`` leaf of an FP8 base, ``fp8_base``, kept as it is), moments for the adapters only."""
+    (fp32 for the ``train.fp32_params`` leaves; an ``Fp8Weight`` leaf of an FP8 base, ``fp8_base``, kept as it is),
+    moments for the adapters only."""
     from q38.kernels import DEFAULT_KERNELS
     from q38.train.core.state import state_from_params
 
@@ -221,5 +224,5 @@ def lora_state(base, model_config, train_config, peft: PeftConfig, *, seed: int,
         make = adapter_maker(mesh, seed=seed, device=device, empty=empty)
     elif empty:
         make = lambda path, info, like: torch.empty(info.shape, device=like.device)  # noqa: E731
-    params = add_adapters(base, peft, seed=seed, make=make, base_dtype=train_config.torch_param_dtype)
+    params = add_adapters(base, peft, seed=seed, make=make, base_dtype=train_config.compute_dtype)
     return state_from_params(params, model_config, train_config, kernels=kernels or DEFAULT_KERNELS, peft=peft)

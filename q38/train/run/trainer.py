@@ -97,7 +97,7 @@ def _store():
 # ---- the run --------------------------------------------------------------------------------------------------------
 
 
-def _initial_params(cfg: RunConfig, device: str, dtype: torch.dtype, mesh=None):
+def _initial_params(cfg: RunConfig, device: str, dtype: torch.dtype | Callable[[str], torch.dtype], mesh=None):
     """Parameters from ``init_from`` (a Hugging Face directory or a q38 checkpoint), checked against the run's model
     config, or freshly initialised. With ``mesh`` they are DTensors and each rank reads or draws only its shards."""
     from q38.model import init_params
@@ -384,10 +384,10 @@ def _build_lora_state(cfg: RunConfig, resume: _Resume, mesh, device: str, plan: 
     if cfg.peft.base_dtype == "fp8":  # projections in block-FP8 (each rank reads or draws only its blocks)
         from q38.train.io.peft import fp8_base
 
-        base = fp8_base(cfg.model, cfg.init_from, seed=cfg.run.seed, dtype=cfg.train.torch_param_dtype, mesh=mesh,
+        base = fp8_base(cfg.model, cfg.init_from, seed=cfg.run.seed, dtype=cfg.train.compute_dtype, mesh=mesh,
                         device=device)
     else:
-        base = _initial_params(cfg, device, cfg.train.torch_param_dtype, mesh)
+        base = _initial_params(cfg, device, cfg.train.compute_dtype, mesh)  # fp32_params leaves stay fp32
     state = lora_state(base, cfg.model, cfg.train, cfg.peft, seed=cfg.run.seed, mesh=mesh, device=device,
                        kernels=plan.kernels, empty=resume.latest is not None)
     if resume.latest is None:
