@@ -282,7 +282,7 @@ def test_fp8_base_costs_one_byte_a_value_plus_scales_on_each_rank():
         assert o["all_gather"] < 0.75 * c["all_gather"]
         b = o["bytes"]
         assert set(b) == {("params", "bits", "torch.uint8"), ("params", "scale", "torch.float32"),
-                          ("params", "other", "torch.bfloat16"),
+                          ("params", "other", "torch.bfloat16"), ("params", "other", "torch.float32"),  # A_log, norm
                           ("params", "adapter", "torch.float32"), ("exp_avg", "adapter", "torch.float32"),
                           ("exp_avg_sq", "adapter", "torch.float32")}, sorted(b)
         assert b[("params", "bits", "torch.uint8")] == o["numel"]["bits"]  # one byte a value
