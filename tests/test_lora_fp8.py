@@ -21,13 +21,10 @@ from q38.train.core.step import loss_and_grads, train_step
 from q38.train.core.step_config import TrainConfig
 from q38.train.io.peft import build_fp8_base, fp8_base, lora_state
 from tests.dist_utils import run_distributed
+from tests.test_lora import _cfg  # the same tiny model as the compute-dtype LoRA tests
 
 BLOCK = (16, 16)  # small blocks, so the tiny model's matrices hold several (and partial ones: 4 x 64 gates are not)
 PEFT = PeftConfig(rank=4, alpha=8, mtp=True, base_dtype="fp8")
-
-
-def _cfg():
-    return ModelConfig.preset("tiny").replace(initializer_range=0.1, mtp_num_layers=1)
 
 
 def _batch(seed=0, b=4, s=32):
