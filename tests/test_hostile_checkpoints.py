@@ -679,3 +679,27 @@ def test_every_file_of_a_checkpoint_has_a_hash_computed_while_it_was_written(goo
                 assert hashlib.sha256(raw[int(off):int(off) + n]).hexdigest() == h
         else:
             assert e["sha256"] == hashlib.sha256(raw).hexdigest()
+
+
+def test_a_lora_base_whose_shard_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """A LoRA run hashes its base's safetensors headers (no index file): a FIFO named like a shard is refused on the
+    open descriptor; a plain ``open`` would wait for a writer forever (the alarm turns that into a failure)."""
+    from q38.train.io.peft import base_reference
+
+    d = tmp_path / "base"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    os.mkfifo(d / "model-00001-of-00001.safetensors")
+
+    def waited(*_):
+        raise TimeoutError("base_reference waited on a FIFO")
+
+    old = signal.signal(signal.SIGALRM, waited)
+    signal.alarm(10)
+    try:
+        with pytest.raises(Exception, match="not a regular file") as e:
+            base_reference(str(d), 0)
+        assert not isinstance(e.value, TimeoutError)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
