@@ -15,6 +15,10 @@ AUX_SCOPES = ("micro_batch", "global_batch")
 AUX_TYPES = ("pooled", "per_layer", "sequence")
 AUX_TOKENS = ("real", "labelled")
 NAN_POLICIES = ("stop", "skip")
+# optimizer state (docs/configuration.md): AdamW moments in fp32, bf16 or 8-bit block-wise; the master weight as fp32
+# or as the bf16 weight plus a 16-bit remainder (together the fp32 bits)
+MOMENT_DTYPES = ("float32", "bfloat16", "int8")
+MASTER_DTYPES = ("float32", "bfloat16_remainder")
 EP_DISPATCHES = ("flat", "hierarchical")
 # mixed precision (docs/parallel.md#mixed-precision): master weights and AdamW moments are always fp32
 PRECISION_DTYPES = ("float32", "bfloat16")
@@ -99,6 +103,12 @@ class TrainConfig:
     # FSDP without recompute: free each gathered parameter after its layer's forward, gather it again in backward
     # (not applied with enable_ep_balance, whose per-rank graphs differ; use recompute there)
     reshard_after_forward: bool = True
+    # optimizer state: `moment_dtype` stores both AdamW moments (int8: block-wise quantized, one fp32 scale per
+    # block); `master_dtype` the master weights; `offload_optimizer` keeps masters and moments in host memory and
+    # steps there
+    moment_dtype: str = attrs.field(default="float32", validator=one_of(*MOMENT_DTYPES))
+    master_dtype: str = attrs.field(default="float32", validator=one_of(*MASTER_DTYPES))
+    offload_optimizer: bool = attrs.field(default=False, validator=boolean)
 
     def __attrs_post_init__(self) -> None:
         validate_train_config(self)
@@ -164,6 +174,11 @@ def validate_train_config(t: TrainConfig) -> None:
     for ok, msg in rules:
         if not ok:
             raise ConfigError(msg)
+    lean = {k: getattr(t, k) for k, d in (("moment_dtype", "float32"), ("master_dtype", "float32"),
+                                           ("offload_optimizer", False)) if getattr(t, k) != d}
+    if lean:
+        raise ConfigError(f"{', '.join(f'{k}: {v}' for k, v in lean.items())} is not implemented yet; "
+                          "leave the optimizer state at its defaults")
 
 
 def validate_run(
