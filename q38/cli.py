@@ -259,6 +259,10 @@ def _convert(argv: list[str]) -> int:
                    "source)")
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="--to-hf: largest safetensors file (default 5e9, as transformers writes)")
+    p.add_argument("--merge-onto", choices=("trained", "original"), default=None,
+                   help="--to-hf of a LoRA run with peft.base_dtype: fp8 whose base was not a block-FP8 checkpoint "
+                   "(quantized at load): merge the adapters onto the block-FP8 (dequantized) values the run trained "
+                   "on (trained, default) or onto the base as stored (original); the same for any other LoRA run")
     a = p.parse_args(argv)
     from q38.train.run.launch import cpu_process_group
 
@@ -280,6 +284,8 @@ def _convert_files(a, *, lead: bool) -> int:
                          "or give one of those")
     if a.from_hf and a.base is not None:
         raise ValueError("--base names the base of a LoRA run for --to-hf / --to-peft; --from-hf takes none")
+    if a.merge_onto is not None and not a.to_hf:
+        raise ValueError("--merge-onto chooses the base of the merged export of a LoRA run (--to-hf); drop it")
     if a.to_peft and a.max_shard_bytes is not None:
         raise ValueError("--max-shard-bytes: a PEFT adapter is one adapter_model.safetensors (what PEFT reads); drop "
                          "it")
@@ -300,7 +306,10 @@ def _convert_files(a, *, lead: bool) -> int:
                              "model, not adapters; export it with --to-hf")
         if a.base is not None and not lora:
             raise ValueError(f"--base names the base of a LoRA run, but {ck} is not a LoRA checkpoint; drop --base")
-        _check_export_target(Path(a.src), ck, out, a.overwrite)
+        if a.merge_onto is not None and not lora:
+            raise ValueError(f"--merge-onto chooses the base of a LoRA run's merged export, but {ck} is not a LoRA "
+                             "checkpoint; drop --merge-onto")
+        _check_export_target(Path(a.src), ck, out, a.overwrite, meta, a.base)
         what = f"step {meta.get('step')} of {ck}"
         if a.to_peft:
             from q38.train.io.peft_export import export_peft
@@ -313,11 +322,11 @@ def _convert_files(a, *, lead: bool) -> int:
             dtype = SOURCE
         shard = a.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES
         if lora:
-            from q38.train.io.peft_export import export_merged
+            from q38.train.io.peft_export import export_merged, merge_description
 
-            export_merged(ck, out, dtype=dtype, max_shard_bytes=shard, base=a.base)
-            what = f"merged: the base {a.base or meta['peft']['base'].get('init_from') or 'of the seed'} + the " \
-                   f"adapters of {what}"
+            onto = a.merge_onto or "trained"
+            export_merged(ck, out, dtype=dtype, max_shard_bytes=shard, base=a.base, merge_onto=onto)
+            what = f"merged: {merge_description(meta, onto, a.base)} + the adapters of {what}"
         else:
             export_checkpoint(ck, out, dtype=dtype, max_shard_bytes=shard)
         if lead:
@@ -340,12 +349,17 @@ def _convert_files(a, *, lead: bool) -> int:
     return 0
 
 
-def _check_export_target(src, ck, out, overwrite: bool) -> None:
-    """``convert --to-hf`` never writes into its source, nor over an existing non-empty OUT_DIR without
-    ``--overwrite`` (the export itself is built in a temporary directory and renamed, see ``save_hf``)."""
-    from q38.train.io.dirs import check_output_dir
+def _check_export_target(src, ck, out, overwrite: bool, meta: dict, base) -> None:
+    """``convert --to-hf`` / ``--to-peft`` never writes into its source nor into anything the run references (its
+    base, also as ``--base``, its model source, data and tokenizer: ``run_inputs``), with or without ``--overwrite``,
+    nor over an existing non-empty OUT_DIR without ``--overwrite`` (the export itself is built in a temporary
+    directory and renamed, see ``save_hf``)."""
+    from q38.train.io.dirs import check_output_dir, run_inputs
 
     check_output_dir(out, (src, ck), what="OUT_DIR", overwrite=overwrite, role="source")
+    refs = run_inputs(meta.get("run_config"), meta) + ([("base (--base)", Path(base))] if base is not None else [])
+    for role, path in refs:
+        check_output_dir(out, (path,), what="OUT_DIR", overwrite=overwrite, role=f"run's {role}")
 
 
 def _init_hf(argv: list[str]) -> int:

@@ -189,4 +189,49 @@ def check_output_dir(out: str | os.PathLike, inputs: Sequence[str | os.PathLike]
                           "--overwrite")
 
 
+def run_inputs(run_config: dict | None, meta: dict | None = None) -> list[tuple[str, Path]]:
+    """``(role, path)`` of every file or directory a run reads (docs/checkpoints.md#what-a-run-references): its
+    ``init_from`` (the base of a LoRA run), the model source, the data (``data.path``, each path of a mixture, a
+    Megatron prefix's ``.bin`` / ``.idx``), ``data.eval_path`` and the tokenizer, from a run config's ``to_dict()``
+    (or a checkpoint's ``meta["run_config"]``); ``meta``: a checkpoint's, whose recorded LoRA base is one too. Builtin
+    names and missing entries are skipped. No q38 command writes into any of them (``check_output_dir``)."""
+    rc = run_config or {}
+    data = rc.get("data") or {}
+    out: list[tuple[str, str]] = [("base (init_from)", rc.get("init_from")), ("model source", rc.get("model"))]
+    base = ((meta or {}).get("peft") or {}).get("base") or {}
+    out.append(("base (init_from)", base.get("init_from")))
+    paths = data.get("path")
+    for e in paths if isinstance(paths, list) else [paths]:
+        out.append(("data", e.get("path") if isinstance(e, dict) else e))
+    out += [("eval data", data.get("eval_path")), ("tokenizer", data.get("tokenizer"))]
+    found: list[tuple[str, Path]] = []
+    for role, v in out:
+        if not isinstance(v, str) or not v or v.startswith("builtin:") or v == "byte":
+            continue
+        p = Path(v)
+        for q in (p, Path(f"{v}.bin"), Path(f"{v}.idx")):  # a Megatron corpus is named by its prefix
+            if (q.exists() or q.is_symlink()) and (role, q) not in found:
+                found.append((role, q))
+    return found
+
+
+def check_run_out_dir(out_dir: str | os.PathLike, inputs: Sequence[tuple[str, Path]]) -> None:
+    """``q38 train``'s ``run.out_dir`` never is nor lies inside a path the run reads (``run_inputs``), and none of
+    them lies where the run writes (``out_dir/checkpoints``, ``out_dir/hf``, ``metrics.jsonl``, the run lock), real
+    paths compared (symlinks resolved); checked before anything is created."""
+    from q38.train.io.checkpoint import CHECKPOINTS
+
+    o = Path(out_dir).resolve()
+    written = [o / CHECKPOINTS, o / "hf", o / METRICS_FILE, o / LOCK_FILE]
+    for role, src in inputs:
+        s = src.resolve()
+        if o == s or s in o.parents:
+            raise ConfigError(f"run.out_dir {out_dir} is the run's {role} {src} or inside it; the run would write "
+                              "into what it reads; choose a run.out_dir outside it")
+        w = next((w for w in written if s == w or w in s.parents), None)
+        if w is not None:
+            raise ConfigError(f"the run's {role} {src} lies in {w}, which the run writes (and prunes); move it out "
+                              "of run.out_dir or choose another run.out_dir")
+
+
 # ---- one run per out_dir ------------------------------------------------------------------------------------------

@@ -2,9 +2,11 @@
 the frozen base.
 
 A LoRA checkpoint holds the adapters, their AdamW moments and the step (no base weights), and ``meta.json`` names
-the base: ``{"init_from": path, "sha256": ...}`` (the hash of a Hugging Face directory's safetensors index, or of the
-headers of its safetensors files when it has no index; of a q38 checkpoint's manifest), or for a fresh base
-``{"init_from": null, "seed": N}``. A resume rebuilds the base from that reference and refuses another one.
+the base: for a Hugging Face directory ``{"init_from": path, "format": "tensor-sha256", "sha256": ..., "tensors":
+{key: digest}}`` (the bytes of every tensor, ``weights_reference``), for a q38 checkpoint ``{"init_from": path,
+"sha256": ...}`` (its manifest, which holds every file's SHA-256), for a fresh base ``{"init_from": null, "seed": N}``.
+A resume and both exports rebuild the reference of the base at hand and refuse another one, naming the first tensor
+that differs (``base_difference``).
 
 ``peft.base_dtype: fp8``: the base's projections are held in block-FP8 (``fp8_base``): a block-FP8 Hugging Face
 checkpoint's e4m3 bits and scales kept as stored, anything else quantized per 128 × 128 block as each rank reads it.
@@ -12,6 +14,8 @@ checkpoint's e4m3 bits and scales kept as stored, anything else quantized per 12
 
 import hashlib
 import json
+import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -24,9 +28,152 @@ class BaseMismatch(ConfigError):
     """A LoRA checkpoint was trained on another base than the run names."""
 
 
-def _safetensors_headers_sha256(d: Path) -> str:
+# ---- the base reference ----------------------------------------------------------------------------------------------
+
+REFERENCE_FORMAT = "tensor-sha256"  # a Hugging Face base known by the bytes of its tensors (the format key of a ref)
+CHUNK_BYTES = 64 << 20  # the unit of work of the hash: a tensor's bytes in pieces of this size, dealt over ranks
+SHORT = 16  # hex digits kept per tensor in meta.json (enough to name the one that changed; ``sha256`` covers all)
+HASH_THREADS = 4  # hashlib and os.pread release the GIL: each rank hashes its share in this many threads
+
+
+def _hf_tensors(d: Path) -> dict[str, tuple[Path, int, int, str, list]]:
+    """``{key: (file, start, end, dtype, shape)}`` of the tensors a Hugging Face directory's reader reads: those its
+    ``model.safetensors.index.json`` maps (each in the file it names), else those of its ``*.safetensors`` files
+    (a key in two files refused). Byte ranges are absolute file offsets, checked inside the file."""
+    from q38.train.io.untrusted import MAX_JSON_BYTES, inside, load_json, open_regular
+
+    index = d / "model.safetensors.index.json"
+    wanted: dict[str, str] | None = None
+    if index.is_file():
+        wm = (load_json(inside(d, index.name, "init_from", follow=True), str(index), follow=True) or {})
+        wm = wm.get("weight_map") if isinstance(wm, dict) else None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise BaseMismatch(f"{index}: no weight_map of tensor names to file names; not a Hugging Face index")
+        wanted = wm
+        names = sorted(set(wm.values()))
+    else:
+        names = sorted(f.name for f in d.glob("*.safetensors"))
+    out: dict[str, tuple[Path, int, int, str, list]] = {}
+    for name in names:
+        f = inside(d, name, "init_from", follow=True)  # a plain file inside the base (a HF cache links to blobs)
+        with open_regular(f, str(f), follow=True) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 <= n <= min(MAX_JSON_BYTES, size - 8):
+                raise BaseMismatch(f"{f}: not a safetensors file (its header length does not fit the file)")
+            try:
+                header = json.loads(fh.read(n))
+            except (ValueError, RecursionError):
+                raise BaseMismatch(f"{f}: the safetensors header is not JSON") from None
+        if not isinstance(header, dict):
+            raise BaseMismatch(f"{f}: the safetensors header is not a JSON object")
+        for key, v in header.items():
+            if key == "__metadata__" or (wanted is not None and wanted.get(key) != name):
+                continue
+            try:
+                a, b = v["data_offsets"]
+                ok = type(a) is int and type(b) is int and 0 <= a <= b and 8 + n + b <= size
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise BaseMismatch(f"{f}: tensor {str(key)[:80]!r} has byte offsets outside the file")
+            if key in out:
+                raise BaseMismatch(f"{d}: tensor {key!r} is in both {out[key][0].name} and {name}; a base holds each "
+                                   "tensor once")
+            out[key] = (f, 8 + n + a, 8 + n + b, str(v.get("dtype")), list(v.get("shape") or []))
+    if wanted is not None:
+        missing = sorted(set(wanted) - set(out))
+        if missing:
+            raise BaseMismatch(f"{index} maps {missing[0]!r} to {wanted[missing[0]]}, which does not hold it")
+    return out
+
+
+def _hash_chunks(chunks: list[tuple[Path, int, int]]) -> list[bytes]:
+    """The SHA-256 of each ``(file, start, end)`` byte range, in threads (one open descriptor per file)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from q38.train.io.untrusted import open_regular
 
+    with ExitStack() as stack:
+        fds = {f: stack.enter_context(open_regular(f, str(f), follow=True)).fileno()
+               for f in dict.fromkeys(f for f, _, _ in chunks)}
+
+        def one(c):
+            f, a, b = c
+            h = hashlib.sha256()
+            pos = a
+            while pos < b:
+                got = os.pread(fds[f], min(b - pos, 8 << 20), pos)
+                if not got:
+                    raise BaseMismatch(f"{f}: ends at byte {pos}, before the tensor data its header names")
+                h.update(got)
+                pos += len(got)
+            return h.digest()
+
+        with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+            return list(pool.map(one, chunks))
+
+
+def _world():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+def weights_reference(d: Path) -> dict:
+    """The reference of a Hugging Face base directory by its weights: every tensor's bytes (as its reader reads
+    them) hashed in ``CHUNK_BYTES`` pieces, the pieces dealt round-robin over the ranks of the default process group
+    (each rank hashes ~1/world of the bytes, in ``HASH_THREADS`` threads) and gathered; a tensor's digest is the
+    SHA-256 of its dtype, shape and piece digests, the base's (``sha256``) that of every ``key digest`` line in key
+    order. Neither depends on the world size nor on how the base is split into files. Collective under a process
+    group: every rank calls it (an error on any rank is raised on every rank, never left in the gather)."""
+    dist = _world()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+    err, mine, tensors = None, {}, {}
+    try:
+        tensors = _hf_tensors(d)
+        chunks = [(k, f, a, min(a + CHUNK_BYTES, b)) for k, (f, s, b, _, _) in sorted(tensors.items())
+                  for a in range(s, b, CHUNK_BYTES)]
+        share = list(range(rank, len(chunks), world))
+        mine = dict(zip(share, _hash_chunks([chunks[i][1:] for i in share])))
+    except Exception as e:  # noqa: BLE001  (raised below on every rank)
+        err = e
+    if dist is not None:
+        got: list = [None] * world
+        dist.all_gather_object(got, (None if err is None else f"{type(err).__name__}: {err}", mine))
+        if err is None:
+            bad = next(((r, m) for r, (m, _) in enumerate(got) if m), None)
+            if bad is not None:
+                raise BaseMismatch(f"hashing the base {d} failed on rank {bad[0]}: {bad[1]}")
+            for _, part in got:
+                mine.update(part)
+    if err is not None:
+        raise err
+    per_key: dict[str, list[bytes]] = {k: [] for k in tensors}
+    for i, (k, *_) in enumerate(chunks):
+        per_key[k].append(mine[i])
+    digests = {}
+    for k, (_, _, _, dt, shape) in sorted(tensors.items()):
+        h = hashlib.sha256(f"{dt} {shape}\n".encode())
+        for c in per_key[k]:
+            h.update(c)
+        digests[k] = h.hexdigest()
+    total = hashlib.sha256("".join(f"{k} {v}\n" for k, v in digests.items()).encode()).hexdigest()
+    return {"init_from": str(d), "format": REFERENCE_FORMAT, "chunk_bytes": CHUNK_BYTES, "sha256": total,
+            "tensors": {k: v[:SHORT] for k, v in digests.items()}}
+
+
+def _legacy_headers_sha256(d: Path) -> str:
+    """What q38 recorded for a Hugging Face base before ``REFERENCE_FORMAT``: the hash of its safetensors index, or
+    of its files' headers (kept to check the checkpoints written then; it does not cover the weights' bytes)."""
+    from q38.train.io.untrusted import open_regular, sha256_file
+
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        return sha256_file(index, follow=True)
     h = hashlib.sha256()
     for f in sorted(d.glob("*.safetensors")):
         with open_regular(f, "init_from", follow=True) as fh:  # a FIFO or device is refused, never waited on
@@ -36,36 +183,72 @@ def _safetensors_headers_sha256(d: Path) -> str:
     return h.hexdigest()
 
 
-def _file_sha256(f: Path) -> str:
-    from q38.train.io.untrusted import sha256_file
+def _is_hf_dir(p: Path) -> bool:
+    from q38.train.io.checkpoint import is_checkpoint
 
-    return sha256_file(f, follow=True)  # a Hugging Face cache links its files to blobs
+    return (p / "config.json").is_file() and not is_checkpoint(p)
 
 
 def base_reference(init_from: str | None, seed: int) -> dict:
-    """What identifies a LoRA run's base: its path and a hash of its index (see the module docstring)."""
+    """What identifies a LoRA run's base (docs/checkpoints.md#the-base-of-a-lora-run): a Hugging Face directory by
+    its weights (``weights_reference``; collective under a process group), a q38 checkpoint by its manifest (which
+    holds the SHA-256 of every file, checked when it is read), a fresh base by its seed."""
     if not init_from:
         return {"init_from": None, "seed": int(seed)}
-    from q38.train.io.checkpoint import MANIFEST_FILE, is_checkpoint, resolve_checkpoint
+    from q38.train.io.checkpoint import MANIFEST_FILE, resolve_checkpoint
+    from q38.train.io.untrusted import sha256_file
 
     p = Path(init_from)
-    if (p / "config.json").is_file() and not is_checkpoint(p):
-        index = p / "model.safetensors.index.json"
-        digest = _file_sha256(index) if index.is_file() else _safetensors_headers_sha256(p)
-        return {"init_from": str(p), "sha256": digest}
+    if _is_hf_dir(p):
+        return weights_reference(p)
     ck = resolve_checkpoint(p)
-    return {"init_from": str(ck), "sha256": _file_sha256(ck / MANIFEST_FILE)}
+    return {"init_from": str(ck), "sha256": sha256_file(ck / MANIFEST_FILE, follow=True)}
 
 
-def check_base(meta: dict, ref: dict, where: str) -> None:
-    """Refuse to resume the LoRA checkpoint ``where`` (its ``meta``) on another base than ``ref``."""
+def base_difference(saved: dict, ref: dict) -> tuple[str | None, str | None]:
+    """``(what differs, note)`` between the base a checkpoint recorded (``saved``) and the one at hand (``ref``, of
+    ``base_reference``): ``what`` names the first tensor (in key order) that changed, is missing or is new, or None
+    when they are the same base. A checkpoint written before ``REFERENCE_FORMAT`` recorded the hash of the base's
+    safetensors index or headers only: it is checked that way and accepted with ``note`` saying that the weights
+    themselves could not be compared."""
+    if saved.get("init_from") is None or ref.get("init_from") is None:
+        if saved.get("init_from") is None and ref.get("init_from") is None and saved.get("seed") == ref.get("seed"):
+            return None, None
+        return "one is drawn from a seed, the other read from init_from", None
+    if saved.get("format") != ref.get("format"):
+        if saved.get("format") is None and ref.get("format") == REFERENCE_FORMAT:  # written before weights hashing
+            if saved.get("sha256") != _legacy_headers_sha256(Path(ref["init_from"])):
+                return "its safetensors index or headers differ", None
+            return None, (f"this checkpoint recorded only a hash of its base's safetensors index/headers (q38 before "
+                          f"weights hashing): the weights of {ref['init_from']} cannot be compared with those it was "
+                          "trained on; a checkpoint saved from now on records them")
+        return "one is a Hugging Face directory, the other a q38 checkpoint", None
+    if saved.get("sha256") == ref.get("sha256"):
+        return None, None
+    old, new = saved.get("tensors") or {}, ref.get("tensors") or {}
+    for k in sorted(set(old) | set(new)):
+        if k not in new:
+            return f"tensor {k} is missing", None
+        if k not in old:
+            return f"tensor {k} is new", None
+        if old[k] != new[k]:
+            return f"tensor {k} differs", None
+    return ("its manifest differs" if ref.get("format") is None else "its weights differ"), None
+
+
+def check_base(meta: dict, ref: dict, where: str) -> str | None:
+    """Refuse to resume the LoRA checkpoint ``where`` (its ``meta``) on another base than ``ref``; the note of
+    ``base_difference`` (or None) when it is the same base."""
     saved = (meta.get("peft") or {}).get("base")
     if saved is None:
         raise BaseMismatch(f"{where} is not a LoRA checkpoint (its meta.json has no peft.base) but the run config has "
                            "a peft section; resume it without peft, or start the LoRA run in a new run.out_dir")
-    if saved.get("sha256") != ref.get("sha256") or saved.get("seed") != ref.get("seed"):
-        raise BaseMismatch(f"{where} trained its adapters on base {json.dumps(saved)}, but this run's base is "
-                           f"{json.dumps(ref)}; set init_from to the checkpoint's base, or use a new run.out_dir")
+    what, note = base_difference(saved, ref)
+    if what is not None:
+        raise BaseMismatch(f"{where} trained its adapters on another base than {ref.get('init_from') or 'the seed'} "
+                           f"({what}; recorded base {saved.get('init_from') or 'seed ' + str(saved.get('seed'))}); "
+                           "set init_from to the base it was trained on, unchanged, or use a new run.out_dir")
+    return note
 
 
 def build_fp8_base(model_config, *, region, quantized, block: tuple[int, int], dtype, mesh=None, raw=None,

@@ -22,6 +22,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from q38.hf import _Entry, _abstract_shapes, _plan, _write_safetensors, export_tmp_dir, plan_export, publish_export
+from q38.fp8 import default_quantized
 from q38.layers.hf_keys import CheckpointLayout
 from q38.lora import EXPERT_TARGETS, Lora, PeftConfig, SharedLora, add_adapters, merge_weight, split_path
 from q38.model_config import ConfigError, ModelConfig
@@ -221,11 +222,10 @@ def export_peft(ck: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.d
 
     def prepare():
         lc = open_lora_checkpoint(ck)
-        if base is not None:
-            check_base_path(lc, base)
         return lc, *plan_peft(lc, _base_name(lc, base))
 
     lc, tensors, config = all_ranks_ok(prepare, f"reading LoRA checkpoint {ck}")
+    check_base_path(lc, base)  # the base is there and unchanged, as for the merged export
     with shared_tmp_dir(export_tmp_dir(out, _broadcast_token())) as tmp:
         def write():
             if _rank() != 0:
@@ -261,35 +261,46 @@ def _broadcast_token() -> str:
 # ---- the base and the merged model ----------------------------------------------------------------------------------
 
 
-def check_base_path(lc: LoraCheckpoint, path: str | os.PathLike) -> dict:
-    """The base reference of ``path`` (a Hugging Face directory or a q38 checkpoint), refused unless it is the base
-    the adapters of ``lc`` were trained on (the same recorded hash)."""
-    from q38.train.io.peft import base_reference
+def check_base_path(lc: LoraCheckpoint, path: str | os.PathLike | None) -> dict:
+    """The base reference of ``path`` (a Hugging Face directory or a q38 checkpoint; None: the path the checkpoint
+    recorded), refused unless it is the base the adapters of ``lc`` were trained on (``q38.train.io.peft.
+    base_difference``: the refusal names the first tensor that differs). Collective under a process group (each rank
+    hashes its share of the base): every rank calls it, outside ``all_ranks_ok``. A note about a checkpoint written
+    before q38 hashed the base's weights is printed once."""
+    from q38.train.io.peft import base_difference, base_reference
 
     if lc.base.get("init_from") is None:
-        raise PeftExportError(f"{lc.path} was trained on a base drawn from seed {lc.base.get('seed')} (no "
-                              "init_from); it takes no --base")
-    if not Path(path).exists():
+        if path is not None:
+            raise PeftExportError(f"{lc.path} was trained on a base drawn from seed {lc.base.get('seed')} (no "
+                                  "init_from); it takes no --base")
+        return lc.base
+    path = Path(path if path is not None else lc.base["init_from"])
+    if not path.exists():
         raise PeftExportError(f"the base {path} of LoRA checkpoint {lc.path} is not there; pass --base with where "
                               "that base is now")
     ref = base_reference(str(path), 0)
-    if ref.get("sha256") != lc.base.get("sha256"):
-        raise PeftExportError(f"{path} is not the base the adapters of {lc.path} were trained on (sha256 "
-                              f"{str(ref.get('sha256'))[:12]}..., recorded {str(lc.base.get('sha256'))[:12]}... for "
-                              f"{lc.base.get('init_from')}); pass --base with that base")
+    what, note = base_difference(lc.base, ref)
+    if what is not None:
+        raise PeftExportError(f"{path} is not the base the adapters of {lc.path} were trained on ({what}; recorded "
+                              f"base {lc.base.get('init_from')}, sha256 {str(lc.base.get('sha256'))[:12]}...); pass "
+                              "--base with that base, unchanged")
+    if note and _rank() == 0:
+        import sys
+
+        print(f"q38 convert: note: {note}", file=sys.stderr)
     return ref
 
 
 def _base_loader(lc: LoraCheckpoint, base: str | os.PathLike | None, stack: ExitStack):
-    """``(load(names) -> base tensors, stored dtype of a leaf)`` of the base of ``lc``: a Hugging Face directory (read
-    per tensor with safetensors slices), a q38 checkpoint (read per leaf from DCP), or the seed's init (drawn per
-    leaf)."""
+    """``(load(names) -> base tensors, stored dtype of a leaf, quantized at load)`` of the base of ``lc``: a Hugging
+    Face directory (read per tensor with safetensors slices), a q38 checkpoint (read per leaf from DCP), or the seed's
+    init (drawn per leaf; the leaves an FP8 base quantizes drawn in fp32, as the run drew them). ``quantized at
+    load``: the run (``peft.base_dtype: fp8``) held this base's projections as its own block-FP8 quantization (a
+    base that is not a block-FP8 checkpoint), so the values it trained on are not the stored ones."""
     from q38.model import abstract_params, is_param_info
     from q38.train.io.checkpoint import config_diff
 
     cfg = lc.config
-    if base is not None:
-        check_base_path(lc, base)
     if lc.base.get("init_from") is None:
         from q38.layers.common import materialize
 
@@ -297,13 +308,14 @@ def _base_loader(lc: LoraCheckpoint, base: str | os.PathLike | None, stack: Exit
         seed = int(lc.base["seed"])
         compute = getattr(torch, (lc.meta.get("train_config") or {}).get("param_dtype", "float32"))
 
-        def draw(names):
-            return tuple(materialize(infos[q], q, seed=seed, dtype=compute) for q in names)
+        fp8 = lc.peft.base_dtype == "fp8"
 
-        return draw, (lambda q: compute)
-    path = Path(base if base is not None else lc.base["init_from"])
-    if base is None:
-        check_base_path(lc, path)
+        def draw(names):
+            return tuple(materialize(infos[q], q, seed=seed, dtype=torch.float32 if fp8 and default_quantized(q)
+                                     else compute) for q in names)
+
+        return draw, (lambda q: compute), fp8
+    path = Path(base if base is not None else lc.base["init_from"])  # checked by check_base_path before
     if (path / "config.json").is_file() and not is_checkpoint(path):
         from q38.hf import HFReader, open_hf
 
@@ -315,7 +327,7 @@ def _base_loader(lc: LoraCheckpoint, base: str | os.PathLike | None, stack: Exit
         def read(names):
             return tuple(reader.block(q, tuple(slice(0, n) for n in shapes[q])) for q in names)
 
-        return read, reader.stored_dtype
+        return read, reader.stored_dtype, lc.peft.base_dtype == "fp8" and src.fp8 is None
     bk = resolve_checkpoint(path)
     bmeta = read_meta(bk)
     if bmeta.get("peft"):
@@ -323,7 +335,7 @@ def _base_loader(lc: LoraCheckpoint, base: str | os.PathLike | None, stack: Exit
     _same_model(config_diff(bmeta["model_config"], cfg.to_dict()), bk, lc)
     breader = checkpoint_reader(bk)
     bsaved = saved_tensors(bk, breader)
-    return _leaf_loader(bk, breader, bsaved), (lambda q: bsaved[f"params.{q}"][1])
+    return _leaf_loader(bk, breader, bsaved), (lambda q: bsaved[f"params.{q}"][1]), False  # (an FP8 base: refused)
 
 
 def _same_model(diff: list[str], where, lc: LoraCheckpoint) -> None:
@@ -355,31 +367,78 @@ def merged_loader(lc: LoraCheckpoint, base_load: Callable) -> Callable[[tuple[st
     return load
 
 
+MERGE_ONTO = ("trained", "original")  # `q38 convert --to-hf --merge-onto` (docs/finetuning.md#export-a-lora-run)
+FP8_BLOCK = (128, 128)  # the blocks a run quantizes a base in at load (q38.train.io.peft.fp8_base)
+
+
+def trained_loader(base_load: Callable) -> Callable[[tuple[str, ...]], tuple]:
+    """``load(names)`` of the base values a ``peft.base_dtype: fp8`` run trained on when it quantized its base at
+    load: each leaf it holds in block-FP8 (``q38.fp8.default_quantized``) quantized per 128 × 128 block from the fp32
+    base values (``quantize_blocks``, as ``fp8_base`` does) and dequantized in fp32; every other leaf as read."""
+    from q38.fp8 import dequantize_blocks, quantize_blocks
+
+    def load(names):
+        out = []
+        for q, t in zip(names, base_load(names)):
+            if default_quantized(q):
+                bits, scale = quantize_blocks(t.float(), FP8_BLOCK)
+                t = dequantize_blocks(bits, scale, FP8_BLOCK, torch.float32)
+            out.append(t)
+        return tuple(out)
+
+    return load
+
+
+def merge_description(meta: dict, merge_onto: str, base: str | os.PathLike | None) -> str:
+    """What the merged export of a LoRA checkpoint (its ``meta``) merges onto, in words, for the line
+    ``q38 convert`` prints."""
+    entry = meta.get("peft") or {}
+    where = base or (entry.get("base") or {}).get("init_from")
+    name = f"the base {where}" if where else f"the base drawn from seed {(entry.get('base') or {}).get('seed')}"
+    if entry.get("base_dtype") != "fp8":
+        return name
+    if where and ((meta.get("source_format") or {}).get("fp8") is not None):
+        return f"{name} (a block-FP8 checkpoint: its dequantized values, as the run trained on)"
+    if merge_onto == "trained":
+        return f"{name} quantized to block-FP8 (128x128) and dequantized, the values the run trained on"
+    return f"{name} as stored (the run trained on its block-FP8 quantization; --merge-onto trained merges onto that)"
+
+
 def export_merged(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=SOURCE,
-                  max_shard_bytes: int | None = None, base: str | os.PathLike | None = None) -> Path:
+                  max_shard_bytes: int | None = None, base: str | os.PathLike | None = None,
+                  merge_onto: str = "trained") -> Path:
     """Write the merged model of the LoRA checkpoint ``ck`` (its base + ``scale · B @ A`` on every adapted weight) as
     a Hugging Face directory ``out``, streamed and sharded as ``q38.train.io.hf_io.export_checkpoint`` writes a
     checkpoint (each rank its share of the files, one conversion rule's tensors in memory). The base is the one the
-    checkpoint names (``base``: where it is now; checked against the recorded hash): a Hugging Face directory, a q38
-    checkpoint, or the seed's init. ``dtype``: as ``export_checkpoint`` (``"source"``: each tensor in the dtype of
-    the Hugging Face base, block-FP8 again for an FP8 one; ``None``: the base's stored dtypes)."""
+    checkpoint names (``base``: where it is now), checked against the recorded reference first (``check_base_path``):
+    a Hugging Face directory, a q38 checkpoint, or the seed's init. ``merge_onto`` (a ``peft.base_dtype: fp8`` run
+    whose base was quantized at load): ``"trained"``, the dequantized block-FP8 values the run trained on
+    (``trained_loader``), or ``"original"``, the stored base; the same for any other run. ``dtype``: as
+    ``export_checkpoint`` (``"source"``: each tensor in the dtype of the Hugging Face base, block-FP8 again for an
+    FP8 one; ``None``: the base's stored dtypes)."""
     from q38.hf import DEFAULT_MAX_SHARD_BYTES
 
+    if merge_onto not in MERGE_ONTO:
+        raise PeftExportError(f"merge_onto must be one of {', '.join(MERGE_ONTO)}, got {merge_onto!r}")
     ck, out = Path(ck), Path(out)
     stack = ExitStack()
     with stack:
+        lc = all_ranks_ok(lambda: open_lora_checkpoint(ck), f"reading LoRA checkpoint {ck}")
+        check_base_path(lc, base)  # collective: every rank hashes its share of the base
+
         def prepare():
-            lc = open_lora_checkpoint(ck)
-            base_load, base_dtype = _base_loader(lc, base, stack)
+            base_load, base_dtype, quantized_at_load = _base_loader(lc, base, stack)
+            if quantized_at_load and merge_onto == "trained":
+                base_load = trained_loader(base_load)
             if dtype is None:
                 dtypes, fp8 = base_dtype, None
             else:
                 dtypes, fp8 = export_dtypes(lc.meta, dtype, {})
             export = plan_export(lc.config, dtypes, max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES,
                                  fp8=fp8)
-            return lc, base_load, export
+            return base_load, export
 
-        lc, base_load, export = all_ranks_ok(prepare, f"reading LoRA checkpoint {ck}")
+        base_load, export = all_ranks_ok(prepare, f"reading the base of LoRA checkpoint {ck}")
         return write_export(export, out, lambda: merged_loader(lc, base_load), f"exporting the merged {ck} to {out}")
 
 

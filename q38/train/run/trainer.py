@@ -175,9 +175,19 @@ def _peft_meta(cfg: RunConfig) -> dict:
     """A LoRA run's ``peft`` entry: the setting and the reference to its base (``q38.train.io.peft``)."""
     if cfg.peft is None:
         return {}
+    return {"peft": dict(cfg.peft.to_dict(), base=_base_ref(cfg))}
+
+
+_BASE_REFS: dict = {}  # (init_from, seed) -> the base reference, computed once per run (on every rank: collective)
+
+
+def _base_ref(cfg: RunConfig) -> dict:
     from q38.train.io.peft import base_reference
 
-    return {"peft": dict(cfg.peft.to_dict(), base=base_reference(cfg.init_from, cfg.run.seed))}
+    key = (cfg.init_from, cfg.run.seed)
+    if key not in _BASE_REFS:
+        _BASE_REFS[key] = base_reference(cfg.init_from, cfg.run.seed)
+    return _BASE_REFS[key]
 
 
 def _changes(meta: Mapping[str, Any], cfg: RunConfig, plan: RunPlan) -> list[str]:
@@ -207,10 +217,11 @@ def train(cfg: RunConfig, *, on_step: Callable[[dict], None] | None = None) -> l
         die_with_launcher()  # a worker never outlives its torchrun agent
     device = pick_device(cfg.run.device, world.local_rank)
     plan = check_run(cfg, world.world_size, device)  # before any allocation or process group
-    from q38.train.io.dirs import check_out_dir
+    from q38.train.io.dirs import check_out_dir, check_run_out_dir, run_inputs
     from q38.train.run.safety import check_device, run_lock
 
     check_device(device)
+    check_run_out_dir(cfg.run.out_dir, run_inputs(cfg.to_dict()))  # before anything is created there
     check_out_dir(cfg.run.out_dir)
     created_pg = False
     if world.world_size > 1:
@@ -377,10 +388,14 @@ def _build_lora_state(cfg: RunConfig, resume: _Resume, mesh, device: str, plan: 
     adapters added; on resume, the adapters, their moments and the step loaded from the checkpoint, after checking
     that it was trained on this base."""
     from q38.train.io.checkpoint import load_checkpoint, read_meta
-    from q38.train.io.peft import base_reference, check_base, lora_state
+    from q38.train.io.peft import check_base, lora_state
 
+    _BASE_REFS.pop((cfg.init_from, cfg.run.seed), None)  # the base as it is now (every rank hashes its share)
+    ref = _base_ref(cfg)
     if resume.latest is not None:  # before the base is read
-        check_base(read_meta(resume.latest), base_reference(cfg.init_from, cfg.run.seed), str(resume.latest))
+        note = check_base(read_meta(resume.latest), ref, str(resume.latest))
+        if note and lead:
+            print(f"q38 train: note: {note}", file=sys.stderr)
     if cfg.peft.base_dtype == "fp8":  # projections in block-FP8 (each rank reads or draws only its blocks)
         from q38.train.io.peft import fp8_base
 
