@@ -385,7 +385,15 @@ def _init_hf(argv: list[str]) -> int:
     check_output_dir(out, [model] if model.exists() else [], what="OUT_DIR", overwrite=a.overwrite)
     cfg = load_model_config(a.model)
     if a.dtype == "fp8":
+        from q38.fp8 import block_misaligned
         from q38.hf import fp8_dtypes
+
+        off = block_misaligned(cfg, (128, 128))
+        if off:
+            raise ValueError(f"--dtype fp8: {a.model} has widths that are not multiples of the 128x128 FP8 block "
+                             f"({', '.join(off)}), so its weights' blocks would not line up with the checkpoint's (a "
+                             "peft.base_dtype: fp8 run refuses it); use --model tiny_fp8 (a toy preset whose widths "
+                             "are multiples of 128) or a model YAML whose widths are")
         from q38.train.core.step_config import TrainConfig
 
         keep = TrainConfig(param_dtype="bfloat16").compute_dtype  # bf16, the fp32_params defaults fp32

@@ -146,6 +146,17 @@ def default_quantized(leaf: str) -> bool:
     return any(leaf.endswith("." + s) for s in DEFAULT_QUANTIZED)
 
 
+def block_misaligned(cfg, block: tuple[int, int]) -> list[str]:
+    """The widths of model ``cfg`` (``name = value``) that are not a multiple of both sides of ``block``: a
+    block-FP8 checkpoint of it has projections whose blocks do not line up with q38's weights (a fused gate/up, a
+    head's slice), which a ``peft.base_dtype: fp8`` run cannot keep as stored. Empty: every quantized width (hidden,
+    attention and GDN head dims, expert widths) is whole blocks; the released presets are."""
+    names = ("hidden_size", "head_dim", "linear_key_head_dim", "linear_value_head_dim", "moe_intermediate_size",
+             "shared_expert_intermediate_size")
+    lcm = math.lcm(*block)
+    return [f"{n} = {getattr(cfg, n)}" for n in names if getattr(cfg, n) % lcm]
+
+
 # ---- a weight held in block-FP8 (a LoRA run's frozen base) ---------------------------------------------------------
 
 

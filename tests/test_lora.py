@@ -218,7 +218,7 @@ def test_lora_run_resumes_bit_identical_and_refuses_another_base(tmp_path):
     assert saved and not any(k.startswith("params.") and not is_adapter_path(k) for k in saved)  # no base weights
     assert any(k.startswith("exp_avg.") and k.endswith(".lora_a") for k in saved)
     assert ck.read_meta(step)["peft"]["base"] == {"init_from": None, "seed": 0}
-    with pytest.raises(BaseMismatch, match="trained its adapters on base"):
+    with pytest.raises(BaseMismatch, match="trained its adapters on another base"):
         train(run_config(out, steps=6, peft=peft, run={"seed": 1}))
 
 
