@@ -255,8 +255,8 @@ def _convert(argv: list[str]) -> int:
                    help="--from-hf: run the checkpoint's one MTP layer (mtp.layers.0) at every depth of "
                    "--mtp-num-layers, as vLLM and SGLang draft with it")
     p.add_argument("--overwrite", action="store_true",
-                   help="--to-hf / --to-peft: replace an existing non-empty OUT_DIR (never one equal to or inside the "
-                   "source)")
+                   help="--to-hf / --to-peft: replace an existing non-empty OUT_DIR (never the source, nor the run's "
+                   "base, data or tokenizer, nor one inside or holding any of them)")
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="--to-hf: largest safetensors file (default 5e9, as transformers writes)")
     p.add_argument("--merge-onto", choices=("trained", "original"), default=None,
@@ -338,7 +338,9 @@ def _convert_files(a, *, lead: bool) -> int:
         raise FileNotFoundError(f"{src} is not a Hugging Face checkpoint directory (no config.json)")
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new output directory (nothing is overwritten)")
-    from q38.train.io.dirs import check_safetensors_dir
+    from q38.train.io.dirs import check_output_dir, check_safetensors_dir
+
+    check_output_dir(out, (src,), what="OUT_DIR", role="source")  # never inside the Hugging Face directory it reads
 
     check_safetensors_dir(src, "convert --from-hf")
     cfg, _ = import_hf(src, out, dtype=dtype, mtp_num_layers=a.mtp_num_layers,

@@ -682,7 +682,7 @@ def test_every_file_of_a_checkpoint_has_a_hash_computed_while_it_was_written(goo
 
 
 def test_a_lora_base_whose_shard_is_a_fifo_is_refused_not_waited_on(tmp_path):
-    """A LoRA run hashes its base's safetensors headers (no index file): a FIFO named like a shard is refused on the
+    """A LoRA run hashes its base's safetensors files (no index file): a FIFO named like a shard is refused on the
     open descriptor; a plain ``open`` would wait for a writer forever (the alarm turns that into a failure)."""
     from q38.train.io.peft import base_reference
 
