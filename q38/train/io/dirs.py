@@ -208,9 +208,14 @@ def run_inputs(run_config: dict | None, meta: dict | None = None) -> list[tuple[
     for role, v in out:
         if not isinstance(v, str) or not v or v.startswith("builtin:") or v == "byte":
             continue
-        p = Path(v)
-        for q in (p, Path(f"{v}.bin"), Path(f"{v}.idx")):  # a Megatron corpus is named by its prefix
-            if (q.exists() or q.is_symlink()) and (role, q) not in found:
+        if len(v) > 4096 or "\x00" in v:  # not a path (a checkpoint's meta.json is read as untrusted)
+            continue
+        for q in (Path(v), Path(f"{v}.bin"), Path(f"{v}.idx")):  # a Megatron corpus is named by its prefix
+            try:
+                there = q.exists() or q.is_symlink()
+            except OSError:  # e.g. a name too long: nothing is there
+                there = False
+            if there and (role, q) not in found:
                 found.append((role, q))
     return found
 
