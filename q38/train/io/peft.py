@@ -129,7 +129,12 @@ def weights_reference(d: Path) -> dict:
     (each rank hashes ~1/world of the bytes, in ``HASH_THREADS`` threads) and gathered; a tensor's digest is the
     SHA-256 of its dtype, shape and piece digests, the base's (``sha256``) that of every ``key digest`` line in key
     order. Neither depends on the world size nor on how the base is split into files. Collective under a process
-    group: every rank calls it (an error on any rank is raised on every rank, never left in the gather)."""
+    group: every rank calls it (an error on any rank is raised on every rank, never left in the gather).
+
+    Why pieces of the stored tensors rather than the bytes the load reads anyway: a rank reads slices of q38 leaves
+    that depend on the layout (and an FP8 shard reads whole covering blocks, shared with its neighbours), so a
+    digest of what each rank reads would change with the world size; fixed-size pieces of the file's tensors are the
+    same for every layout, and dealt round-robin they balance the ranks to within one piece."""
     dist = _world()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
     err, mine, tensors = None, {}, {}
