@@ -286,7 +286,7 @@ def host_optimizer(st: _Step, numel: int | float, devices_per_node: int) -> tupl
     weights the device gathers from; the device sends its gradients and receives its compute-dtype shards."""
     held = devices_per_node * numel * (st.mst + st.mom + st.red)
     streamed = devices_per_node * numel * (2 * st.mst + 2 * st.mom + st.red + st.act)
-    return held, streamed, numel * (st.red + st.act)
+    return float(held), float(streamed), float(numel * (st.red + st.act))
 
 
 def _start_items(cfg: ModelConfig, st: _Step, ps: ParamStats) -> list[Item]:

@@ -178,7 +178,7 @@ def lora_memory(items: list[Item], ls: LoraStats, st, cfg, peft) -> list[Item]:
 def adapter_saved_per_token(cfg, peft) -> tuple[float, float]:
     """Elements of ``x·Aᵀ`` an unmerged LoRA run saves per token: over every adapted matmul of the model, and in its
     largest layer (a routed expert's adapter: ``num_experts_per_tok`` rows a token)."""
-    return _adapter_terms(cfg, peft)[3:5]
+    return _adapter_terms(cfg, peft)[4:6]
 
 
 def dequant_seconds(ls: LoraStats, st, hbm_bandwidth: float) -> float:
@@ -267,9 +267,7 @@ def _adapter_terms(cfg, peft) -> tuple[float, ...]:
     for path, info in named_leaves(abstract_params(cfg), is_leaf=is_param_info):
         if info is None or len(info.shape) < 2 or not (path.startswith(("layers.", "mtp.")) and (
                 ".mixer." in path or ".moe." in path or path == "mtp.fc")):
-            continue  # embeddings and the head (below), norms, conv and gate vectors
-        if path.endswith("conv_w"):
-            continue
+            continue  # embeddings and the head (below), norms and gate vectors; the GDN conv's weight is frozen too
         o, i = info.shape[-2:]
         term, rows = ("experts", k) if len(info.shape) == 3 else ("dense", 1)
         dropped[term] += 2 * rows * o * i

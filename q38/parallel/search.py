@@ -21,6 +21,7 @@ from q38.kernels import KernelConfig, auto_gdn_chunk, resolve_kernels
 from q38.layers.kinds import MIXER_KINDS, kept_regions
 from q38.parallel.efficiency import DEFAULT_DOC_LEN, read_measured
 from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate, recompute_mode
+from q38.parallel.budget_result import _fmt_bytes, _fmt_s
 from q38.parallel.layout import Layout, LayoutError
 from q38.parallel.precision import Precision, run_precision
 
@@ -249,8 +250,10 @@ def write_best(c: Candidate, out_dir: str | Path, model: str, seq_len: int,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lp = out / f"{c.layout_dict['name']}.yaml"
-    head = (f"{WRITTEN_BY}: predicted {c.budget.step_s:.2f} s/step, MFU "
-            f"{100 * (c.budget.mfu or 0):.1f}% on {c.budget.hardware}, peak {c.budget.peak_bytes / GIB:.1f} GiB/rank.\n")
+    b = c.budget
+    head = (f"{WRITTEN_BY}: predicted {_fmt_s(b.step_s)} a step ({b.step_s!r} s), MFU {100 * (b.mfu or 0):.1f}% on "
+            f"{b.hardware}, peak {_fmt_bytes(b.peak_bytes)} ({b.peak_bytes:.0f} B) a rank, global batch "
+            f"{b.global_tokens // b.seq_len} sequences.\n")
     lp.write_text(head + yaml.safe_dump(c.layout_dict, sort_keys=False))
     tp = out / "train.yaml"
     tp.write_text(head + yaml.safe_dump(candidate_run_config(c, model, str(lp), seq_len, base), sort_keys=False))
@@ -477,7 +480,7 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
 
             try:
                 shipped = planned(kernels)
-            except ConfigError as e:
+            except (ConfigError, LayoutError) as e:
                 if not q.search:
                     raise
                 print(f"shipped layout {layout.name}: {' '.join(str(e).split())}", file=sys.stderr)
@@ -507,7 +510,8 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
         raise ConfigError("q38 plan --search needs --hardware (one of the profiles under specs/hardware, e.g. h200)")
     if q.fewest_ranks:
         print(format_fewest(cfg, hw, q.world, seq_len=seq_len, global_batch=global_batch, model_name=str(q.model),
-                            batch_source=batch_source, kernels=kernels, **kw))
+                            batch_source=batch_source, kernels=kernels,
+                            memory_cap=q.memory_cap * GIB if q.memory_cap is not None else None, **kw))
         return 0
     cap = q.memory_cap * GIB if q.memory_cap is not None else None
     cands, cap = search(cfg, q.world, hw, seq_len=seq_len, global_batch=global_batch, memory_cap=cap,
@@ -637,7 +641,9 @@ def format_fewest(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_l
     gb = "one sequence per rank" if global_batch is None else f"global batch {global_batch} sequences"
     lines = [f"fewest {hardware.name} devices that fit ({seq_len} tokens a sequence, {gb}"
              + (f" = {batch_source}" if batch_source and global_batch is not None else "")
-             + f", the same at every world; memory cap {MEMORY_HEADROOM:.0%} of {hardware.hbm_bytes / GIB:.0f} GiB):"]
+             + ", the same at every world; memory cap "
+             + (f"{_fmt_bytes(kw['memory_cap'])}" if kw.get("memory_cap") is not None
+                else f"{MEMORY_HEADROOM:.0%} of {hardware.hbm_bytes / GIB:.0f} GiB") + "):"]
 
     def row(name: str, found) -> str:
         if found is None:
@@ -645,8 +651,8 @@ def format_fewest(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_l
         world, c = found
         b = c.budget
         return (f"  {name}: {world} ({c.mesh}{' hier' if c.ep_dispatch == 'hierarchical' else ''}, recompute "
-                f"{b.recompute}, {b.micro_batches} micro-batch(es); peak {b.peak_bytes / GIB:,.1f} GiB per device, "
-                f"step {b.step_s:.2f} s, MFU {100 * (b.mfu or 0):.1f}%)")
+                f"{b.recompute}, {b.micro_batches} micro-batch(es); peak {_fmt_bytes(b.peak_bytes)} per device, "
+                f"step {_fmt_s(b.step_s)}, MFU {100 * (b.mfu or 0):.1f}%)")
 
     run = dict(seq_len=seq_len, global_batch=global_batch)
     if peft is not None:
@@ -677,6 +683,6 @@ def format_fewest(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_l
         line = row(f"{name} ({_state_name(okw)})", found)
         if found is not None and found[1].budget.host_optimizer:
             held = found[1].budget.host_optimizer[0]
-            line += f"; host memory {held / GIB:,.0f} GiB per node"
+            line += f"; host memory {_fmt_bytes(held)} per node"
         lines.append(line)
     return "\n".join(lines)
