@@ -261,7 +261,9 @@ def write_best(c: Candidate, out_dir: str | Path, model: str, seq_len: int,
 
 
 def format_search(cands: list[Candidate], cap: float | int, shipped: Budget | None, top: int = 10) -> str:
-    lines = [f"{len(cands)} layouts fit {cap / GIB:,.1f} GiB per device; fastest first",
+    gb = cands[0].budget.global_tokens // cands[0].budget.seq_len
+    lines = [f"{len(cands)} layouts fit {cap / GIB:,.1f} GiB per device at a global batch of {gb} sequences; "
+             "fastest first",
              f"  {'mesh':<28} {'mb':>3} {'recompute':<24} {'peak GiB':>9} {'step s':>8} {'tok/s':>12} {'MFU':>6}  bound"]
 
     def row(mesh: str, b: Budget) -> str:
@@ -489,11 +491,10 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     if global_batch is None:
         global_batch = q.world
         batch_source = f"one sequence per rank at --world {q.world}"
-    if src:
-        print(f"settings from {src}: seq_len {seq_len}, recompute {recompute}, {micro} micro-batch(es)",
+    if src:  # --fewest-ranks says the global batch in its own header
+        gb = "" if q.fewest_ranks else f"global batch {global_batch} sequences ({batch_source}), "
+        print(f"settings from {src}: seq_len {seq_len}, {gb}recompute {recompute}, {micro} micro-batch(es)",
               file=sys.stderr)
-    if not q.fewest_ranks:  # --fewest-ranks prints it in its own header
-        print(f"global batch {global_batch} sequences ({batch_source})", file=sys.stderr)
     if not q.search:
         if layout is None:
             raise ConfigError("q38 plan needs --layout (or --search to find one)")
