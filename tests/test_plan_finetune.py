@@ -205,11 +205,11 @@ def test_search_out_plans_back_to_the_same_peak_and_step_time(tmp_path, capsys, 
     model = _model_yaml(tmp_path)
     common = ["--model", model, "--world", "8", "--hardware", "h200"]
     rc = plan_cli([*common, "--search", "--seq-len", str(SEQ), "--global-batch", "16", "--lora-rank", "8",
-                   "--lora-base-dtype", "fp8", "--reduce-dtype", "bf16", "--out", "best"])
+                   "--lora-base-dtype", "fp8", "--reduce-dtype", "bf16", "--moment-dtype", "int8", "--out", "best"])
     assert rc == 0, capsys.readouterr()
     written = yaml.safe_load((tmp_path / "best" / "train.yaml").read_text())
     assert written["peft"]["rank"] == 8 and written["peft"]["base_dtype"] == "fp8"
-    assert written["train"]["reduce_dtype"] == "bfloat16"
+    assert written["train"]["reduce_dtype"] == "bfloat16" and written["train"]["moment_dtype"] == "int8"
     step, peak, gb = _header(tmp_path / "best" / "train.yaml")
     assert gb == 16
     capsys.readouterr()
