@@ -117,7 +117,16 @@ def _add_budget_args(ap) -> None:
     ap.add_argument("--lora-base-dtype", choices=("compute", "fp8"),
                     help="LoRA: the frozen base in the compute dtype or in block-FP8")
     ap.add_argument("--fewest-ranks", action="store_true", help="with --search: the fewest devices of --hardware "
-                    "(whole nodes, doubling, up to --world) that fit, LoRA and full fine-tune")
+                    "(whole nodes, doubling, up to --world) that fit: LoRA and full fine-tune, each optimizer state")
+    ap.add_argument("--moment-dtype", choices=("float32", "bfloat16", "int8"),
+                    help="AdamW moments (default: the run config's train.moment_dtype, else float32)")
+    ap.add_argument("--master-dtype", choices=("float32", "bfloat16_remainder"),
+                    help="master weights (default: the run config's train.master_dtype, else float32)")
+    ap.add_argument("--offload-optimizer", action="store_const", const=True, default=None,
+                    help="masters and moments in host memory, AdamW on the host (default: the run config's "
+                         "train.offload_optimizer)")
+    ap.add_argument("--pure-step", action="store_true", help="price the optimizer phase of the pure train_step "
+                    "(the library default) instead of the donated step the trainer runs")
     ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config (a new "
                     "or empty directory, or one it wrote before)")
     ap.add_argument("--overwrite", action="store_true", help="--search: write into a non-empty --out it did not write "
@@ -125,7 +134,8 @@ def _add_budget_args(ap) -> None:
 
 
 BUDGET_ARGS = ("hardware", "train", "seq_len", "global_batch", "micro_batches", "recompute", "param_dtype",
-               "gdn_kernel", "search", "lora_rank", "lora_base_dtype", "doc_len", "efficiencies")  # any of them set: q38 plan prints the budget (or the search) after the plan
+               "gdn_kernel", "search", "lora_rank", "lora_base_dtype", "doc_len", "efficiencies", "moment_dtype",
+               "master_dtype", "offload_optimizer", "pure_step")  # any of them set: q38 plan prints the budget (or the search) after the plan
 
 
 def plan_cli(args: list[str]) -> int:
@@ -171,7 +181,9 @@ def plan_cli(args: list[str]) -> int:
                         recompute=ns.recompute, param_dtype=ns.param_dtype or ns.dtype, reduce_dtype=ns.reduce_dtype,
                         gdn_kernel=ns.gdn_kernel, search=ns.search, memory_cap=ns.memory_cap, out=ns.out,
                         overwrite=ns.overwrite, lora_rank=ns.lora_rank, lora_base_dtype=ns.lora_base_dtype,
-                        fewest_ranks=ns.fewest_ranks, doc_len=ns.doc_len, efficiencies=ns.efficiencies)
+                        fewest_ranks=ns.fewest_ranks, doc_len=ns.doc_len, efficiencies=ns.efficiencies,
+                        moment_dtype=ns.moment_dtype, master_dtype=ns.master_dtype,
+                        offload_optimizer=ns.offload_optimizer, pure_step=ns.pure_step)
     try:
         if ns.train:  # the whole run config is checked as `q38 train` checks it; the plan reads its data/train settings
             from q38.parallel.search import _train_defaults
@@ -184,6 +196,14 @@ def plan_cli(args: list[str]) -> int:
         with reading("--model", ns.model):
             cfg = load_model_config(ns.model)
         prec = query_precision(query)  # the one dtype story of every section below
+        if ns.layout is None and ns.train and not ns.search:  # the run config's own layout
+            import attrs
+            import yaml
+
+            raw_layout = (yaml.safe_load(Path(ns.train).read_text()) or {}).get("layout")
+            if raw_layout:
+                ns.layout = str(raw_layout)
+                query = attrs.evolve(query, layout=ns.layout)
         if ns.layout is None:
             if not ns.search:
                 raise LayoutError("--layout is required (a preset name or YAML path), unless --search finds one")

@@ -457,20 +457,24 @@ def test_plan_combines_base_and_adapter_stats_exactly():
 
 
 def test_plan_flops_of_a_lora_run():
-    """The plan's FLOPs of a LoRA run against the full fine-tune's (tiny, one layout): the LM head loses its weight
-    gradient (3 of its 4 products), the router (not adapted) its weight gradient; adapted experts (MTP's included
-    here) keep theirs (the merged weight's gradient is computed); the merges add to the dense term."""
+    """The plan's FLOPs of an unmerged LoRA run against the full fine-tune's (tiny, one layout): the LM head loses its
+    weight gradient (1 of its 4 products); the routed experts (MTP's included here) lose theirs (a third of 3 × their
+    forward) and gain their adapters' GEMMs, 3 × 2·k·r·(in + out) a token per expert matrix; adapting the router adds
+    its adapter's GEMMs and never gives the router its weight gradient back (hand counts from the config)."""
     from q38.parallel.budget import estimate
 
     cfg = ModelConfig.preset("tiny")
     layout = Layout.preset("fsdp_ep").with_mesh(fsdp=2, ep=2)
     kw = dict(seq_len=128, rows_per_rank=8, recompute="none", param_dtype="fp32", reduce_dtype="fp32")
     full = estimate(cfg, layout, 4, **kw).flops
-    lora = estimate(cfg, layout, 4, peft=PeftConfig(rank=4, mtp=True), **kw).flops
-    assert lora.head == full.head * 3 / 4 and lora.experts == full.experts
+    r = 4
+    lora = estimate(cfg, layout, 4, peft=PeftConfig(rank=r, mtp=True), **kw).flops
     tokens = 8 * 128
-    router = cfg.num_hidden_layers * 2 * tokens * cfg.num_experts * cfg.hidden_size
-    assert lora.dense < full.dense
-    with_router = PeftConfig(rank=4, mtp=True, targets=(*PeftConfig().targets, "w_router"))
-    no_router = estimate(cfg, layout, 4, peft=with_router, **kw)
-    assert no_router.flops.dense > lora.dense + router * 0.99  # adapting the router gives its gradient back
+    d, e, k, f = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    layers = cfg.num_hidden_layers + cfg.mtp_num_layers
+    adapters = 3 * 2 * k * r * ((d + 2 * f) + (f + d)) * layers * tokens
+    assert lora.head == full.head * 3 / 4
+    assert lora.experts == pytest.approx(full.experts * 2 / 3 + adapters, rel=1e-12)
+    with_router = PeftConfig(rank=r, mtp=True, targets=(*PeftConfig().targets, "w_router"))
+    routed = estimate(cfg, layout, 4, peft=with_router, **kw).flops
+    assert routed.dense - lora.dense == pytest.approx(3 * 2 * r * (d + e) * layers * tokens, rel=1e-12)

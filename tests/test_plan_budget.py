@@ -62,7 +62,7 @@ def _predict(preset, layout_name, mesh_sizes, world, recompute):
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
     b = estimate(_cfg(preset), layout, world, seq_len=SEQ, rows_per_rank=ROWS * world // dp, recompute=recompute,
                  param_dtype="fp32", reduce_dtype="fp32", loss_chunk_tokens=256, aux_global=False, prefetch=False,
-                 packed_rows=False)  # _measure's rows are one document each
+                 packed_rows=False, donated=False)  # _measure runs the pure train_step; its rows are one document each
     return b.peak_bytes
 
 

@@ -21,7 +21,7 @@ from q38.parallel.param_stats import Item, ParamStats, param_stats
 from q38.parallel.hardware import GIB, MEMORY_HEADROOM, Hardware, _nbytes
 from q38.parallel.budget_memory import (
     LayerActivations, _forward_backward_items, _loss_workspace, _optimizer_items, _start_items, _Step,
-    layer_activations,
+    host_optimizer, layer_activations, moment_bytes, optimizer_traffic,
 )
 from q38.parallel.budget_comm import CommTerm, _comm_terms, distinct_nodes, ep_exchange_bytes, group_shape
 from q38.parallel.budget_result import Budget, format_budget, format_ops
@@ -51,6 +51,9 @@ def estimate(
     param_dtype: str = "bf16",
     reduce_dtype: str = "fp32",
     master_dtype: str = "fp32",
+    moment_dtype: str = "float32",
+    offload_optimizer: bool = False,
+    donated: bool = True,
     offload_activations: bool = False,
     reshard_after_forward: bool = True,
     prefetch: bool = True,
@@ -77,7 +80,11 @@ def estimate(
 ) -> Budget:
     """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
     data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
-    ``reduce_dtype``: gradients; ``master_dtype``: stored weights (AdamW moments are fp32). ``gdn_kernel``: True
+    ``reduce_dtype``: gradients; ``master_dtype``: stored weights (``fp32`` | ``bfloat16_remainder``: the bf16 weight
+    plus an int16 remainder, 4 bytes, no cast copy); ``moment_dtype``: AdamW moments (``float32`` | ``bfloat16`` |
+    ``int8``: block-wise, one fp32 scale per 256 values); ``offload_optimizer``: masters and moments in host memory,
+    AdamW on the host (``hardware``'s host fields price it); ``donated``: the optimizer phase as the donated step runs
+    it (the trainer's), False: the pure ``train_step``'s. ``gdn_kernel``: True
     for fla's GDN kernel, False or None for the torch core, whose chunk length is ``gdn_chunk`` (``kernels.
     gdn_chunk_size``; the default is the accelerator one).
     ``grad_clip``: the run clips gradients (``train.grad_clip``, on by default). ``adamw_impl``: ``foreach`` |
@@ -106,15 +113,29 @@ def estimate(
     if impl not in ("foreach", "fused"):
         raise ConfigError(f"adamw_impl must be 'foreach' or 'fused', got {impl!r}")
     act = _nbytes(param_dtype)
+    master_dtype = {"float32": "fp32"}.get(master_dtype, master_dtype)
+    if master_dtype not in ("fp32", "bfloat16_remainder"):
+        raise ConfigError(f"master_dtype must be float32 or bfloat16_remainder, got {master_dtype!r}")
+    try:
+        mom = moment_bytes(moment_dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if offload_optimizer and hardware is not None and not (hardware.host_memory_bandwidth
+                                                           and hardware.host_link_bandwidth):
+        raise ConfigError(f"offload_optimizer needs the host side of the {hardware.name} profile (host_memory_bandwidth,"
+                          " host_link_bandwidth, host_memory_bytes); add them to its YAML")
+    if offload_optimizer and peft is not None:
+        raise ConfigError("offload_optimizer with a LoRA run is not priced (the adapters' state is small); drop one")
     st = _Step(
         mesh=mesh, micro_batches=micro_batches, recompute=recompute, seq=seq_len // cp,
-        rows_mb=rows_per_rank / micro_batches, act=act, red=_nbytes(reduce_dtype), mst=_nbytes(master_dtype),
+        rows_mb=rows_per_rank / micro_batches, act=act, red=_nbytes(reduce_dtype), mst=4,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, master_dtype=master_dtype,
         offload_activations=offload_activations,
         resharded=recompute == "none" and reshard_after_forward and not offload_activations,
         ep_balance=ep_balance, max_dup_experts=max_dup_experts, gdn_kernel=bool(gdn_kernel),
         kv_native=not packed_rows and cp == 1 and (hardware is None or act == 2), gdn_chunk=gdn_chunk,
         async_reduce=async_reduce, ep_dispatch=ep_dispatch, ep_overlap=ep_overlap, cp_early=cp_early,
+        mom=mom, moment_dtype=moment_dtype, donated=donated, offload_optimizer=offload_optimizer,
     )
     if ep_dispatch not in ("flat", "hierarchical"):
         raise ConfigError(f"ep_dispatch must be 'flat' or 'hierarchical', got {ep_dispatch!r}")
@@ -128,18 +149,20 @@ def estimate(
     kinds = layer_kinds(cfg)
     memory = _forward_backward_items(cfg, st, ps, kinds,
                                      _loss_workspace(cfg, st, loss_chunk_tokens, loss_chunk_budget_bytes))
-    opt_items = _optimizer_items(st, ps.numel if ls is None else ls.adapters.numel, grad_clip, impl)
+    opt_items = _optimizer_items(st, ps.numel if ls is None else ls.adapters.numel, grad_clip, impl,
+                                 ps.largest_shard if ls is None else ls.adapters.largest_shard)
     start_items = _start_items(cfg, st, ps)
     comm_ps, reduced = ps, None
     if ls is not None:
-        memory = lora_budget.lora_memory(memory, ls, st)
+        memory = lora_budget.lora_memory(memory, ls, st, cfg, peft)
         opt_items = lora_budget.lora_optimizer(opt_items, ls)
         start_items = lora_budget.lora_start(start_items, ls, st)
         comm_ps, reduced = lora_budget.scaled_gathers(ls, act), ls.adapters
     fl = _step_flops(cfg, rows_per_rank, st.seq, cp=cp, recompute=recompute, micro_batches=micro_batches,
                     gdn_chunk=gdn_chunk, aux_global=aux_global, causal_skip=True)
-    if ls is not None:  # no weight gradient for the frozen weights without an adapter; the merges added
-        fl = lora_budget.lora_flops(fl, cfg, peft, rows_per_rank * st.seq, micro_batches, recompute)
+    if ls is not None:  # no weight gradient for any frozen weight; the adapters' own GEMMs added
+        fl = lora_budget.lora_flops(fl, cfg, peft, rows_per_rank * st.seq, micro_batches, recompute,
+                                    aux=aux_global and micro_batches > 1)
     hw = hardware
     peak = hw.peak(param_dtype) if hw else None
     ops: tuple[OpTime, ...] = ()
@@ -155,7 +178,19 @@ def estimate(
         moe_s = (fl.experts + shared) / rate
     else:
         compute_s = compute_fwd_s = moe_s = 0.0
-    opt_bytes = ps.numel * (st.mst * 2 + st.red + 8 * 2) if ls is None else lora_budget.optimizer_bytes(ls, st)
+    opt_numel = ps.numel if ls is None else ls.adapters.numel
+    optimizer_s, host = (optimizer_traffic(st, opt_numel) / hw.hbm_bandwidth if hw else 0.0), None
+    if offload_optimizer and hw:
+        held, streamed, link = host_optimizer(st, opt_numel, hw.devices_per_node)
+        host_s = streamed / hw.host_memory_bandwidth
+        link_s = link / hw.host_link_bandwidth
+        bwd_s = compute_s - compute_fwd_s
+        # the gradients go to the host and the update runs there leaf by leaf as backward releases them: what runs
+        # beyond the backward's compute is exposed, and the last layer's share (its update after backward ends) always
+        longest = max(host_s, link_s)
+        optimizer_s = max(0.0, longest - bwd_s) + longest / max(1, cfg.num_hidden_layers)
+        host = (held, host_s, link_s)
+    dequant_s = lora_budget.dequant_seconds(ls, st, hw.hbm_bandwidth) if ls is not None and hw else 0.0
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
     return Budget(
         model=model_name or cfg.model_type, layout=layout.name, mesh=tuple(mesh.items()), world=world,
@@ -164,7 +199,10 @@ def estimate(
         optimizer_phase=tuple(opt_items), start_phase=tuple(start_items), flops=fl,
         comm=tuple(_comm_terms(cfg, st, comm_ps, kinds, hw, moe_s, reduced)),
         compute_s=compute_s, compute_fwd_s=compute_fwd_s,
-        optimizer_s=opt_bytes / hw.hbm_bandwidth if hw else 0.0,
+        optimizer_s=optimizer_s, dequant_s=dequant_s, host_optimizer=host,
+        optimizer_state=f"{'pure' if not donated else 'donated'} step, masters {master_dtype}, moments "
+                        f"{moment_dtype}, gradients {reduce_dtype}" + (", offloaded to the host" if offload_optimizer
+                                                                        else ""),
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
         hbm_bytes=hw.hbm_bytes if hw else None, ops=ops, kernels=kernels if ops else None,
         doc_len=doc_len if packed_rows else None,

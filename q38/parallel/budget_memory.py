@@ -64,6 +64,29 @@ def layer_activations(cfg: ModelConfig, kind: str, rows: float | int, seq: int, 
                             kept=mixer.kept, mixer_backward=mixer.mixer_backward)
 
 
+MOMENT_BLOCK = 256  # int8 moments: one fp32 scale per block of this many values
+
+
+def moment_bytes(moment_dtype: str) -> float:
+    """Bytes per parameter of both AdamW moments stored in ``moment_dtype`` (int8: block-wise quantized, one fp32
+    scale per ``MOMENT_BLOCK`` values)."""
+    per = {"float32": 4.0, "fp32": 4.0, "bfloat16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / MOMENT_BLOCK}
+    if moment_dtype not in per:
+        raise ValueError(f"moment_dtype must be float32, bfloat16 or int8, got {moment_dtype!r}")
+    return 2 * per[moment_dtype]
+
+
+def _state_items(st, numel: int | float, what: str = "") -> list[Item]:
+    """The stored optimizer state on the device: masters and moments, or (offloaded) the compute-dtype shards the
+    gathers read, masters and moments on the host."""
+    if st.offload_optimizer:
+        return [Item("compute-dtype shards", numel * st.act, f"{numel:,} params{what}; masters and moments on the "
+                     "host (offload_optimizer)")]
+    mnote = "bf16 weight + int16 remainder (the bf16 half is the compute copy)" if st.remainder else ""
+    return [Item("master weights", numel * st.mst, f"{numel:,} params{what}" + (f"; {mnote}" if mnote else "")),
+            Item("optimizer moments", numel * st.mom, f"AdamW m and v, {st.moment_dtype}")]
+
+
 @attrs.frozen(kw_only=True)
 class _Step:
     """One step as :func:`estimate` prices it, its arguments resolved: the mesh, one micro-batch's local shape
@@ -92,6 +115,22 @@ class _Step:
     ep_dispatch: str = "flat"  # flat | hierarchical
     ep_overlap: bool = False  # the EP exchange of one half of the slots in flight while the other half computes
     cp_early: bool = False  # CP exchanges marked ``early`` started before the compute that does not need them
+    mom: float = 8  # bytes of both AdamW moments per parameter (moment_bytes)
+    moment_dtype: str = "float32"
+    donated: bool = True  # the optimizer phase as the donated step runs it (False: the pure train_step)
+    offload_optimizer: bool = False  # masters and moments in host memory, AdamW on the host
+
+    @property
+    def remainder(self) -> bool:
+        """Masters stored as the bf16 weight + an int16 remainder: the bf16 half is the compute copy."""
+        return self.master_dtype == "bfloat16_remainder"
+
+    @property
+    def cast_copy(self) -> bool:
+        """Each layer's shards are cast to the compute dtype before the gather (not when the stored form already is
+        the compute dtype: a bf16+remainder master, or the device copy of an offloaded optimizer)."""
+        return (self.param_dtype not in (self.master_dtype, {"fp32": "float32"}.get(self.master_dtype))
+                and not self.remainder and not self.offload_optimizer)
 
     @property
     def cp(self) -> int:
@@ -162,17 +201,14 @@ def _forward_backward_items(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: 
     """The memory of the forward/backward phase, item by item."""
     numel, n_mb, d, act = ps.numel, st.n_mb, cfg.hidden_size, st.act
     saved, working, saved_note = _activations(cfg, st, kinds)
-    memory = [
-        Item("master weights", numel * st.mst, f"{numel:,} params on the fullest rank"),
-        Item("optimizer moments", numel * 8, "AdamW m and v"),
-    ]
+    memory = _state_items(st, numel, " on the fullest rank")
     if st.micro_batches > 1:
         memory.append(Item("gradient accumulator", numel * st.red * 2,
                            "sum and the next micro-batch's"))
     memory.append(Item("activations (saved)", 0.0 if st.offload_activations else saved,
                        saved_note + (" — offloaded to host" if st.offload_activations else "")
                        + ", one micro-batch"))
-    if st.param_dtype != st.master_dtype:  # each layer's shards are cast just before its gather (FSDP2's policy)
+    if st.cast_copy:  # each layer's shards are cast just before its gather (FSDP2's policy)
         memory.append(Item("compute-dtype copy of shards", ps.largest_layer_local * act,
                            "the layer's shards cast before the gather", "layer"))
     # Without recompute the runtime frees each gathered layer after its forward and gathers it again in backward
@@ -206,24 +242,51 @@ def _forward_backward_items(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: 
     return memory
 
 
-def _optimizer_items(st: _Step, numel: int, grad_clip: bool, impl: str) -> list[Item]:
-    """q38.train.core.optim.adamw_step as it runs: the old state and the gradients stay alive while it updates fp32
-    copies of weights and moments; the gradients it updates with are fp32 copies when they are scaled by the
-    clipping factor (``_foreach_mul`` returns new tensors) or stored in another dtype; torch's foreach AdamW divides
-    by ``_foreach_sqrt(exp_avg_sq)``, a new tensor per parameter of the group (≈ all of them), the fused kernel
-    updates in place."""
-    opt = [
-        Item("master weights", numel * st.mst),
-        Item("optimizer moments", numel * 8),
-        Item("gradients", numel * st.red),
-        Item("new weights and moments", numel * (4 + 8), "fp32 copies the functional AdamW updates and returns"),
-    ]
+def _optimizer_items(st: _Step, numel: int, grad_clip: bool, impl: str, largest_leaf: int = 0) -> list[Item]:
+    """The optimizer phase on the fullest rank. ``st.donated`` (what the trainer runs): the donated step updates the
+    state's own shards in place, leaf by leaf, releasing each gradient once its leaf is updated (clipping scales the
+    gradients in place): the state once, the gradients (all alive when the phase starts) and one leaf's
+    temporaries (``largest_leaf`` elements): fp32 copies of its master (bf16+remainder), moments (not fp32) and
+    gradient (not fp32), and foreach AdamW's ``sqrt(exp_avg_sq)``. Otherwise the pure ``train_step``
+    (q38.train.core.optim.adamw_step): the old state and the gradients stay alive while it updates fp32 copies of
+    weights and moments; the gradients it updates with are fp32 copies when they are scaled by the clipping factor
+    (``_foreach_mul`` returns new tensors) or stored in another dtype; torch's foreach AdamW divides by
+    ``_foreach_sqrt(exp_avg_sq)``, a new tensor per parameter of the group (≈ all of them), the fused kernel updates
+    in place. Offloaded (``st.offload_optimizer``): the device holds its compute-dtype shards and the gradients,
+    copied to the host leaf by leaf; the update runs there."""
+    opt = _state_items(st, numel)
+    opt.append(Item("gradients", numel * st.red, f"{st.reduce_dtype}, all leaves at the end of backward"))
+    if st.offload_optimizer:
+        return opt
+    if st.donated:
+        tmp = 4 * st.remainder + 8 * (st.mom != 8) + 4 * (st.red != 4) + 4 * (impl == "foreach")
+        if tmp and largest_leaf:
+            opt.append(Item("one leaf's update temporaries", largest_leaf * tmp,
+                            f"fp32 working copies of the largest leaf ({largest_leaf:,} elements), donated step"))
+        return opt
+    opt.append(Item("new weights and moments", numel * (st.mst + st.mom),
+                    "copies the functional AdamW updates and returns (pure step)"))
     if grad_clip or st.red != 4:
         opt.append(Item("fp32 gradients for the update", numel * 4,
                         "scaled by the clipping factor" if grad_clip else f"{st.reduce_dtype} gradients cast to fp32"))
     if impl == "foreach":
         opt.append(Item("update temporaries", numel * 4, "foreach AdamW: sqrt(exp_avg_sq) of every parameter"))
     return opt
+
+
+def optimizer_traffic(st: _Step, numel: int | float) -> float:
+    """HBM bytes the on-device AdamW moves per step: masters and moments read and written, the gradients read."""
+    return numel * (2 * st.mst + 2 * st.mom + st.red)
+
+
+def host_optimizer(st: _Step, numel: int | float, devices_per_node: int) -> tuple[float, float, float]:
+    """An offloaded optimizer: ``(host bytes per node, host-memory bytes AdamW streams per node and step, device <->
+    host bytes per device and step)``. The host holds each local rank's masters, moments and a landing buffer for its
+    gradients; AdamW reads masters, moments and gradients and writes masters, moments and the compute-dtype
+    weights the device gathers from; the device sends its gradients and receives its compute-dtype shards."""
+    held = devices_per_node * numel * (st.mst + st.mom + st.red)
+    streamed = devices_per_node * numel * (2 * st.mst + 2 * st.mom + st.red + st.act)
+    return float(held), float(streamed), float(numel * (st.red + st.act))
 
 
 def _start_items(cfg: ModelConfig, st: _Step, ps: ParamStats) -> list[Item]:
@@ -237,8 +300,7 @@ def _start_items(cfg: ModelConfig, st: _Step, ps: ParamStats) -> list[Item]:
     if cfg.family.checkpoint_layout == "qwen3_next":
         hf_whole = (2 * cfg.linear_key_dim + 2 * cfg.linear_value_dim) * cfg.hidden_size * 2
     return [
-        Item("master weights", numel * st.mst),
-        Item("optimizer moments", numel * 8),
+        *_state_items(st, numel),
         Item("resume: one saved chunk", big * 4, "fp32, read whole by DCP before its block is copied", "resume"),
         Item("init_from HF: one slice + fp32 copy", big * (2 + 4) + hf_whole,
              "bf16 slice and its cast" + (" + one grouped in_proj_qkvz read whole" if hf_whole else ""),

@@ -40,6 +40,10 @@ class Budget:
     ops: tuple[OpTime, ...] = ()  # compute per op at its kernel's efficiency (empty: one achievable_fraction)
     kernels: Any = None  # the resolved KernelConfig the ops are priced for (None: not resolved)
     doc_len: int | None = None  # tokens per document assumed in packed rows (None: one document per row)
+    dequant_s: float = 0.0  # an FP8 LoRA base's dequantizations (HBM-bound, serial with the compute)
+    # an offloaded optimizer: (host bytes per node, host AdamW seconds, device <-> host copy seconds per device)
+    host_optimizer: tuple[float, float, float] | None = None
+    optimizer_state: str = ""  # how the optimizer phase was priced (donated or pure step, state dtypes)
 
     def fit_line(self, fixes: str = "try --recompute full, a fused GDN kernel (--gdn-kernel fla keeps 16-bit outputs, "
                                       "not fp32 per-chunk states), more ranks, or q38 plan --search") -> str | None:
@@ -117,7 +121,7 @@ class Budget:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_exposed_s + self.optimizer_s
+        return self.compute_s + self.comm_exposed_s + self.optimizer_s + self.dequant_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -131,7 +135,8 @@ class Budget:
 
     @property
     def bound(self) -> str:
-        terms = {"compute": self.compute_s, "optimizer (HBM)": self.optimizer_s}
+        terms = {"compute": self.compute_s, "optimizer (host)" if self.host_optimizer else "optimizer (HBM)":
+                 self.optimizer_s, "FP8 base dequantization (HBM)": self.dequant_s}
         for t in self.comm:
             if not t.overlapped:
                 key = f"{t.collective} over {t.mesh_dim} ({t.link})"
@@ -173,8 +178,17 @@ def format_budget(b: Budget) -> str:
         lines.append(f"start of the run (every rank loads only its shards): resume {_fmt_bytes(b.start_peak('resume'))}"
                      f", init_from a HF directory {_fmt_bytes(b.start_peak('init_from'))} per rank (shards "
                      f"{_fmt_bytes(b.start_peak('none'))} + the largest read in flight)")
-    lines.append(f"optimizer phase total {_fmt_bytes(b.peak_optimizer)}; peak {_fmt_bytes(b.peak_bytes)} "
-                 f"in the {b.peak_phase}")
+    lines.append(f"optimizer phase total {_fmt_bytes(b.peak_optimizer)}"
+                 + (f" ({b.optimizer_state})" if b.optimizer_state else "")
+                 + f"; peak {_fmt_bytes(b.peak_bytes)} in the {b.peak_phase}")
+    for it in b.optimizer_phase:
+        if it.name not in {m.name for m in b.memory}:
+            lines.append(f"  {it.name:<32}{_fmt_bytes(it.bytes):>14}   {it.note}")
+    if b.host_optimizer:
+        held, host_s, link_s = b.host_optimizer
+        lines.append(f"offloaded optimizer: host memory {_fmt_bytes(held)} per node (masters, moments, gradient "
+                     f"buffers); host AdamW {_fmt_s(host_s)} per step, device <-> host copies {_fmt_s(link_s)}; "
+                     f"exposed {_fmt_s(b.optimizer_s)} (the rest overlaps the backward)")
     fit = b.fit_line()
     if fit:
         lines.append(fit)
@@ -193,7 +207,8 @@ def format_budget(b: Budget) -> str:
         lines.append(
             f"step time on {b.hardware}: {_fmt_s(b.step_s)} = compute {_fmt_s(b.compute_s)} + exposed comm "
             f"{_fmt_s(b.comm_exposed_s)} (of {_fmt_s(b.comm_exposed_s + b.comm_hidden_s)}; "
-            f"{_fmt_s(b.comm_hidden_s)} hidden) + optimizer {_fmt_s(b.optimizer_s)}; bound by {b.bound}")
+            f"{_fmt_s(b.comm_hidden_s)} hidden) + optimizer {_fmt_s(b.optimizer_s)}"
+            + (f" + FP8 dequantization {_fmt_s(b.dequant_s)}" if b.dequant_s else "") + f"; bound by {b.bound}")
         mfu = b.mfu
         lines.append(f"  {b.tokens_per_s:,.0f} tokens/s; MFU {100 * mfu:.1f}%" if mfu is not None else "")
     return "\n".join(lines)

@@ -37,6 +37,10 @@ class Hardware:
     sources: tuple[str, ...] = ()
     device: str = "cuda"
     efficiency: tuple[Efficiency, ...] = ()
+    # host side, for an offloaded optimizer (train.offload_optimizer); None: not known for this profile
+    host_memory_bytes: float | None = None  # per node
+    host_memory_bandwidth: float | None = None  # bytes/s per node, what the host AdamW streams at
+    host_link_bandwidth: float | None = None  # bytes/s per device and direction (PCIe), device <-> host copies
 
     @classmethod
     def load(cls, name: str) -> "Hardware":
@@ -65,12 +69,13 @@ class Hardware:
         raw["device"] = str(raw.get("device", "cuda"))
         if raw["device"] not in ("cuda", "npu", "cpu"):
             raise ConfigError(f"{path}: device must be cuda, npu or cpu (the torch device type), got {raw['device']!r}")
-        optional = ("sources", "device", "efficiency")
+        optional = ("sources", "device", "efficiency", "host_memory_bytes", "host_memory_bandwidth",
+                    "host_link_bandwidth")
         missing = [f for f in fields if f not in raw and f not in optional]
         if missing:
             raise ConfigError(f"{path}: missing hardware key(s) {missing}")
         for f in fields:
-            if f == "name" or f in optional:
+            if f == "name" or f in optional[:3] or raw.get(f) is None:
                 continue
             try:  # YAML 1.1 reads 989.0e12 (no exponent sign) as a string
                 raw[f] = int(raw[f]) if f == "devices_per_node" else float(raw[f])

@@ -1,16 +1,24 @@
 """What a LoRA run (``peft``: q38.lora) changes in the plan's budget: the frozen base costs its storage dtype and
 nothing else (no fp32 master, no moments, no gradient, no reduce-scatter), the adapters cost fp32 masters, AdamW
-moments and gradients on their own placements, and each targeted weight is merged in compute form before its layer
-runs (docs/plan.md#lora).
+moments and gradients on their own placements, and each adapted matmul runs beside its adapter, unmerged
+(docs/plan.md#lora).
 
 ``base_dtype: fp8`` prices a block-FP8 base as the trainer holds it: the projections the released FP8 checkpoints
 quantize cost 1 byte a value plus one fp32 scale per 128 × 128 block (gathered as FP8 and dequantized after the
 gather), the other frozen leaves their compute dtype.
 
-Compute (``lora_flops``): a frozen weight that carries no adapter gets no weight gradient (its backward is the
-input gradient only: 1 × its forward instead of 2 ×); an adapted weight is merged (``base + s · B @ A``) before its
-layer runs, so its layer computes the merged weight's gradient as a full fine-tune does, and the adapters add the
-merge and its backward (3 × ``2 · r · o · i`` per gather).
+Each adapted matmul runs unmerged, ``y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`` (routed experts: grouped GEMMs, ``A [e, r, in]``,
+``B [e, out, r]``): the frozen weight enters autograd as a constant, so no merged copy exists and backward takes
+only its input gradient. Compute (``lora_flops``): no frozen matmul weight (adapted or not) gets a weight gradient
+(its backward is the input gradient alone: 1 × its forward instead of 2 ×); each adapter adds its own two GEMMs
+forward (``2 · r · (i + o)`` a row) and four backward (dX through B then A, dA, dB: twice the forward); a routed
+expert's adapter runs on each of the ``num_experts_per_tok`` rows of a token. Memory: each adapted matmul saves
+``x·Aᵀ`` (``[rows, r]``) beside its input ``x`` (which the activations of the full fine-tune already count).
+
+An FP8 base is dequantized per gathered layer for the forward and again for the input gradient in backward
+(``DEQUANT_IN_BACKWARD = "recompute"``: the backward keeps the FP8 bits and dequantizes them again; ``"saved"``:
+the forward's dequantized weights are kept for backward, every layer's without recompute): each dequantization
+reads 1 byte and writes ``act`` bytes a value at the hardware's HBM bandwidth (``dequant_seconds``).
 """
 
 import functools
@@ -21,21 +29,26 @@ from q38.parallel.param_stats import Item, ParamStats, param_stats
 from q38.parallel.plan import local_numel_grid
 
 FP8_BYTES = 1 + 4 / (128 * 128)  # e4m3 value + its share of the block's fp32 scale
+# how the input gradient of an FP8 base gets its dequantized weight: "recompute" (dequantized again from the FP8 bits in
+# backward) or "saved" (the forward's dequantized copy kept for backward); the runtime's choice, one switch
+DEQUANT_IN_BACKWARD = "recompute"
 
 
 @attrs.frozen(kw_only=True)
 class LoraStats:
     """The parameter costs of a LoRA run on one mesh: ``all`` (base + adapters, what is gathered), ``base``,
-    ``adapters``; ``merged_total`` / ``merged_layer``: compute-form elements of the merged weights over all layers /
-    in the largest layer (fullest rank); ``base_bytes``: bytes per stored base value."""
+    ``adapters``; ``adapted_total`` / ``adapted_layer``: compute-form elements of the adapted weights over all layers
+    / in the largest layer (fullest rank); ``base_bytes``: bytes per stored base value."""
 
     all: ParamStats
     base: ParamStats
     adapters: ParamStats
-    merged_total: int
-    merged_layer: int
+    adapted_total: int
+    adapted_layer: int
     base_bytes: float  # bytes per stored base value, averaged over the base (fp8: quantized and other leaves)
     base_dtype: str
+    quantized_total: int = 0  # compute-form elements of the FP8-quantized base over all layers (fullest rank)
+    quantized_layer: int = 0  # the same in the largest layer
 
 
 def _layer_of(path: str) -> str:
@@ -77,22 +90,28 @@ def _lora_stats(cfg, layout, mesh: dict, peft, placements, prefetch: bool, act: 
             infos[f"{path}.{key}"] = adapter_info(info, key, peft.rank)
     ad_pl = layout.placements_of_shapes(list(infos.items()), mesh)
     sizes = list(mesh.values())
+    from q38.fp8 import default_quantized
+
     per_layer: dict[str, int] = {}
+    quant: dict[str, int] = {}
+    fp8 = peft.base_dtype == "fp8"
     for path, pp in placements.items():
-        if peft.adapts(path):
+        if peft.adapts(path) or (fp8 and default_quantized(path)):
             n = int(local_numel_grid(pp.shape, pp.shard_dims(True), sizes).max())
-            per_layer[_layer_of(path)] = per_layer.get(_layer_of(path), 0) + n
+            if peft.adapts(path):
+                per_layer[_layer_of(path)] = per_layer.get(_layer_of(path), 0) + n
+            if fp8 and default_quantized(path):
+                quant[_layer_of(path)] = quant.get(_layer_of(path), 0) + n
     base = param_stats(placements, mesh, prefetch)
     base_bytes = act
-    if peft.base_dtype == "fp8" and base.numel:
-        from q38.fp8 import default_quantized
-
+    if fp8 and base.numel:
         q = param_stats({p: pp for p, pp in placements.items() if default_quantized(p)}, mesh, prefetch).numel
         base_bytes = (q * FP8_BYTES + (base.numel - q) * act) / base.numel
     adapters = param_stats(ad_pl, mesh, prefetch)
     return LoraStats(all=_combined(base, adapters), base=base, adapters=adapters,
-                     merged_total=sum(per_layer.values()), merged_layer=max(per_layer.values(), default=0),
-                     base_bytes=base_bytes, base_dtype="fp8" if peft.base_dtype == "fp8" else f"{act * 8}-bit")
+                     adapted_total=sum(per_layer.values()), adapted_layer=max(per_layer.values(), default=0),
+                     base_bytes=base_bytes, base_dtype="fp8" if fp8 else f"{act * 8}-bit",
+                     quantized_total=sum(quant.values()), quantized_layer=max(quant.values(), default=0))
 
 
 def _combined(a: ParamStats, b: ParamStats) -> ParamStats:
@@ -117,15 +136,16 @@ def _base_item(ls: LoraStats) -> Item:
                 f"LoRA base in {dt}, {ls.base.numel:,} params: no master, moments or gradient")
 
 
-def lora_memory(items: list[Item], ls: LoraStats, st) -> list[Item]:
-    """The forward/backward items of the full fine-tune (priced on ``ls.all``) turned into a LoRA run's."""
+def lora_memory(items: list[Item], ls: LoraStats, st, cfg, peft) -> list[Item]:
+    """The forward/backward items of the full fine-tune (priced on ``ls.all``) turned into an unmerged LoRA run's:
+    no merged copy of any weight, the adapters' saved ``x·Aᵀ`` added."""
     out = []
     ad = ls.adapters.numel
     for it in items:
         if it.name == "master weights":
             out += [_base_item(ls), Item("adapter master weights", ad * st.mst, f"{ad:,} adapter params, fp32")]
         elif it.name == "optimizer moments":
-            out.append(Item("optimizer moments", ad * 8, "AdamW m and v of the adapters, fp32"))
+            out.append(Item("optimizer moments", ad * st.mom, f"AdamW m and v of the adapters, {st.moment_dtype}"))
         elif it.name == "gradient accumulator":
             out.append(Item("gradient accumulator", ad * st.red * 2, "adapters only"))
         elif it.name == "compute-dtype copy of shards":
@@ -139,13 +159,36 @@ def lora_memory(items: list[Item], ls: LoraStats, st) -> list[Item]:
                             "dequantized to the compute dtype", "layer"))
         else:
             out.append(it)
+    per_token_total, per_token_layer = adapter_saved_per_token(cfg, peft)
+    u = st.n_mb * st.act  # one [rows, r] column of x·Aᵀ over the micro-batch's tokens, per rank unit
     if st.recompute == "none":
-        out.append(Item("merged weights (held)", ls.merged_total * st.act,
-                        "base + B·A of every targeted weight, saved for its layer's backward (no recompute)"))
+        out.append(Item("adapter activations (saved)", per_token_total * u,
+                        "x·Aᵀ of every adapted matmul, every layer, one micro-batch"))
+        out.append(Item("adapter backward working set", per_token_layer * u, "gradient of x·Aᵀ, the layer in "
+                        "backward", "layer"))
     else:
-        out.append(Item("merged weights (transient)", ls.merged_layer * st.act,
-                        "base + B·A of the layer's targeted weights", "layer"))
+        out.append(Item("adapter activations (layer)", 2 * per_token_layer * u,
+                        "x·Aᵀ of the recomputed layer's adapted matmuls and its gradient", "layer"))
+    if ls.base_dtype == "fp8" and DEQUANT_IN_BACKWARD == "saved" and st.recompute == "none":
+        out.append(Item("dequantized base (held)", ls.quantized_total * st.act,
+                        "every layer's dequantized FP8 weights, saved for the input gradient"))
     return out
+
+
+def adapter_saved_per_token(cfg, peft) -> tuple[float, float]:
+    """Elements of ``x·Aᵀ`` an unmerged LoRA run saves per token: over every adapted matmul of the model, and in its
+    largest layer (a routed expert's adapter: ``num_experts_per_tok`` rows a token)."""
+    return _adapter_terms(cfg, peft)[4:6]
+
+
+def dequant_seconds(ls: LoraStats, st, hbm_bandwidth: float) -> float:
+    """HBM time of the FP8 base's dequantizations in one step: each gathered layer's quantized weights read as FP8
+    (1 byte) and written in the compute dtype, for the forward and (``DEQUANT_IN_BACKWARD == "recompute"``) again
+    for the input gradient, plus once more for the recomputed forward under recompute; per micro-batch."""
+    if ls.base_dtype != "fp8" or not hbm_bandwidth:
+        return 0.0
+    times = 1 + (DEQUANT_IN_BACKWARD == "recompute") + (st.recompute != "none")
+    return st.micro_batches * times * ls.quantized_total * (1 + st.act) / hbm_bandwidth
 
 
 def lora_optimizer(opt_items: list[Item], ls: LoraStats) -> list[Item]:
@@ -159,7 +202,7 @@ def lora_start(items: list[Item], ls: LoraStats, st) -> list[Item]:
         if it.name == "master weights":
             out += [_base_item(ls), Item("adapter master weights", ls.adapters.numel * st.mst)]
         elif it.name == "optimizer moments":
-            out.append(Item("optimizer moments", ls.adapters.numel * 8))
+            out.append(Item("optimizer moments", ls.adapters.numel * st.mom))
         else:
             out.append(it)
     return out
@@ -180,47 +223,59 @@ def scaled_gathers(ls: LoraStats, act: int) -> ParamStats:
                         layer_gather=mix("layer_gather"), recompute_prefetchable=mix("recompute_prefetchable"))
 
 
-def optimizer_bytes(ls: LoraStats, st) -> float | int:
-    return ls.adapters.numel * (st.mst * 2 + st.red + 8 * 2)
-
-
-
-def lora_flops(fl, cfg, peft, tokens: int, micro_batches: int, recompute: str):
-    """``fl`` (a full fine-tune's ``StepFlops`` over ``tokens`` tokens of this rank) for a LoRA run: the weight
-    gradient of every frozen matmul weight without an adapter is dropped (its forward's FLOPs once: the LM head's,
-    the router's unless adapted, any untargeted projection's or expert's; a routed expert weight is used by
-    ``num_experts_per_tok`` of every token), and the adapters' merges are added to ``dense`` (``2 · r · o · i``
-    forward, twice that backward, per gather: once per micro-batch, twice with recompute)."""
-    dense, experts, merge = _lora_flop_terms(cfg, peft)
-    gathers = micro_batches * (1 if recompute == "none" else 2)
+def lora_flops(fl, cfg, peft, tokens: int, micro_batches: int, recompute: str, aux: bool = False):
+    """``fl`` (a full fine-tune's ``StepFlops`` over ``tokens`` tokens of this rank) for an unmerged LoRA run: the
+    weight gradient of every frozen matmul weight is dropped (its forward's FLOPs once: the LM head's, every
+    projection's, router's and expert's; a routed expert weight is used by ``num_experts_per_tok`` rows a token),
+    and each adapter's own GEMMs are added (``2 · r · (i + o)`` a row forward, twice that backward; dense adapters
+    to ``dense``, routed experts' to ``experts``), their forward again where the layer is recomputed (every mode
+    recomputes the projections) and in the aux forward (``aux``)."""
+    dense, experts, ad_dense, ad_experts, _, _, ad_layers_dense, ad_layers_experts = _adapter_terms(cfg, peft)
     head = fl.head / 4  # the LM head's forward (main + MTP depths): its weight gradient goes
-    return attrs.evolve(fl, dense=fl.dense - dense * tokens + merge * gathers, experts=fl.experts - experts * tokens,
-                        head=fl.head - head)
+    rec = dict(fl.recompute_terms)
+    extra_rec = 0.0
+    if recompute != "none":
+        rec["dense"] = rec.get("dense", 0.0) + ad_layers_dense * tokens
+        rec["experts"] = rec.get("experts", 0.0) + ad_layers_experts * tokens
+        extra_rec = (ad_layers_dense + ad_layers_experts) * tokens
+    aux_terms = dict(fl.aux_terms)
+    extra_aux = 0.0
+    if aux and fl.aux_forward:
+        aux_terms["dense"] = aux_terms.get("dense", 0.0) + ad_dense * tokens
+        aux_terms["experts"] = aux_terms.get("experts", 0.0) + ad_experts * tokens
+        extra_aux = (ad_dense + ad_experts) * tokens
+    return attrs.evolve(fl, dense=fl.dense - dense * tokens + 3 * ad_dense * tokens,
+                        experts=fl.experts - experts * tokens + 3 * ad_experts * tokens, head=fl.head - head,
+                        recompute=fl.recompute + extra_rec, aux_forward=fl.aux_forward + extra_aux,
+                        recompute_terms=rec, aux_terms=aux_terms)
 
 
 @functools.lru_cache(maxsize=32)
-def _lora_flop_terms(cfg, peft) -> tuple[float, float, float]:
-    """Per token: the dropped weight-gradient FLOPs of untargeted dense and expert weights; per gather: the
-    merges' FLOPs (one walk of the parameters per model and setting: the search asks for thousands of budgets)."""
+def _adapter_terms(cfg, peft) -> tuple[float, ...]:
+    """Per token: the dropped weight-gradient FLOPs of the frozen dense and expert weights; the adapters' forward
+    FLOPs (dense, experts); the saved ``x·Aᵀ`` elements (whole model, largest layer); the adapters' forward FLOPs of
+    the decoder layers alone (dense, experts: what recompute runs again). One walk of the parameters per model and
+    setting: the search asks for thousands of budgets."""
     from q38.model import abstract_params, is_param_info
     from q38.pytree import named_leaves
 
-    tokens = 1
-    k = cfg.num_experts_per_tok
+    k, r = cfg.num_experts_per_tok, peft.rank
     dropped = {"dense": 0.0, "experts": 0.0}
-    merge = 0.0
+    fwd = {"dense": 0.0, "experts": 0.0}
+    in_layers = {"dense": 0.0, "experts": 0.0}
+    saved: dict[str, float] = {}
     for path, info in named_leaves(abstract_params(cfg), is_leaf=is_param_info):
         if info is None or len(info.shape) < 2 or not (path.startswith(("layers.", "mtp.")) and (
                 ".mixer." in path or ".moe." in path or path == "mtp.fc")):
-            continue  # embeddings and the head (below), norms, conv and gate vectors
-        if path.endswith("conv_w"):
-            continue
+            continue  # embeddings and the head (below), norms and gate vectors; the GDN conv's weight is frozen too
         o, i = info.shape[-2:]
+        term, rows = ("experts", k) if len(info.shape) == 3 else ("dense", 1)
+        dropped[term] += 2 * rows * o * i
         if peft.adapts(path):
-            lead = info.shape[0] if len(info.shape) == 3 and peft.experts == "per_expert" else 1
-            merge += 3 * 2 * peft.rank * o * i * lead
-        elif len(info.shape) == 3:  # routed experts: each token runs k of them
-            dropped["experts"] += 2 * tokens * k * o * i
-        else:
-            dropped["dense"] += 2 * tokens * o * i
-    return dropped["dense"], dropped["experts"], merge
+            f = 2 * rows * r * (i + o)
+            fwd[term] += f
+            if path.startswith("layers."):
+                in_layers[term] += f
+            saved[_layer_of(path)] = saved.get(_layer_of(path), 0.0) + rows * r
+    return (dropped["dense"], dropped["experts"], fwd["dense"], fwd["experts"], sum(saved.values()),
+            max(saved.values(), default=0.0), in_layers["dense"], in_layers["experts"])

@@ -21,6 +21,7 @@ from q38.kernels import KernelConfig, auto_gdn_chunk, resolve_kernels
 from q38.layers.kinds import MIXER_KINDS, kept_regions
 from q38.parallel.efficiency import DEFAULT_DOC_LEN, read_measured
 from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate, recompute_mode
+from q38.parallel.budget_result import _fmt_bytes, _fmt_s
 from q38.parallel.layout import Layout, LayoutError
 from q38.parallel.precision import Precision, run_precision
 
@@ -249,8 +250,10 @@ def write_best(c: Candidate, out_dir: str | Path, model: str, seq_len: int,
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lp = out / f"{c.layout_dict['name']}.yaml"
-    head = (f"{WRITTEN_BY}: predicted {c.budget.step_s:.2f} s/step, MFU "
-            f"{100 * (c.budget.mfu or 0):.1f}% on {c.budget.hardware}, peak {c.budget.peak_bytes / GIB:.1f} GiB/rank.\n")
+    b = c.budget
+    head = (f"{WRITTEN_BY}: predicted {_fmt_s(b.step_s)} a step ({b.step_s!r} s), MFU {100 * (b.mfu or 0):.1f}% on "
+            f"{b.hardware}, peak {_fmt_bytes(b.peak_bytes)} ({b.peak_bytes:.0f} B) a rank, global batch "
+            f"{b.global_tokens // b.seq_len} sequences.\n")
     lp.write_text(head + yaml.safe_dump(c.layout_dict, sort_keys=False))
     tp = out / "train.yaml"
     tp.write_text(head + yaml.safe_dump(candidate_run_config(c, model, str(lp), seq_len, base), sort_keys=False))
@@ -258,7 +261,9 @@ def write_best(c: Candidate, out_dir: str | Path, model: str, seq_len: int,
 
 
 def format_search(cands: list[Candidate], cap: float | int, shipped: Budget | None, top: int = 10) -> str:
-    lines = [f"{len(cands)} layouts fit {cap / GIB:,.1f} GiB per device; fastest first",
+    gb = cands[0].budget.global_tokens // cands[0].budget.seq_len
+    lines = [f"{len(cands)} layouts fit {cap / GIB:,.1f} GiB per device at a global batch of {gb} sequences; "
+             "fastest first",
              f"  {'mesh':<28} {'mb':>3} {'recompute':<24} {'peak GiB':>9} {'step s':>8} {'tok/s':>12} {'MFU':>6}  bound"]
 
     def row(mesh: str, b: Budget) -> str:
@@ -345,6 +350,10 @@ class BudgetQuery:
     overwrite: bool = False
     doc_len: int | None = None  # tokens per document in packed rows (default: efficiency.DEFAULT_DOC_LEN)
     efficiencies: str | None = None  # a JSON-lines file of measured efficiencies over the profile's
+    moment_dtype: str | None = None  # float32 | bfloat16 | int8 (else the run config's train.moment_dtype)
+    master_dtype: str | None = None  # float32 | bfloat16_remainder
+    offload_optimizer: bool | None = None  # masters and moments in host memory, AdamW on the host
+    pure_step: bool = False  # price the optimizer phase of the pure train_step (the library default), not the donated
 
 
 def _train_defaults(q, model_arg: str) -> tuple[dict, str | None]:
@@ -395,7 +404,14 @@ def budget_kwargs(train: Mapping[str, Any], *, gdn: str, chunk: int) -> dict[str
                 async_reduce=bool(train.get("overlap_comm", True)), cp_early=bool(train.get("overlap_comm", True)),
                 ep_dispatch=str(train.get("ep_dispatch", "flat")), ep_overlap=bool(train.get("ep_overlap", True)),
                 offload_activations=bool(train.get("offload_activations", False)),
-                grad_clip=train.get("grad_clip", 1.0) is not None)
+                grad_clip=train.get("grad_clip", 1.0) is not None,
+                moment_dtype=str(train.get("moment_dtype") or "float32"),
+                master_dtype=str(train.get("master_dtype") or "float32"),
+                offload_optimizer=bool(train.get("offload_optimizer", False)))
+
+# the run config keys the planned settings write back (what ``budget_kwargs`` reads), by ``estimate`` keyword
+_WRITTEN_TRAIN = {"moment_dtype": "moment_dtype", "master_dtype": "master_dtype",
+                  "offload_optimizer": "offload_optimizer"}
 
 
 def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check_output_dir=None) -> int:
@@ -440,16 +456,23 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     chunk = kernels.gdn_chunk_size if kernels.gdn_chunk_size != "auto" else auto_gdn_chunk(
         "cuda" if hw is not None else "cpu", cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     prec = run_precision(raw, param_dtype=q.param_dtype, reduce_dtype=q.reduce_dtype)
-    kw = budget_kwargs({**train, "param_dtype": prec.param, "reduce_dtype": prec.reduce}, gdn=gdn, chunk=chunk)
+    lean = {k: v for k, v in (("moment_dtype", q.moment_dtype), ("master_dtype", q.master_dtype),
+                              ("offload_optimizer", q.offload_optimizer)) if v is not None}
+    kw = budget_kwargs({**train, "param_dtype": prec.param, "reduce_dtype": prec.reduce, **lean}, gdn=gdn,
+                       chunk=chunk)
     kw["peft"] = planned_peft(raw.get("peft"), q.lora_rank, q.lora_base_dtype, src)
     kw["doc_len"] = q.doc_len or DEFAULT_DOC_LEN
+    kw["donated"] = not q.pure_step
     shipped = fallback = None
     global_batch = q.global_batch
+    batch_source = "--global-batch" if global_batch is not None else None
     if layout is not None:
         mesh = layout.resolve_mesh(q.world)
         dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
         if global_batch is None:
             global_batch = dp * int(data.get("batch_size", 1))
+            batch_source = (f"the run config's batch_size {int(data.get('batch_size', 1))} × the data-parallel size "
+                            f"{dp} of layout {layout.name} at --world {q.world}")
         if hw is not None:
             def planned(kc: KernelConfig) -> Budget:
                 res = plan_kernels(kc, hw, cp=mesh.get("cp", 1), param_dtype=kw["param_dtype"], cfg=cfg)
@@ -459,7 +482,7 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
 
             try:
                 shipped = planned(kernels)
-            except ConfigError as e:
+            except (ConfigError, LayoutError) as e:
                 if not q.search:
                     raise
                 print(f"shipped layout {layout.name}: {' '.join(str(e).split())}", file=sys.stderr)
@@ -467,9 +490,11 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
                 fallback = planned(kernels.replace(**FALLBACKS))
     if global_batch is None:
         global_batch = q.world
-    if src:
-        print(f"settings from {src}: seq_len {seq_len}, global batch {global_batch} sequences, recompute {recompute}, "
-              f"{micro} micro-batch(es)", file=sys.stderr)
+        batch_source = f"one sequence per rank at --world {q.world}"
+    if src:  # --fewest-ranks says the global batch in its own header
+        gb = "" if q.fewest_ranks else f"global batch {global_batch} sequences ({batch_source}), "
+        print(f"settings from {src}: seq_len {seq_len}, {gb}recompute {recompute}, {micro} micro-batch(es)",
+              file=sys.stderr)
     if not q.search:
         if layout is None:
             raise ConfigError("q38 plan needs --layout (or --search to find one)")
@@ -485,8 +510,9 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     if hw is None:
         raise ConfigError("q38 plan --search needs --hardware (one of the profiles under specs/hardware, e.g. h200)")
     if q.fewest_ranks:
-        print(format_fewest(cfg, hw, q.world, seq_len=seq_len, global_batch=q.global_batch, model_name=str(q.model),
-                            **kw))
+        print(format_fewest(cfg, hw, q.world, seq_len=seq_len, global_batch=global_batch, model_name=str(q.model),
+                            batch_source=batch_source, kernels=kernels,
+                            memory_cap=q.memory_cap * GIB if q.memory_cap is not None else None, **kw))
         return 0
     cap = q.memory_cap * GIB if q.memory_cap is not None else None
     cands, cap = search(cfg, q.world, hw, seq_len=seq_len, global_batch=global_batch, memory_cap=cap,
@@ -494,9 +520,34 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     print(format_search(cands, cap, shipped))
     if fallback is not None:
         print(f"shipped layout's {format_fallback(shipped, fallback)}")
-    lp, tp = write_best(cands[0], q.out, str(q.model), seq_len, raw)
+    lp, tp = write_best(cands[0], q.out, str(q.model), seq_len, planned_run_config(raw, prec, kw, kernels))
     print(f"wrote {lp} and {tp} (run: torchrun --nproc_per_node ... q38 train {tp})")
     return 0
+
+
+def planned_run_config(raw: Mapping[str, Any], prec: Precision, kw: Mapping[str, Any], kernels: KernelConfig) -> dict:
+    """The run config the search prices: ``raw`` (the planned run config) with every setting ``q38 plan`` took from
+    its own flags written in (dtypes, optimizer state, LoRA's ``peft`` section, the kernels), so that ``q38 train``
+    runs and ``q38 plan --train`` prices the run the search priced. The layout, data shape, micro-batches and
+    recompute are the candidate's (``candidate_run_config``)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    train = dict(out.get("train") or {})
+    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+    train["param_dtype"] = names.get(_dtype_name(prec.param))
+    train["reduce_dtype"] = names.get(_dtype_name(prec.reduce))
+    for key, arg in _WRITTEN_TRAIN.items():
+        default = {"moment_dtype": "float32", "master_dtype": "float32", "offload_optimizer": False}[key]
+        v = kw.get(arg, default)
+        if v != default or key in train:
+            train[key] = {"fp32": "float32"}.get(v, v) if isinstance(v, str) else v
+    out["train"] = train
+    if kw.get("peft") is not None:
+        out["peft"] = kw["peft"].to_dict()
+    else:
+        out.pop("peft", None)
+    if kernels.to_dict() != KernelConfig().to_dict() or out.get("kernels"):
+        out["kernels"] = kernels.to_dict()
+    return out
 
 
 # ---- LoRA and the fewest ranks that fit ----------------------------------------------------------------------------
@@ -515,13 +566,13 @@ def planned_peft(section, rank: int | None, base_dtype: str | None, src: str | N
 
 
 def fewest_ranks(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_len: int,
-                 global_batch: int | None = None, **kw) -> tuple[int, Candidate] | None:
-    """The smallest world (whole nodes of ``hardware``, doubling from one node, up to ``max_world``) where some
-    layout of :func:`search` fits, with its fastest candidate; None when none fits up to ``max_world``.
-    ``global_batch``: sequences per step (default: one per rank)."""
-    world = hardware.devices_per_node
+                 global_batch: int | None = None, min_world: int | None = None, **kw) -> tuple[int, Candidate] | None:
+    """The smallest world (whole nodes of ``hardware``, doubling from one node or ``min_world``, up to ``max_world``)
+    where some layout of :func:`search` fits, with its fastest candidate; None when none fits up to ``max_world``.
+    ``global_batch``: sequences per step at every world (default: one per rank)."""
+    world = min_world or hardware.devices_per_node
     cap = float(kw["memory_cap"]) if kw.get("memory_cap") is not None else MEMORY_HEADROOM * hardware.hbm_bytes
-    floor = _state_floor_bytes(cfg, kw.get("peft"), kw.get("param_dtype", "bf16"))
+    floor = _state_floor_bytes(cfg, kw.get("peft"), kw.get("param_dtype", "bf16"), kw)
     while world <= max_world:
         if floor / world > cap:  # the state alone, spread evenly, does not fit: no layout can
             world *= 2
@@ -535,45 +586,104 @@ def fewest_ranks(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_le
     return None
 
 
-def _state_floor_bytes(cfg: ModelConfig, peft, param_dtype: str) -> float:
-    """Bytes of state a run holds over all its ranks at the least (each value stored once): a full fine-tune's fp32
-    masters and AdamW moments; a LoRA run's frozen base in its storage dtype (adapters left out)."""
+def _state_floor_bytes(cfg: ModelConfig, peft, param_dtype: str, kw: Mapping[str, Any] | None = None) -> float:
+    """Bytes of state a run holds over all its ranks at the least (each value stored once): a full fine-tune's
+    masters and AdamW moments in their dtypes (offloaded: the compute-dtype shards); a LoRA run's frozen base in its
+    storage dtype (adapters left out)."""
     from q38.fp8 import default_quantized
     from q38.model import abstract_params, is_param_info
     from q38.parallel.budget import _nbytes
+    from q38.parallel.budget_memory import moment_bytes
     from q38.parallel.lora_budget import FP8_BYTES
     from q38.pytree import named_leaves
 
+    kw = kw or {}
     leaves = [(p, math.prod(i.shape)) for p, i in named_leaves(abstract_params(cfg), is_leaf=is_param_info)
               if i is not None]
     total = sum(n for _, n in leaves)
-    if peft is None:
-        return float(total * (4 + 8))
     act = _nbytes(param_dtype)
+    if peft is None:
+        if kw.get("offload_optimizer"):
+            return float(total * act)
+        return float(total * (4 + moment_bytes(kw.get("moment_dtype", "float32"))))
     if peft.base_dtype != "fp8":
         return float(total * act)
     q = sum(n for p, n in leaves if default_quantized(p))
     return float(q * FP8_BYTES + (total - q) * act)
 
 
+# the optimizer-state settings --fewest-ranks prices for a full fine-tune beside the planned one: (name, settings)
+LEAN_OPTIONS = (
+    ("pure train_step (fp32 state)", dict(donated=False)),
+    ("bf16 moments", dict(moment_dtype="bfloat16")),
+    ("bf16 moments + bf16 gradients", dict(moment_dtype="bfloat16", reduce_dtype="bf16")),
+    ("int8 moments + bf16 gradients + bf16+remainder masters",
+     dict(moment_dtype="int8", reduce_dtype="bf16", master_dtype="bfloat16_remainder")),
+    ("optimizer offloaded to the host (fp32 state)", dict(offload_optimizer=True)),
+)
+
+
+def _state_name(kw: Mapping[str, Any]) -> str:
+    m = kw.get("moment_dtype", "float32")
+    bits = [f"{'pure' if kw.get('donated') is False else 'donated'} step", f"masters {kw.get('master_dtype', 'float32')}",
+            f"moments {m}", f"gradients {kw.get('reduce_dtype', 'fp32')}"]
+    if kw.get("offload_optimizer"):
+        bits.append("offloaded to the host")
+    return ", ".join(bits)
+
+
 def format_fewest(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_len: int,
-                  global_batch: int | None = None, **kw) -> str:
-    """One line per setting: the planned one (LoRA when ``kw['peft']`` is set) and, for LoRA, the full fine-tune."""
+                  global_batch: int | None = None, batch_source: str | None = None, **kw) -> str:
+    """The fewest devices of ``hardware`` that fit, one line per setting, all at one global batch: for a LoRA run
+    (``kw['peft']``) the planned base and the other base, then the full fine-tune and the LoRA run priced on the full
+    fine-tune's devices (step time side by side); for a full fine-tune the planned optimizer state and each of
+    ``LEAN_OPTIONS``. Each line: devices, layout, peak, step time, MFU."""
     peft = kw.pop("peft", None)
-    rows = [("full fine-tune", None)]
-    if peft is not None:
-        base = "FP8 base" if peft.base_dtype == "fp8" else "base in the compute dtype"
-        rows.insert(0, (f"LoRA rank {peft.rank} ({peft.experts} experts, {base})", peft))
-    lines = [f"fewest {hardware.name} devices that fit ({seq_len} tokens a sequence, "
-             f"{'one sequence per rank' if global_batch is None else f'{global_batch} sequences'} per step; "
-             f"memory cap {MEMORY_HEADROOM:.0%} of {hardware.hbm_bytes / GIB:.0f} GiB):"]
-    for name, p in rows:
-        found = fewest_ranks(cfg, hardware, max_world, seq_len=seq_len, global_batch=global_batch, peft=p, **kw)
+    gb = "one sequence per rank" if global_batch is None else f"global batch {global_batch} sequences"
+    lines = [f"fewest {hardware.name} devices that fit ({seq_len} tokens a sequence, {gb}"
+             + (f" = {batch_source}" if batch_source and global_batch is not None else "")
+             + ", the same at every world; memory cap "
+             + (f"{_fmt_bytes(kw['memory_cap'])}" if kw.get("memory_cap") is not None
+                else f"{MEMORY_HEADROOM:.0%} of {hardware.hbm_bytes / GIB:.0f} GiB") + "):"]
+
+    def row(name: str, found) -> str:
         if found is None:
-            lines.append(f"  {name}: none up to {max_world}")
-            continue
+            return f"  {name}: none up to {max_world}"
         world, c = found
         b = c.budget
-        lines.append(f"  {name}: {world} ({c.mesh}, recompute {b.recompute}, {b.micro_batches} micro-batch(es); "
-                     f"peak {b.peak_bytes / GIB:,.1f} GiB per device, step {b.step_s:.2f} s)")
+        return (f"  {name}: {world} ({c.mesh}{' hier' if c.ep_dispatch == 'hierarchical' else ''}, recompute "
+                f"{b.recompute}, {b.micro_batches} micro-batch(es); peak {_fmt_bytes(b.peak_bytes)} per device, "
+                f"step {_fmt_s(b.step_s)}, MFU {100 * (b.mfu or 0):.1f}%)")
+
+    run = dict(seq_len=seq_len, global_batch=global_batch)
+    if peft is not None:
+        other = attrs.evolve(peft, base_dtype="compute" if peft.base_dtype == "fp8" else "fp8")
+        found = {}
+        for p in (peft, other):
+            base = "FP8 base" if p.base_dtype == "fp8" else "base in the compute dtype"
+            found[p] = fewest_ranks(cfg, hardware, max_world, peft=p, **run, **kw)
+            lines.append(row(f"LoRA rank {p.rank} ({p.experts} experts, {base})", found[p]))
+        full = fewest_ranks(cfg, hardware, max_world, **run, **kw)
+        lines.append(row(f"full fine-tune ({_state_name(kw)})", full))
+        if full is not None:  # the planned LoRA run on the full fine-tune's devices: the step times side by side
+            same = fewest_ranks(cfg, hardware, full[0], min_world=full[0], peft=peft, **run, **kw)
+            if same is not None:
+                ratio = same[1].budget.step_s / full[1].budget.step_s
+                base = "FP8 base" if peft.base_dtype == "fp8" else "base in the compute dtype"
+                lines.append(row(f"LoRA rank {peft.rank} ({base}) on the full fine-tune's {full[0]}", same)
+                             + f"; LoRA / full step time {ratio:.2f}")
+        return "\n".join(lines)
+    lines.append(row(f"full fine-tune, planned state ({_state_name(kw)})", fewest_ranks(cfg, hardware, max_world,
+                                                                                        **run, **kw)))
+    for name, opt in LEAN_OPTIONS:
+        okw = {**kw, **opt}
+        if opt.get("offload_optimizer") and not (hardware.host_memory_bandwidth and hardware.host_link_bandwidth):
+            lines.append(f"  {name}: not priced ({hardware.name} profile has no host side)")
+            continue
+        found = fewest_ranks(cfg, hardware, max_world, **run, **okw)
+        line = row(f"{name} ({_state_name(okw)})", found)
+        if found is not None and found[1].budget.host_optimizer:
+            held = found[1].budget.host_optimizer[0]
+            line += f"; host memory {_fmt_bytes(held)} per node"
+        lines.append(line)
     return "\n".join(lines)
