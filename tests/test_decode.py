@@ -108,3 +108,41 @@ def test_sampling_rules():
     b = generate(params, CFG, _prompts(CFG), max_new_tokens=6, sampling=Sampling(temperature=1.0, seed=11))
     c = generate(params, CFG, _prompts(CFG), max_new_tokens=6, sampling=Sampling(temperature=1.0, seed=12))
     assert a == b != c and all(len(x) == 6 for x in a)
+
+
+# ---- against transformers: greedy generation from the Hugging Face export ------------------------------------------
+
+
+@pytest.mark.parametrize("peft", [None, {"rank": 4, "alpha": 16, "targets": ["w_q", "w_qkv", "we_down"]}],
+                         ids=["full", "lora"])
+def test_greedy_generation_equals_transformers_on_the_hf_export(tmp_path, peft):
+    """A q38 checkpoint (one training step of a model shaped as ``CFG``; a LoRA run's adapters merged) sampled
+    greedily by ``q38 generate`` gives transformers' ``generate(do_sample=False)`` tokens from its ``convert --to-hf``
+    export, for two prompts of different lengths decoded as one batch."""
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from q38.train.io.hf_io import export_checkpoint
+    from q38.train.io.peft_export import export_merged
+    from q38.train.run.generate import generate_from
+    from q38.train.run.trainer import train
+    from tests.run_utils import run_config
+
+    model = dict(CFG.to_dict(), vocab_size=300)  # covers the byte tokenizer (261 ids)
+    cfg = run_config(tmp_path / "run", steps=1, model=model, **({"peft": peft} if peft else {}),
+                     train={"lr": 3e-2, "warmup_steps": 0})
+    train(cfg)
+    ck = tmp_path / "run" / "checkpoints" / "step_000001"
+    (export_merged if peft else export_checkpoint)(ck, tmp_path / "hf")
+    prompts = ["the cat sat on the mat", "dogs"]
+    n = 12
+    recs = generate_from(str(tmp_path / "run"), text=prompts, max_new_tokens=n, stop_at_eos=False)
+    hf = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32, attn_implementation="eager")
+    hf.eval().generation_config.eos_token_id = None
+    for p, r in zip(prompts, recs):
+        ids = torch.tensor([list(p.encode())])
+        with torch.no_grad():
+            want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                               pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert r["prompt_ids"] == ids[0].tolist()
+        assert r["ids"] == want
+        assert len(set(want)) >= 3, "a constant continuation would not exercise the decode"

@@ -54,7 +54,7 @@ def test_eval_equals_the_logged_loss(tmp_path, peft):
 
     data = _rows_file(tmp_path / "rows.jsonl", 2)
     recs = _train_two_steps(tmp_path / "run", data, **({"peft": peft} if peft else {}))
-    ck = tmp_path / "run" / "checkpoints" / "step_1"
+    ck = tmp_path / "run" / "checkpoints" / "step_000001"
     rec = evaluate(str(ck), str(data), batch_size=2, progress=False)
     _assert_matches(rec, recs[1])
     # another eval batch size: the LM terms are token-weighted over the whole set, so they do not change
@@ -77,7 +77,7 @@ def _two_rank_eval(rank, world, out, data, peft):
         import torch.distributed as dist
 
         dist.barrier()
-        return recs, evaluate(os.path.join(out, "checkpoints", "step_1"), data, batch_size=2, progress=False)
+        return recs, evaluate(os.path.join(out, "checkpoints", "step_000001"), data, batch_size=2, progress=False)
     finally:
         for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
             os.environ.pop(k, None)
@@ -94,7 +94,7 @@ def test_eval_on_two_ranks_equals_the_logged_loss(tmp_path, peft):
     assert ev0 == ev1
     _assert_matches(ev0, recs0[1])
     # the same checkpoint on one process (resharded), one batch of 4 rows: the same terms
-    one = evaluate(str(tmp_path / "run" / "checkpoints" / "step_1"), str(data), batch_size=4, progress=False)
+    one = evaluate(str(tmp_path / "run" / "checkpoints" / "step_000001"), str(data), batch_size=4, progress=False)
     for k in ("eval_loss", "eval_mtp_1", "eval_aux", "eval_accuracy"):
         assert one[k] == pytest.approx(ev0[k], rel=1e-6, abs=1e-9), k
 
