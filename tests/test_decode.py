@@ -146,3 +146,37 @@ def test_greedy_generation_equals_transformers_on_the_hf_export(tmp_path, peft):
         assert r["prompt_ids"] == ids[0].tolist()
         assert r["ids"] == want
         assert len(set(want)) >= 3, "a constant continuation would not exercise the decode"
+
+
+def test_generate_cli_chat_prompts_and_errors(tmp_path, capsys):
+    """``q38 generate``: a chat message is rendered as ChatML by a tokenizer without a template (ids written out
+    here by hand) with the assistant turn opened; a JSONL of text and chat prompts runs as one batch; the same
+    seed samples the same tokens; bad options are one-line errors."""
+    import json
+
+    from q38.train.run.trainer import train
+    from tests.run_utils import q38, run_config
+
+    train(run_config(tmp_path / "run", steps=1))
+    r = q38("generate", tmp_path / "run", "--chat", "hi", "--max-new-tokens", "5", "--json")
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout.strip().splitlines()[-1])
+    im_start, im_end = 259, 260  # the byte tokenizer's <|im_start|>, <|im_end|>
+    assert rec["prompt_ids"] == [im_start, *b"user\nhi", im_end, *b"\n", im_start, *b"assistant\n"]
+    assert 1 <= len(rec["ids"]) <= 5
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"text": "the cat"}) + "\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]}) + "\n")
+    args = ("generate", tmp_path / "run", "--prompts", prompts, "--temperature", "0.8", "--top-p", "0.9", "--seed",
+            "3", "--max-new-tokens", "4", "--json")
+    a, b = q38(*args), q38(*args)
+    assert a.returncode == 0, a.stderr
+    recs = [json.loads(line) for line in a.stdout.strip().splitlines()]
+    assert len(recs) == 2 and recs[0]["prompt_ids"] == list(b"the cat") and a.stdout == b.stdout
+    for bad, msg in ((["--top-p", "0"], "top_p must be in (0, 1]"), (["--temperature", "-1"], "temperature"),
+                     (["--system", "x"], "--system goes with --chat")):
+        from q38.cli import main
+
+        assert main(["generate", str(tmp_path / "run"), "--prompt", "x", *bad]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err
