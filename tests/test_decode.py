@@ -146,6 +146,9 @@ def test_greedy_generation_equals_transformers_on_the_hf_export(tmp_path, peft):
         assert r["prompt_ids"] == ids[0].tolist()
         assert r["ids"] == want
         assert len(set(want)) >= 3, "a constant continuation would not exercise the decode"
+    # the Hugging Face directory itself as the source (loaded as init_from): the same tokens
+    from_hf = generate_from(str(tmp_path / "hf"), text=prompts, max_new_tokens=n, stop_at_eos=False)
+    assert [r["ids"] for r in from_hf] == [r["ids"] for r in recs]
 
 
 def test_generate_cli_chat_prompts_and_errors(tmp_path, capsys):
