@@ -16,7 +16,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from q38.layers.decode import (
-    GDNCache, KVCache, attention_decode, empty_gdn_cache, empty_kv_cache, gdn_decode,
+    GDNCache, attention_decode, empty_gdn_cache, empty_kv_cache, gdn_decode,
 )
 from q38.layers.moe import moe_apply
 from q38.layers.norm import rms_norm
@@ -149,7 +149,8 @@ def generate(
     dtype: torch.dtype | None = None,
 ) -> list[list[int]]:
     """The tokens sampled after each prompt (at most ``max_new_tokens``; a row stops after a token of ``stop_ids``,
-    which it keeps). Prompts of different lengths run as one batch (``left_aligned``); rows that stopped skip later steps."""
+    which it keeps). Prompts of different lengths run as one batch (``left_aligned``); rows that stopped skip later
+    steps."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
     dev = params.embed.device

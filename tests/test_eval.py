@@ -12,6 +12,13 @@ from tests.run_utils import metrics, q38, run_config, run_dict, write_config
 SEQ = 32
 
 
+def _model() -> dict:
+    """The decode tests' model (every dimension unlike the tiny preset), its vocab covering the byte tokenizer."""
+    from tests.test_decode import CFG
+
+    return dict(CFG.to_dict(), vocab_size=300)
+
+
 def _rows_file(path, n: int, seed: int = 0):
     """``n`` text records of ``SEQ - 1`` characters: each packs into exactly one row of ``SEQ`` tokens (its eos
     included), so a global batch of ``n`` rows is the whole file, every step."""
@@ -33,7 +40,7 @@ def _train_two_steps(out, data, **kw):
     """Two steps on ``data`` (one global batch), a checkpoint after each; returns the logged records."""
     from q38.train.run.trainer import train
 
-    cfg = run_config(out, steps=2, data={"path": str(data), "seq_len": SEQ, "shuffle": False},
+    cfg = run_config(out, steps=2, model=_model(), data={"path": str(data), "seq_len": SEQ, "shuffle": False},
                      run={"save_every": 1, "keep_last": 0}, **kw)
     return train(cfg)
 
@@ -71,7 +78,8 @@ def _two_rank_eval(rank, world, out, data, peft):
         from q38.train.run.evaluate import evaluate
         from q38.train.run.trainer import train
 
-        cfg = run_config(out, steps=2, layout="fsdp", data={"path": data, "seq_len": SEQ, "shuffle": False},
+        cfg = run_config(out, steps=2, layout="fsdp", model=_model(),
+                         data={"path": data, "seq_len": SEQ, "shuffle": False},
                          run={"save_every": 1, "keep_last": 0}, **({"peft": peft} if peft else {}))
         recs = train(cfg)
         import torch.distributed as dist
@@ -106,8 +114,8 @@ def test_small_held_out_chat_file_evaluates_at_batch_size_8(tmp_path):
                            {"role": "assistant", "content": f"answer number {i}."}]} for i in range(6)]
     held = tmp_path / "held.jsonl"
     held.write_text("".join(json.dumps(c) + "\n" for c in chats))
-    d = run_dict(tmp_path / "run", steps=2, data={"batch_size": 8, "seq_len": 64, "eval_path": str(held)},
-                 run={"eval_every": 1})
+    d = run_dict(tmp_path / "run", steps=2, model=_model(),
+                 data={"batch_size": 8, "seq_len": 64, "eval_path": str(held)}, run={"eval_every": 1})
     cfg = write_config(tmp_path / "run.yaml", d)
     r = q38("train", cfg, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -120,8 +128,9 @@ def test_small_held_out_chat_file_evaluates_at_batch_size_8(tmp_path):
     assert rec["eval_loss"] == pytest.approx(logged[-1]["eval_loss"], rel=1e-6)
     assert rec["eval_tokens"] == logged[-1]["eval_tokens"]
     # a separate eval batch size in training: 3 rows per batch, 2 batches, the same token-weighted loss
-    d2 = run_dict(tmp_path / "run2", steps=2, data={"batch_size": 8, "seq_len": 64, "eval_path": str(held),
-                                                     "eval_batch_size": 3}, run={"eval_every": 1})
+    d2 = run_dict(tmp_path / "run2", steps=2, model=_model(),
+                  data={"batch_size": 8, "seq_len": 64, "eval_path": str(held), "eval_batch_size": 3},
+                  run={"eval_every": 1})
     from q38.train.run.run_config import RunConfig
     from q38.train.run.trainer import train
 

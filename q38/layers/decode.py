@@ -115,7 +115,8 @@ def attention_decode(
     k = apply_rope(rms_norm(F.linear(x, p.w_k).view(b, 1, g, c), p.k_norm, cfg.rms_norm_eps), cos, sin)
     v = F.linear(x, p.w_v).view(b, 1, g, c)
     on = active[:, None, None, None]  # a skipped step stores zeros: a hidden key's value then adds 0, never NaN
-    new = KVCache(k=torch.cat([cache.k, torch.where(on, k, 0.0)], 1), v=torch.cat([cache.v, torch.where(on, v, 0.0)], 1),
+    new = KVCache(k=torch.cat([cache.k, torch.where(on, k, 0.0)], 1),
+                  v=torch.cat([cache.v, torch.where(on, v, 0.0)], 1),
                   valid=torch.cat([cache.valid, active[:, None]], 1))
     r = h // g  # query head i reads kv head i // r
     keys, values = (t.repeat_interleave(r, dim=2).transpose(1, 2) for t in (new.k, new.v))  # [b h t c]
