@@ -55,7 +55,8 @@ def _assert_matches(rec: dict, logged: dict):
     assert 0 <= rec["eval_accuracy"] <= 1
 
 
-@pytest.mark.parametrize("peft", [None, {"rank": 4, "alpha": 8, "mtp": True}], ids=["full", "lora"])
+@pytest.mark.parametrize("peft", [None, pytest.param({"rank": 4, "alpha": 8, "mtp": True}, marks=pytest.mark.slow)],
+                         ids=["full", "lora"])  # LoRA in the default suite: the 2-rank test
 def test_eval_equals_the_logged_loss(tmp_path, peft):
     from q38.train.run.evaluate import evaluate
 
