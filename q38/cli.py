@@ -1,4 +1,5 @@
-"""``q38`` command line: ``train``, ``plan``, ``convert``, ``init-hf``, ``prepare-data``, ``kernels``.
+"""``q38`` command line: ``train``, ``eval``, ``generate``, ``plan``, ``convert``, ``init-hf``, ``prepare-data``,
+``kernels``.
 
 Bad input ends with a one-line error naming the problem and the fix (exit code 2), never a traceback.
 """
@@ -68,21 +69,105 @@ def _train(argv: list[str]) -> int:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set run.steps=50 (repeatable)")
     a = p.parse_args(argv)
-    import yaml
-
     from q38.train.run.trainer import RunConfig, train
 
-    overrides = {}
-    for kv in a.set:
+    cfg = RunConfig.from_yaml(a.config, _overrides(a.set))
+    train(cfg)
+    return 0
+
+
+def _overrides(pairs: list[str]) -> dict:
+    """``--set SECTION.KEY=VALUE`` pairs → overrides (values parsed as YAML)."""
+    import yaml
+
+    out = {}
+    for kv in pairs:
         k, sep, v = kv.partition("=")
         if not sep or not k:
             raise ValueError(f"--set expects SECTION.KEY=VALUE, got {kv!r}")
         try:
-            overrides[k] = yaml.safe_load(v)
+            out[k] = yaml.safe_load(v)
         except yaml.YAMLError:
-            overrides[k] = v
-    cfg = RunConfig.from_yaml(a.config, overrides)
-    train(cfg)
+            out[k] = v
+    return out
+
+
+SOURCE_HELP = ("a q38 run directory, its checkpoints directory or one checkpoint (full or LoRA; the newest that "
+               "verifies), or a Hugging Face checkpoint directory")
+
+
+def _eval(argv: list[str]) -> int:
+    p = OneLineParser(prog="q38 eval", description="Evaluate a checkpoint on held-out data: the objective's terms "
+                      "(loss, MTP depths, aux) and per-token statistics (targets, accuracy, perplexity). One process, "
+                      "or every rank under torchrun (q38 launch ... eval) on the checkpoint's layout.")
+    p.add_argument("source", help=SOURCE_HELP)
+    p.add_argument("--data", required=True, help="held-out data: a JSONL file (text or chat records, as data.path "
+                   "reads them), builtin:NAME, a prepared directory or a Megatron PREFIX; tokenized with the "
+                   "source's data.tokenizer, data.seq_len and data.train_on")
+    p.add_argument("--batch-size", type=positive_int, default=None, help="rows per data-parallel rank per eval "
+                   "batch (default: data.eval_batch_size, else data.batch_size); the last batch is padded")
+    p.add_argument("--max-batches", type=nonnegative_int, default=0, help="evaluate the first N global batches "
+                   "only (default 0: every row)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a setting of the source's run config, e.g. --set data.seq_len=512, "
+                   "--set layout=fsdp (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON record instead of the table")
+    a = p.parse_args(argv)
+    import json
+
+    from q38.train.run.evaluate import evaluate
+
+    check_file_args(("--data", a.data, not a.data.startswith("builtin:") and not Path(a.data + ".idx").exists()))
+    rec = evaluate(a.source, a.data, batch_size=a.batch_size, max_batches=a.max_batches,
+                   overrides=_overrides(a.set), progress=sys.stdout.isatty())
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        return 0
+    if a.json:
+        print(json.dumps(rec))
+        return 0
+    at = f"step {rec['step']} of {rec['source']}" if rec["step"] is not None else rec["source"]
+    print(f"q38 eval: {at} on {rec['data']} ({rec['eval_batches']} batches of {rec['eval_batch_size']} rows per "
+          "rank)")
+    for k, v in rec.items():
+        if k.startswith("eval_") and k not in ("eval_batches", "eval_batch_size"):
+            print(f"  {k[5:]:<10} {v:.6g}" if isinstance(v, float) else f"  {k[5:]:<10} {v}")
+    return 0
+
+
+def _generate(argv: list[str]) -> int:
+    p = OneLineParser(prog="q38 generate", description="Sample from a checkpoint: greedy (the default) or with a "
+                      "temperature and top-p, from text prompts or chat messages rendered by the checkpoint's chat "
+                      "template. One process.")
+    p.add_argument("source", help=SOURCE_HELP)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt", action="append", help="a text prompt, continued as it is (repeatable: one batch)")
+    g.add_argument("--chat", action="append", help="a user message, rendered with the tokenizer's chat template "
+                   "(ChatML without one) and an assistant turn opened (repeatable)")
+    g.add_argument("--prompts", help="a JSONL file: {\"text\": ...} prompts and {\"messages\": [...]} chats (rendered "
+                   "with the chat template, an assistant turn opened)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sample from "
+                   "softmax(logits / temperature)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of most likely tokens "
+                   "whose probability reaches this (default 1: all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the draws (sampling only)")
+    p.add_argument("--system", default=None, help="--chat: a system message before each user message")
+    p.add_argument("--no-eos-stop", action="store_true", help="keep sampling after the end-of-sequence token")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a setting of the source's run config, e.g. --set data.tokenizer=DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON record per prompt (prompt and output ids, "
+                   "text) instead of the text")
+    a = p.parse_args(argv)
+    import json
+
+    from q38.train.run.generate import generate_from
+
+    check_file_args(("--prompts", a.prompts, True))
+    recs = generate_from(a.source, text=a.prompt, chat=a.chat, prompts_file=a.prompts, system=a.system,
+                         max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+                         stop_at_eos=not a.no_eos_stop, overrides=_overrides(a.set))
+    for r in recs:
+        print(json.dumps(r) if a.json else r["text"])
     return 0
 
 
@@ -515,7 +600,7 @@ def _launch(argv: list[str]) -> int:
     return launch(argv)
 
 
-COMMANDS = {"train": _train, "plan": plan_cli, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
+COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "plan": plan_cli, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
             "kernels": _kernels, "launch": _launch}
 
 

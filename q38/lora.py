@@ -251,7 +251,9 @@ def add_adapters(params, peft: PeftConfig, *, seed: int, make=None, base_dtype=N
         base = t if fp8 or dt is None or not t.is_floating_point() else t.to(dt)
         if not peft.adapts(path):
             return base
-        info = declared_info(path)
+        # the declaration's axes and FSDP dim, at this weight's own (global) shape: the declarations are of a small
+        # model (``q38.model.declared_params``), so their shapes are not this model's
+        info = attrs.evolve(declared_info(path), shape=tuple((t.bits if fp8 else t).shape))
         shared = info.axes[:1] == ("expert",) and peft.experts == "shared"
         keys = ("shared_a", "shared_b") if shared else ("lora_a", "lora_b")
         a, b = (make(f"{path}.{k}", adapter_info(info, k, peft.rank), t.bits if fp8 else t) for k in keys)

@@ -240,14 +240,19 @@ def test_parse_mixture():
 def test_eval_rows_cover_the_split_once():
     srcs = [FakeRows(0, 10), FakeRows(1, 7)]
     ev = EvalRows(srcs, 2, dp_size=2)
-    assert ev.num_batches == 4  # 17 rows // 4
-    seen = [x for k in range(ev.num_batches) for x in _ids(ev.global_batch(k))]
-    assert len(set(seen)) == 16 and set(seen) <= {*range(10), *range(10000, 10007)}
+    assert ev.num_batches == 5  # ceil(17 / 4): the last batch holds 1 row and 3 padding rows
+    batches = [ev.global_batch(k) for k in range(ev.num_batches)]
+    seen = [x for b in batches for x, d in zip(_ids(b), b["doc_ids"][:, 0].tolist()) if d >= 0]
+    assert len(seen) == 17 and set(seen) == {*range(10), *range(10000, 10007)}
+    last = ev.global_batch(4)
+    assert (last["doc_ids"][1:] == -1).all() and (last["labels"][1:] == -100).all() and (last["doc_ids"][0] >= 0).all()
     ranks = [EvalRows(srcs, 2, dp_rank=r, dp_size=2, max_batches=2) for r in range(2)]
     assert ranks[0].num_batches == 2
     assert _ids(ranks[0].batch(1)) + _ids(ranks[1].batch(1)) == _ids(ev.global_batch(1))
-    with pytest.raises(DataError, match="fewer than one global batch of 40"):
-        EvalRows(srcs, 20, dp_size=2)
+    small = EvalRows(srcs, 20, dp_size=2)  # fewer rows than one global batch of 40: one padded batch
+    assert small.num_batches == 1 and int((small.global_batch(0)["doc_ids"][:, 0] >= 0).sum()) == 17
+    with pytest.raises(DataError, match="no rows"):
+        EvalRows([FakeRows(0, 0)], 2)
 
 
 # ---- training from shards -------------------------------------------------------------------------------------------

@@ -539,7 +539,9 @@ class MixtureIterator:
 
 class EvalRows:
     """The held-out rows in a fixed order (all sources' eval rows, shuffled once with a fixed key), cut into
-    ``num_batches`` global batches; ``batch(k)`` is this rank's share of eval batch ``k``."""
+    ``num_batches`` global batches; ``batch(k)`` is this rank's share of eval batch ``k``. Every row is evaluated:
+    the last batch is filled up with padding rows (doc id -1, no targets: they add nothing to any term), so an eval
+    set smaller than one global batch is one padded batch. ``max_batches`` (> 0) keeps the first batches only."""
 
     def __init__(self, sources: Sequence[RowSource], batch_size: int, *, dp_rank: int = 0, dp_size: int = 1,
                  max_batches: int = 0) -> None:
@@ -548,25 +550,29 @@ class EvalRows:
         self.global_batch_size = batch_size * dp_size
         self.cum = np.cumsum([0] + [len(s) for s in self.sources])
         total = int(self.cum[-1])
-        full = total // self.global_batch_size
-        if full == 0:
+        if total == 0:
             names = ", ".join(s.name for s in self.sources)
-            raise DataError(f"data: the eval split ({names}) has {total} rows of seq_len "
-                            f"{self.sources[0].seq_len}, fewer than one global batch of {self.global_batch_size}; "
-                            f"raise data.eval_split, or give data.eval_path more data")
+            raise DataError(f"data: the eval set ({names}) has no rows; raise data.eval_split, or give "
+                            f"data.eval_path a file with records")
+        full = -(-total // self.global_batch_size)  # the last batch padded
         self.num_batches = full if max_batches <= 0 else min(full, max_batches)
         self.total = total
 
     def _read(self, pos: np.ndarray) -> dict[str, torch.Tensor]:
-        flat = feistel_permute(pos, self.total, EVAL_KEY)
-        src = np.searchsorted(self.cum, flat, side="right") - 1
         out = {k: torch.empty((len(pos), self.sources[0].seq_len), dtype=torch.int64)
                for k in ("input_ids", "labels", "doc_ids")}
+        real = pos < self.total
+        pad = torch.from_numpy(np.flatnonzero(~real))
+        out["input_ids"][pad], out["labels"][pad], out["doc_ids"][pad] = 0, IGNORE_INDEX, PAD_DOC_ID
+        pos = pos[real]
+        flat = feistel_permute(pos, self.total, EVAL_KEY)
+        src = np.searchsorted(self.cum, flat, side="right") - 1
+        at = np.flatnonzero(real)
         for i in np.unique(src):
             sel = np.flatnonzero(src == i)
             part = self.sources[int(i)].rows(flat[sel] - self.cum[i])
             for k in out:
-                out[k][torch.from_numpy(sel)] = part[k]
+                out[k][torch.from_numpy(at[sel])] = part[k]
         return out
 
     def global_batch(self, k: int) -> dict[str, torch.Tensor]:

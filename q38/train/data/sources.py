@@ -59,7 +59,7 @@ class TrainData:
             self.train = opened
 
     def iterators(self, batch_size: int, *, dp_rank: int, dp_size: int, seed: int, shuffle: bool,
-                  eval_batches: int = 0):
+                  eval_batches: int = 0, eval_batch_size: int | None = None):
         from q38.train.data.loader import BatchIterator
 
         if self.legacy:
@@ -71,6 +71,6 @@ class TrainData:
         else:
             train = MixtureIterator(self.train, self.weights, batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                     seed=seed, shuffle=shuffle)
-        ev = EvalRows(self.eval, batch_size, dp_rank=dp_rank, dp_size=dp_size, max_batches=eval_batches) \
+        ev = EvalRows(self.eval, eval_batch_size or batch_size, dp_rank=dp_rank, dp_size=dp_size, max_batches=eval_batches) \
             if self.eval else None
         return train, ev

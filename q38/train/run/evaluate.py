@@ -1,12 +1,16 @@
-"""Held-out evaluation: mean main and MTP losses over the eval batches, no gradient, the training step's sharding.
+"""Held-out evaluation: the objective's terms and per-token statistics over the eval batches, no gradient, the
+training step's sharding (docs/evaluate.md).
 
-Each loss is the token-weighted mean over the whole eval set: ``Σ CE over all valid targets / number of targets``
+Each LM term is the token-weighted mean over the whole eval set: ``Σ CE over all valid targets / number of targets``
 (summed over batches and data-parallel / CP ranks before the division), the same definition as the training loss
-of one step whose batch is the whole eval set.
+of one step whose batch is the whole eval set. The aux term is each eval batch's aux as a step over that global
+batch computes it (one micro-batch), averaged over the batches; top-1 accuracy counts the valid targets whose
+logit is the largest; perplexity is ``exp(eval_loss)``.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import typing
 
@@ -15,9 +19,23 @@ import torch
 
 from q38.lora import merge_adapters
 from q38.model import LayerHooks, forward, head_weight
-from q38.batch import count_targets
+from q38.batch import IGNORE_INDEX, count_targets
 
 PROGRESS_AFTER_S = 3.0  # an eval that runs longer than this shows a progress bar (on a terminal, on rank 0)
+ACCURACY_ROWS = 4096  # valid targets per logits block of the top-1 accuracy (a [rows, vocab] block at a time)
+
+
+def top1_correct(hidden: torch.Tensor, w_head: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """How many valid targets (``!= -100``) are the argmax of their logits, computed a block of rows at a time (never
+    the whole ``[tokens, vocab]``)."""
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    keep = torch.nonzero(t != IGNORE_INDEX).flatten()
+    h, t = h.index_select(0, keep), t.index_select(0, keep)
+    n = torch.zeros((), dtype=torch.long, device=hidden.device)
+    for i in range(0, h.shape[0], ACCURACY_ROWS):
+        logits = torch.nn.functional.linear(h[i:i + ACCURACY_ROWS], w_head)
+        n = n + (logits.argmax(-1) == t[i:i + ACCURACY_ROWS]).sum()
+    return n
 
 
 @typing.no_type_check
@@ -25,12 +43,13 @@ PROGRESS_AFTER_S = 3.0  # an eval that runs longer than this shows a progress ba
 def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: bool = True) -> dict[str, float]:
     """``batches``: this rank's eval batches (dicts of ``input_ids``, ``labels``, ``doc_ids``; on a mesh, this rank's
     rows as from ``EvalRows.batch``; an ``EvalRows`` itself gives the bar its total). Returns ``{"eval_loss",
-    "eval_mtp_1", ..., "eval_tokens"}``; the layers and the loss run ``state.kernels``. With ``progress``, an eval
-    longer than ``PROGRESS_AFTER_S`` seconds shows a bar on rank 0 (only on a terminal)."""
+    "eval_mtp_1", ..., "eval_aux", "eval_tokens", "eval_accuracy", "eval_ppl"}``; the layers and the loss run
+    ``state.kernels``, routing uses the state's router bias (aux-loss-free runs) as the step does. With
+    ``progress``, an eval longer than ``PROGRESS_AFTER_S`` seconds shows a bar on rank 0 (only on a terminal)."""
     import torch.distributed as dist
     from tqdm import tqdm
 
-    from q38.train.core.objective import lm_loss
+    from q38.train.core.objective import TermInput, aux_term, lm_loss, routing, step_context
     from q38.train.core.step import _as_step_batch, step_runtime
 
     mc, tc = state.model_config, state.train_config
@@ -40,11 +59,12 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
     if state.peft is not None:  # a LoRA run: adapters merged into their weights after each gather
         gather = lambda tree: merge_adapters(runtime.gather(tree))  # noqa: E731
     hooks = LayerHooks(gather=gather, dispatch=runtime.dispatch)
-    p = state.params
+    p, bias = state.params, state.router_bias
     runtime.bind(p)
     one = torch.ones(())
-    main_sum, n_main = torch.zeros(()), torch.zeros(())
-    mtp_sum, n_mtp = [torch.zeros(()) for _ in range(depths)], [torch.zeros(()) for _ in range(depths)]
+    # per batch, this rank's partials: [main CE sum, main targets, correct top-1, aux, (mtp CE sum, mtp targets)...]
+    sums = torch.zeros(4 + 2 * depths, dtype=torch.float64)
+    n_batches = 0
     lead = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     bar = tqdm(batches, desc="eval", unit="batch", leave=False, delay=PROGRESS_AFTER_S, file=sys.stdout,
                dynamic_ncols=True, disable=None if (progress and lead) else True)
@@ -57,18 +77,65 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
         else:
             sb = _as_step_batch(b, depths)
         info = attrs.evolve(runtime.seq_info(sb), kernels=state.kernels)
-        out = forward(p, sb.input_ids, mc, mtp_input_ids=sb.mtp_inputs, info=info, hooks=hooks)
+        out = forward(p, sb.input_ids, mc, mtp_input_ids=sb.mtp_inputs, info=info, hooks=hooks, router_bias=bias)
         w_head = runtime.gather(head_weight(p))
-        main_sum = main_sum + lm_loss(out.hidden, w_head, sb.targets, one, tc, state.kernels).float().cpu()
-        n_main = n_main + count_targets(sb.targets).float().cpu()
+        ctx = step_context([sb], runtime, mc, tc, None)  # the batch's aux tables, as one step over it
+        ti = TermInput(out, sb, 0, routing(out.router_logits, mc.num_experts_per_tok, bias), w_head, ctx, runtime,
+                       mc, tc, state.kernels)
+        part = [lm_loss(out.hidden, w_head, sb.targets, one, tc, state.kernels), count_targets(sb.targets),
+                top1_correct(out.hidden, w_head, sb.targets), aux_term(ti)]
         for d, h in enumerate(out.mtp_hidden):
-            mtp_sum[d] = mtp_sum[d] + lm_loss(h, w_head, sb.mtp_targets[d], one, tc, state.kernels).float().cpu()
-            n_mtp[d] = n_mtp[d] + count_targets(sb.mtp_targets[d]).float().cpu()
+            part += [lm_loss(h, w_head, sb.mtp_targets[d], one, tc, state.kernels), count_targets(sb.mtp_targets[d])]
+        sums += torch.stack([t.detach().double().cpu() for t in part])
+        n_batches += 1
     if mesh is not None:  # sums over ranks (the step's runtime reduces on the device)
-        main_sum, n_main = runtime.all_reduce_sum(main_sum.to(device)), runtime.all_reduce_sum(n_main.to(device))
-        mtp_sum = [runtime.all_reduce_sum(m.to(device)) for m in mtp_sum]
-        n_mtp = [runtime.all_reduce_sum(n.to(device)) for n in n_mtp]
-    out = {"eval_loss": float(main_sum) / max(float(n_main), 1.0), "eval_tokens": int(n_main)}
+        sums = runtime.all_reduce_sum(sums.to(device)).cpu()
+    s = sums.tolist()
+    loss = s[0] / max(s[1], 1.0)
+    out = {"eval_loss": loss, "eval_tokens": int(round(s[1])), "eval_accuracy": s[2] / max(s[1], 1.0),
+           "eval_ppl": math.exp(min(loss, 700.0)), "eval_aux": s[3] / max(n_batches, 1)}
     for d in range(depths):
-        out[f"eval_mtp_{d + 1}"] = float(mtp_sum[d]) / max(float(n_mtp[d]), 1.0)
+        out[f"eval_mtp_{d + 1}"] = s[4 + 2 * d] / max(s[5 + 2 * d], 1.0)
     return out
+
+
+def evaluate(source: str, data_path: str, *, batch_size: int | None = None, max_batches: int = 0,
+             overrides: dict | None = None, progress: bool = True) -> dict:
+    """``q38 eval``: the terms and statistics of ``source`` (``q38.train.run.inference.open_source``) on the held-out
+    ``data_path`` (a JSONL / chat file, ``builtin:NAME``, a prepared directory or a Megatron prefix, read with the
+    source's tokenizer, ``data.seq_len``, ``data.train_on`` and ``data.overlong``), in global batches of
+    ``batch_size`` rows per data-parallel rank (default ``data.eval_batch_size``, else ``data.batch_size``); the
+    last batch is padded (every row is evaluated); ``max_batches`` (> 0) stops early. One process, or every rank
+    under torchrun on the source's layout (or ``--set layout=...``). Returns the record (``step``, ``source``,
+    ``data`` and the ``eval_*`` values), the same on every rank."""
+    from q38.train.data.shards import EvalRows
+    from q38.train.data.sources import open_source as open_data
+    from q38.train.data.tokenizer import load_tokenizer
+    from q38.train.run.inference import load_state, open_source
+    from q38.train.run.launch import WorldInfo, _init_process_group, check_run, pick_backend, pick_device
+    from q38.train.run.trainer import _make_mesh, _source_precision
+
+    world = WorldInfo.from_env()
+    src = open_source(source, overrides, world_size=world.world_size)
+    cfg = src.cfg if src.checkpoint is not None else _source_precision(src.cfg)
+    src = attrs.evolve(src, cfg=cfg)
+    rows = batch_size or cfg.data.eval_batch_size or cfg.data.batch_size
+    device = pick_device(cfg.run.device, world.local_rank)
+    plan = check_run(cfg, world.world_size, device)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    created = world.world_size > 1 and _init_process_group(device, pick_backend(device, cfg.run.backend), world,
+                                                           cfg.run.timeout_s)
+    try:
+        ds = open_data(str(data_path), tok, cfg.data.seq_len, cfg.model.vocab_size, cfg.data.overlong,
+                       cfg.data.train_on)
+        mesh, dp_rank = _make_mesh(plan, world, device)
+        state = load_state(src, world, device, plan, mesh)
+        evals = EvalRows([ds], rows, dp_rank=dp_rank, dp_size=plan.dp_size, max_batches=max_batches)
+        out = eval_losses(state, evals, mesh, device, progress=progress)
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return {"source": str(src.checkpoint or source), "step": src.step, "data": str(data_path),
+            "eval_batch_size": rows, "eval_batches": len(evals), **out}

@@ -241,7 +241,7 @@ def die_with_launcher(env: Mapping[str, str] | None = None) -> bool:
 # ---- q38 launch: torchrun with the documented stop ------------------------------------------------------------------
 
 
-LAUNCHED = ("train", "convert")  # the q38 commands that run under torchrun
+LAUNCHED = ("train", "eval", "convert")  # the q38 commands that run under torchrun
 
 
 def launch(argv: list[str]) -> int:

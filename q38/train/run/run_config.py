@@ -44,6 +44,7 @@ class DataConfig:
     train_on: str = "assistant"  # chat records' targets: assistant | all | last_assistant (q38.train.data.chat)
     eval_split: float = 0.0  # fraction of each source's rows held out for evaluation (its last rows)
     eval_path: str | None = None  # or a separate eval set (JSONL or a prepared directory)
+    eval_batch_size: int | None = None  # rows per data-parallel rank per eval batch (None: batch_size)
     prefetch: int = 1  # batches read ahead on a background thread while the step runs (0: read in the step)
 
     def __attrs_post_init__(self) -> None:
@@ -60,6 +61,9 @@ class DataConfig:
         need(_is_int(self.seq_len) and self.seq_len > 0, f"data.seq_len must be a positive integer, got {self.seq_len!r}")
         need(_is_int(self.batch_size) and self.batch_size > 0,
               f"data.batch_size must be a positive integer, got {self.batch_size!r}")
+        need(self.eval_batch_size is None or _is_int(self.eval_batch_size) and self.eval_batch_size > 0,
+             f"data.eval_batch_size must be a positive integer or null (data.batch_size), got "
+             f"{self.eval_batch_size!r}")
         need(self.overlong in OVERLONG_MODES,
               f"data.overlong must be one of {', '.join(OVERLONG_MODES)}, got {self.overlong!r}")
         need(self.train_on in TRAIN_ON, f"data.train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")

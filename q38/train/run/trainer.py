@@ -256,7 +256,8 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     resume = _find_resume(cfg, lead)
     mesh, dp_rank = _make_mesh(plan, world, device)
     batches, evals = data.iterators(cfg.data.batch_size, dp_rank=dp_rank, dp_size=plan.dp_size, seed=cfg.run.seed,
-                                    shuffle=cfg.data.shuffle, eval_batches=cfg.run.eval_batches)
+                                    shuffle=cfg.data.shuffle, eval_batches=cfg.run.eval_batches,
+                                    eval_batch_size=cfg.data.eval_batch_size)
     if cfg.data.prefetch:
         from q38.train.data.prefetch import Prefetch
 
@@ -265,7 +266,8 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     if start >= cfg.run.steps:
         if lead:
             print(f"q38 train: {resume.latest} is at step {start} >= run.steps {cfg.run.steps}: nothing to train "
-                  "(raise run.steps to continue, or use a new run.out_dir)")
+                  "(raise run.steps to continue, or use a new run.out_dir; to evaluate it: `q38 eval "
+                  f"{resume.latest} --data FILE`)")
         return []
     if lead:
         _start_metrics_log(resume, start)

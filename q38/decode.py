@@ -1,0 +1,175 @@
+"""Functional decoding (docs/evaluate.md#how-decoding-works): ``decode_step(params, cache, token) -> (logits, cache)``
+over a pytree cache of every main layer's decode state (``q38.layers.decode``: GDN conv windows and recurrent
+states, attention keys/values), prompts fed token by token (``feed``), and sampling (``generate``: greedy,
+temperature, top-p, a seed). MoE layers run ``moe_apply``, the function training runs; the MTP block is not used.
+
+A batch holds one sequence per row. Rows may skip steps (``active`` False: the row's cache and position stay as they
+were), which is how prompts of different lengths are fed as one batch: left-aligned to end together (``feed``).
+"""
+
+from typing import Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from q38.layers.decode import (
+    GDNCache, attention_decode, empty_gdn_cache, empty_kv_cache, gdn_decode,
+)
+from q38.layers.moe import moe_apply
+from q38.layers.norm import rms_norm
+from q38.model import ModelParams, head_weight
+from q38.model_config import ModelConfig
+from q38.pytree import pytree_node
+
+
+@pytree_node
+@attrs.frozen
+class DecodeCache:
+    """``layers[i]``: main layer ``i``'s cache (``GDNCache`` for ``linear_attention``, ``KVCache`` for
+    ``full_attention``); ``pos``: each row's next position (tokens fed so far)."""
+
+    layers: list
+    pos: Tensor  # [b] int64
+
+
+def empty_cache(cfg: ModelConfig, batch: int, *, dtype: torch.dtype = torch.float32, device=None) -> DecodeCache:
+    """The cache before any token: every row at position 0."""
+    make = {"linear_attention": empty_gdn_cache, "full_attention": empty_kv_cache}
+    unknown = sorted({t for t in cfg.layer_types if t not in make})
+    if unknown:
+        raise NotImplementedError(f"decoding has no one-token step for layer kind(s) {unknown}; add one to "
+                                  "q38/layers/decode.py")
+    return DecodeCache(layers=[make[t](cfg, batch, dtype, device) for t in cfg.layer_types],
+                       pos=torch.zeros(batch, dtype=torch.long, device=device))
+
+
+def _keep(active: Tensor, new: Tensor, old: Tensor) -> Tensor:
+    """``new`` where the row is active, else ``old`` (rows are dim 0)."""
+    return torch.where(active.view(-1, *([1] * (new.dim() - 1))), new, old)
+
+
+def decode_step(
+    params: ModelParams,
+    cache: DecodeCache,
+    token: Int[Tensor, " b"],
+    config: ModelConfig,
+    *,
+    active: Bool[Tensor, " b"] | None = None,
+    router_bias: Float[Tensor, "l e"] | None = None,
+) -> tuple[Float[Tensor, "b v"], DecodeCache]:
+    """Feed one token per row; return the next-token logits of every row and the new cache (inputs unchanged).
+
+    ``params``: plain tensors (a LoRA tree merged first: ``q38.lora.merged_params``); ``active``: rows that take
+    this step (None: all); an inactive row's cache and position are kept and its logits are meaningless.
+    ``router_bias[i]``: MoE layer ``i``'s expert-selection bias (aux-loss-free balancing), as in training."""
+    b = token.shape[0]
+    if active is None:
+        active = torch.ones(b, dtype=torch.bool, device=token.device)
+    x = F.embedding(token, params.embed)  # [b d]
+    caches = []
+    for i, (lp, lc, kind) in enumerate(zip(params.layers, cache.layers, config.layer_types)):
+        h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
+        if kind == "linear_attention":
+            y, new = gdn_decode(lp.mixer, h, lc, config)
+            new = GDNCache(conv=_keep(active, new.conv, lc.conv), ssm=_keep(active, new.ssm, lc.ssm))
+        else:
+            y, new = attention_decode(lp.mixer, h, lc, cache.pos, active, config)
+        caches.append(new)
+        x = x + y
+        bias = None if router_bias is None else router_bias[i]
+        y, _ = moe_apply(lp.moe, rms_norm(x, lp.mlp_norm, config.rms_norm_eps)[:, None], config, None, bias)
+        x = x + y[:, 0]
+    logits = F.linear(rms_norm(x, params.final_norm, config.rms_norm_eps), head_weight(params))
+    return logits, DecodeCache(layers=caches, pos=cache.pos + active.long())
+
+
+def feed(
+    params: ModelParams, cache: DecodeCache, tokens: Int[Tensor, "b s"], config: ModelConfig, *,
+    active: Bool[Tensor, "b s"] | None = None, router_bias: Tensor | None = None,
+) -> tuple[Float[Tensor, "b s v"], DecodeCache]:
+    """``decode_step`` over the columns of ``tokens`` (``active[:, t]``: the rows that take step ``t``); returns the
+    logits after every step and the final cache."""
+    out = []
+    for t in range(tokens.shape[1]):
+        logits, cache = decode_step(params, cache, tokens[:, t], config,
+                                    active=None if active is None else active[:, t], router_bias=router_bias)
+        out.append(logits)
+    return torch.stack(out, dim=1), cache
+
+
+def left_aligned(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None) -> tuple[Tensor, Tensor]:
+    """Prompts as ``[b, max_len]`` tokens and ``active`` mask, each prompt at the right end of its row (its steps
+    the last ``len`` ones), so every row's prompt ends at the same step."""
+    n = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), n), pad_id, dtype=torch.long, device=device)
+    active = torch.zeros((len(prompts), n), dtype=torch.bool, device=device)
+    for r, p in enumerate(prompts):
+        if len(p):
+            tokens[r, n - len(p):] = torch.tensor(list(p), dtype=torch.long, device=device)
+            active[r, n - len(p):] = True
+    return tokens, active
+
+
+@attrs.frozen(kw_only=True)
+class Sampling:
+    """``temperature`` 0: greedy (argmax); else softmax(logits / temperature) restricted to the smallest set of most
+    likely tokens whose probability reaches ``top_p``; ``seed``: the draws' generator."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf")):
+            raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+
+def sample(logits: Float[Tensor, "b v"], s: Sampling, gen: torch.Generator | None) -> Int[Tensor, " b"]:
+    """One token per row from ``logits`` under ``s`` (``gen``: the generator of the draws; unused when greedy)."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+    if s.top_p < 1:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ranked above each one
+        sorted_p = sorted_p.masked_fill(before >= s.top_p, 0.0)  # the top-ranked token always stays
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return torch.multinomial(probs.cpu(), 1, generator=gen).view(-1).to(logits.device)
+
+
+@torch.no_grad()
+def generate(
+    params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+    sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (), router_bias: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[list[int]]:
+    """The tokens sampled after each prompt (at most ``max_new_tokens``; a row stops after a token of ``stop_ids``,
+    which it keeps). Prompts of different lengths run as one batch (``left_aligned``); rows that stopped skip later
+    steps."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, each of at least one token")
+    dev = params.embed.device
+    dtype = dtype or params.embed.dtype
+    gen = torch.Generator().manual_seed(int(sampling.seed))
+    tokens, active = left_aligned(prompts, device=dev)
+    logits, cache = feed(params, empty_cache(config, len(prompts), dtype=dtype, device=dev), tokens, config,
+                         active=active, router_bias=router_bias)
+    logits = logits[:, -1]
+    out: list[list[int]] = [[] for _ in prompts]
+    running = torch.ones(len(prompts), dtype=torch.bool, device=dev)
+    for step in range(max_new_tokens):
+        nxt = sample(logits, sampling, gen)
+        for r, t in enumerate(nxt.tolist()):
+            if running[r]:
+                out[r].append(t)
+                if t in stop_ids:
+                    running[r] = False
+        if not bool(running.any()) or step + 1 == max_new_tokens:
+            break
+        logits, cache = decode_step(params, cache, nxt, config, active=running.clone(), router_bias=router_bias)
+    return out

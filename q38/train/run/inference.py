@@ -1,0 +1,79 @@
+"""What ``q38 eval`` and ``q38 generate`` run: a model source (a q38 run / checkpoint, full or LoRA, or a Hugging Face
+directory) opened as the run config and train state a training run would resume it with, on any layout.
+
+A q38 checkpoint is loaded exactly as a resumed run loads it (``trainer._build_state``: the same template, the
+same LoRA base check), so its evaluation sees the parameters training saw; a Hugging Face directory is loaded as
+``init_from``.
+"""
+
+import sys
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from q38.errors import ConfigError
+from q38.train.run.run_config import RunConfig
+
+
+class _NoIterator:
+    """Stands in for the train iterator a resumed run restores (evaluation has none)."""
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+@attrs.frozen
+class Source:
+    """An opened model source: the run config it runs under, and the checkpoint (None: a Hugging Face directory)
+    with its ``meta.json``."""
+
+    cfg: RunConfig
+    checkpoint: Path | None
+    meta: dict | None
+
+    @property
+    def step(self) -> int | None:
+        return None if self.meta is None else int(self.meta["step"])
+
+
+def open_source(source: str, overrides: Mapping[str, Any] | None = None, *, world_size: int = 1) -> Source:
+    """``source``: a q38 run directory, its ``checkpoints`` directory or one checkpoint (the newest that verifies),
+    or a Hugging Face directory (``config.json`` + safetensors). The run config is the checkpoint's own (its model,
+    train settings, kernels, LoRA setting and base) with ``layout: single`` on one process (the saved layout under
+    torchrun); a Hugging Face directory runs under the defaults, with its tokenizer when it ships one. ``overrides``:
+    ``SECTION.KEY`` values (``--set``), applied last."""
+    from q38.train.io.checkpoint import read_meta, resolve_checkpoint
+
+    p = Path(source)
+    if not p.exists():
+        raise FileNotFoundError(f"{source}: not found; name a q38 run or checkpoint directory, or a Hugging Face "
+                                "checkpoint directory")
+    hf = (p / "config.json").is_file() and not (p / "meta.json").is_file() and not (p / "checkpoints").is_dir()
+    if hf:
+        tok = str(p) if (p / "tokenizer.json").is_file() else "byte"
+        raw: dict = {"model": str(p), "init_from": str(p), "data": {"tokenizer": tok}}
+        return Source(RunConfig.from_dict(raw, source=str(p), overrides=overrides), None, None)
+    ck = resolve_checkpoint(p, on_skip=lambda line: print(f"q38: note: {line}", file=sys.stderr))
+    meta = read_meta(ck)
+    raw = dict(meta.get("run_config") or {})
+    raw.pop("source", None)
+    if not raw:
+        raise ConfigError(f"{ck}/meta.json has no run_config (not written by q38 train); convert it with "
+                          "`q38 convert --to-hf` and evaluate the Hugging Face directory")
+    raw["model"] = meta["model_config"]
+    if world_size == 1:
+        raw["layout"] = "single"
+    raw["run"] = {k: v for k, v in (raw.get("run") or {}).items()
+                  if k in ("seed", "device", "backend", "dtype", "timeout_s")}  # what the state depends on
+    return Source(RunConfig.from_dict(raw, source=f"{ck}/meta.json", overrides=overrides), ck, meta)
+
+
+def load_state(src: Source, world, device: str, plan, mesh):
+    """The train state of ``src`` on ``mesh`` (None: one process), each rank reading only its shards."""
+    from q38.train.run.trainer import _Resume, _build_state
+
+    resume = _Resume(latest=src.checkpoint, meta=src.meta, metrics_path=Path("/nonexistent"), old_metrics=[],
+                     torn=None)
+    state, _ = _build_state(src.cfg, resume, mesh, device, plan, _NoIterator(), world.rank == 0)
+    return state
