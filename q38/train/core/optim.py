@@ -44,7 +44,8 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, dec
 
     Returns new ``(params, exp_avgs, exp_avg_sqs)`` lists in the inputs' types and placements; inputs are not
     modified. ``grad_scale``: the clipping factor the gradients are multiplied by first (a 0-dim tensor or float).
-    The update runs in fp32 (masters and moments are fp32; a non-fp32 leaf is updated in fp32 and cast back)."""
+    The update runs in fp32: a leaf or moment stored in another dtype (bf16 moments: ``train.moment_dtype``) is
+    updated in fp32 and rounded back to its dtype."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"AdamW impl must be one of {IMPLS}, got {impl!r}")
     p_loc = [_local(p) for p in params]
@@ -71,8 +72,8 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, dec
             lr=lr, weight_decay=weight_decay if dec else 0.0, eps=eps, maximize=False,
         )
     new_p = [_rewrap(p, w.to(pl.dtype)) for p, pl, w in zip(params, p_loc, work_p)]
-    new_m = [_rewrap(m, w) for m, w in zip(exp_avgs, work_m)]
-    new_v = [_rewrap(v, w) for v, w in zip(exp_avg_sqs, work_v)]
+    new_m = [_rewrap(m, w.to(_local(m).dtype)) for m, w in zip(exp_avgs, work_m)]
+    new_v = [_rewrap(v, w.to(_local(v).dtype)) for v, w in zip(exp_avg_sqs, work_v)]
     return new_p, new_m, new_v
 
 
@@ -98,10 +99,12 @@ def adamw_step_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, de
         if scale is not None:
             g.mul_(scale)
         kind = impl or default_impl(p.device)
-        work = p if p.dtype == torch.float32 else p.to(torch.float32)
+        work = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in (p, m, v)]  # (one leaf's copies)
         steps = [torch.full((), float(step - 1), dtype=torch.float32, device="cpu" if kind == "foreach" else p.device)]
-        adamw([work], [g], [m], [v], [], steps, foreach=kind == "foreach", fused=kind == "fused", amsgrad=False,
-              beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay if dec else 0.0, eps=eps, maximize=False)
-        if work is not p:
-            p.copy_(work)
+        adamw([work[0]], [g], [work[1]], [work[2]], [], steps, foreach=kind == "foreach", fused=kind == "fused",
+              amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay if dec else 0.0, eps=eps,
+              maximize=False)
+        for t, w in zip((p, m, v), work):
+            if w is not t:
+                t.copy_(w)  # rounded back to the stored dtype
         del g, work

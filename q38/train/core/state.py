@@ -131,9 +131,10 @@ def init_state(model_config: ModelConfig, train_config: TrainConfig, *, seed: in
 
 def state_from_params(params: ModelParams, model_config: ModelConfig, train_config: TrainConfig, *,
                       kernels: KernelConfig = DEFAULT_KERNELS, peft: PeftConfig | None = None) -> TrainState:
-    """The state of ``params`` at step 0: zero fp32 moments for every leaf that trains (all of them, or with
-    ``peft`` the adapter matrices of ``params``, built by ``q38.lora.add_adapters``)."""
-    zeros = lambda p: torch.zeros_like(p, dtype=torch.float32)  # noqa: E731
+    """The state of ``params`` at step 0: zero moments (``train.moment_dtype``) for every leaf that trains (all of
+    them, or with ``peft`` the adapter matrices of ``params``, built by ``q38.lora.add_adapters``)."""
+    dtype = getattr(torch, train_config.moment_dtype)  # fp32, or bf16 moments (train.moment_dtype)
+    zeros = lambda p: torch.zeros_like(p, dtype=dtype)  # noqa: E731
     return TrainState(
         params=params,
         exp_avg=trainable_tree(params, zeros),

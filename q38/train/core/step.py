@@ -2,8 +2,8 @@
 
 Objective = ``Σ weight · term`` over the named terms of ``q38.train.core.objective`` (``loss``, ``mtp_<d>``, ``aux``; see
 there for the formulas). Each LM term is ``Σ token CE / N_global`` (its own depth's valid-target count over the whole
-step), so micro-batches, data-parallel and CP ranks only ever *sum* gradients. Inputs are never mutated, unless the state
-is donated (``train_step(..., donate=True)``: updated in place, the input then refused).
+step), so micro-batches, data-parallel and CP ranks only ever *sum* gradients. Inputs are never mutated, unless the
+state is donated (``train_step(..., donate=True)``: updated in place, the input then refused).
 """
 
 
