@@ -3,10 +3,12 @@
 The model is ``benchmarks/models/ft512.yaml`` (72.8M parameters: hidden 512, 4 layers, 16 experts top-4, MTP; its
 16-byte-a-parameter state is 1.09 GiB). Each mode runs in fresh processes, one per rank (rendezvous through a file),
 layout ``fsdp`` by default: each rank builds its shards of the state (sharded init + zero moments), reads its
-resident set (the baseline: imports, process group and the state), then runs ``--steps`` full steps of ``--rows``
-rows per rank of ``--seq`` tokens and reads its high-water mark (``VmHWM``). The table prints, per mode, the largest
+resident set (the baseline: imports, process group and the state) and resets its high-water mark there (``5`` into
+``/proc/self/clear_refs``: the transients of building the state do not count), then runs ``--steps`` full steps of
+``--rows`` rows per rank of ``--seq`` tokens and reads its high-water mark (``VmHWM``). The table prints, per mode, the largest
 rank's ``(peak - baseline + state) / state``: the peak over the rank's state, what the process holds beyond the
-interpreter and torch. Beside it the plan's figure for the same step (``q38.parallel.budget.estimate``: the larger of
+interpreter and torch; ``f/b peak``: the same high-water mark read when forward/backward has returned (before the
+optimizer phase), so ``peak > f/b peak`` means the optimizer phase set the peak. Beside it the plan's figure for the same step (``q38.parallel.budget.estimate``: the larger of
 its forward/backward and optimizer phases, over the state it prices).
 
 The workers run with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` (as benchmarks/checkpoint_io.py):
@@ -69,6 +71,18 @@ def worker(mode: str, rank: int, world: int, work: Path, layout: str, seq: int, 
     batches = [torch.randint(0, cfg.vocab_size, (rows * world, seq), generator=g) for _ in range(steps)]
     if world > 1:
         dist.barrier()
+    import q38.train.core.step as step_mod
+
+    fb = []  # VmHWM when forward/backward has returned (before the optimizer phase)
+    real = step_mod.loss_and_grads
+
+    def tapped(*a, **k):
+        r = real(*a, **k)
+        fb.append(_status("VmHWM"))
+        return r
+
+    step_mod.loss_and_grads = tapped
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS: building the state's transients do not count
     base = _status("VmRSS")
     t0 = time.perf_counter()
     for ids in batches:
@@ -81,7 +95,8 @@ def worker(mode: str, rank: int, world: int, work: Path, layout: str, seq: int, 
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-    return {"rank": rank, "base": base, "peak": peak, "shard": shard, "seconds": seconds, "loss": loss}
+    return {"rank": rank, "base": base, "peak": peak, "fb_peak": max(fb), "shard": shard, "seconds": seconds,
+            "loss": loss}
 
 
 def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str) -> tuple[float, float, float] | None:
@@ -141,8 +156,8 @@ def main(argv=None) -> int:
         return 0
     print(f"ft512 (72.8M params), {a.world} rank(s), layout {a.layout if a.world > 1 else 'single'}, seq {a.seq}, "
           f"{a.rows} row(s) per rank, {a.steps} step(s); peak = VmHWM - RSS with the state built + the state")
-    print(f"{'mode':8} {'state/rank':>10} {'peak/rank':>10} {'peak/state':>10} {'plan f/b':>9} {'plan opt':>9} "
-          f"{'plan/state':>10} {'s':>6} loss")
+    print(f"{'mode':8} {'state/rank':>10} {'f/b peak':>9} {'peak/rank':>10} {'peak/state':>10} {'plan f/b':>9} "
+          f"{'plan opt':>9} {'plan/state':>10} {'s':>6} loss")
     losses = {}
     for mode in a.modes.split(","):
         outs = run_mode(mode, a.world, a.layout, a.seq, a.rows, a.steps)
@@ -153,7 +168,9 @@ def main(argv=None) -> int:
         po = "n/a" if plan is None else f"{plan[1] / 2**30:.3f}"
         pr = "n/a" if plan is None else f"{max(plan[0], plan[1]) / plan[2]:.2f}"
         losses[mode] = worst["loss"]
-        print(f"{mode:8} {worst['shard'] / 2**30:>9.3f}G {peak / 2**30:>9.3f}G {peak / worst['shard']:>10.2f} "
+        fbp = worst["fb_peak"] - worst["base"] + worst["shard"]
+        print(f"{mode:8} {worst['shard'] / 2**30:>9.3f}G {fbp / 2**30:>8.3f}G {peak / 2**30:>9.3f}G "
+              f"{peak / worst['shard']:>10.2f} "
               f"{pf:>8}G {po:>8}G {pr:>10} {max(o['seconds'] for o in outs):>6.1f} {worst['loss']:.6f}")
     if len(set(losses.values())) > 1:
         print(f"note: the modes' last losses differ: {losses}")
