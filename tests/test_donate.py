@@ -144,10 +144,16 @@ def _layout_fn(rank, world, layout_name, mesh_sizes, steps):
             "state_diff": _same_state(pure, donated), "updated": _same_state(state, donated) != []}
 
 
+# Every shipped layout on 4 ranks: the equivalence suite's 4-rank cases, plus fsdp over 4 and the production layout
+# (fsdp × ep × cp) shrunk to ep 2 × cp 2; `single` is the one-process test above.
+LAYOUTS_4 = [c for c in CASES if c[2] == 4] + [("fsdp", {"fsdp": 4}, 4),
+                                                ("qwen3_8_2_4t", {"fsdp": 1, "ep": 2, "cp": 2}, 4)]
+
+
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("layout,mesh_sizes,world", [c for c in CASES if c[2] == 4],
-                         ids=[f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[1].items())}" for c in CASES if c[2] == 4])
+@pytest.mark.parametrize("layout,mesh_sizes,world", LAYOUTS_4,
+                         ids=[f"{c[0]}-{'x'.join(f'{k}{v}' for k, v in c[1].items())}" for c in LAYOUTS_4])
 def test_donated_equals_pure_bit_for_bit_on_every_layout(layout, mesh_sizes, world):
     outs = run_distributed(_layout_fn, world, layout, mesh_sizes, 2)
     for o in outs:
