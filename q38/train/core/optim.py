@@ -2,7 +2,8 @@
 ``foreach`` multi-tensor path, or the ``fused`` kernel on accelerators that have it).
 
 The state stays a pytree (``TrainState.params / exp_avg / exp_avg_sq``: fp32 masters and moments, DTensors on a
-mesh); the kernels run on the local shards of copies, so ``train_step`` never mutates its input state. Decoupled
+mesh); ``adamw_step`` runs the kernels on the local shards of copies, so ``train_step`` never mutates its input state;
+``adamw_step_`` (the donated step) runs them on the state's own local shards, leaf by leaf. Decoupled
 weight decay uses the decay mask (``no_decay`` patterns): two kernel calls, one with ``weight_decay = 0``.
 """
 
@@ -43,7 +44,8 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, dec
 
     Returns new ``(params, exp_avgs, exp_avg_sqs)`` lists in the inputs' types and placements; inputs are not
     modified. ``grad_scale``: the clipping factor the gradients are multiplied by first (a 0-dim tensor or float).
-    The update runs in fp32 (masters and moments are fp32; a non-fp32 leaf is updated in fp32 and cast back)."""
+    The update runs in fp32: a leaf or moment stored in another dtype (bf16 moments: ``train.moment_dtype``) is
+    updated in fp32 and rounded back to its dtype."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"AdamW impl must be one of {IMPLS}, got {impl!r}")
     p_loc = [_local(p) for p in params]
@@ -70,6 +72,39 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, dec
             lr=lr, weight_decay=weight_decay if dec else 0.0, eps=eps, maximize=False,
         )
     new_p = [_rewrap(p, w.to(pl.dtype)) for p, pl, w in zip(params, p_loc, work_p)]
-    new_m = [_rewrap(m, w) for m, w in zip(exp_avgs, work_m)]
-    new_v = [_rewrap(v, w) for v, w in zip(exp_avg_sqs, work_v)]
+    new_m = [_rewrap(m, w.to(_local(m).dtype)) for m, w in zip(exp_avgs, work_m)]
+    new_v = [_rewrap(v, w.to(_local(v).dtype)) for v, w in zip(exp_avg_sqs, work_v)]
     return new_p, new_m, new_v
+
+
+@torch.no_grad()
+def adamw_step_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, decay: list[bool], *, step: int,
+                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale=None,
+                impl: str | None = None) -> None:
+    """``adamw_step`` in place, leaf by leaf (the donated step: ``train_step(..., donate=True)``).
+
+    Each leaf's local shards of master and moments are updated by torch's kernel itself, its gradient multiplied by
+    ``grad_scale`` in place; ``grads[i]`` is set to None as soon as leaf ``i`` is done, so the caller's list holds
+    no gradient afterwards. Temporaries at any moment: one leaf's (e.g. ``sqrt(exp_avg_sq)`` of the foreach path).
+    The same bits as ``adamw_step``: the kernels compute each element independently of how leaves are grouped."""
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"AdamW impl must be one of {IMPLS}, got {impl!r}")
+    scale = None if grad_scale is None or (isinstance(grad_scale, float) and grad_scale == 1.0) else grad_scale
+    for i, dec in enumerate(decay):
+        p, m, v = _local(params[i]), _local(exp_avgs[i]), _local(exp_avg_sqs[i])
+        g = _local(grads[i]).detach().to(torch.float32)
+        grads[i] = None  # this leaf's gradient now lives only in `g`, dropped at the end of the iteration
+        if p.numel() == 0:
+            continue
+        if scale is not None:
+            g.mul_(scale)
+        kind = impl or default_impl(p.device)
+        work = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in (p, m, v)]  # (one leaf's copies)
+        steps = [torch.full((), float(step - 1), dtype=torch.float32, device="cpu" if kind == "foreach" else p.device)]
+        adamw([work[0]], [g], [work[1]], [work[2]], [], steps, foreach=kind == "foreach", fused=kind == "fused",
+              amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay if dec else 0.0, eps=eps,
+              maximize=False)
+        for t, w in zip((p, m, v), work):
+            if w is not t:
+                t.copy_(w)  # rounded back to the stored dtype
+        del g, work

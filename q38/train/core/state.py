@@ -16,6 +16,10 @@ from q38.pytree import named_leaves
 from q38.train.core.step_config import TrainConfig
 
 
+class DonatedStateError(RuntimeError):
+    """A donated ``TrainState`` was used again (``TrainState.check_not_donated``)."""
+
+
 @attrs.frozen
 class TrainState:
     """Leaves: ``params``, ``exp_avg``, ``exp_avg_sq`` (fp32, same tree as params) and ``step`` (0-dim int64).
@@ -27,17 +31,60 @@ class TrainState:
     ``peft``: the LoRA setting of a LoRA run (``q38.lora``), else None. Then ``params`` holds adapted nodes (a frozen
     base in the compute dtype plus fp32 adapter matrices) and the moments exist only for the adapter matrices (the
     frozen leaves are None in ``exp_avg`` / ``exp_avg_sq``): the leaves that train are the leaves that have
-    moments (``trainable``)."""
+    moments (``trainable``).
 
-    params: ModelParams
-    exp_avg: ModelParams
-    exp_avg_sq: ModelParams
+    A state given to ``train_step(..., donate=True)`` is *donated*: that step updates its buffers in place and
+    returns the next state over them; reading ``params`` / ``exp_avg`` / ``exp_avg_sq`` of the donated state (as
+    ``train_step``, a checkpoint save or a tree map do) raises ``DonatedStateError`` (``donated``)."""
+
+    _params: ModelParams = attrs.field(alias="params")
+    _exp_avg: ModelParams = attrs.field(alias="exp_avg")
+    _exp_avg_sq: ModelParams = attrs.field(alias="exp_avg_sq")
     step: Tensor
     model_config: ModelConfig
     train_config: TrainConfig
     router_bias: Tensor | None = None
     kernels: KernelConfig = attrs.field(default=DEFAULT_KERNELS, kw_only=True)
     peft: PeftConfig | None = attrs.field(default=None, kw_only=True)
+    # [step number] once donated (a box of its own per instance: evolve and unflatten start undonated)
+    _donation: list = attrs.field(factory=list, init=False, eq=False, repr=False, hash=False)
+
+    @property
+    def params(self) -> ModelParams:
+        """The parameters (a LoRA run's: adapted nodes); refused on a donated state."""
+        self.check_not_donated("params")
+        return self._params
+
+    @property
+    def exp_avg(self) -> ModelParams:
+        """AdamW first moments (same tree as ``params``; None at frozen leaves); refused on a donated state."""
+        self.check_not_donated("exp_avg")
+        return self._exp_avg
+
+    @property
+    def exp_avg_sq(self) -> ModelParams:
+        """AdamW second moments; refused on a donated state."""
+        self.check_not_donated("exp_avg_sq")
+        return self._exp_avg_sq
+
+    @property
+    def donated(self) -> bool:
+        """Whether this state was given to a donated step (its buffers then belong to the state that step
+        returned)."""
+        return bool(self._donation)
+
+    def donate(self, step: int) -> None:
+        """Mark this state donated to the step that makes ``step`` (``train_step(..., donate=True)`` does this
+        before it writes any buffer)."""
+        self._donation.append(int(step))
+
+    def check_not_donated(self, what: str = "this state") -> None:
+        """Raise ``DonatedStateError`` naming the donation when this state was donated."""
+        if self._donation:
+            raise DonatedStateError(
+                f"cannot use {what} of a TrainState donated to train_step(..., donate=True) (the step to "
+                f"{self._donation[0]}): that step updated its buffers in place and they now hold the state it "
+                "returned; use the returned state (or pass donate=False to keep the input)")
 
     def trainable(self) -> list[bool]:
         """Per parameter leaf (flatten order of ``params``): whether it trains (has a master, moments, a gradient)."""
@@ -84,9 +131,10 @@ def init_state(model_config: ModelConfig, train_config: TrainConfig, *, seed: in
 
 def state_from_params(params: ModelParams, model_config: ModelConfig, train_config: TrainConfig, *,
                       kernels: KernelConfig = DEFAULT_KERNELS, peft: PeftConfig | None = None) -> TrainState:
-    """The state of ``params`` at step 0: zero fp32 moments for every leaf that trains (all of them, or with
-    ``peft`` the adapter matrices of ``params``, built by ``q38.lora.add_adapters``)."""
-    zeros = lambda p: torch.zeros_like(p, dtype=torch.float32)  # noqa: E731
+    """The state of ``params`` at step 0: zero moments (``train.moment_dtype``) for every leaf that trains (all of
+    them, or with ``peft`` the adapter matrices of ``params``, built by ``q38.lora.add_adapters``)."""
+    dtype = getattr(torch, train_config.moment_dtype)  # fp32, or bf16 moments (train.moment_dtype)
+    zeros = lambda p: torch.zeros_like(p, dtype=dtype)  # noqa: E731
     return TrainState(
         params=params,
         exp_avg=trainable_tree(params, zeros),

@@ -2,7 +2,8 @@
 
 Objective = ``Σ weight · term`` over the named terms of ``q38.train.core.objective`` (``loss``, ``mtp_<d>``, ``aux``; see
 there for the formulas). Each LM term is ``Σ token CE / N_global`` (its own depth's valid-target count over the whole
-step), so micro-batches, data-parallel and CP ranks only ever *sum* gradients. Inputs are never mutated.
+step), so micro-batches, data-parallel and CP ranks only ever *sum* gradients. Inputs are never mutated, unless the
+state is donated (``train_step(..., donate=True)``: updated in place, the input then refused).
 """
 
 
@@ -16,7 +17,7 @@ from torch.profiler import record_function
 from q38.lora import merge_adapters
 from q38.model import LayerHooks, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
-from q38.train.core.optim import adamw_step
+from q38.train.core.optim import adamw_step, adamw_step_
 from q38.batch import StepBatch, prepare_batch, split_micro_batches
 from q38.train.core.objective import TermInput, aux_mask, default_terms, expert_counts, routing, step_context, total
 from q38.train.core.remat import KernelRegions, layer_wrapper
@@ -243,12 +244,19 @@ def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:
     return bias + rate * torch.sign(load.mean(-1, keepdim=True) - load)
 
 
-def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainState, Metrics]:
+def train_step(params: TrainState, batch, mesh=None, terms=None, *, donate: bool = False
+               ) -> tuple[TrainState, Metrics]:
     """One optimizer step on ``batch`` (dict with ``input_ids``, ``labels``, optional ``doc_ids``, or a ``StepBatch``
     from ``q38.parallel.shard_batch``). ``params`` is the whole train state (a ``TrainState``: parameters, AdamW moments,
     step, router bias, and the kernels the layers run), as an optax-style train state is; ``mesh`` is None or a q38
-    mesh. ``terms``: the objective's named terms (default ``default_terms``)."""
+    mesh. ``terms``: the objective's named terms (default ``default_terms``).
+
+    ``donate=True`` (JAX's ``donate_argnums``): the caller gives up ``params``. The update is written into its own
+    local shards, leaf by leaf (each gradient clipped in place and released once its leaf is updated), so the
+    optimizer phase holds the state once plus one leaf's temporaries; the returned state holds those buffers and
+    the input is marked donated (using it again raises ``DonatedStateError``). The same bits as the pure step."""
     state = params
+    state.check_not_donated("the state passed to train_step")
     tc = state.train_config
     t0 = time.perf_counter()
     with record_function("q38.forward_backward"):
@@ -268,11 +276,31 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
             )
         metrics = Metrics(r.terms, objective, grad_norm, lr, r.tokens, skipped=True, router_load=r.router_load,
                           mtp_tokens=r.mtp_tokens, forward_backward_s=forward_backward_s)
-        return attrs.evolve(state, step=state.step + 1), metrics
+        new_state = attrs.evolve(state, step=state.step + 1)
+        if donate:  # the next state shares every buffer: the input is given up all the same
+            state.donate(step)
+        return new_state, metrics
 
+    router_load = r.router_load
+    metrics = Metrics(r.terms, objective, grad_norm, lr, r.tokens, router_load=router_load, mtp_tokens=r.mtp_tokens,
+                      forward_backward_s=forward_backward_s)
     scale = 1.0
     if tc.grad_clip is not None:
         scale = torch.clamp(tc.grad_clip / (grad_norm + 1e-6), max=1.0)
+    if donate:
+        trained = [t for t, m in zip(flat, trains) if m]
+        moments = tree_leaves(state.exp_avg), tree_leaves(state.exp_avg_sq)
+        decay = decay_mask(state.params, tc)
+        new_state = attrs.evolve(state, step=state.step + 1)  # the same buffers, updated below
+        state.donate(step)  # before any buffer is written: a failure half-way leaves no usable input behind
+        del r  # the gradients live on only in `grads`, which the update empties leaf by leaf
+        with record_function("q38.optimizer"):
+            adamw_step_(trained, grads, *moments, decay, step=step, lr=lr, beta1=tc.beta1, beta2=tc.beta2,
+                        eps=tc.eps, weight_decay=tc.weight_decay, grad_scale=scale)
+        if state.router_bias is not None:
+            new_state = attrs.evolve(new_state, router_bias=update_router_bias(state.router_bias, router_load,
+                                                                               tc.router_bias_rate))
+        return new_state, metrics
     with record_function("q38.optimizer"):
         new_p, new_m, new_v = _adamw(state, [t for t, m in zip(flat, trains) if m], grads, scale, lr, step)
     updated = iter(new_p)
@@ -286,8 +314,7 @@ def train_step(params: TrainState, batch, mesh=None, terms=None) -> tuple[TrainS
     if state.router_bias is not None:
         new_state = attrs.evolve(new_state, router_bias=update_router_bias(state.router_bias, r.router_load,
                                                                            tc.router_bias_rate))
-    return new_state, Metrics(r.terms, objective, grad_norm, lr, r.tokens, router_load=r.router_load,
-                              mtp_tokens=r.mtp_tokens, forward_backward_s=forward_backward_s)
+    return new_state, metrics
 
 
 def _adamw(state: TrainState, flat: list[Tensor], grads: list[Tensor], scale, lr: float, step: int):

@@ -174,10 +174,10 @@ def validate_train_config(t: TrainConfig) -> None:
     for ok, msg in rules:
         if not ok:
             raise ConfigError(msg)
-    lean = {k: getattr(t, k) for k, d in (("moment_dtype", "float32"), ("master_dtype", "float32"),
-                                           ("offload_optimizer", False)) if getattr(t, k) != d}
-    if lean and False:  # merged with s13-donate: the donate helper's runtime implements these; until then s13-plan lets
-        # `q38 plan --train` read a lean run config (the merger keeps s13-donate's rule here)
+    # implemented: moment_dtype float32 | bfloat16 (docs/optimizer.md); the rest is refused until it is
+    lean = {k: getattr(t, k) for k, d in (("moment_dtype", ("float32", "bfloat16")), ("master_dtype", ("float32",)),
+                                           ("offload_optimizer", (False,))) if getattr(t, k) not in d}
+    if lean:
         raise ConfigError(f"{', '.join(f'{k}: {v}' for k, v in lean.items())} is not implemented yet; "
                           "leave the optimizer state at its defaults")
 

@@ -507,7 +507,7 @@ class AsyncSave:
         self.tmp = _make_shared_dir(_tmp_name(self.final))
         (self.tmp / "rng").mkdir(exist_ok=True)
         torch.save(rng_state(), self.tmp / "rng" / f"rank_{_rank():05d}.pt")
-        sd = state if isinstance(state, dict) else state_dict_of(state)
+        sd = _stageable(state if isinstance(state, dict) else state_dict_of(state))
         stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                               use_async_staging=False, use_non_blocking_copy=False))
         if _dist() is None:  # one process: DCP warns from its writer thread, after any catch_warnings here ended
@@ -532,6 +532,23 @@ class AsyncSave:
         _barrier()
         _point_latest(self.root, self.step, self.keep_last)
         return self.final
+
+
+def _stageable(sd: dict) -> dict:
+    """``sd`` with every tensor copied (this rank's shards; a DTensor rewrapped around its copy). A donated step
+    (``train_step(..., donate=True)``) writes the state's buffers in place right after the save returns; these copies
+    are what DCP's stager reads. (Handed the buffers of a state that donated steps keep, DCP's stager failed on 2
+    gloo ranks with "copy_() on an invalid python storage"; a pure step's fresh tensors never showed it.)"""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def copy(t):
+        if isinstance(t, DTensor):
+            return DTensor.from_local(t._local_tensor.clone(), t.device_mesh, t.placements, run_check=False,
+                                      shape=t.shape, stride=t.stride())
+        return t.clone() if isinstance(t, torch.Tensor) else t
+
+    return {k: copy(t) for k, t in sd.items()}
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:

@@ -541,7 +541,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
                 batch = shard_batch(lb, mesh, cfg.model.mtp_num_layers, local_rows=True) if mesh is not None else lb
                 t0 = time.perf_counter()
                 try:
-                    state, metrics = train_step(state, batch, mesh)
+                    state, metrics = train_step(state, batch, mesh, donate=True)  # holds the state once
                 except torch.OutOfMemoryError as e:
                     raise out_of_memory(e, step, cfg.run.out_dir, world.rank, device) from e
                 m = metrics.as_dict()  # on the host: the step has finished on the device too
