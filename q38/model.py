@@ -329,8 +329,8 @@ def host_memory_available() -> int | None:
     return max(0, min(room)) if room else None
 
 
-def check_host_memory(config: ModelConfig, *, bytes_per_param: float, what: str, fix: str,
-                      share: float = 1.0) -> None:
+def check_host_memory(config: ModelConfig, *, bytes_per_param: int | float, what: str, fix: str,
+                      share: int | float = 1) -> None:
     """Refuse, before anything is allocated, a model whose parameters (``share`` of them: a rank's part) need more
     than ``host_memory_available()`` at ``bytes_per_param`` bytes each: one ``ConfigError`` naming ``what``, the
     parameter count, the bytes and the limit, and ``fix``."""

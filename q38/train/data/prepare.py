@@ -302,7 +302,7 @@ def is_prepared_output(d: Path) -> bool:
     try:
         if json.loads((d / MANIFEST).read_text()).get("format") == FORMAT:
             return True
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         pass
     return all(f.is_file() and f.name.startswith(OWN_PREFIXES) for f in d.iterdir())
 
@@ -399,7 +399,7 @@ def _read_manifest(out: Path) -> dict[str, Any] | None:
         return None
     try:
         return json.loads((out / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 
