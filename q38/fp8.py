@@ -24,7 +24,8 @@ from jaxtyping import Float, UInt8
 from torch import Tensor
 
 __all__ = [
-    "FP8_DTYPE", "FP8_MAX", "Fp8Format", "Fp8Weight", "SCALE_SUFFIX", "check_scales", "dequantize", "dequantize_blocks", "quantize",
+    "FP8_DTYPE", "FP8_MAX", "Fp8Format", "Fp8Weight", "SCALE_SUFFIX", "check_scales", "dequantize", "dequantize_blocks",
+    "quantize",
     "quantize_blocks", "scale_key", "scale_shape", "default_quantized",
 ]
 

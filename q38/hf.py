@@ -23,7 +23,8 @@ from torch import Tensor
 from q38.hf_config import config_from_hf, hf_config_dict, read_hf_config
 from q38.model_config import ConfigError, ModelConfig
 from q38.fp8 import (
-    FP8_DTYPE, Fp8Format, Fp8FormatError, check_scales, covering, default_quantized, dequantize, quantize, scale_key, scale_shape,
+    FP8_DTYPE, Fp8Format, Fp8FormatError, check_scales, covering, default_quantized, dequantize, quantize, scale_key,
+    scale_shape,
 )
 from q38.layers.hf_keys import CheckpointLayout, Rule, rename_rule, renames
 from q38.layers.kinds import GDN_FLAT_RENAMES, MIXER_KINDS, MTP_LAYER_TYPE

@@ -115,10 +115,12 @@ def plan_chunks(files: Sequence[tuple[Path, str]], chunk_bytes: int,
         if kind == "arrow":
             from q38.train.data.readers import arrow_chunks
 
-            chunks += [dict(c, file=str(f), source=fi, kind=kind, max_line=max_line) for c in arrow_chunks(f, chunk_bytes)]
+            chunks += [dict(c, file=str(f), source=fi, kind=kind, max_line=max_line)
+                       for c in arrow_chunks(f, chunk_bytes)]
             continue
         if kind in ("csv", "jsonarray"):  # read start to end by one worker
-            chunks.append({"file": str(f), "source": fi, "kind": kind, "bytes": f.stat().st_size, "max_line": max_line})
+            chunks.append({"file": str(f), "source": fi, "kind": kind, "bytes": f.stat().st_size,
+                           "max_line": max_line})
             continue
         size = f.stat().st_size
         start = 0

@@ -1,4 +1,6 @@
-"""Reading checkpoint files that may come from anywhere: files resolved inside their directory, bounded reads, DCP's
+"""Reading checkpoint files that may come from anywhere: files resolved inside their directory (the ``inside`` rule
+every input that names files follows: Hugging Face model and dataset directories, safetensors indexes, prepared
+data), bounded reads, JSON parsed under a nesting bound (``parse_json``), DCP's
 ``.metadata`` read by an allow-list unpickler and checked field by field, and the streamed SHA-256 hashes of the
 DCP shard files (computed while DCP writes them, checked while q38 reads them back).
 
