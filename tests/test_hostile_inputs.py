@@ -270,6 +270,12 @@ def _huge_model(t: Path):
     return ["init-hf", "--model", str(m), str(t / "o")], ["parameters", "GiB", "more than the", "can still allocate"]
 
 
+def _huge_model_run(t: Path):
+    m = _model_yaml(t, vocab_size=1 << 24, hidden_size=1 << 20)
+    cfg = write_config(t / "run.yaml", dict(run_dict(t / "run", steps=1), model=str(m)))
+    return ["train", str(cfg)], ["run.device cpu: the model has", "GiB", "run.memory_check: false"]
+
+
 def _many_layers(t: Path):
     m = _model_yaml(t, num_hidden_layers=10**9)
     return ["init-hf", "--model", str(m), str(t / "o")], ["num_hidden_layers = 1000000000 exceeds the limit 4,096"]
@@ -277,7 +283,7 @@ def _many_layers(t: Path):
 
 SIZE_CASES = {"arrow-record": _big_arrow, "json-array-record": _big_json_array, "csv-record": _big_csv,
               "parquet-record": _big_parquet, "peft-rank": _huge_rank, "model-size": _huge_model,
-              "model-layers": _many_layers}
+              "model-size-train": _huge_model_run, "model-layers": _many_layers}
 
 
 @pytest.mark.parametrize("name", list(SIZE_CASES))
