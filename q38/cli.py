@@ -491,6 +491,12 @@ def _init_hf(argv: list[str]) -> int:
     model = Path(a.model)
     check_output_dir(out, [model] if model.exists() else [], what="OUT_DIR", overwrite=a.overwrite)
     cfg = load_model_config(a.model)
+    if a.seed < 0 or a.seed >= 1 << 63:
+        raise ValueError(f"--seed {a.seed}: a seed is an integer from 0 to 2**63 - 1")
+    from q38.model import check_host_memory
+
+    check_host_memory(cfg, bytes_per_param=_dtype(a.dtype).itemsize if a.dtype != "fp8" else 4,  # one process holds all
+                      what=f"init-hf --model {a.model}", fix="choose smaller sizes, or a machine with more memory")
     if a.dtype == "fp8":
         from q38.fp8 import block_misaligned
         from q38.hf import fp8_dtypes

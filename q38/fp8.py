@@ -24,7 +24,8 @@ from jaxtyping import Float, UInt8
 from torch import Tensor
 
 __all__ = [
-    "FP8_DTYPE", "FP8_MAX", "Fp8Format", "Fp8Weight", "SCALE_SUFFIX", "dequantize", "dequantize_blocks", "quantize",
+    "FP8_DTYPE", "FP8_MAX", "Fp8Format", "Fp8Weight", "SCALE_SUFFIX", "check_scales", "dequantize", "dequantize_blocks",
+    "quantize",
     "quantize_blocks", "scale_key", "scale_shape", "default_quantized",
 ]
 
@@ -85,6 +86,21 @@ class Fp8Format:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Fp8Format":
         return cls.from_hf({"quant_method": "fp8", **d}, source="checkpoint metadata")
+
+
+def check_scales(scale: Tensor, where: str, first_block: tuple[int, int] = (0, 0)) -> None:
+    """Refuse block scales that are not finite and positive (NaN, Inf, zero or negative ``weight_scale_inv``): one
+    ``Fp8FormatError`` naming ``where`` and the first bad block (``first_block``: the block index of
+    ``scale[0, 0]``). A block-FP8 weight is ``q * scale_inv``: such a scale would turn the block into NaN, Inf or
+    zeros without a word."""
+    s = scale.float()
+    bad = ~(torch.isfinite(s) & (s > 0))
+    if bool(bad.any()):
+        at = [int(x) for x in bad.nonzero()[0]]
+        at[-2:] = [at[-2] + first_block[0], at[-1] + first_block[1]]
+        raise Fp8FormatError(f"{where}: block scale {float(s[tuple(bad.nonzero()[0])]):g} at block {at} is not a "
+                             "finite positive number (weight_scale_inv must be > 0 and finite); the checkpoint is "
+                             "corrupt; use an intact copy")
 
 
 def scale_key(key: str) -> str:

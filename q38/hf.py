@@ -23,7 +23,8 @@ from torch import Tensor
 from q38.hf_config import config_from_hf, hf_config_dict, read_hf_config
 from q38.model_config import ConfigError, ModelConfig
 from q38.fp8 import (
-    FP8_DTYPE, Fp8Format, Fp8FormatError, covering, default_quantized, dequantize, quantize, scale_key, scale_shape,
+    FP8_DTYPE, Fp8Format, Fp8FormatError, check_scales, covering, default_quantized, dequantize, quantize, scale_key,
+    scale_shape,
 )
 from q38.layers.hf_keys import CheckpointLayout, Rule, rename_rule, renames
 from q38.layers.kinds import GDN_FLAT_RENAMES, MIXER_KINDS, MTP_LAYER_TYPE
@@ -165,20 +166,24 @@ def _fmt_list(title: str, items: list[str]) -> str:
 
 
 def _checkpoint_index(path: Path) -> dict[str, str]:
-    """``{key: file name}`` of a single-file or sharded safetensors checkpoint."""
-    if (path / INDEX_FILE).is_file():
-        with open(path / INDEX_FILE) as fh:
-            weight_map = json.load(fh).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{path / INDEX_FILE}: no 'weight_map' mapping")
-        missing = sorted({fn for fn in weight_map.values() if not (path / fn).is_file()})
-        if missing:
-            raise CheckpointError(f"checkpoint {path}: index names shard file(s) that do not exist: {missing}")
+    """``{key: file name}`` of a single-file or sharded safetensors checkpoint. Every file the index names must be
+    a regular file inside ``path`` (a symlink only into ``path`` or its hub cache's blobs: ``untrusted.inside``)."""
+    from q38.train.io.untrusted import inside, load_json  # the checkpoint reader's file rules (a leaf module)
+
+    if (path / INDEX_FILE).is_file() or (path / INDEX_FILE).is_symlink():
+        where = str(path / INDEX_FILE)
+        index = load_json(inside(path, INDEX_FILE, where, follow=True), where, follow=True)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{path / INDEX_FILE}: no 'weight_map' mapping of tensor names to file names")
+        for fn in dict.fromkeys(weight_map.values()):  # refused: a name that is not a file inside ``path``
+            inside(path, fn, f"{where}: shard file", follow=True)
         return dict(weight_map)
-    if (path / SINGLE_FILE).is_file():
+    if (path / SINGLE_FILE).is_file() or (path / SINGLE_FILE).is_symlink():
         from safetensors import safe_open
 
-        with safe_open(str(path / SINGLE_FILE), framework="pt") as fh:
+        f = inside(path, SINGLE_FILE, f"checkpoint {path}", follow=True)
+        with safe_open(str(f), framework="pt") as fh:
             return {k: SINGLE_FILE for k in fh.keys()}
     raise CheckpointError(f"checkpoint {path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
 
@@ -408,8 +413,9 @@ class HFReader:
             rows, cols = (slice(*s.indices(n)[:2]) for s, n in zip((rows, cols), shape))
             q = sl[rows, cols].to(device=self.device, copy=True)
         with safe_open(str(self.src.path / self.src.index[sk]), framework="pt") as fh:
-            scale = fh.get_slice(sk)[covering(rows, shape[0], block[0]), covering(cols, shape[1], block[1])]
-            scale = scale.to(device=self.device, dtype=torch.float32, copy=True)
+            br, bc = covering(rows, shape[0], block[0]), covering(cols, shape[1], block[1])
+            scale = fh.get_slice(sk)[br, bc].to(device=self.device, dtype=torch.float32, copy=True)
+        check_scales(scale, f"{self.src.path / self.src.index[sk]}: {sk}", (br.start, bc.start))
         self.bytes_read += q.numel() * q.element_size() + scale.numel() * scale.element_size()
         return dequantize(q, scale, rows, cols, block).to(dtype or torch.float32)
 

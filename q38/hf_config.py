@@ -16,16 +16,20 @@ def read_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[
     """A Hugging Face ``config.json`` as a dict (a path, a checkpoint directory, or the parsed mapping)."""
     if isinstance(path_or_dict, Mapping):
         return dict(path_or_dict)
+    # the file checks of q38's checkpoint reader (a leaf module; imported here, not at the top, to keep this module
+    # light): bounded, no FIFO, a symlink only to a Hugging Face cache blob, nested at most MAX_JSON_DEPTH deep
+    from q38.train.io.untrusted import check_config_bounds, inside, load_json
+
     p = Path(path_or_dict)
     if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
+        if not (p / "config.json").exists() and not (p / "config.json").is_symlink():
+            raise ConfigError(f"Hugging Face config not found: {p / 'config.json'}")
+        p = inside(p, "config.json", f"Hugging Face config {p / 'config.json'}", follow=True)
+    elif not p.exists():
         raise ConfigError(f"Hugging Face config not found: {p}")
-    try:
-        with open(p) as f:
-            raw = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: not valid JSON ({' '.join(str(e).split())})") from None
+    raw = load_json(p, str(p), follow=True)
+    if isinstance(raw, dict):
+        check_config_bounds(raw, str(p))  # every size and count bounded before a shape is computed from it
     if not isinstance(raw, dict):
         raise ConfigError(f"{p}: expected a JSON object of config keys, got {type(raw).__name__}")
     return raw

@@ -114,6 +114,28 @@ def check_runnable(peft: "PeftConfig | None", init_from: str | None = None) -> N
                           "peft.base_dtype: compute")
 
 
+def check_rank(peft: "PeftConfig | None", model_config) -> None:
+    """``peft.rank`` against the model, before any adapter is allocated: at most the largest ``min(o, i)`` over the
+    weights ``[.., o, i]`` it adapts. ``B @ A`` (``[o, r] @ [r, i]``) has rank at most ``min(o, i)``, so a higher
+    rank adds memory to every adapter and expressiveness to none (a skinny weight, e.g. the GDN gates ``w_b`` /
+    ``w_a`` of a few heads, may get a rank above its own ``min(o, i)``, as PEFT allows). One ``ConfigError`` naming
+    the rank, the limit and the weight that sets it."""
+    if peft is None:
+        return
+    from q38.model import abstract_params, is_param_info
+    from q38.pytree import named_leaves
+
+    sizes = [(min(info.shape[-2:]), path, info.shape) for path, info in
+             named_leaves(abstract_params(model_config), is_leaf=is_param_info)
+             if info is not None and len(info.shape) >= 2 and peft.adapts(path)]
+    if not sizes:
+        return
+    limit, path, shape = max(sizes)
+    need(peft.rank <= limit, f"peft.rank {peft.rank} exceeds the limit {limit}: no adapted weight has a rank above "
+                             f"{limit} (the largest, {path} {list(shape)}, has min(out, in) = {limit}), so the extra "
+                             f"rank would only cost memory; set peft.rank <= {limit}")
+
+
 # ---- the adapter nodes ---------------------------------------------------------------------------------------------
 
 

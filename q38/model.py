@@ -295,3 +295,51 @@ def count_params(config: ModelConfig) -> ParamCount:
         total[mtp] += info.numel
         active[mtp] += info.numel // e * k if info.axes[:1] == ("expert",) else info.numel
     return ParamCount(total=total[False], active=active[False], mtp_total=total[True], mtp_active=active[True])
+
+
+def host_memory_available() -> int | None:
+    """Bytes this process may still allocate on the host: the least of the kernel's ``MemAvailable``, the room left
+    under the cgroup's ``memory.max`` and under ``RLIMIT_AS`` / ``RLIMIT_DATA``; None where none can be read."""
+    import resource
+
+    room: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            room += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            cap = f.read().strip()
+        if cap != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                room.append(int(cap) - int(f.read()))
+    except (OSError, ValueError):
+        pass
+    for lim in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
+        soft = resource.getrlimit(lim)[0]
+        if soft != resource.RLIM_INFINITY:
+            try:
+                with open("/proc/self/status") as f:
+                    key = "VmSize:" if lim == resource.RLIMIT_AS else "VmData:"
+                    used = next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+                room.append(soft - used)
+            except (OSError, ValueError, StopIteration):
+                room.append(soft)
+    return max(0, min(room)) if room else None
+
+
+def check_host_memory(config: ModelConfig, *, bytes_per_param: int | float, what: str, fix: str,
+                      share: int | float = 1) -> None:
+    """Refuse, before anything is allocated, a model whose parameters (``share`` of them: a rank's part) need more
+    than ``host_memory_available()`` at ``bytes_per_param`` bytes each: one ``ConfigError`` naming ``what``, the
+    parameter count, the bytes and the limit, and ``fix``."""
+    from q38.errors import ConfigError
+
+    n = count_params(config).total_with_mtp
+    need = int(n * share * bytes_per_param)
+    room = host_memory_available()
+    if room is not None and need > room:
+        raise ConfigError(f"{what}: the model has {n:,} parameters ({need / 2**30:,.1f} GiB at {bytes_per_param:g} "
+                          f"bytes each{f', {share:.3g} of them on this process' if share != 1 else ''}), more than "
+                          f"the {room / 2**30:,.1f} GiB this process can still allocate; {fix}")

@@ -109,6 +109,15 @@ def _tuple(x):
     return tuple(x) if x is not None else None
 
 
+MAX_LAYERS = 4096  # num_hidden_layers, num_experts, mtp_num_layers: the shape code loops over them
+MAX_SIZE = 1 << 24  # any other size of a model config (vocab, widths, heads): 16 Mi, 64x the largest preset's vocab
+_COUNT_FIELDS = ("num_hidden_layers", "num_experts", "num_experts_per_tok", "mtp_num_layers")
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
+                "max_position_embeddings")
+
+
 @attrs.frozen(kw_only=True)
 class ModelConfig:
     """Static, hashable model configuration (never a pytree leaf)."""
@@ -155,10 +164,24 @@ class ModelConfig:
     # Kernel choices and the torch GDN core's chunk length are run settings (q38.kernels.KernelConfig), not fields here.
 
     def __attrs_post_init__(self) -> None:
+        self._check_sizes()  # before anything is built from them (the default layer_types is one entry per layer)
         if self.layer_types is None:
             object.__setattr__(self, "layer_types", _default_layer_types(self.num_hidden_layers))
         model_family(self.model_type)
         self._validate()
+
+    def _check_sizes(self) -> None:
+        """Every size an integer, the layer, expert and MTP counts at most ``MAX_LAYERS``, every other size at most
+        ``MAX_SIZE`` (far above the 2.4T preset's; what a model of these sizes needs in memory is checked where it
+        would be allocated: ``q38.model.check_host_memory``)."""
+        for a in attrs.fields(type(self)):
+            v = getattr(self, a.name)
+            if a.name in _SIZE_FIELDS or a.name in _COUNT_FIELDS:
+                need(isinstance(v, int) and not isinstance(v, bool),
+                     f"{a.name} must be an integer, got {type(v).__name__} {str(v)[:40]}")
+                lim = MAX_LAYERS if a.name in _COUNT_FIELDS else MAX_SIZE
+                need(abs(v) <= lim, f"{a.name} = {v} exceeds the limit {lim:,} (no model of this family comes "
+                                    "near it); fix the model config")
 
     # ---- validation ---------------------------------------------------------------------------------
     def _validate(self) -> None:

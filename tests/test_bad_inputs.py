@@ -196,7 +196,7 @@ def _cases():
                                                       ["train", c.cfg(model=str(c.tmp / "empty"))],
                                                       ["empty is a directory without config.json"])
     C["config:model-json-not-json"] = lambda c: (["train", c.cfg(model=c.data("{oops", "config.json"))],
-                                                 ["config.json: not valid JSON"])
+                                                 ["config.json is not valid JSON"])
     C["config:data-section-list"] = lambda c: (["train", c.cfg(data=[1, 2])], ["section 'data' must be a mapping"])
 
     # malformed model / layout / run config files (issue 35): one line naming the file and the problem, never
@@ -332,7 +332,7 @@ def _cases():
     def init_bad_json(c):
         hf = c.hf()
         (hf / "config.json").write_text("{not json")
-        return ["train", c.cfg(init_from=str(hf), model=None)], ["config.json: not valid JSON"]
+        return ["train", c.cfg(init_from=str(hf), model=None)], ["config.json is not valid JSON"]
 
     def init_garbage(c):
         hf = c.hf()

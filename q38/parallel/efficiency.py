@@ -133,6 +133,8 @@ def read_measured(path: str | Path, peak: Callable[[str], float]) -> tuple[Effic
             d = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{at}: not a JSON object ({e.msg}); one object per line") from None
+        except RecursionError:
+            raise ConfigError(f"{at}: JSON nested too deeply; one flat object per line") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{at}: expected a JSON object, got {type(d).__name__}")
         if "efficiency" not in d and "tflops" not in d:

@@ -62,14 +62,26 @@ def to_record(record: Any, fmt: str, where: str) -> Any:
     return record
 
 
+def _loads(text: str, where: str, msg: str, fix: str = "") -> Any:
+    """JSON inside a record's string (tool schemas, call arguments): nested at most ``MAX_JSON_DEPTH`` deep, else a
+    ``DataError`` naming ``where``; not JSON: ``DataError("where: msg (why)fix")``."""
+    from q38.train.io.untrusted import MAX_JSON_DEPTH, json_depth_over
+
+    if json_depth_over(text):
+        _fail(where, f"JSON inside a string nested too deeply (more than {MAX_JSON_DEPTH} levels of arrays / objects)")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        _fail(where, f"{msg} ({e.msg}){fix}")
+    except RecursionError:
+        _fail(where, f"JSON inside a string nested too deeply (more than {MAX_JSON_DEPTH} levels of arrays / objects)")
+
+
 def _tools(value: Any, where: str) -> list:
     if isinstance(value, str):
         if not value.strip():
             return []
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            _fail(where, f"\"tools\" is a string but not JSON ({e.msg}); expected a list of function schemas")
+        value = _loads(value, where, "\"tools\" is a string but not JSON", "; expected a list of function schemas")
     if isinstance(value, dict):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
@@ -81,11 +93,8 @@ def _tools(value: Any, where: str) -> list:
 def _calls(value: Any, where: str, at: str) -> list[dict]:
     """A ShareGPT ``function_call`` value -> OpenAI ``tool_calls``."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            _fail(where, f"{at}.value of a function_call turn must be a JSON call {{\"name\": str, \"arguments\": "
-                         f"{{...}}}} (or a list of them); it is not JSON ({e.msg})")
+        value = _loads(value, where, f"{at}.value of a function_call turn must be a JSON call {{\"name\": str, "
+                                     "\"arguments\": {...}} (or a list of them); it is not JSON")
     calls = value if isinstance(value, list) else [value]
     out = []
     for k, c in enumerate(calls):
@@ -94,9 +103,11 @@ def _calls(value: Any, where: str, at: str) -> list[dict]:
         args = c.get("arguments", {})
         if isinstance(args, str):
             try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass  # a string the template prints as it is
+                args = _loads(args, where, "not JSON")
+            except DataError as e:
+                if "nested too deeply" in str(e):
+                    raise
+                # else: a string the template prints as it is
         out.append({"type": "function", "function": {"name": c["name"], "arguments": args}})
     return out
 

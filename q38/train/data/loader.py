@@ -73,12 +73,37 @@ def validate_record(record: Any, where: str) -> None:
     validate_chat_record(record, where)
 
 
-MAX_LINE_BYTES = 16 << 20  # a JSONL line longer than this is refused before it is parsed (prepare-data --max-line-mb)
+MAX_LINE_BYTES = 16 << 20  # a JSONL line longer than this is refused before it is parsed (prepare-data --max-line-mb);
+# the same bound holds for one record of every other source (Arrow, Parquet, CSV, a JSON array)
 
 
 def line_too_long(where: str, limit: int) -> DataError:
     return DataError(f"{where}: line longer than {limit:,} bytes ({limit / (1 << 20):g} MiB), the limit on one JSONL "
                      f"record; split the record, or raise the limit (q38 prepare-data --max-line-mb)")
+
+
+def record_too_large(where: str, size: int, limit: int) -> DataError:
+    return DataError(f"{where}: a record of {size:,} bytes, more than the limit of {limit:,} bytes "
+                     f"({limit / (1 << 20):g} MiB) on one record; split the record, or raise the limit (q38 "
+                     "prepare-data --max-line-mb)")
+
+
+def parse_record(line: bytes | str, where: str):
+    """One JSON record (a JSONL line, a JSON-array element's text): nested at most ``MAX_JSON_DEPTH`` deep (checked
+    before parsing), else one ``DataError`` naming ``where``."""
+    from q38.train.io.untrusted import MAX_JSON_DEPTH, json_depth_over
+
+    if json_depth_over(line):
+        raise DataError(f"{where}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels of arrays / objects); "
+                        "each record must be one JSON object of text or messages")
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); each line must be one JSON "
+                        f"object") from None
+    except RecursionError:
+        raise DataError(f"{where}: JSON nested too deeply to read; each line must be one JSON object of text or "
+                        "messages") from None
 
 
 def bounded_lines(f, path: str | os.PathLike, limit: int = MAX_LINE_BYTES) -> Iterator[tuple[int, bytes]]:
@@ -119,14 +144,7 @@ def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict]]:
                 raise DataError(f"{where}: not valid UTF-8 ({e})") from None
             if not line.strip():
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); each line must be one "
-                                f"JSON object") from None
-            except RecursionError:
-                raise DataError(f"{where}: JSON nested too deeply to read; each line must be one JSON object of "
-                                "text or messages") from None
+            record = parse_record(line, where)
             record = to_record(record, "auto", where)  # ShareGPT / Alpaca / OpenAI-style -> q38 messages
             validate_record(record, where)
             n += 1

@@ -38,11 +38,30 @@ def megatron_prefix(path: Any) -> str | None:
         return p[:-4]
     if Path(p).exists():
         return None
-    return p if Path(p + ".idx").is_file() or Path(p + ".bin").is_file() else None
+    return p if Path(p + ".idx").exists() or Path(p + ".bin").exists() else None  # a FIFO too: named
 
 
 def _fail(msg: str) -> None:
     raise DataError(f"data: {msg}")
+
+
+def _check_regular(f: Path, prefix: str, fix: str) -> None:
+    """``f`` (a corpus file; a symlink is followed) exists and is a regular file: a FIFO, device, socket or
+    directory is named as what it is, never opened."""
+    import stat
+
+    from q38.train.io.untrusted import _kind
+
+    try:
+        st = os.stat(f)
+    except FileNotFoundError:
+        _fail(f"Megatron corpus {prefix}: {f} not found (a Megatron corpus is PREFIX.bin, the tokens, and "
+              f"PREFIX.idx, the index; both must exist); {fix}")
+    except OSError as e:
+        _fail(f"Megatron corpus {prefix}: {f} cannot be read ({e.strerror or e}); {fix}")
+    if not stat.S_ISREG(st.st_mode):
+        _fail(f"Megatron corpus {prefix}: {f} is {_kind(st.st_mode)}, not a regular file (a Megatron corpus is "
+              f"two files, PREFIX.bin and PREFIX.idx); {fix}")
 
 
 def _chunks(n: int, size: int | None = None):
@@ -59,12 +78,12 @@ class MegatronIndex:
         self.prefix = prefix
         self.idx, self.bin = Path(prefix + ".idx"), Path(prefix + ".bin")
         fix = "rebuild it with Megatron's preprocess_data.py, or point data.path at another PREFIX"
-        for f, other in ((self.idx, "token file"), (self.bin, "index")):
-            if not f.is_file():
-                _fail(f"Megatron corpus {prefix}: {f} not found (a Megatron corpus is PREFIX.bin, the tokens, and "
-                      f"PREFIX.idx, the index; both must exist); {fix}")
+        for f in (self.idx, self.bin):
+            _check_regular(f, prefix, fix)
         size = self.idx.stat().st_size
-        with open(self.idx, "rb") as fh:
+        from q38.train.io.untrusted import open_regular
+
+        with open_regular(self.idx, f"data: {self.idx}", follow=True) as fh:  # never blocks on a FIFO
             head = fh.read(HEADER_BYTES)
         if len(head) < HEADER_BYTES or head[:9] != HEADER:
             _fail(f"{self.idx} is not a Megatron index (it does not start with the MMIDIDX header); {fix}")

@@ -22,13 +22,15 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from q38.train.data.loader import (
-    IGNORE_INDEX, MAX_LINE_BYTES, DataError, encode_record, line_too_long, resolve_data_path, validate_record,
+    IGNORE_INDEX, MAX_LINE_BYTES, DataError, encode_record, line_too_long, parse_record, resolve_data_path,
+    validate_record,
 )
 from q38.train.data.formats import FORMATS, to_record
 from q38.train.data.tokenizer import load_tokenizer
 from q38.train.data.shards import FORMAT, MANIFEST, VERSION, sha256_file, shard_files, token_dtype, tokenizer_identity
 
 CHUNK_BYTES = 64 << 20
+PARQUET_ROWS = 64  # rows of a Parquet row group decoded at once (each then bounded by --max-line-mb)
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 OWN_PREFIXES = ("shard_", ".shard_", f".{MANIFEST}.tmp-")  # the files this command writes besides the manifest
 
@@ -52,32 +54,49 @@ def _kind(f: Path) -> str:
 
 def expand_inputs(inputs: Sequence[str], split: str | None = None) -> list[tuple[Path, str]]:
     """Files (``.jsonl``, ``.json``, ``.parquet``, ``.arrow``, ``.csv``), directories of them (sorted), Hugging Face
-    ``save_to_disk`` directories (their Arrow files; ``split`` of a ``DatasetDict``), or ``builtin:NAME``."""
+    ``save_to_disk`` directories (their Arrow files; ``split`` of a ``DatasetDict``), or ``builtin:NAME``. Every file
+    is a regular file (a FIFO or device is refused, never waited on); a file found in a directory lies inside it (a
+    symlink only to a file inside the directory: ``untrusted.inside``)."""
     from q38.train.data.readers import hf_dataset_files, is_hf_dataset_dir
+    from q38.train.io.untrusted import CheckpointMismatch, inside
 
     out: list[tuple[Path, str]] = []
     hf_dirs = 0
     for spec in inputs:
         p = resolve_data_path(spec)
-        if is_hf_dataset_dir(p):
-            out += [(f.resolve(), "arrow") for f in hf_dataset_files(p, split)]
-            hf_dirs += 1
-        elif p.is_dir():
-            files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in SUFFIXES)
-            if not files:
-                raise DataError(f"{p} holds no .jsonl, .json, .parquet, .arrow or .csv files (nor is it a Hugging "
-                                f"Face save_to_disk directory)")
-            out += [(f.resolve(), _kind(f)) for f in files]
-        elif p.is_file():
-            out.append((p.resolve(), _kind(p)))
-        else:
-            raise DataError(f"input {spec} not found; expected a JSONL / JSON / Parquet / Arrow / CSV file, a "
-                            f"directory of them or a Hugging Face save_to_disk directory")
+        try:
+            if is_hf_dataset_dir(p):
+                out += [(f.resolve(), "arrow") for f in hf_dataset_files(p, split)]
+                hf_dirs += 1
+            elif p.is_dir():
+                names = sorted(f.name for f in p.iterdir() if f.suffix in SUFFIXES and not f.is_dir())
+                if not names:
+                    raise DataError(f"{p} holds no .jsonl, .json, .parquet, .arrow or .csv files (nor is it a "
+                                    f"Hugging Face save_to_disk directory)")
+                files = [inside(p, n, f"input {p}", follow=True) for n in names]
+                out += [(f.resolve(), _kind(f)) for f in files]
+            elif p.exists() or p.is_symlink():
+                _regular(p)  # named by the user: a symlink is followed, but to a regular file only
+                out.append((p.resolve(), _kind(p)))
+            else:
+                raise DataError(f"input {spec} not found; expected a JSONL / JSON / Parquet / Arrow / CSV file, a "
+                                f"directory of them or a Hugging Face save_to_disk directory")
+        except CheckpointMismatch as e:
+            raise DataError(str(e)) from None
     if not out:
         raise DataError("no inputs; pass one or more JSONL / Parquet files or directories")
     if split is not None and not hf_dirs:
         raise DataError(f"--split {split} given but no input is a Hugging Face dataset directory; drop --split")
     return out
+
+
+def _regular(f: Path) -> None:
+    """``f`` (a path given on the command line, a symlink followed) is a regular file: a FIFO, device or socket is
+    named, never opened."""
+    from q38.train.io.untrusted import open_regular
+
+    with open_regular(f, "input", follow=True):
+        pass
 
 
 def plan_chunks(files: Sequence[tuple[Path, str]], chunk_bytes: int,
@@ -91,15 +110,17 @@ def plan_chunks(files: Sequence[tuple[Path, str]], chunk_bytes: int,
             meta = _pyarrow().ParquetFile(f).metadata
             for g in range(meta.num_row_groups):
                 chunks.append({"file": str(f), "source": fi, "kind": kind, "group": g,
-                               "bytes": meta.row_group(g).total_byte_size})
+                               "bytes": meta.row_group(g).total_byte_size, "max_line": max_line})
             continue
         if kind == "arrow":
             from q38.train.data.readers import arrow_chunks
 
-            chunks += [dict(c, file=str(f), source=fi, kind=kind) for c in arrow_chunks(f, chunk_bytes)]
+            chunks += [dict(c, file=str(f), source=fi, kind=kind, max_line=max_line)
+                       for c in arrow_chunks(f, chunk_bytes)]
             continue
         if kind in ("csv", "jsonarray"):  # read start to end by one worker
-            chunks.append({"file": str(f), "source": fi, "kind": kind, "bytes": f.stat().st_size})
+            chunks.append({"file": str(f), "source": fi, "kind": kind, "bytes": f.stat().st_size,
+                           "max_line": max_line})
             continue
         size = f.stat().st_size
         start = 0
@@ -123,11 +144,14 @@ def plan_chunks(files: Sequence[tuple[Path, str]], chunk_bytes: int,
 def _records(chunk: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """``(where, record)`` of a chunk; ``where`` names the file and line (JSONL) or row (Parquet)."""
     f = chunk["file"]
-    if chunk["kind"] == "parquet":
-        table = _pyarrow().ParquetFile(f).read_row_group(chunk["group"])
-        for r, rec in enumerate(table.to_pylist()):
-            rec = {k: v for k, v in rec.items() if v is not None}
-            yield f"{f}: row group {chunk['group']} row {r}", rec
+    if chunk["kind"] == "parquet":  # decoded PARQUET_ROWS rows at a time, each record bounded before it is converted
+        from q38.train.data.readers import bounded_rows
+
+        g, row = chunk["group"], 0
+        for batch in _pyarrow().ParquetFile(f).iter_batches(batch_size=PARQUET_ROWS, row_groups=[g]):
+            yield from bounded_rows(batch, lambda k, r=row: f"{f}: row group {g} row {r + k}",
+                                    chunk.get("max_line", MAX_LINE_BYTES))
+            row += batch.num_rows
         return
     if chunk["kind"] in ("arrow", "csv", "jsonarray"):
         from q38.train.data import readers
@@ -146,11 +170,13 @@ def _records(chunk: dict[str, Any]) -> Iterator[tuple[str, Any]]:
         if not raw.strip():
             continue
         try:
-            rec = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            rec = parse_record(raw, "\0")
+        except DataError as e:
             first_line = first_line or _line_of(f, chunk["start"])
-            why = "nested too deeply" if isinstance(e, RecursionError) else e
-            raise DataError(f"{f}:{first_line + k}: malformed JSON or UTF-8 ({why}); each line must be one JSON "
+            raise DataError(str(e).replace("\0", f"{f}:{first_line + k}")) from None
+        except UnicodeDecodeError as e:
+            first_line = first_line or _line_of(f, chunk["start"])
+            raise DataError(f"{f}:{first_line + k}: malformed JSON or UTF-8 ({e}); each line must be one JSON "
                             f"object") from None
         yield (f, chunk["start"], k), rec
 
@@ -278,7 +304,7 @@ def is_prepared_output(d: Path) -> bool:
     try:
         if json.loads((d / MANIFEST).read_text()).get("format") == FORMAT:
             return True
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         pass
     return all(f.is_file() and f.name.startswith(OWN_PREFIXES) for f in d.iterdir())
 
@@ -375,7 +401,7 @@ def _read_manifest(out: Path) -> dict[str, Any] | None:
         return None
     try:
         return json.loads((out / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):
         return None
 
 

@@ -37,41 +37,68 @@ def pyarrow_modules(what: str):
 
 
 def is_hf_dataset_dir(d: Path) -> bool:
-    return d.is_dir() and ((d / "state.json").is_file() or (d / "dataset_dict.json").is_file())
+    return d.is_dir() and any((d / n).exists() or (d / n).is_symlink() for n in ("state.json", "dataset_dict.json"))
+
+
+def _dataset_json(d: Path, name: str):
+    """``d/name`` parsed under the checkpoint reader's rules (a regular file inside ``d``, bounded, nested at most
+    ``MAX_JSON_DEPTH`` deep): one ``DataError`` otherwise."""
+    from q38.train.io.untrusted import CheckpointMismatch, inside, load_json
+
+    try:
+        return load_json(inside(d, name, f"data: {d / name}", follow=True), f"data: {d / name}", follow=True)
+    except CheckpointMismatch as e:
+        raise DataError(str(e)) from None
 
 
 def hf_dataset_files(d: Path, split: str | None) -> list[Path]:
     """The Arrow files of a ``save_to_disk`` directory, in order; for a ``DatasetDict``, those of ``split`` (default:
-    the only split, or ``train``)."""
-    if (d / "dataset_dict.json").is_file():
-        try:
-            splits = json.loads((d / "dataset_dict.json").read_text())["splits"]
-            assert isinstance(splits, list) and all(isinstance(s, str) for s in splits)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError):
+    the only split, or ``train``). Every split and file named must lie inside ``d`` (``untrusted.inside``: a plain
+    relative name, no ``..``, no absolute path, no symlink leading out), a directory or a regular file; nothing
+    outside is opened."""
+    from q38.train.io.untrusted import CheckpointMismatch, inside
+
+    if (d / "dataset_dict.json").exists() or (d / "dataset_dict.json").is_symlink():
+        index = _dataset_json(d, "dataset_dict.json")
+        splits = index.get("splits") if isinstance(index, dict) else None
+        if not (isinstance(splits, list) and splits and all(isinstance(s, str) for s in splits)):
             raise DataError(f"{d / 'dataset_dict.json'} is not a Hugging Face DatasetDict index ({{\"splits\": "
-                            f"[...]}}); save the dataset again with save_to_disk") from None
+                            f"[...]}}); save the dataset again with save_to_disk")
         if split is None:
             split = splits[0] if len(splits) == 1 else "train" if "train" in splits else None
             if split is None:
-                raise DataError(f"{d} is a DatasetDict with splits {', '.join(splits)}; choose one with --split")
+                raise DataError(f"{d} is a DatasetDict with splits {', '.join(splits)}; choose one with "
+                                "--split")
         if split not in splits:
-            raise DataError(f"{d} has no split {split!r}; its splits: {', '.join(splits)}; choose one with --split")
-        return hf_dataset_files(d / split, None)
+            raise DataError(f"{d} has no split {split!r}; its splits: {', '.join(splits)}; choose one "
+                            "with --split")
+        if "/" in split or split in (".", ".."):  # a split is one directory of ``d``
+            raise DataError(f"data: split {split!r} of {d / 'dataset_dict.json'} is not a plain directory name "
+                            f"(it would leave {d}); refused, nothing outside was opened; save the dataset again "
+                            "with save_to_disk")
+        try:
+            sub = inside(d, split, f"data: split {split!r} of {d / 'dataset_dict.json'}", kind="dir")
+        except CheckpointMismatch as e:
+            raise DataError(str(e)) from None
+        return hf_dataset_files(sub, None)
     if split is not None:
         raise DataError(f"--split {split} given but {d} is a single Dataset (no dataset_dict.json); drop --split")
     state = d / "state.json"
+    raw = _dataset_json(d, "state.json")
     try:
-        files = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
-        assert all(isinstance(f, str) and "/" not in f and "\\" not in f and f not in ("", ".", "..") for f in files)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        files = [f["filename"] for f in raw["_data_files"]]
+        assert isinstance(raw["_data_files"], list)
+    except (KeyError, TypeError, AssertionError):
         raise DataError(f"{state} is not a Hugging Face save_to_disk state (\"_data_files\": [{{\"filename\": "
                         f"...}}]); save the dataset again with save_to_disk") from None
-    out = [d / f for f in files]
-    for f in out:
-        if not f.is_file():
-            raise DataError(f"{f} listed in {state} is missing; the dataset directory is incomplete")
-    if not out:
+    if not files:
         raise DataError(f"{state} lists no Arrow files; the dataset is empty")
+    out = []
+    for f in files:
+        try:  # a plain name of a regular file of ``d``; a symlink only into ``d``
+            out.append(inside(d, f, f"data: file listed in {state}", follow=True))
+        except CheckpointMismatch as e:
+            raise DataError(str(e)) from None
     return out
 
 
@@ -79,19 +106,64 @@ def hf_dataset_files(d: Path, split: str | None) -> list[Path]:
 
 
 def _open_arrow(path: str):
-    """A record-batch reader over the memory-mapped Arrow file (IPC stream, else IPC file format)."""
+    """The record batches of an Arrow file (IPC stream, else IPC file format), memory-mapped, each checked with
+    pyarrow's full validation (offsets and lengths inside their buffers, valid UTF-8) before it is returned: a
+    batch whose string offsets point past its data would otherwise be read past the end of the map."""
+    from q38.train.io.untrusted import CheckpointMismatch, open_regular
+
     pa = pyarrow_modules("Arrow files")
+    try:
+        with open_regular(path, f"data: {path}", follow=True):  # a regular file: no FIFO or device is mapped
+            pass
+    except CheckpointMismatch as e:
+        raise DataError(str(e)) from None
     src = pa.memory_map(str(path), "r")
     try:
-        return pa.ipc.open_stream(src)
+        batches = iter(pa.ipc.open_stream(src))
     except pa.ArrowInvalid:
-        pass
-    try:
-        f = pa.ipc.open_file(src)
-    except pa.ArrowInvalid as e:
-        raise DataError(f"{path} is not an Arrow IPC stream or file ({e}); expected the .arrow files Hugging Face "
-                        f"datasets writes") from None
-    return (f.get_batch(i) for i in range(f.num_record_batches))
+        try:
+            f = pa.ipc.open_file(src)
+        except pa.ArrowInvalid as e:
+            raise DataError(f"{path} is not an Arrow IPC stream or file ({_one_line(e)}); expected the .arrow files "
+                            f"Hugging Face datasets writes") from None
+        batches = (f.get_batch(i) for i in range(f.num_record_batches))
+    i = 0
+    while True:
+        try:
+            batch = next(batches)
+            batch.validate(full=True)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{path}: record batch {i} is corrupt ({_one_line(e)}); nothing of it was read; write "
+                            "the file again (e.g. Dataset.save_to_disk)") from None
+        yield batch
+        i += 1
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:300]
+
+
+def bounded_rows(batch, where, limit: int) -> Iterator[tuple[str, Any]]:
+    """``(where(k), record)`` of each row ``k`` of a validated record batch (null fields dropped), each refused
+    before it becomes Python objects when its Arrow data exceed ``limit`` bytes (the per-record bound: the JSONL
+    line bound, ``prepare-data --max-line-mb``). Rows are converted a batch at a time when the batch is within
+    ``limit``, else one at a time, so memory never holds more than ``limit`` bytes of Arrow data as Python objects."""
+    from q38.train.data.loader import record_too_large
+
+    def clean(rec):
+        return {k: v for k, v in rec.items() if v is not None}
+
+    if batch.nbytes <= limit:
+        for k, rec in enumerate(batch.to_pylist()):
+            yield where(k), clean(rec)
+        return
+    for k in range(batch.num_rows):
+        row = batch.slice(k, 1)
+        if row.nbytes > limit:
+            raise record_too_large(where(k), row.nbytes, limit)
+        yield where(k), clean(row.to_pylist()[0])
 
 
 def arrow_chunks(path: Path, chunk_bytes: int) -> list[dict[str, Any]]:
@@ -113,6 +185,8 @@ def arrow_chunks(path: Path, chunk_bytes: int) -> list[dict[str, Any]]:
 
 
 def arrow_records(chunk: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    from q38.train.data.loader import MAX_LINE_BYTES
+
     f = chunk["file"]
     first, stop = chunk["batches"]
     row = chunk["row"]
@@ -121,27 +195,33 @@ def arrow_records(chunk: dict[str, Any]) -> Iterator[tuple[str, Any]]:
             break
         if i < first:
             continue
-        for rec in batch.to_pylist():
-            yield f"{f}: row {row}", {k: v for k, v in rec.items() if v is not None}
-            row += 1
+        yield from bounded_rows(batch, lambda k, r=row: f"{f}: row {r + k}", chunk.get("max_line", MAX_LINE_BYTES))
+        row += batch.num_rows
 
 
 # ---- CSV and JSON arrays -------------------------------------------------------------------------------------------
 
 
 def csv_records(chunk: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """Rows of a CSV file with a header line (row 1 = the first line after the header)."""
+    """Rows of a CSV file with a header line (row 1 = the first line after the header), read in blocks of the
+    per-record bound (``prepare-data --max-line-mb``): a row longer than a block is refused, never read whole."""
+    from q38.train.data.loader import MAX_LINE_BYTES
+
     pa = pyarrow_modules("CSV files")
     f = chunk["file"]
+    limit = chunk.get("max_line", MAX_LINE_BYTES)
+    row = 1
     try:
-        reader = pa.csv.open_csv(f)
-        row = 1
+        reader = pa.csv.open_csv(f, read_options=pa.csv.ReadOptions(block_size=max(limit, 1 << 10)))
         for batch in reader:
-            for rec in batch.to_pylist():
-                yield f"{f}: row {row}", {k: v for k, v in rec.items() if v is not None}
-                row += 1
+            yield from bounded_rows(batch, lambda k, r=row: f"{f}: row {r + k}", limit)
+            row += batch.num_rows
     except pa.ArrowInvalid as e:
-        raise DataError(f"{f}: not readable as CSV with a header line ({e})") from None
+        if "straddl" in str(e):  # a row (or the header) longer than one block
+            from q38.train.data.loader import record_too_large
+
+            raise record_too_large(f"{f}: row {row} or after", limit + 1, limit) from None
+        raise DataError(f"{f}: not readable as CSV with a header line ({_one_line(e)})") from None
 
 
 def is_json_array(path: Path) -> bool:
@@ -155,8 +235,14 @@ def is_json_array(path: Path) -> bool:
 
 
 def json_array_records(chunk: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """The elements of a JSON file holding one array, decoded one at a time from a sliding buffer."""
+    """The elements of a JSON file holding one array, decoded one at a time from a sliding buffer. A record whose
+    text exceeds the per-record bound (``prepare-data --max-line-mb``) is refused before it is decoded, so memory
+    holds at most about twice the bound; each record nests at most ``MAX_JSON_DEPTH`` deep."""
+    from q38.train.data.loader import MAX_LINE_BYTES, record_too_large
+    from q38.train.io.untrusted import MAX_JSON_DEPTH, json_depth_over
+
     f = chunk["file"]
+    limit = chunk.get("max_line", MAX_LINE_BYTES)
     dec = json.JSONDecoder()
     with open(f, encoding="utf-8") as fh:
         try:
@@ -201,13 +287,23 @@ def json_array_records(chunk: dict[str, Any]) -> Iterator[tuple[str, Any]]:
                     obj, end = dec.raw_decode(buf, pos)
                     if end == len(buf) and not eof:
                         raise ValueError  # a number or literal may continue in the next block
+                except RecursionError:
+                    raise DataError(f"{f}: record {k}: JSON nested too deeply to read (more than {MAX_JSON_DEPTH} "
+                                    "levels of arrays / objects)") from None
                 except ValueError as e:
+                    if len(buf) - pos > limit:  # more than the bound read and the record not complete
+                        raise record_too_large(f"{f}: record {k}", len(buf) - pos, limit) from None
                     if eof:
                         msg = getattr(e, "msg", "incomplete")
                         raise DataError(f"{f}: record {k}: malformed JSON ({msg})") from None
-                    block *= 2
+                    block = min(block * 2, limit + 1 - (len(buf) - pos)) if len(buf) - pos <= limit else block
                     more()
                     continue
+                if end - pos > limit:
+                    raise record_too_large(f"{f}: record {k}", end - pos, limit)
+                if json_depth_over(buf[pos:end]):
+                    raise DataError(f"{f}: record {k}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels "
+                                    "of arrays / objects); each record must be one JSON object of text or messages")
                 yield f"{f}: record {k}", obj
                 k += 1
                 pos = end

@@ -106,10 +106,12 @@ def read_json_object(file: Path) -> dict[str, Any]:
     """A tokenizer directory's JSON file as a dict ({} when absent); a bad file is one ``DataError`` naming it."""
     if not file.is_file():
         return {}
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise DataError(f"tokenizer: cannot parse {file}: {e}") from None
+    from q38.train.io.untrusted import CheckpointMismatch, load_json
+
+    try:  # bounded, a regular file (a hub cache links to blobs), nested at most MAX_JSON_DEPTH deep
+        data = load_json(file, f"tokenizer: cannot parse {file}", MAX_TOKENIZER_BYTES, follow=True)
+    except CheckpointMismatch as e:
+        raise DataError(str(e)) from None
     if not isinstance(data, dict):
         raise DataError(f"tokenizer: {file} must contain a JSON object")
     return data

@@ -326,7 +326,7 @@ def _raw_fp8(src, reader):
     from safetensors import safe_open
 
     from q38.hf import CheckpointError
-    from q38.fp8 import dequantize, scale_key
+    from q38.fp8 import check_scales, dequantize, scale_key
     from q38.fp8 import covering as cover
 
     rules = src.leaf_rules()
@@ -342,7 +342,9 @@ def _raw_fp8(src, reader):
             if not scales:
                 return sl[rows, cols].view(torch.uint8).clone()
         with safe_open(str(src.path / src.index[scale_key(key)]), framework="pt") as fh:
-            s = fh.get_slice(scale_key(key))[cover(rows, shape[0], bo), cover(cols, shape[1], bi)].float().clone()
+            br, bc = cover(rows, shape[0], bo), cover(cols, shape[1], bi)
+            s = fh.get_slice(scale_key(key))[br, bc].float().clone()
+        check_scales(s, f"{src.path / src.index[scale_key(key)]}: {scale_key(key)}", (br.start, bc.start))
         ones = torch.ones(rows.stop - rows.start, cols.stop - cols.start)
         return dequantize(ones, s, rows, cols, block)  # each element's scale
 

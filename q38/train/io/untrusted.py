@@ -1,4 +1,6 @@
-"""Reading checkpoint files that may come from anywhere: files resolved inside their directory, bounded reads, DCP's
+"""Reading checkpoint files that may come from anywhere: files resolved inside their directory (the ``inside`` rule
+every input that names files follows: Hugging Face model and dataset directories, safetensors indexes, prepared
+data), bounded reads, JSON parsed under a nesting bound (``parse_json``), DCP's
 ``.metadata`` read by an allow-list unpickler and checked field by field, and the streamed SHA-256 hashes of the
 DCP shard files (computed while DCP writes them, checked while q38 reads them back).
 
@@ -59,20 +61,29 @@ def _refuse(where: str, what: str) -> UnsafeCheckpoint:
                             "followed); load only checkpoints written by q38 or torch.distributed.checkpoint")
 
 
+def _refuse_path(where: str, what: str) -> UnsafeCheckpoint:
+    return UnsafeCheckpoint(f"{where}: refused: {what} (a crafted or damaged input; nothing outside it was opened)")
+
+
 # ---- paths --------------------------------------------------------------------------------------------------------
 
 
-def inside(root: str | os.PathLike, rel: Any, what: str, *, follow: bool = False) -> Path:
+def inside(root: str | os.PathLike, rel: Any, what: str, *, follow: bool = False, kind: str = "file") -> Path:
     """``root/rel`` for a name ``rel`` taken from a file (a manifest entry, a storage entry's ``relative_path``, a
-    data manifest): refused unless it is a non-empty relative POSIX path without ``..``, ``.`` or empty parts, no
-    component is a symlink, and it is a regular file inside ``root`` (not a FIFO, device or directory). ``what``
-    names the entry in the one-line refusal. ``follow``: a final symlink is followed, and what it names must be a
-    regular file (a Hugging Face cache snapshot links each file to a blob outside the snapshot directory)."""
+    data manifest, a dataset's split or data file, a safetensors index entry): refused unless it is a non-empty
+    relative POSIX path without ``..``, ``.`` or empty parts, no component is a symlink, and it is a regular file
+    (``kind="dir"``: a directory) inside ``root`` (not a FIFO, device or directory). ``what`` names the entry in the
+    one-line refusal.
+
+    ``follow``: a final symlink is followed when what it names (resolved) lies inside ``root`` too, or, for a
+    Hugging Face hub cache snapshot (``root`` is ``<repo>/snapshots/<revision>``), inside that repository's
+    ``<repo>/blobs`` (the hub cache links each file of a snapshot to its blob); every other symlink is refused, so
+    nothing outside the input is opened (docs/checkpoints.md#what-a-checkpoint-may-name)."""
     if not isinstance(rel, str) or not rel or len(rel) > 4096 or "\x00" in rel or "\\" in rel:
-        raise _refuse(what, f"file name {rel!r} is not a plain relative path")
+        raise _refuse_path(what, f"file name {_short(rel)} is not a plain relative path")
     parts = rel.split("/")
     if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise _refuse(what, f"file name {rel!r} leaves its directory or is not a plain relative path")
+        raise _refuse_path(what, f"file name {rel!r} leaves its directory or is not a plain relative path")
     root = Path(root)
     p = root
     for i, part in enumerate(parts):
@@ -84,18 +95,36 @@ def inside(root: str | os.PathLike, rel: Any, what: str, *, follow: bool = False
         except OSError as e:
             raise CheckpointMismatch(f"{what}: {p} cannot be read ({e.strerror or e})") from None
         last = i == len(parts) - 1
-        if stat.S_ISLNK(st.st_mode) and follow and last:
+        if stat.S_ISLNK(st.st_mode) and follow and last and kind == "file":
+            target = _link_target_inside(root, p, rel, what)
             try:
-                st = os.stat(p)
+                st = os.stat(target)
             except OSError as e:
                 raise CheckpointMismatch(f"{what}: {p} is a broken link ({e.strerror or e})") from None
         elif stat.S_ISLNK(st.st_mode):
-            raise _refuse(what, f"{rel!r} is a symbolic link ({p})")
+            raise _refuse_path(what, f"{rel!r} is a symbolic link ({p})")
         if not last and not stat.S_ISDIR(st.st_mode):
-            raise _refuse(what, f"{rel!r}: {p} is not a directory")
-        if last and not stat.S_ISREG(st.st_mode):
-            raise _refuse(what, f"{rel!r} is not a regular file ({_kind(st.st_mode)})")
+            raise _refuse_path(what, f"{rel!r}: {p} is not a directory")
+        if last and kind == "dir" and not stat.S_ISDIR(st.st_mode):
+            raise _refuse_path(what, f"{rel!r} is not a directory ({_kind(st.st_mode)})")
+        if last and kind == "file" and not stat.S_ISREG(st.st_mode):
+            raise _refuse_path(what, f"{rel!r} is not a regular file ({_kind(st.st_mode)})")
     return p
+
+
+def _link_target_inside(root: Path, link: Path, rel: str, what: str) -> Path:
+    """What the symlink ``link`` (a file of ``root``) resolves to, refused unless it lies inside ``root`` or, in a
+    Hugging Face hub cache snapshot, inside its repository's ``blobs`` folder (see ``inside``)."""
+    base = Path(os.path.realpath(root))
+    target = Path(os.path.realpath(link))
+    allowed = [base]
+    if base.parent.name == "snapshots":  # <cache>/models--org--name/snapshots/<revision>
+        allowed.append(base.parent.parent / "blobs")
+    if not any(target == a or a in target.parents for a in allowed):
+        where = " or its hub cache blobs" if len(allowed) > 1 else ""
+        raise _refuse_path(what, f"{rel!r} is a symbolic link to {target}, outside {base}{where}; copy the file into "
+                      "the directory (cp -L) instead of linking it")
+    return target
 
 
 def _kind(mode: int) -> str:
@@ -117,12 +146,12 @@ def open_regular(path: str | os.PathLike, what: str, *, follow: bool = False) ->
         raise CheckpointMismatch(f"{what}: {path} is missing") from None
     except OSError as e:
         if os.path.islink(path):
-            raise _refuse(what, f"{path} is a symbolic link") from None
+            raise _refuse_path(what, f"{path} is a symbolic link") from None
         raise CheckpointMismatch(f"{what}: {path} cannot be read ({e.strerror or e})") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise _refuse(what, f"{path} is not a regular file ({_kind(st.st_mode)})")
+            raise _refuse_path(what, f"{path} is not a regular file ({_kind(st.st_mode)})")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
@@ -145,14 +174,59 @@ def read_bounded(path: str | os.PathLike, limit: int, what: str, *, follow: bool
 
 
 def load_json(path: str | os.PathLike, what: str, limit: int = MAX_JSON_BYTES, *, follow: bool = False) -> Any:
-    """A JSON file read under ``read_bounded``; a deep nesting or a malformed file is one ``CheckpointMismatch``."""
+    """A JSON file read under ``read_bounded``, nested at most ``MAX_JSON_DEPTH`` deep; a deeper nesting or a
+    malformed file is one ``CheckpointMismatch``."""
     data = read_bounded(path, limit, what, follow=follow)
+    return parse_json(data, what if str(path) in what else f"{what}: {path}", CheckpointMismatch)
+
+
+MAX_JSON_DEPTH = 100  # arrays / objects inside each other in any JSON q38 parses (a model config nests 4 deep)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_DEPTH_CHUNK = 1 << 22  # brackets scanned at once (bounded memory for the running depth)
+
+
+def json_depth_over(data: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether the JSON text ``data`` nests arrays and objects more than ``limit`` deep, found without parsing it,
+    at C speed: escaped backslashes and quotes dropped, then every string (the text between quotes), then everything
+    but brackets; the deepest running count of open brackets is the depth. A bound that does not depend on the
+    interpreter's recursion limit or the caller's stack depth. Text that is not JSON may pass (the parser then names
+    its fault)."""
+    import numpy as np
+
+    if isinstance(data, str):
+        if data.count("[") + data.count("{") <= limit:
+            return False
+        data = data.encode("utf-8", "surrogatepass")
+    else:
+        data = bytes(data)
+        if data.count(b"[") + data.count(b"{") <= limit:
+            return False
+    if b"\\" in data:  # an escaped quote does not end a string (backslash pairs first: \\" does)
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+    s = np.frombuffer(b"".join(data.split(b'"')[::2]).translate(None, _NOT_BRACKET), np.uint8)
+    depth = 0
+    for a in range(0, len(s), _DEPTH_CHUNK):
+        part = s[a:a + _DEPTH_CHUNK]
+        run = np.cumsum(np.where((part == ord("[")) | (part == ord("{")), 1, -1), dtype=np.int64) + depth
+        if run.max() > limit:
+            return True
+        depth = int(run[-1])
+    return False
+
+
+def parse_json(data: bytes | str, where: str, error: type[Exception] = ConfigError,
+               limit: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads(data)`` refused with one ``error`` naming ``where`` when ``data`` nests deeper than ``limit``
+    (checked before parsing) or is not valid JSON / UTF-8."""
+    if json_depth_over(data, limit):
+        raise error(f"{where}: JSON nested too deeply (more than {limit} levels of arrays / objects inside each "
+                    "other, deeper than any file q38 reads); fix or regenerate the file")
     try:
         return json.loads(data)
     except RecursionError:
-        raise _refuse(what, f"{path} nests deeper than Python's JSON reader allows") from None
+        raise error(f"{where}: JSON nested too deeply to read; fix or regenerate the file") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointMismatch(f"{what}: {path} is not valid JSON ({' '.join(str(e).split())})") from None
+        raise error(f"{where} is not valid JSON ({' '.join(str(e).split())[:200]})") from None
 
 
 MAX_CONFIG_INT = 1 << 40  # any integer of a model config (sizes, counts, ids)
@@ -249,7 +323,8 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """Pickle's pure-Python unpickler with every opcode that builds or calls something replaced by a checked one."""
 
     def __init__(self, data: bytes, where: str) -> None:
-        super().__init__(io.BytesIO(data))
+        self.src = io.BytesIO(data)  # pickle's pure-Python unpickler keeps only the file's read methods
+        super().__init__(self.src)
         self.where = where
         self.classes = _dcp_classes()
         from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
@@ -301,7 +376,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
                     raise EOFError
                 op = key[0]
                 if op not in _ALLOWED_OPS:
-                    raise self.bad(f"pickle opcode {bytes([op])!r} at byte {self._file.tell()} is not one DCP "
+                    raise self.bad(f"pickle opcode {bytes([op])!r} at byte {self._pos()} is not one DCP "
                                    "metadata uses")
                 dispatch[op](self)
                 if len(self.stack) > MAX_PICKLE_STACK or len(self.metastack) > MAX_PICKLE_MARKS:
@@ -310,6 +385,12 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
                                    f"{MAX_PICKLE_MARKS})")
         except pickle._Stop as stop:  # type: ignore[attr-defined]
             return stop.value
+
+    def _pos(self) -> int:
+        """The offset of the opcode just read (inside a pickle frame: the frame is read ahead from the file)."""
+        frame = self._unframer.current_frame
+        ahead = len(frame.getbuffer()) - frame.tell() if frame is not None else 0
+        return self.src.tell() - ahead - 1
 
     # -- calls --
     def _reduce(self):

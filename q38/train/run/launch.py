@@ -144,9 +144,16 @@ def check_memory(cfg: RunConfig, plan: RunPlan, world_size: int, device: str) ->
     """On an accelerator: ``q38 plan``'s predicted per-rank peak of this run (q38/parallel/budget.py: the same
     settings ``q38 plan --train`` reads, with the run's resolved GDN kernel and chunk) against the device's memory.
     Raises ``ConfigError`` when the peak exceeds it (``run.memory_check: false`` starts anyway); returns the verdict
-    line for the run log (None on the CPU, whose memory the plan does not model)."""
+    line for the run log (None on the CPU, whose memory the plan does not model; there a model whose parameters alone
+    exceed the host memory left is refused)."""
     dev = device_memory(device)
     if dev is None:
+        if str(device).split(":")[0] == "cpu" and cfg.run.memory_check:  # the parameters alone, 2 bytes each
+            from q38.model import check_host_memory
+
+            local = min(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size)  # ranks on this host
+            check_host_memory(cfg.model, bytes_per_param=2, share=local / world_size, what="run.device cpu",
+                              fix="choose a smaller model, more hosts, or set run.memory_check: false to start anyway")
         return None
     from q38.parallel.budget import estimate, recompute_mode
     from q38.parallel.search import budget_kwargs

@@ -69,6 +69,9 @@ class DataConfig:
         need(self.train_on in TRAIN_ON, f"data.train_on must be one of {', '.join(TRAIN_ON)}, got {self.train_on!r}")
 
 
+SEED_MAX = (1 << 63) - 1  # torch.Generator.manual_seed takes a 64-bit seed; q38 derives per-leaf seeds from it
+
+
 @attrs.frozen(kw_only=True)
 class RunOptions:
     steps: int = 300  # total optimizer steps of the run (a resumed run continues up to this step)
@@ -120,6 +123,8 @@ class RunOptions:
         for k in ("steps", "log_every"):
             v = getattr(self, k)
             need(_is_int(v) and v > 0, f"run.{k} must be a positive integer, got {v!r}")
+        need(_is_int(self.seed) and 0 <= self.seed <= SEED_MAX,
+             f"run.seed must be an integer from 0 to {SEED_MAX} (2**63 - 1), got {self.seed!r}")
         need(isinstance(self.save_hf, bool), f"run.save_hf must be true or false, got {self.save_hf!r}")
         need(not self.save_hf_every or self.save_hf, "run.save_hf_every is set but run.save_hf is false; set "
               "run.save_hf: true to export Hugging Face directories, or run.save_hf_every: 0")

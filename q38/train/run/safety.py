@@ -137,7 +137,7 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], int | None]:
             rec = json.loads(line)
             if not isinstance(rec, dict):
                 raise ValueError("not a JSON object")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             if i == last:
                 torn = i + 1
                 break

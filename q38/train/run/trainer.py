@@ -248,9 +248,10 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
         raise ConfigError("run.save_hf with a peft section: a LoRA checkpoint holds adapters, not a model; set "
                           "run.save_hf: false and export with `q38 convert CHECKPOINT --to-peft OUT` (the adapters) "
                           "or `--to-hf OUT` (the merged model)")
-    from q38.lora import check_runnable
+    from q38.lora import check_rank, check_runnable
 
     check_runnable(cfg.peft, cfg.init_from)
+    check_rank(cfg.peft, cfg.model)  # before any adapter (or the base) is allocated
     torch.manual_seed(cfg.run.seed)
     data = _open_data(cfg)
     resume = _find_resume(cfg, lead)
