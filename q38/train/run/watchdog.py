@@ -7,8 +7,9 @@ whether this rank is *waiting* in ``torch.distributed`` or *busy* elsewhere, swa
 through the rendezvous store (a rank that is busy or never answers is the culprit), prints the line and ends the
 process with ``os._exit`` (the main thread is stuck). No checkpoint is touched. With ``run.step_timeout_s: auto`` (the
 default) the bound is ``max(run.step_timeout_floor_s, AUTO_FACTOR x the slowest of the last AUTO_WINDOW steps)``, and
-``run.timeout_s`` for the first step of a run (compilation, warm-up), measured on each rank. A rank blocked in a C++ op that waits
-on another rank outside ``torch.distributed`` reads as busy. docs/operations.md says how to read the output.
+``run.timeout_s`` for the first step of a run (compilation, warm-up), measured on each rank. A rank blocked in a C++
+op that waits on another rank outside ``torch.distributed`` reads as busy. docs/operations.md says how to read the
+output and size the bound.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ class StepWatchdog:
     before any step was measured), or None / 0: it does nothing. ``on_bound(seconds)`` is called with each bound it
     arms (the trainer bounds the collectives by it)."""
 
-    def __init__(self, timeout_s: float | int | str | None, out_dir: str | os.PathLike, rank: int, world: int, store=None,
-                 exit=os._exit, *, floor_s: float = 300.0, first_s: float = 1800.0, on_bound=None) -> None:
+    def __init__(self, timeout_s: float | int | str | None, out_dir: str | os.PathLike, rank: int, world: int,
+                 store=None, exit=os._exit, *, floor_s: float = 300.0, first_s: float = 1800.0, on_bound=None) -> None:
         timeout_s = timeout_s or None  # 0: off
         self.timeout_s, self.rank, self.world, self.store = timeout_s, rank, world, store
         self.auto, self.floor_s, self.first_s, self.on_bound = timeout_s == "auto", floor_s, first_s, on_bound
