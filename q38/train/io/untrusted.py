@@ -579,6 +579,9 @@ def check_keys(md: Any, expected: Mapping[str, tuple[tuple[int, ...], torch.dtyp
 # ---- streamed hashes ------------------------------------------------------------------------------------------------
 
 
+OVERLAP_BYTES = 1 << 20  # a write this large runs on a thread while the checksum takes it in
+
+
 def chunk_hasher(algo: str, name: str, offset: int):
     """A running checksum of the chunk of shard file ``name`` at byte ``offset`` (``chunk_digest`` ends it)."""
     if algo == CHUNK_HASH:
@@ -602,14 +605,26 @@ class _HashingStream(io.RawIOBase):
         self.span = chunk_hasher(CHUNK_HASH, name, 0)
         self.pos = self.start = 0
         self.spans: dict[int, tuple[int, str]] = {}
+        self.pool = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, b) -> int:
-        n = self.raw.write(b)
-        mv = memoryview(b).cast("B")[:n] if n is not None else memoryview(b)
-        self.span.update(mv)
+        mv = memoryview(b).cast("B")
+        if len(mv) >= OVERLAP_BYTES:  # the write (a system call, without the GIL) runs beside the checksum
+            if self.pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self.pool = ThreadPoolExecutor(1, thread_name_prefix="q38-checkpoint-write")
+            done = self.pool.submit(self.raw.write, mv)
+            self.span.update(mv)
+            n = done.result()
+        else:
+            n = self.raw.write(mv)
+            self.span.update(mv)
+        if n is not None and n != len(mv):
+            raise OSError(f"{self.name}: wrote {n} of {len(mv)} bytes")
         self.pos += len(mv)
         return len(mv)
 
@@ -636,6 +651,8 @@ class _HashingStream(io.RawIOBase):
         if not self.closed:
             self.tell()
             self.raw.flush()
+            if self.pool is not None:
+                self.pool.shutdown()
         super().close()
 
 
