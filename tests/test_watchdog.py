@@ -203,3 +203,48 @@ def test_the_automatic_bound_follows_the_measured_steps(tmp_path):
         pass
     off.close()
     assert off.bound() is None and len(bounds) == 3
+
+
+def _lowered(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from q38.train.run.launch import CollectiveTimeout
+
+    saver = dist.new_group(backend="gloo")  # as the trainer's background-save group: left at its timeout
+    set_timeout = CollectiveTimeout(100.0, skip=(saver,))
+
+    def timeout_of(g):
+        return g._get_backend(torch.device("cpu")).options._timeout
+
+    set_timeout(1.0)  # a step bound of 1 s + the margin (2 s in this test)
+    seen = [timeout_of(dist.group.WORLD), timeout_of(saver)]
+    waited = None
+    if rank == 0:  # rank 1 never joins: the all-reduce fails after the lowered timeout, not after 100 s
+        t0 = time.time()
+        with pytest.raises(RuntimeError):
+            dist.all_reduce(torch.ones(1))
+        waited = time.time() - t0
+    else:
+        time.sleep(8)
+    set_timeout(500.0)  # never above run.timeout_s
+    seen.append(timeout_of(dist.group.WORLD))
+    return seen, waited
+
+
+@pytest.mark.dist
+def test_the_collective_timeout_follows_the_step_bound(monkeypatch):
+    """``CollectiveTimeout`` (the watchdog's on_bound in the trainer) lowers every process group's collective timeout
+    to the step bound + the margin, never above run.timeout_s, and leaves the skipped group alone: a collective a
+    rank never joins fails after that, not after run.timeout_s."""
+    import datetime
+
+    from q38.train.run import launch
+    from tests.dist_utils import run_distributed
+
+    monkeypatch.setattr(launch, "COLLECTIVE_MARGIN_S", 1.0)  # the forked ranks inherit it
+    (seen0, waited), (seen1, _) = run_distributed(_lowered, 2)
+    for seen in (seen0, seen1):
+        assert seen[0] == datetime.timedelta(seconds=2) and seen[2] == datetime.timedelta(seconds=100)
+        assert seen[1] == datetime.timedelta(minutes=30)  # torch's default for a new gloo group, untouched
+    assert waited < 7, waited

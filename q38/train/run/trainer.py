@@ -512,7 +512,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
 
     dog = StepWatchdog(cfg.run.step_timeout_s, cfg.run.out_dir, world.rank, world.world_size, store=_store(),
                        floor_s=cfg.run.step_timeout_floor_s, first_s=cfg.run.timeout_s,
-                       on_bound=CollectiveTimeout(cfg.run.timeout_s))
+                       on_bound=CollectiveTimeout(cfg.run.timeout_s, skip=(saver.group,)))
     prof = StepProfiler(cfg.run.profile, cfg.run.out_dir, world.rank, device)
     with StopSignal() as stop, contextlib.closing(dog), contextlib.closing(prof):
         for step in range(start + 1, cfg.run.steps + 1):
