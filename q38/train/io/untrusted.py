@@ -46,7 +46,7 @@ DISTCP_RE = re.compile(r"^__\d+_\d+\.distcp$")  # the shard files DCP's FileSyst
 HASHING = True  # off only in benchmarks/checkpoint_io.py --hash-cost (what the hashes cost): no hash written or checked
 # The checksum of each stored DCP chunk (a manifest entry's ``chunk_hash``): XXH3-128 over the chunk's identity (shard
 # file name, byte offset), its bytes and its length, so a chunk moved, swapped or cut short does not match. An entry
-# without ``chunk_hash`` was written before it (q38 <= the 2026-12 checkpoints): plain SHA-256 of the bytes, still read.
+# without ``chunk_hash`` was written by q38 before XXH3-128: plain SHA-256 of the bytes, still read and checked.
 CHUNK_HASH = "xxh3-128"
 CHUNK_HASHES = (CHUNK_HASH, "sha256")
 
