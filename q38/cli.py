@@ -687,8 +687,9 @@ def main(argv: list[str] | None = None) -> int:
         if debug:
             traceback.print_exc()
         if _collective_timeout(e):
-            print(f"{who}: error: a collective waited longer than run.timeout_s ({_one_line(e)}): another rank is "
-                  "stopped, dead or much slower; run.step_timeout_s names it and dumps every rank's stacks",
+            print(f"{who}: error: a collective waited longer than run.timeout_s (in a step: the step's bound + 60 s) "
+                  f"({_one_line(e)}): another rank is stopped, dead or much slower; run.step_timeout_s names it and "
+                  "dumps every rank's stacks",
                   file=sys.stderr)
             return 2
         if isinstance(e, (ConfigError, ValueError, OSError, FloatingPointError, NotImplementedError, RunError)) or \

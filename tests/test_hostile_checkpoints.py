@@ -353,14 +353,45 @@ def case_flipped_bit(d: Path, tmp: Path, victim: Victim) -> str:
     b = bytearray(f.read_bytes())
     b[info.offset + info.length // 2] ^= 0x10
     f.write_bytes(bytes(b))
-    return "do not match their SHA-256"
+    return "do not match their checksum"
+
+
+def _equal_chunks(d: Path) -> tuple:
+    """Two stored chunks of one shard file with the same length (two tensors of one shape and dtype)."""
+    md = _meta_pickle(d)
+    seen: dict = {}
+    for i, info in md.storage_data.items():
+        key = (info.relative_path, info.length)
+        if key in seen:
+            return seen[key], info
+        seen[key] = info
+    pytest.fail("the test checkpoint holds no two chunks of one length in one file")
+
+
+def case_swapped_chunks(d: Path, tmp: Path, victim: Victim) -> str:
+    """Two chunks of the same length trade places in their shard file, and their manifest entries trade places too:
+    a checksum of the bytes alone, looked up by offset, still matches, and the two tensors would load swapped. The
+    checksum covers the chunk's file and offset, so it does not."""
+    a, b = _equal_chunks(d)
+    f = d / a.relative_path
+    raw = bytearray(f.read_bytes())
+    ra, rb = bytes(raw[a.offset:a.offset + a.length]), bytes(raw[b.offset:b.offset + b.length])
+    assert ra != rb
+    raw[a.offset:a.offset + a.length], raw[b.offset:b.offset + b.length] = rb, ra
+    f.write_bytes(bytes(raw))
+    m = json.loads((d / "manifest.json").read_text())
+    chunks = m["files"][a.relative_path]["chunks"]
+    chunks[str(a.offset)], chunks[str(b.offset)] = chunks[str(b.offset)], chunks[str(a.offset)]
+    (d / "manifest.json").write_text(json.dumps(m))
+    return "do not match their checksum"
 
 
 CASES = [case_bytes_code, case_build_on_class, case_build_on_function, case_dotdot, case_absolute, case_symlink,
          case_fifo, case_dev_zero, case_manifest_dotdot, case_meta_fifo, case_rng_symlink, case_mark_bomb,
          case_hash_bomb, case_deep_list, case_absurd_shape, case_chunk_bigger_than_its_bytes, case_meta_absurd_size,
-         case_meta_absurd_layers, case_meta_step_lie, case_flipped_bit]
-NO_RESEAL = {case_manifest_dotdot, case_flipped_bit}  # the attacker's manifest is part of the case / an accident
+         case_meta_absurd_layers, case_meta_step_lie, case_flipped_bit, case_swapped_chunks]
+# the attacker's manifest is part of the case / an accident
+NO_RESEAL = {case_manifest_dotdot, case_flipped_bit, case_swapped_chunks}
 
 
 def _state(seed: int = 1):
@@ -659,24 +690,30 @@ def test_hostile_prepared_data_is_refused(prepared, tmp_path, how):
 
 
 def test_every_file_of_a_checkpoint_has_a_hash_computed_while_it_was_written(good):
-    """The manifest hashes every file: the small ones whole, each DCP shard file chunk by chunk (the chunks cover the
-    file front to back); every recorded hash is the SHA-256 of those bytes on disk."""
+    """The manifest hashes every file: the small ones whole (SHA-256), each DCP shard file chunk by chunk (the chunks
+    cover the file front to back); every chunk's checksum is XXH3-128 of its file name and offset, its bytes on disk
+    and its length, as docs/checkpoints.md defines it (computed here with xxhash directly)."""
     import hashlib
+    import struct
+
+    import xxhash
 
     from q38.train.io.untrusted import tiles
 
     files = json.loads((good / "manifest.json").read_text())["files"]
     on_disk = {p.relative_to(good).as_posix() for p in good.rglob("*") if p.is_file()} - {"manifest.json"}
-    assert set(files) == on_disk and not any("sha256.json" in f for f in on_disk)  # the writers' records merged
+    assert set(files) == on_disk and not any("chunks.json" in f for f in on_disk)  # the writers' records merged
     shards = [f for f in files if f.endswith(".distcp")]
     assert shards
     for rel, e in files.items():
         raw = (good / rel).read_bytes()
         assert e["size"] == len(raw)
         if rel in shards:
-            assert tiles(e) and len(e["chunks"]) > 1
+            assert tiles(e) and len(e["chunks"]) > 1 and e["chunk_hash"] == "xxh3-128"
             for off, (n, h) in e["chunks"].items():
-                assert hashlib.sha256(raw[int(off):int(off) + n]).hexdigest() == h
+                want = xxhash.xxh3_128(f"q38-chunk\0{rel}\0{off}\0".encode() + raw[int(off):int(off) + n] +
+                                       struct.pack("<Q", n)).hexdigest()
+                assert want == h
         else:
             assert e["sha256"] == hashlib.sha256(raw).hexdigest()
 
@@ -703,3 +740,43 @@ def test_a_lora_base_whose_shard_is_a_fifo_is_refused_not_waited_on(tmp_path):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def _as_sha256_manifest(d: Path) -> None:
+    """Rewrite the manifest as q38 wrote it before XXH3 (issue 40): each chunk's plain SHA-256, no ``chunk_hash``."""
+    import hashlib
+
+    m = json.loads((d / "manifest.json").read_text())
+    for rel, e in m["files"].items():
+        if "chunks" in e:
+            raw = (d / rel).read_bytes()
+            del e["chunk_hash"]
+            e["chunks"] = {o: [n, hashlib.sha256(raw[int(o):int(o) + n]).hexdigest()] for o, (n, _) in
+                           e["chunks"].items()}
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def test_a_checkpoint_with_sha256_chunk_hashes_still_loads_and_is_checked(good, tmp_path):
+    """Checkpoints written before the XXH3 checksums (SHA-256 per chunk) load to the same values, and a flipped bit in
+    one is still refused; an unknown checksum name is refused by name."""
+    d = tmp_path / "step_000001"
+    shutil.copytree(good, d, symlinks=True)
+    _as_sha256_manifest(d)
+    want, _ = ck.load_checkpoint(good, _state(seed=2))
+    got, _ = ck.load_checkpoint(d, _state(seed=2))
+    for (n, a), (_, b) in zip(ck.named_leaves(want), ck.named_leaves(got)):
+        assert torch.equal(a, b), n
+    case_flipped_bit(d, tmp_path, None)
+    with pytest.raises(BaseException) as e:
+        ck.load_checkpoint(d, _state(seed=2))
+    assert "do not match their checksum" in str(ck._refusal_in(e.value))
+    d2 = tmp_path / "other"
+    shutil.copytree(good, d2, symlinks=True)
+    m = json.loads((d2 / "manifest.json").read_text())
+    for ent in m["files"].values():
+        if "chunks" in ent:
+            ent["chunk_hash"] = "md5"
+    (d2 / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(BaseException) as e:
+        ck.load_checkpoint(d2, _state(seed=2))
+    assert "names the chunk checksum 'md5', which this q38 does not know" in str(ck._refusal_in(e.value))

@@ -62,10 +62,10 @@ def is_checkpoint(path: Path) -> bool:
 
 
 def write_manifest(ck_dir: Path) -> None:
-    """``manifest.json``: every file under ``ck_dir`` with its size and SHA-256; a DCP shard file with the SHA-256 of
-    each stored chunk instead (``chunks``: {byte offset: [length, sha256]}, covering the file front to back). The
-    shard files' hashes were computed by the writer while it wrote them (``untrusted.hashing_writer``); only files
-    without such a record (the small ones: ``.metadata``, ``meta.json``, RNG states) are read here. Written last (fsynced), so a checkpoint with a
+    """``manifest.json``: every file under ``ck_dir`` with its size and SHA-256; a DCP shard file with the checksum of
+    each stored chunk instead (``chunks``: {byte offset: [length, checksum]}, covering the file front to back;
+    ``chunk_hash``: ``untrusted.chunk_hasher``). The shard files' checksums were computed by the writer while it
+    wrote them (``untrusted.hashing_writer``); only files without such a record (the small ones: ``.metadata``, ``meta.json``, RNG states) are read here. Written last (fsynced), so a checkpoint with a
     manifest that verifies is complete."""
     streamed = streamed_hashes(ck_dir)
     files = {}

@@ -1,8 +1,8 @@
 """Reading checkpoint files that may come from anywhere: files resolved inside their directory (the ``inside`` rule
 every input that names files follows: Hugging Face model and dataset directories, safetensors indexes, prepared
-data), bounded reads, JSON parsed under a nesting bound (``parse_json``), DCP's
-``.metadata`` read by an allow-list unpickler and checked field by field, and the streamed SHA-256 hashes of the
-DCP shard files (computed while DCP writes them, checked while q38 reads them back).
+data), bounded reads, JSON parsed under a nesting bound (``parse_json``), DCP's ``.metadata`` read by an allow-list
+unpickler and checked field by field, and the streamed checksums of the DCP shard files' chunks (computed while DCP
+writes them, checked while q38 reads them back).
 
 Everything here refuses bad input with ``UnsafeCheckpoint`` / ``CheckpointMismatch`` (``ConfigError``s: one line
 through the CLI, exit 2) naming the file and the entry. Nothing of a refused file is run, allocated or followed.
@@ -25,6 +25,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, Iterator, Mapping
 
 import torch
+import xxhash
 
 from q38.model_config import ConfigError
 
@@ -42,9 +43,14 @@ TORCH_SAVE_SLACK = 1 << 16  # bytes a torch.save of one tensor adds around its d
 SAVED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
                           torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8, torch.bool})
 
-HASH_SIDECAR_RE = re.compile(r"^__\d+_sha256\.json$")  # a rank's streamed hashes, merged into the manifest
+HASH_SIDECAR_RE = re.compile(r"^__\d+_chunks\.json$")  # a rank's streamed chunk checksums, for the manifest
 DISTCP_RE = re.compile(r"^__\d+_\d+\.distcp$")  # the shard files DCP's FileSystemWriter names
 HASHING = True  # off only in benchmarks/checkpoint_io.py --hash-cost (what the hashes cost): no hash written or checked
+# The checksum of each stored DCP chunk (a manifest entry's ``chunk_hash``): XXH3-128 over the chunk's identity (shard
+# file name, byte offset), its bytes and its length, so a chunk moved, swapped or cut short does not match. An entry
+# without ``chunk_hash`` was written by q38 before XXH3-128: plain SHA-256 of the bytes, still read and checked.
+CHUNK_HASH = "xxh3-128"
+CHUNK_HASHES = (CHUNK_HASH, "sha256")
 
 
 class CheckpointMismatch(ConfigError):
@@ -654,31 +660,60 @@ def check_keys(md: Any, expected: Mapping[str, tuple[tuple[int, ...], torch.dtyp
 # ---- streamed hashes ------------------------------------------------------------------------------------------------
 
 
+OVERLAP_BYTES = 1 << 20  # a write this large runs on a thread while the checksum takes it in
+
+
+def chunk_hasher(algo: str, name: str, offset: int):
+    """A running checksum of the chunk of shard file ``name`` at byte ``offset`` (``chunk_digest`` ends it)."""
+    if algo == CHUNK_HASH:
+        return xxhash.xxh3_128(f"q38-chunk\0{name}\0{offset}\0".encode())
+    return hashlib.sha256()  # the manifests written before CHUNK_HASH: the bytes alone
+
+
+def chunk_digest(algo: str, h, length: int) -> str:
+    if algo == CHUNK_HASH:
+        h.update(struct.pack("<Q", length))
+    return h.hexdigest()
+
+
 class _HashingStream(io.RawIOBase):
     """A write stream that hashes what passes through it, span by span: a span ends at each ``tell()`` call (DCP's
     writer asks ``tell()`` before and after each item, so each span is one stored chunk). Each byte is hashed once;
-    the spans' hashes, covering the file front to back, are the file's hash."""
+    the spans' checksums (``chunk_hasher``), covering the file front to back, are the file's."""
 
-    def __init__(self, raw) -> None:
-        self.raw = raw
-        self.span = hashlib.sha256()
+    def __init__(self, raw, name: str) -> None:
+        self.raw, self.name = raw, name
+        self.span = chunk_hasher(CHUNK_HASH, name, 0)
         self.pos = self.start = 0
         self.spans: dict[int, tuple[int, str]] = {}
+        self.pool = None
 
     def writable(self) -> bool:
         return True
 
     def write(self, b) -> int:
-        n = self.raw.write(b)
-        mv = memoryview(b).cast("B")[:n] if n is not None else memoryview(b)
-        self.span.update(mv)
+        mv = memoryview(b).cast("B")
+        if len(mv) >= OVERLAP_BYTES:  # the write (a system call, without the GIL) runs beside the checksum
+            if self.pool is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self.pool = ThreadPoolExecutor(1, thread_name_prefix="q38-checkpoint-write")
+            done = self.pool.submit(self.raw.write, mv)
+            self.span.update(mv)
+            n = done.result()
+        else:
+            n = self.raw.write(mv)
+            self.span.update(mv)
+        if n is not None and n != len(mv):
+            raise OSError(f"{self.name}: wrote {n} of {len(mv)} bytes")
         self.pos += len(mv)
         return len(mv)
 
     def tell(self) -> int:
-        if self.pos > self.start:
-            self.spans[self.start] = (self.pos - self.start, self.span.hexdigest())
-        self.span, self.start = hashlib.sha256(), self.pos
+        n = self.pos - self.start
+        if n > 0:  # the span since the last tell() is one chunk; the next starts here
+            self.spans[self.start] = (n, chunk_digest(CHUNK_HASH, self.span, n))
+            self.span, self.start = chunk_hasher(CHUNK_HASH, self.name, self.pos), self.pos
         return self.pos
 
     def seek(self, *a):
@@ -697,13 +732,16 @@ class _HashingStream(io.RawIOBase):
         if not self.closed:
             self.tell()
             self.raw.flush()
+            if self.pool is not None:
+                self.pool.shutdown()
         super().close()
 
 
 def hashing_writer(path: str | os.PathLike, **kw):
-    """DCP's ``FileSystemWriter`` whose shard files are hashed as they are written (the SHA-256 of each stored
-    chunk; together they cover the file). After its ``write_data`` each rank leaves ``__<rank>_sha256.json`` beside
-    its shards; the manifest (``write_manifest``) takes the hashes from there instead of reading the files again."""
+    """DCP's ``FileSystemWriter`` whose shard files are hashed as they are written (the checksum of each stored
+    chunk, ``chunk_hasher``; together they cover the file). After its ``write_data`` each rank leaves
+    ``__<rank>_chunks.json`` beside its shards; the manifest (``write_manifest``) takes the hashes from there
+    instead of reading the files again."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
 
@@ -718,7 +756,7 @@ def hashing_writer(path: str | os.PathLike, **kw):
                 if mode != "wb" or not DISTCP_RE.match(Path(p).name) or not HASHING:
                     yield raw
                     return
-                s = _HashingStream(raw)
+                s = _HashingStream(raw, Path(p).name)
                 yield s
                 s.close()
                 self.streams[Path(p).name] = s
@@ -739,12 +777,12 @@ def hashing_writer(path: str | os.PathLike, **kw):
                 s = self.fs.streams.get(info.relative_path)
                 if s is None:
                     continue
-                e = out.setdefault(info.relative_path, {"size": s.pos, "chunks": {}})
+                e = out.setdefault(info.relative_path, {"size": s.pos, "chunk_hash": CHUNK_HASH, "chunks": {}})
                 span = s.spans.get(info.offset)
                 if span is not None and span[0] == info.length:
                     e["chunks"][str(info.offset)] = [span[0], span[1]]
             prefix = plan.storage_data.prefix  # "__<rank>_"
-            side = Path(self.path) / f"{prefix}sha256.json"
+            side = Path(self.path) / f"{prefix}chunks.json"
             tmp = side.with_name(side.name + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(out, f)
@@ -795,13 +833,63 @@ def tiles(entry: Mapping[str, Any]) -> bool:
 # ---- reading DCP shards ---------------------------------------------------------------------------------------------
 
 
+class _BufferFile(io.RawIOBase):
+    """A read-only file over a memoryview (``io.BytesIO`` would copy it): what torch's zip reader needs of a chunk."""
+
+    def __init__(self, mv: memoryview) -> None:
+        self.mv, self.pos = mv, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, off: int, whence: int = 0) -> int:
+        self.pos = max(0, off if whence == 0 else self.pos + off if whence == 1 else len(self.mv) + off)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self.mv) - self.pos))
+        b[:n] = self.mv[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def _load_chunk(mv: memoryview, storage: torch.UntypedStorage):
+    """``torch.load(weights_only=True)`` of the ``torch.save`` archive in ``mv`` (the front of the buffer ``storage``
+    views), its tensor's storage a view of that buffer rather than a copy (what ``torch.load(mmap=True)`` does with a
+    file): torch's weights-only unpickler over torch's zip reader, as ``torch.load`` runs them."""
+    import torch._weights_only_unpickler as weights_only
+    from torch.serialization import _is_torchscript_zip, _load, _open_zipfile_reader
+
+    with _open_zipfile_reader(_BufferFile(mv)) as z:
+        if _is_torchscript_zip(z):
+            raise ValueError("a TorchScript archive, not a saved tensor")
+        return _load(z, "cpu", weights_only, overall_storage=storage, encoding="utf-8")
+
+
+def _read_full(fh, offset: int, mv: memoryview) -> int:
+    fh.seek(offset)
+    got = 0
+    while got < len(mv):
+        n = fh.readinto(mv[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 def safe_reader(path: str | os.PathLike, manifest_files: Mapping[str, Any] | None = None):
     """A DCP storage reader for the checkpoint at ``path`` that: reads ``.metadata`` with the allow-list unpickler
     and checks it (``check_metadata``) once; opens only ``*.distcp`` files inside the checkpoint, regular files,
-    never through a symlink; reads each stored chunk once, checks its SHA-256 against the manifest's (when the
-    manifest holds chunk hashes), and unpickles it with ``torch.load(weights_only=True)`` only after the check;
-    checks the loaded tensor's dtype and shape against the metadata; and refuses byte items (DCP would unpickle
-    those with ``weights_only=False``)."""
+    never through a symlink; reads each stored chunk once into one reused buffer, checks its checksum against the
+    manifest's (when the manifest holds chunk checksums), and only then unpickles it with torch's weights-only
+    unpickler (its tensor a view of the buffer, copied once into its target); checks the loaded tensor's dtype and
+    shape against the metadata; and refuses byte items (DCP would unpickle those with ``weights_only=False``)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
@@ -832,53 +920,63 @@ def safe_reader(path: str | os.PathLike, manifest_files: Mapping[str, Any] | Non
                 if req.type == LoadItemType.BYTE_IO:
                     raise _refuse(str(root), f"{req.storage_index.fqn!r} is a byte item (q38 saves tensors only)")
                 per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            longest = max((self.storage_data[r.storage_index].length for r in plan.items), default=0)
+            buf = torch.empty(longest, dtype=torch.uint8)  # every chunk is read into it, one after the other
             for rel, reqs in per_file.items():
-                f = inside(root, rel, f"{root}/.metadata")
-                ent = (manifest_files or {}).get(rel)
-                chunk_hashes = ent.get("chunks") if isinstance(ent, dict) else None
-                by_item: dict[Any, list] = {}
-                for req in reqs:
-                    by_item.setdefault(req.storage_index, []).append(req)
-                with open_regular(f, str(f)) as fh:
-                    for idx, rs in sorted(by_item.items(), key=lambda kv: self.storage_data[kv[0]].offset):
-                        info = self.storage_data[idx]
-                        fh.seek(info.offset)
-                        data = fh.read(info.length)
-                        if len(data) != info.length:
-                            raise CheckpointMismatch(f"{f}: {len(data)} bytes at {info.offset}, the metadata says "
-                                                     f"{info.length} (truncated)")
-                        if chunk_hashes is not None and HASHING:
-                            want = chunk_hashes.get(str(info.offset)) if isinstance(chunk_hashes, dict) else None
-                            if not (isinstance(want, list) and len(want) == 2 and
-                                    hashlib.sha256(data).hexdigest() == want[1]):
-                                raise CheckpointMismatch(
-                                    f"{f}: bytes {info.offset}..{info.offset + info.length} ({idx.fqn!r}) do not "
-                                    "match their SHA-256 in the manifest (altered or corrupt); use another checkpoint")
-                        tm = md.state_dict_metadata[idx.fqn]
-                        try:
-                            t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                        except Exception as e:  # noqa: BLE001  (a corrupt record: one line naming it)
-                            raise CheckpointMismatch(f"{f}: the chunk of {idx.fqn!r} at byte {info.offset} does not "
-                                                     f"load ({' '.join(str(e).split())[:200]})") from None
-                        del data
-                        chunk = next((c for c in tm.chunks if tuple(c.offsets) == tuple(idx.offset)), None)
-                        if type(t) is not torch.Tensor or t.dtype != tm.properties.dtype or chunk is None or \
-                                tuple(t.shape) != tuple(chunk.sizes):
-                            raise CheckpointMismatch(f"{f}: the chunk of {idx.fqn!r} at byte {info.offset} holds "
-                                                     f"{_short(t)} {getattr(t, 'dtype', '')} "
-                                                     f"{list(getattr(t, 'shape', []))}, the metadata says "
-                                                     f"{tm.properties.dtype} {list(chunk.sizes) if chunk else '?'}")
-                        for req in rs:
-                            part = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
-                            target = planner.resolve_tensor(req).detach()
-                            if target.size() != part.size():
-                                raise CheckpointMismatch(f"{f}: {idx.fqn!r}: a stored part of {list(part.size())} "
-                                                         f"for a target of {list(target.size())}")
-                            target.copy_(part)
-                            planner.commit_tensor(req, target)
+                self._read_file(root, rel, reqs, md, planner, memoryview(buf.numpy()), buf.untyped_storage())
             fut: Future = Future()
             fut.set_result(None)
             return fut
 
-    return SafeReader(str(path))
+        def _read_file(self, root: Path, rel: str, reqs: list, md, planner, buf: memoryview, storage) -> None:
+            f = inside(root, rel, f"{root}/.metadata")
+            ent = (manifest_files or {}).get(rel)
+            chunk_hashes = ent.get("chunks") if isinstance(ent, dict) else None
+            algo = ent.get("chunk_hash", "sha256") if isinstance(ent, dict) else None
+            if chunk_hashes is not None and algo not in CHUNK_HASHES:
+                raise CheckpointMismatch(f"{f}: the manifest names the chunk checksum {str(algo)[:40]!r}, which "
+                                         f"this q38 does not know ({', '.join(CHUNK_HASHES)})")
+            by_item: dict[Any, list] = {}
+            for req in reqs:
+                by_item.setdefault(req.storage_index, []).append(req)
+            with open_regular(f, str(f)) as fh:
+                for idx, rs in sorted(by_item.items(), key=lambda kv: self.storage_data[kv[0]].offset):
+                    info = self.storage_data[idx]
+                    mv = buf[:info.length]
+                    got = _read_full(fh, info.offset, mv)
+                    if got != info.length:
+                        raise CheckpointMismatch(f"{f}: {got} bytes at {info.offset}, the metadata says "
+                                                 f"{info.length} (truncated)")
+                    if chunk_hashes is not None and HASHING:
+                        want = chunk_hashes.get(str(info.offset)) if isinstance(chunk_hashes, dict) else None
+                        h = chunk_hasher(algo, rel, info.offset)
+                        h.update(mv)
+                        if not (isinstance(want, list) and len(want) == 2 and
+                                chunk_digest(algo, h, info.length) == want[1]):
+                            raise CheckpointMismatch(
+                                f"{f}: bytes {info.offset}..{info.offset + info.length} ({idx.fqn!r}) do not "
+                                f"match their checksum in the manifest (altered or corrupt); use another checkpoint")
+                    tm = md.state_dict_metadata[idx.fqn]
+                    try:
+                        t = _load_chunk(mv, storage)
+                    except Exception as e:  # noqa: BLE001  (a corrupt record: one line naming it)
+                        raise CheckpointMismatch(f"{f}: the chunk of {idx.fqn!r} at byte {info.offset} does not "
+                                                 f"load ({' '.join(str(e).split())[:200]})") from None
+                    chunk = next((c for c in tm.chunks if tuple(c.offsets) == tuple(idx.offset)), None)
+                    if type(t) is not torch.Tensor or t.dtype != tm.properties.dtype or chunk is None or \
+                            tuple(t.shape) != tuple(chunk.sizes):
+                        raise CheckpointMismatch(f"{f}: the chunk of {idx.fqn!r} at byte {info.offset} holds "
+                                                 f"{_short(t)} {getattr(t, 'dtype', '')} "
+                                                 f"{list(getattr(t, 'shape', []))}, the metadata says "
+                                                 f"{tm.properties.dtype} {list(chunk.sizes) if chunk else '?'}")
+                    for req in rs:
+                        part = narrow_tensor_by_index(t, req.storage_offsets, req.lengths)
+                        target = planner.resolve_tensor(req).detach()
+                        if target.size() != part.size():
+                            raise CheckpointMismatch(f"{f}: {idx.fqn!r}: a stored part of {list(part.size())} "
+                                                     f"for a target of {list(target.size())}")
+                        target.copy_(part)
+                        planner.commit_tensor(req, target)
+                    del t  # a view of the buffer, which the next chunk overwrites
 
+    return SafeReader(str(path))

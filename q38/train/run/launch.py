@@ -201,6 +201,39 @@ def _init_process_group(device: str, backend: str, world: WorldInfo, timeout_s: 
     return True
 
 
+COLLECTIVE_MARGIN_S = 60.0  # a collective in a step may wait this much longer than the step's watchdog bound
+
+
+class CollectiveTimeout:
+    """Bounds every collective of the process groups by the watchdog's bound of the phase it runs in (plus
+    ``COLLECTIVE_MARGIN_S``, so that the watchdog names the rank first), never more than ``run.timeout_s``: a hung
+    collective errors even where the watchdog is gone. Called by ``StepWatchdog`` with each bound it arms; a no-op on
+    one process. The groups in ``skip`` keep ``run.timeout_s`` (a background checkpoint write's own group: its
+    collectives wait for the slowest rank's write, beside the steps)."""
+
+    def __init__(self, timeout_s: float, skip=()) -> None:
+        self.timeout_s, self.now = timeout_s, timeout_s  # init_process_group set run.timeout_s
+        self.skip = [g for g in skip if g is not None]
+
+    def __call__(self, bound_s: float) -> None:
+        import datetime
+
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        want = min(self.timeout_s, bound_s + COLLECTIVE_MARGIN_S)
+        if want == self.now or not (dist.is_available() and dist.is_initialized()):
+            return
+        for group in list(c10d._world.pg_map):
+            if any(group is g for g in self.skip):
+                continue
+            try:
+                c10d._set_pg_timeout(datetime.timedelta(seconds=want), group)
+            except (ValueError, AssertionError, RuntimeError):  # a group this rank is not in, or another backend
+                continue
+        self.now = want
+
+
 
 
 @contextlib.contextmanager

@@ -110,8 +110,11 @@ class RunOptions:
     # gloo, 10 min for NCCL)
     timeout_s: float = 1800.0
     # a train step running longer than this ends the run with a stack dump per rank and one line naming the rank that
-    # holds it up (q38.train.run.watchdog); None: no step timeout
-    step_timeout_s: float | None = None
+    # holds it up (q38.train.run.watchdog); "auto": max(step_timeout_floor_s, 10 x the slowest of the last 100
+    # steps), run.timeout_s for a run's first step; 0 or None: no step timeout
+    step_timeout_s: Any = "auto"  # "auto", a number of seconds, or 0 / None
+    # the least bound of step_timeout_s: auto (data waits, a recompile and a slow host stay below it)
+    step_timeout_floor_s: float = 300.0
 
     def __attrs_post_init__(self) -> None:
         for k in ("eval_every", "eval_batches"):
@@ -142,13 +145,18 @@ class RunOptions:
         need(self.tracker_mode in MODES, f"run.tracker_mode must be one of {', '.join(MODES)}, got "
              f"{self.tracker_mode!r}")
         need(self.dtype in DTYPES, f"run.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for k in ("timeout_s", "step_timeout_s"):
+        for k in ("timeout_s", "step_timeout_floor_s"):
             v = getattr(self, k)
-            need(v is None and k == "step_timeout_s" or isinstance(v, (int, float)) and not isinstance(v, bool)
-                 and 0 < v < float("inf"), f"run.{k} must be a positive number of seconds"
-                 + (" or null" if k == "step_timeout_s" else "") + f", got {v!r}")
+            need(_is_seconds(v), f"run.{k} must be a positive number of seconds, got {v!r}")
+        v = self.step_timeout_s
+        need(v is None or v == "auto" or v == 0 and not isinstance(v, bool) or _is_seconds(v),
+             f"run.step_timeout_s must be auto, a positive number of seconds, or 0 / null (off), got {v!r}")
         need(self.peak_flops is None or (isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0),
               f"run.peak_flops must be a positive number (FLOP/s per device) or null, got {self.peak_flops!r}")
+
+
+def _is_seconds(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
 
 
 @attrs.frozen(kw_only=True)

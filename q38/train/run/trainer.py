@@ -517,6 +517,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
     from q38.train.run.evaluate import eval_losses
     from q38.train.run.profile import StepProfiler, out_of_memory
     from q38.train.core.step import train_step
+    from q38.train.run.launch import CollectiveTimeout
     from q38.train.run.watchdog import StepWatchdog
 
     peak = cfg.run.peak_flops or known_peak_flops(device, cfg.train.param_dtype)
@@ -527,7 +528,9 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
     saver = _Saver(cfg, plan, world, device, logs)
     save_s = 0.0  # seconds the last save held training up (reported with the next step)
 
-    dog = StepWatchdog(cfg.run.step_timeout_s, cfg.run.out_dir, world.rank, world.world_size, store=_store())
+    dog = StepWatchdog(cfg.run.step_timeout_s, cfg.run.out_dir, world.rank, world.world_size, store=_store(),
+                       floor_s=cfg.run.step_timeout_floor_s, first_s=cfg.run.timeout_s,
+                       on_bound=CollectiveTimeout(cfg.run.timeout_s, skip=(saver.group,)))
     prof = StepProfiler(cfg.run.profile, cfg.run.out_dir, world.rank, device)
     with StopSignal() as stop, contextlib.closing(dog), contextlib.closing(prof):
         for step in range(start + 1, cfg.run.steps + 1):

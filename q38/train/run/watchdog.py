@@ -5,8 +5,11 @@ holds it up, after every rank has written its Python stacks (and, on NCCL, its f
 A thread per rank watches the step; on overrun it dumps the stacks, reads from its main thread's innermost frame
 whether this rank is *waiting* in ``torch.distributed`` or *busy* elsewhere, swaps that verdict with the other ranks
 through the rendezvous store (a rank that is busy or never answers is the culprit), prints the line and ends the
-process with ``os._exit`` (the main thread is stuck). No checkpoint is touched. A rank blocked in a C++ op that waits
-on another rank outside ``torch.distributed`` reads as busy. docs/operations.md says how to read the output.
+process with ``os._exit`` (the main thread is stuck). No checkpoint is touched. With ``run.step_timeout_s: auto`` (the
+default) the bound is ``max(run.step_timeout_floor_s, AUTO_FACTOR x the slowest of the last AUTO_WINDOW steps)``, and
+``run.timeout_s`` for the first step of a run (compilation, warm-up), measured on each rank. A rank blocked in a C++
+op that waits on another rank outside ``torch.distributed`` reads as busy. docs/operations.md says how to read the
+output and size the bound.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import sys
 import sysconfig
 import threading
 import time
+from collections import deque
 from pathlib import Path
 
 HANGS = "hangs"
 ANSWER_S = 5.0  # how long a rank waits for the others' verdicts
+AUTO_FACTOR = 10.0  # run.step_timeout_s: auto is this many times the slowest recent step (at least the floor)
+AUTO_WINDOW = 100  # the recent steps it looks at
 
 
 _STDLIB = sysconfig.get_paths()["stdlib"]
@@ -43,12 +49,17 @@ def where(frame) -> tuple[bool, str]:
 
 
 class StepWatchdog:
-    """``with watchdog.step(n): ...`` runs step ``n`` under the timeout; ``close()`` stops the thread. With
-    ``timeout_s`` None it does nothing."""
+    """``with watchdog.step(n): ...`` runs step ``n`` under the timeout; ``close()`` stops the thread. ``timeout_s``:
+    seconds, ``"auto"`` (``max(floor_s, AUTO_FACTOR x`` the slowest of the last ``AUTO_WINDOW`` steps), ``first_s``
+    before any step was measured), or None / 0: it does nothing. ``on_bound(seconds)`` is called with each bound it
+    arms (the trainer bounds the collectives by it)."""
 
-    def __init__(self, timeout_s: float | None, out_dir: str | os.PathLike, rank: int, world: int, store=None,
-                 exit=os._exit) -> None:
+    def __init__(self, timeout_s: float | int | str | None, out_dir: str | os.PathLike, rank: int, world: int,
+                 store=None, exit=os._exit, *, floor_s: float = 300.0, first_s: float = 1800.0, on_bound=None) -> None:
+        timeout_s = timeout_s or None  # 0: off
         self.timeout_s, self.rank, self.world, self.store = timeout_s, rank, world, store
+        self.auto, self.floor_s, self.first_s, self.on_bound = timeout_s == "auto", floor_s, first_s, on_bound
+        self.times: deque[float] = deque(maxlen=AUTO_WINDOW)  # seconds of the recent armed steps
         self.dir = Path(out_dir) / HANGS
         self._exit = exit
         self._main = threading.main_thread().ident if threading.current_thread() is threading.main_thread() \
@@ -56,17 +67,25 @@ class StepWatchdog:
         self._lock = threading.Condition()
         self._step: int | None = None
         self._deadline = 0.0
-        self._what = ("step", "run.step_timeout_s", timeout_s)  # the armed phase, for the line
+        self._what = ("step", "run.step_timeout_s", self.bound())  # the armed phase, for the line
         self._closed = False
         self._thread = None
         if timeout_s is not None:
             self._thread = threading.Thread(target=self._watch, name="q38-step-watchdog", daemon=True)
             self._thread.start()
 
+    def bound(self) -> float | None:
+        """The seconds a step may take now (None: off)."""
+        if not self.auto:
+            return self.timeout_s
+        if not self.times:
+            return max(self.floor_s, self.first_s)
+        return max(self.floor_s, AUTO_FACTOR * max(self.times))
+
     def step(self, n: int):
         """Arm for step ``n``: everything from reading its batch to the small all-reduce after it (the one every rank
-        joins each step), under ``run.step_timeout_s``."""
-        return _Armed(self, n, "step", "run.step_timeout_s", self.timeout_s)
+        joins each step), under ``run.step_timeout_s``; its time counts towards the automatic bound."""
+        return _Armed(self, n, "step", "run.step_timeout_s=auto" if self.auto else "run.step_timeout_s", self.bound())
 
     def phase(self, n: int, what: str, setting: str, timeout_s: float):
         """Arm for a longer phase after step ``n`` (an evaluation, a checkpoint save) under its own bound, so that no
@@ -151,8 +170,11 @@ class _Armed:
     def __enter__(self):
         d = self.dog
         if d.timeout_s is not None:
+            if d.on_bound is not None:
+                d.on_bound(self.what[2])
             with d._lock:
-                d._step, d._what, d._deadline = self.n, self.what, time.monotonic() + self.what[2]
+                self.t0 = time.monotonic()
+                d._step, d._what, d._deadline = self.n, self.what, self.t0 + self.what[2]
                 d._lock.notify()
         return self
 
@@ -161,11 +183,15 @@ class _Armed:
         if d.timeout_s is not None:
             with d._lock:
                 d._step = None
+                if self.what[0] == "step":
+                    d.times.append(time.monotonic() - self.t0)
                 d._lock.notify()
 
 
 def _title(step: int, what: str, setting: str, timeout_s: float) -> str:
     head = f"step {step}" if what == "step" else f"the {what} after step {step}"
+    if "=" in setting:  # run.step_timeout_s=auto: the bound it came to
+        return f"{head} ran past {setting} ({timeout_s:g} s)"
     return f"{head} ran past {setting}={timeout_s:g} s"
 
 
