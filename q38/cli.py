@@ -115,7 +115,7 @@ def _eval(argv: list[str]) -> int:
     a = p.parse_args(argv)
     import json
 
-    from q38.train.run.evaluate import evaluate
+    from q38.train.run.inference import evaluate
 
     check_file_args(("--data", a.data, not a.data.startswith("builtin:") and not Path(a.data + ".idx").exists()))
     rec = evaluate(a.source, a.data, batch_size=a.batch_size, max_batches=a.max_batches,

@@ -58,7 +58,7 @@ def _assert_matches(rec: dict, logged: dict):
 @pytest.mark.parametrize("peft", [None, pytest.param({"rank": 4, "alpha": 8, "mtp": True}, marks=pytest.mark.slow)],
                          ids=["full", "lora"])  # LoRA in the default suite: the 2-rank test
 def test_eval_equals_the_logged_loss(tmp_path, peft):
-    from q38.train.run.evaluate import evaluate
+    from q38.train.run.inference import evaluate
 
     data = _rows_file(tmp_path / "rows.jsonl", 2)
     recs = _train_two_steps(tmp_path / "run", data, **({"peft": peft} if peft else {}))
@@ -76,7 +76,7 @@ def test_eval_equals_the_logged_loss(tmp_path, peft):
 def _two_rank_eval(rank, world, out, data, peft):
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
     try:
-        from q38.train.run.evaluate import evaluate
+        from q38.train.run.inference import evaluate
         from q38.train.run.trainer import train
 
         cfg = run_config(out, steps=2, layout="fsdp", model=_model(),
@@ -95,7 +95,7 @@ def _two_rank_eval(rank, world, out, data, peft):
 @pytest.mark.dist
 @pytest.mark.parametrize("peft", [None, {"rank": 4, "alpha": 8}], ids=["full", "lora"])
 def test_eval_on_two_ranks_equals_the_logged_loss(tmp_path, peft):
-    from q38.train.run.evaluate import evaluate
+    from q38.train.run.inference import evaluate
     from tests.dist_utils import run_distributed
 
     data = _rows_file(tmp_path / "rows.jsonl", 4)  # fsdp on 2 ranks, 2 rows each: one global batch of 4

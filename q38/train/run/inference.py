@@ -1,4 +1,4 @@
-"""What ``q38 eval`` and ``q38 generate`` run: a model source (a q38 run / checkpoint, full or LoRA, or a Hugging Face
+"""What ``q38 eval`` and ``q38 generate`` run (and ``evaluate``, the ``q38 eval`` command): a model source (a q38 run / checkpoint, full or LoRA, or a Hugging Face
 directory) opened as the run config and train state a training run would resume it with, on any layout.
 
 A q38 checkpoint is loaded exactly as a resumed run loads it (``trainer._build_state``: the same template, the
@@ -77,3 +77,45 @@ def load_state(src: Source, world, device: str, plan, mesh):
                      torn=None)
     state, _ = _build_state(src.cfg, resume, mesh, device, plan, _NoIterator(), world.rank == 0)
     return state
+
+
+def evaluate(source: str, data_path: str, *, batch_size: int | None = None, max_batches: int = 0,
+             overrides: dict | None = None, progress: bool = True) -> dict:
+    """``q38 eval``: the terms and statistics of ``source`` (``open_source``) on the held-out
+    ``data_path`` (a JSONL / chat file, ``builtin:NAME``, a prepared directory or a Megatron prefix, read with the
+    source's tokenizer, ``data.seq_len``, ``data.train_on`` and ``data.overlong``), in global batches of
+    ``batch_size`` rows per data-parallel rank (default ``data.eval_batch_size``, else ``data.batch_size``); the
+    last batch is padded (every row is evaluated); ``max_batches`` (> 0) stops early. One process, or every rank
+    under torchrun on the source's layout (or ``--set layout=...``). Returns the record (``step``, ``source``,
+    ``data`` and the ``eval_*`` values), the same on every rank."""
+    from q38.train.data.shards import EvalRows
+    from q38.train.data.sources import open_source as open_data
+    from q38.train.data.tokenizer import load_tokenizer
+    from q38.train.run.evaluate import eval_losses
+    from q38.train.run.launch import WorldInfo, _init_process_group, check_run, pick_backend, pick_device
+    from q38.train.run.trainer import _make_mesh, _source_precision
+
+    world = WorldInfo.from_env()
+    src = open_source(source, overrides, world_size=world.world_size)
+    cfg = src.cfg if src.checkpoint is not None else _source_precision(src.cfg)
+    src = attrs.evolve(src, cfg=cfg)
+    rows = batch_size or cfg.data.eval_batch_size or cfg.data.batch_size
+    device = pick_device(cfg.run.device, world.local_rank)
+    plan = check_run(cfg, world.world_size, device)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    created = world.world_size > 1 and _init_process_group(device, pick_backend(device, cfg.run.backend), world,
+                                                           cfg.run.timeout_s)
+    try:
+        ds = open_data(str(data_path), tok, cfg.data.seq_len, cfg.model.vocab_size, cfg.data.overlong,
+                       cfg.data.train_on)
+        mesh, dp_rank = _make_mesh(plan, world, device)
+        state = load_state(src, world, device, plan, mesh)
+        evals = EvalRows([ds], rows, dp_rank=dp_rank, dp_size=plan.dp_size, max_batches=max_batches)
+        out = eval_losses(state, evals, mesh, device, progress=progress)
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return {"source": str(src.checkpoint or source), "step": src.step, "data": str(data_path),
+            "eval_batch_size": rows, "eval_batches": len(evals), **out}
