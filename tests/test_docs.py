@@ -239,15 +239,13 @@ def run_block(b: dict, cwd: Path, timeout: float) -> list[str]:
     return [f"{where}: {p}" for p in transcript_problems(expected, r.stdout + r.stderr, _tolerance(b))]
 
 
+def _speed(b: dict) -> str:
+    return b["args"].split(",")[0].strip()
+
+
 def _pages_with(kind: str) -> list[Path]:
-    """Pages with at least one block tested at ``kind`` (quick: every tested block is quick; slow: any is slow)."""
-    out = []
-    for page in doc_pages():
-        tested = [b for b in command_blocks(page) if b["mark"] == "test"]
-        speeds = {b["args"].split(",")[0].strip() for b in tested}
-        if tested and (("slow" in speeds) == (kind == "slow")):
-            out.append(page)
-    return out
+    """Pages with at least one block tested at ``kind`` (quick or slow)."""
+    return [p for p in doc_pages() if any(b["mark"] == "test" and _speed(b) == kind for b in command_blocks(p))]
 
 
 def test_every_command_block_is_tested_or_illustrative():
@@ -255,24 +253,25 @@ def test_every_command_block_is_tested_or_illustrative():
     assert not found, "\n".join(found)
 
 
-def _run_page(page: Path, tmp_path: Path) -> None:
+def _run_page(page: Path, tmp_path: Path, speeds: tuple[str, ...]) -> None:
+    """The page's tested blocks of these speeds, in order, in one directory (a block may use what an earlier one
+    made: the slow run of a page runs its quick blocks too)."""
     found = []
-    for b in command_blocks(page):  # in order, in one directory: a block may use what an earlier one made
-        if b["mark"] == "test" and not found:
-            slow = b["args"].startswith("slow")
-            found += run_block(b, tmp_path, timeout=900 if slow else 300)
+    for b in command_blocks(page):
+        if b["mark"] == "test" and _speed(b) in speeds and not found:
+            found += run_block(b, tmp_path, timeout=900 if _speed(b) == "slow" else 300)
     assert not found, "\n".join(found)
 
 
 @pytest.mark.parametrize("page", _pages_with("quick"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_quick_command_blocks_run(page, tmp_path):
-    _run_page(page, tmp_path)
+    _run_page(page, tmp_path, ("quick",))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", _pages_with("slow"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_slow_command_blocks_run(page, tmp_path):
-    _run_page(page, tmp_path)
+    _run_page(page, tmp_path, ("quick", "slow"))
 
 
 def test_the_block_checker_flags_unmarked_blocks_and_wrong_figures(tmp_path):
