@@ -632,6 +632,13 @@ def _collective_timeout(e: BaseException) -> bool:
         "application timeout caused pair closure" in msg
 
 
+def first_sentence(text: str) -> str:
+    """``text`` up to its first full stop that ends a sentence (not the one of ``e.g.``, ``i.e.``, ``etc.``, nor one
+    followed by a lower-case word)."""
+    head = re.split(r"(?<!\be\.g)(?<!\bi\.e)(?<!\betc)\.\s+(?=[A-Z`(\[])", text.strip(), maxsplit=1)[0]
+    return head.rstrip(".") + "."
+
+
 def usage() -> str:
     """The top-level help, read from each command's own parser (its usage and the first sentence of its
     description), so it names every option the command accepts."""
@@ -648,7 +655,7 @@ def usage() -> str:
         desc = blocks[1] if len(blocks) > 1 and not blocks[1].startswith(("options:", "positional")) else ""
         if desc:
             desc = " ".join(re.sub(r"(\w)-\n\s*(\w)", r"\1-\2", desc).split())
-            lines.append("      " + desc.split(". ")[0].rstrip(".") + ".")
+            lines.append("      " + first_sentence(desc))
     return "\n".join([*lines, DEBUG_HELP])
 
 

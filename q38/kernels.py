@@ -277,12 +277,12 @@ def _check_choice(op: str, value: str) -> None:
 class KernelConfig:
     """One implementation per op, or ``auto`` (the fastest one known correct for the run's device, CP and rows)."""
 
-    gdn: str = "auto"
-    causal_conv1d: str = "auto"
-    attention: str = "auto"
-    experts: str = "auto"
-    loss: str = "auto"
-    block: str = "auto"
+    gdn: str = "auto"  # the GDN chunked core (docs/kernels.md)
+    causal_conv1d: str = "auto"  # the GDN causal convolution
+    attention: str = "auto"  # the full-attention kernel
+    experts: str = "auto"  # the routed experts' matmuls
+    loss: str = "auto"  # the chunked cross-entropy
+    block: str = "auto"  # compiled: torch.compile each decoder layer; eager: op by op
     gdn_chunk_size: int | str = "auto"  # the torch GDN core's chunk length (auto: ``auto_gdn_chunk``)
 
     def __attrs_post_init__(self) -> None:

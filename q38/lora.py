@@ -50,14 +50,15 @@ class PeftConfig:
     released FP8 checkpoints quantize (``q38.fp8.DEFAULT_QUANTIZED``) held in block-FP8, ``q38.fp8.Fp8Weight``, the
     other frozen leaves in the compute dtype)."""
 
-    method: str = "lora"
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.0
+    method: str = "lora"  # lora (the only method)
+    rank: int = 16  # adapter rank r
+    alpha: float = 32.0  # the adapter's scale is alpha / rank
+    dropout: float = 0.0  # adapter dropout (0 only: not implemented)
+    # q38 parameter names that get adapters (every projection but the router by default)
     targets: tuple[str, ...] = attrs.field(default=DEFAULT_TARGETS, converter=_targets)
-    experts: str = "per_expert"
-    mtp: bool = False
-    base_dtype: str = "compute"
+    experts: str = "per_expert"  # per_expert: an adapter per routed expert; shared: one per layer for all its experts
+    mtp: bool = False  # adapt the MTP layers too
+    base_dtype: str = "compute"  # the frozen base: compute (train.param_dtype) or fp8 (block-FP8 as released)
 
     def __attrs_post_init__(self) -> None:
         need(self.method == "lora", f"peft.method must be lora (the only method q38 implements), got {self.method!r}")

@@ -122,45 +122,46 @@ _SIZE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_val
 class ModelConfig:
     """Static, hashable model configuration (never a pytree leaf)."""
 
-    model_type: str = "qwen3_5_moe"
-    vocab_size: int = 248320
-    hidden_size: int = 2048
-    num_hidden_layers: int = 40
+    model_type: str = "qwen3_5_moe"  # the Hugging Face model type of the family member
+    vocab_size: int = 248320  # rows of the embedding and the LM head
+    hidden_size: int = 2048  # the residual stream width
+    num_hidden_layers: int = 40  # decoder layers
+    # one mixer kind per layer (linear_attention | full_attention); null: 3 GDN then 1 full
     layer_types: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple)
     # full attention
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 2
-    head_dim: int = 256
-    rope_theta: float = 10_000_000.0
-    partial_rotary_factor: float = 0.25
+    num_attention_heads: int = 16  # query heads of a full-attention layer
+    num_key_value_heads: int = 2  # key/value heads of a full-attention layer (divides the query heads)
+    head_dim: int = 256  # width of one attention head
+    rope_theta: float = 10_000_000.0  # rotary base frequency
+    partial_rotary_factor: float = 0.25  # fraction of head_dim that is rotated
     # gated deltanet
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_conv_kernel_dim: int = 4
+    linear_num_key_heads: int = 16  # GDN query/key heads
+    linear_num_value_heads: int = 32  # GDN value heads (a multiple of the key heads)
+    linear_key_head_dim: int = 128  # width of one GDN query/key head
+    linear_value_head_dim: int = 128  # width of one GDN value head
+    linear_conv_kernel_dim: int = 4  # GDN causal convolution width
     # moe
-    num_experts: int = 256
-    num_experts_per_tok: int = 8
-    moe_intermediate_size: int = 512
-    shared_expert_intermediate_size: int = 512
-    norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 0.001
+    num_experts: int = 256  # routed experts per MoE layer
+    num_experts_per_tok: int = 8  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 512  # hidden width of one routed expert
+    shared_expert_intermediate_size: int = 512  # hidden width of the shared expert (0: none)
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to 1
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing aux loss (train.aux_loss_coef overrides it)
     # mtp
     mtp_num_layers: int = 0  # depths D (each its own loss term mtp_<d>)
     # true: one MTP decoder layer (HF mtp.layers.0) runs at every depth, as vLLM / SGLang draft with it;
     # false: one layer per depth (mtp.layers.0 .. D-1)
     mtp_shared_layer: bool = False
     # misc
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    initializer_range: float = 0.02
-    max_position_embeddings: int = 262144
-    hidden_act: str = "silu"
-    attention_bias: bool = False
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-    pad_token_id: int | None = None
+    rms_norm_eps: float = 1e-6  # RMSNorm epsilon
+    tie_word_embeddings: bool = False  # the LM head shares the embedding matrix
+    initializer_range: float = 0.02  # std of the normal init of the weights
+    max_position_embeddings: int = 262144  # longest sequence the rotary tables are built for
+    hidden_act: str = "silu"  # the experts' activation (silu only)
+    attention_bias: bool = False  # biases on the attention projections (false only)
+    bos_token_id: int | None = None  # written to config.json on export
+    eos_token_id: int | None = None  # written to config.json on export
+    pad_token_id: int | None = None  # written to config.json on export
     # Kernel choices and the torch GDN core's chunk length are run settings (q38.kernels.KernelConfig), not fields here.
 
     def __attrs_post_init__(self) -> None:

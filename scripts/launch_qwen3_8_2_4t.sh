@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch the Qwen3.8-2.4T-A98B pre-training run (specs/train/qwen3_8_2_4t.yaml) on this node of a multi-node job.
+# Launch the Qwen3.8-2.4T pre-training run (specs/train/qwen3_8_2_4t.yaml) on this node of a multi-node job.
 #
 # Run it once on every node (e.g. from the scheduler's per-node command), with the same MASTER_ADDR everywhere:
 #

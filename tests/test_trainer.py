@@ -80,11 +80,14 @@ def test_metrics_records_and_console_line(reference):
     assert r["mfu"] is None  # CPU: no known peak
     assert reference[0]["tokens_per_s"] is None and reference[2]["tokens_per_s"] > 0  # 2 warm-up steps skipped
     assert reference[-1]["loss"] < reference[0]["loss"]
-    line = format_metrics(6, r, Throughput(0, 1.0, None), 0.5)
-    assert line.startswith("step 6 | loss ") and "| mtp_1 " in line and "| aux " in line and "| 0.50 s/step |" in line
+    window = Throughput(0, 1.0, None)
+    window.update(6, 100, 0.5)
+    line = format_metrics(6, r, window, 0.5)
+    assert line.startswith("step 6 | loss ") and "| mtp_1 " in line and "| aux " in line
+    assert "| step 6: 0.50 s/step, tok/s 200" in line
     assert f"| load {r['router_max_mean']:.2f}x idle {r['router_idle']} |" in line
     # every field's label is explained by the legend printed at the top of a run
-    labels = {re.sub(r"^mtp_\d+$", "mtp_<d>", w) for part in line.split(" | ")[1:] for w in part.split()
+    labels = {re.sub(r"^mtp_\d+$", "mtp_<d>", w.rstrip(",;:")) for part in line.split(" | ")[1:] for w in part.split()
               if not any(c.isdigit() for c in w.replace("mtp_", "")) and w != "n/a"}
     missing = {w for w in labels if w not in PROGRESS_LEGEND.replace(",", " ").replace(";", " ").split()}
     assert not missing, f"progress-line labels not in PROGRESS_LEGEND: {sorted(missing)}"

@@ -47,43 +47,52 @@ class TrainConfig:
     """Optimizer, schedule, loss options, recompute and micro-batching for ``train_step``."""
 
     # optimizer (AdamW) and schedule
-    lr: float = attrs.field(default=3e-4, validator=[gt(0), finite])
-    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(0, 1))
-    warmup_steps: int = attrs.field(default=0, validator=ge(0))
+    lr: float = attrs.field(default=3e-4, validator=[gt(0), finite])  # peak learning rate (after warmup)
+    min_lr_ratio: float = attrs.field(default=0.1, validator=in_range(0, 1))  # the schedule decays to lr × this
+    warmup_steps: int = attrs.field(default=0, validator=ge(0))  # linear warmup from 0 to lr
+    # length of the LR schedule in steps (set it to run.steps)
     total_steps: int = attrs.field(default=1000, validator=gt(0))
-    schedule: str = attrs.field(default="cosine", validator=one_of(*SCHEDULES))
-    beta1: float = attrs.field(default=0.9, validator=in_range(0, 1, hi_open=True))
-    beta2: float = attrs.field(default=0.95, validator=in_range(0, 1, hi_open=True))
-    eps: float = attrs.field(default=1e-8, validator=[gt(0), finite])
-    weight_decay: float = attrs.field(default=0.1, validator=[ge(0), finite])
+    schedule: str = attrs.field(default="cosine", validator=one_of(*SCHEDULES))  # LR decay after warmup
+    beta1: float = attrs.field(default=0.9, validator=in_range(0, 1, hi_open=True))  # AdamW first-moment decay
+    beta2: float = attrs.field(default=0.95, validator=in_range(0, 1, hi_open=True))  # AdamW second-moment decay
+    eps: float = attrs.field(default=1e-8, validator=[gt(0), finite])  # AdamW epsilon
+    weight_decay: float = attrs.field(default=0.1, validator=[ge(0), finite])  # decoupled AdamW weight decay
+    # glob patterns of parameter paths without weight decay
     no_decay: tuple[str, ...] = attrs.field(default=DEFAULT_NO_DECAY, converter=_tuple)
+    # clip the global gradient norm to this (null: no clipping)
     grad_clip: float | None = attrs.field(default=1.0, validator=gt(0))
     # gradient accumulation: the step's batch is split into this many micro-batches (MindSpeed's chunk_mbs)
     micro_batches: int = attrs.field(default=1, validator=ge(1))
     # losses
+    # tokens per chunk of the chunked cross-entropy (null: one chunk)
     loss_chunk_size: int | None = attrs.field(default=1024, validator=gt(0))
-    dynamic_chunk_loss: bool = False
+    dynamic_chunk_loss: bool = False  # size loss chunks from loss_chunk_budget_bytes instead of loss_chunk_size
+    # memory for one chunk's logits (with dynamic_chunk_loss)
     loss_chunk_budget_bytes: int | None = attrs.field(default=None, validator=gt(0))
+    # weight of the MTP terms (divided over the depths)
     mtp_loss_scaling_factor: float = attrs.field(default=0.1, validator=[ge(0), finite])
     # None: the model's router_aux_loss_coef
     aux_loss_coef: float | None = attrs.field(default=None, validator=[ge(0), finite])
+    # count expert load per micro-batch or over the global batch
     aux_loss_scope: str = attrs.field(default="micro_batch", validator=one_of(*AUX_SCOPES))
     aux_loss_type: str = attrs.field(default="pooled", validator=one_of(*AUX_TYPES))  # pooled | per_layer | sequence
     aux_loss_tokens: str = attrs.field(default="real", validator=one_of(*AUX_TOKENS))  # real (non-padding) | labelled
     # aux-loss-free balancing (DeepSeek-V3 §2.1.2): a per-expert router bias for top-k selection, moved by ±rate
     aux_loss_free: bool = attrs.field(default=False, validator=boolean)
+    # step of the aux-loss-free router bias update
     router_bias_rate: float = attrs.field(default=1e-3, validator=[gt(0), finite])
     # memory
-    recompute: bool = False
-    skip_flash_attn_recompute: bool = False
-    skip_gdn_recompute: bool = False
-    offload_activations: bool = False
+    recompute: bool = False  # activation recompute of each decoder layer in backward
+    skip_flash_attn_recompute: bool = False  # keep the attention kernel's output during recompute
+    skip_gdn_recompute: bool = False  # keep the GDN core's output during recompute
+    offload_activations: bool = False  # keep saved activations in host memory
     # communication overlap on a mesh: prefetch the next layer's FSDP gathers, reduce gradients async (waited after
     # each micro-batch's backward); same math as the serial schedule
     overlap_comm: bool = attrs.field(default=True, validator=boolean)
     fsdp_prefetch: bool | None = None  # None: follows overlap_comm; true/false force the prefetch alone
     # expert-parallel balance (needs an `ep` mesh dim > 1)
     enable_ep_balance: bool = False
+    # hot experts duplicated per EP rank with enable_ep_balance
     max_dup_experts_num: int = attrs.field(default=2, validator=ge(0))
     # EP token dispatch (docs/parallel.md#expert-parallelism): flat (every slot to its owner) or hierarchical (a
     # token crosses to each remote node once); the same bits either way. Inside one node hierarchical is flat.
@@ -91,11 +100,13 @@ class TrainConfig:
     # the EP all-to-alls of one half of the tokens in flight while the other half's (and the shared) experts run
     ep_overlap: bool = attrs.field(default=True, validator=boolean)
     # failure handling
+    # a non-finite loss: stop the run, or skip the update
     nan_policy: str = attrs.field(default="stop", validator=one_of(*NAN_POLICIES))
     # mixed precision: fp32 master weights and moments; `param_dtype` for compute and FSDP gathers (each rank casts
     # its shard before the all-gather), `reduce_dtype` for gradient reduce-scatter / all-reduce and micro-batch
     # accumulation. Defaults keep fp32 runs exact.
     param_dtype: str = attrs.field(default="float32", validator=_precision_dtype)
+    # dtype of the gradient reduce-scatter, all-reduce and accumulation
     reduce_dtype: str = attrs.field(default="float32", validator=_precision_dtype)
     # parameters (glob patterns on their paths, like no_decay) computed and gathered in fp32 whatever param_dtype;
     # init_from a Hugging Face checkpoint adds the leaf kinds it stores in fp32 beside 16-bit weights
@@ -107,7 +118,9 @@ class TrainConfig:
     # block); `master_dtype` the master weights; `offload_optimizer` keeps masters and moments in host memory and
     # steps there
     moment_dtype: str = attrs.field(default="float32", validator=one_of(*MOMENT_DTYPES))
+    # master weights: fp32, or the bf16 weight plus a 16-bit remainder
     master_dtype: str = attrs.field(default="float32", validator=one_of(*MASTER_DTYPES))
+    # masters and moments in host memory, stepped there
     offload_optimizer: bool = attrs.field(default=False, validator=boolean)
 
     def __attrs_post_init__(self) -> None:

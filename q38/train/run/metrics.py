@@ -16,32 +16,53 @@ from q38.model_config import ModelConfig
 
 
 class Throughput:
-    """Tokens/s and MFU over the steps after the first ``warmup`` of this process (never divides by zero)."""
+    """Tokens/s and MFU over a window: the steps since the last progress line (``reset``), after the first ``warmup``
+    steps of this process, which are reported one by one instead (compilation, caches). Tokens are the step's target
+    tokens (labels counted in the main loss) over all ranks. Never divides by zero."""
 
     def __init__(self, warmup: int, flops_per_token: float, peak_flops: float | None, devices: int = 1):
         self.warmup, self.flops_per_token, self.peak, self.devices = warmup, flops_per_token, peak_flops, devices
-        self.seen = self.steps = self.tokens = 0
+        self.seen = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window (after a progress line has reported this one)."""
+        self.steps = self.tokens = 0
         self.seconds = 0.0
+        self.first = self.last = None  # the window's first and last step
+
+    @property
+    def warming(self) -> bool:
+        """Whether the last step was one of this process's warm-up steps (left out of the window)."""
+        return self.seen <= self.warmup
 
     def update(self, step: int, tokens: int, seconds: float) -> None:
-        """``tokens``: the step's tokens over all ranks. Steps are counted from this process's first one, so a
-        resumed run skips its own warm-up steps too."""
+        """``tokens``: the step's target tokens over all ranks. Steps are counted from this process's first one, so a
+        resumed run has warm-up steps of its own."""
         self.seen += 1
-        if self.seen > self.warmup and seconds > 0:
+        if not self.warming and seconds > 0:
             self.steps += 1
             self.tokens += tokens
             self.seconds += seconds
+            self.first = step if self.first is None else self.first
+            self.last = step
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return self.seconds / self.steps if self.steps else None
 
     @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
 
+    def mfu_of(self, tokens_per_s: float | None) -> float | None:
+        if tokens_per_s is None or not self.peak or self.devices < 1:
+            return None
+        return tokens_per_s * self.flops_per_token / (self.peak * self.devices)
+
     @property
     def mfu(self) -> float | None:
-        tps = self.tokens_per_s
-        if tps is None or not self.peak or self.devices < 1:
-            return None
-        return tps * self.flops_per_token / (self.peak * self.devices)
+        return self.mfu_of(self.tokens_per_s)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -68,26 +89,35 @@ def known_peak_flops(device: str, dtype: str) -> float | None:
 
 PROGRESS_LEGEND = ("progress lines: loss, mtp_<d>, aux = the objective's terms; gnorm = gradient norm; lr = learning "
                    "rate; load = the busiest expert's tokens over the mean (worst MoE layer), idle = experts that got "
-                   "no token; s/step = wall time of the step; tok/s = trained tokens per second")
+                   "no token; s/step, tok/s, mfu = mean wall time per step, target tokens (labels in the loss, all "
+                   "ranks) per second and model FLOPs utilisation over the steps named before them (those since the "
+                   "previous line); the first steps of a process (run.warmup_log_steps: compilation, caches) are logged one by "
+                   "one as warm-up and left out of those means")
 SLOW_RANK = 1.2  # the progress line names the slowest rank when it is busy this much longer than the median
 
 
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
 def format_metrics(step: int, m: dict, tput: Throughput, step_time: float | None = None,
-                   terms: list[str] | None = None) -> str:
+                   terms: list[str] | None = None, warmup: bool = False) -> str:
     """One progress line: the objective's terms by name (default: loss, mtp_<d>, aux), grad norm, LR, the worst
-    MoE layer's max/mean expert load and the count of idle experts, time, throughput."""
+    MoE layer's max/mean expert load and the count of idle experts; then time and throughput over ``tput``'s window
+    (``warmup``: this warm-up step's own time instead; no window: ``step_time`` alone)."""
     if terms is None:
         terms = ["loss", *sorted(k for k in m if re.fullmatch(r"mtp_\d+", k)), "aux"]
     parts = [f"step {step}", *(f"{k} {m[k]:.4f}" for k in terms)]
     parts += [f"gnorm {m['grad_norm']:.3f}", f"lr {m['lr']:.2e}"]
     if "router_max_mean" in m:
         parts.append(f"load {m['router_max_mean']:.2f}x idle {m['router_idle']}")
-    if step_time is not None:
+    if warmup:
+        parts.append(f"{step_time:.2f} s/step warm-up" if step_time is not None else "warm-up")
+    elif tput.steps:
+        parts.append(f"{_steps(tput.first, tput.last)}: {tput.seconds_per_step:.2f} s/step, tok/s "
+                     f"{tput.tokens_per_s:,.0f}" + (f", mfu {100 * tput.mfu:.1f}%" if tput.mfu is not None else ""))
+    elif step_time is not None:
         parts.append(f"{step_time:.2f} s/step")
-    tps = tput.tokens_per_s
-    parts.append(f"tok/s {tps:,.0f}" if tps is not None else "tok/s n/a")
-    if tput.mfu is not None:
-        parts.append(f"mfu {100 * tput.mfu:.1f}%")
     if m.get("eval_loss") is not None:
         parts.append(f"eval loss {m['eval_loss']:.4f}")
         parts += [f"eval {k[5:]} {m[k]:.4f}" for k in sorted(m) if k.startswith("eval_mtp_")]

@@ -19,9 +19,9 @@ PROFILE = "profile"
 class ProfileOptions:
     """``run.profile``: which steps to record (``start`` .. ``start + steps - 1``) and whether with memory."""
 
-    start: int
-    steps: int = 3
-    memory: bool = False
+    start: int  # first step traced
+    steps: int = 3  # steps traced
+    memory: bool = False  # record memory too (a CUDA allocator snapshot)
 
     def __attrs_post_init__(self) -> None:
         for k, lo in (("start", 1), ("steps", 1)):

@@ -36,11 +36,11 @@ def _is_int(x: Any) -> bool:
 @attrs.frozen(kw_only=True)
 class DataConfig:
     path: Any = "builtin:tiny"  # JSONL, builtin:NAME, a prepared dir, a Megatron PREFIX, or a list of {path, weight}
-    tokenizer: str = "byte"
-    seq_len: int = 256
+    tokenizer: str = "byte"  # byte, or a directory / tokenizer.json of a Hugging Face tokenizer
+    seq_len: int = 256  # tokens per packed row
     batch_size: int = 8  # rows per data-parallel rank per step
     overlong: str = "truncate"  # samples longer than seq_len: truncate | error | split
-    shuffle: bool = True
+    shuffle: bool = True  # shuffle rows each epoch (seeded by run.seed)
     train_on: str = "assistant"  # chat records' targets: assistant | all | last_assistant (q38.train.data.chat)
     eval_split: float = 0.0  # fraction of each source's rows held out for evaluation (its last rows)
     eval_path: str | None = None  # or a separate eval set (JSONL or a prepared directory)
@@ -75,9 +75,9 @@ SEED_MAX = (1 << 63) - 1  # torch.Generator.manual_seed takes a 64-bit seed; q38
 @attrs.frozen(kw_only=True)
 class RunOptions:
     steps: int = 300  # total optimizer steps of the run (a resumed run continues up to this step)
-    seed: int = 0
-    out_dir: str = "runs/tiny"
-    log_every: int = 10
+    seed: int = 0  # seed of the init and the data order
+    out_dir: str = "runs/tiny"  # metrics.jsonl, checkpoints and exports go here
+    log_every: int = 10  # steps between progress lines
     save_every: int = 0  # 0: only at the end (and on SIGTERM / SIGINT)
     keep_last: int = 3  # checkpoints kept in out_dir/checkpoints (0: all)
     save_hf: bool = False  # also export the final state as a Hugging Face directory out_dir/hf/step_<n> (all ranks)
@@ -87,7 +87,7 @@ class RunOptions:
     dtype: str = "float32"  # alias of train.param_dtype (bfloat16: the bf16 policy); masters and moments stay fp32
     warmup_log_steps: int = 2  # steps excluded from throughput (compile / cache warm-up)
     peak_flops: float | None = None  # per device, for MFU; None: known devices only
-    progress: bool = True
+    progress: bool = True  # a progress bar on a terminal
     tensorboard: bool = False  # the same as listing tensorboard in run.trackers
     # where each step's record goes besides metrics.jsonl (always written): tensorboard, wandb, swanlab
     trackers: tuple[str, ...] = attrs.field(default=(), converter=tuple)

@@ -469,7 +469,8 @@ class RunLog:
 
     def startup(self, resumed_from: Path | None, device: str, plan: RunPlan) -> None:
         if resumed_from is not None:
-            self.line(f"resumed from {resumed_from} (step {self.start})")
+            self.line(f"resumed from {resumed_from} (step {self.start}); training steps {self.start + 1}-"
+                      f"{self.cfg.run.steps}")
         if device == "cpu":
             tune_cpu_allocator()  # internal (docs/operations.md): not worth a line of the run's output
         self.line(describe_kernels(self.cfg.kernels, plan.kernels, device=device, cp=plan.cp_size > 1,
@@ -493,8 +494,10 @@ class RunLog:
             self.line(f"step {step}: non-finite loss or gradient (loss={rec['loss']}, grad_norm="
                       f"{rec['grad_norm']}); update skipped (train.nan_policy: skip)")
         first = step == self.start + 1
-        if step % cfg.run.log_every == 0 or first or step == cfg.run.steps or "eval_loss" in rec:
-            self.line(format_metrics(step, rec, tput, rec["step_time"], terms=terms))
+        if tput.warming or first or step % cfg.run.log_every == 0 or step == cfg.run.steps or "eval_loss" in rec:
+            self.line(format_metrics(step, rec, tput, rec["step_time"], terms=terms, warmup=tput.warming))
+            if not tput.warming:
+                tput.reset()  # the next line reports the steps after this one
 
     def end(self, text: str) -> None:
         """The run's last line, printed after the bar is closed."""
@@ -559,7 +562,8 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
             with dog.step(step):  # (armed again after an evaluation, which has a bound of its own)
                 tput.update(step, m["tokens"], dt)
                 wait = t0 - t_data
-                rec = dict(m, step=step, step_time=dt, tokens_per_s=tput.tokens_per_s, mfu=tput.mfu, time_data=wait,
+                tps = None if tput.warming or dt <= 0 else m["tokens"] / dt  # this step's (a warm-up step's: None)
+                rec = dict(m, step=step, step_time=dt, tokens_per_s=tps, mfu=tput.mfu_of(tps), time_data=wait,
                            time_optimizer=max(dt - m["time_forward_backward"], 0.0), time_save=save_s,
                            time_comm_wait=waited)
                 records.append(rec)
