@@ -135,7 +135,7 @@ import pytest  # noqa: E402
 
 COMMAND_INFOS = ("bash", "sh", "shell", "console", "python")
 _MARK = re.compile(r"^<!--\s*(illustrative|test)\s*:\s*(.*?)\s*-->\s*$")
-_NUMBER = r"[-+]?(?:\d[\d,]*\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+_NUMBER = r"[-+]?(?:\d[\d,]*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"  # one way to read each number (no backtracking blow-up on long lines)
 _FENCE = re.compile(r"^(\s*)(```+)\s*([\w-]*)")
 
 
@@ -201,7 +201,8 @@ def transcript_problems(expected: list[str], output: str, tol: float) -> list[st
         pattern, numbers = "", []
         for k, p in enumerate(parts):
             if k % 2 == 0:
-                pattern += r"\s+".join(re.escape(w) for w in p.split(" ")) if p.strip() else (r"\s*" if p else "")
+                words = r"\s+".join(re.escape(w) for w in p.split())  # runs of spaces: one \s+ (never \s+\s+)
+                pattern += (r"\s+" if p[:1].isspace() else "") + words + (r"\s+" if p[-1:].isspace() and words else "")
             elif p == "...":
                 pattern += ".*"
             else:
