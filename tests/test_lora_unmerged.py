@@ -53,7 +53,7 @@ PEFTS = {
 }
 
 
-def _batch(seed=0, b=2, s=37, vocab=200):
+def _batch(seed=0, b=4, s=37, vocab=200):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (b, s), generator=g)
     labels = ids.clone()
@@ -193,7 +193,7 @@ class _Shapes(TorchDispatchMode):
 def test_no_base_gradient_and_no_merged_weight(base, monkeypatch):
     """A LoRA step merges nothing (``merge_weight`` is never called) and, for a compute-dtype base, no op of the
     forward or backward makes a float tensor of any adapted weight's full shape (a merged weight or its gradient,
-    ``[o, i]`` or ``[e, o, i]``; the activations' shapes differ: 74 tokens). A block-FP8 base is dequantized per
+    ``[o, i]`` or ``[e, o, i]``; the activations' shapes differ: 148 tokens). A block-FP8 base is dequantized per
     product (that tensor has the weight's shape: checked by the merge not running)."""
     def refuse(*a, **k):
         raise AssertionError("a merged weight was built")
