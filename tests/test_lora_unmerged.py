@@ -31,7 +31,7 @@ BLOCK = (16, 16)  # partial blocks on every width below (40, 24, 56, 20, 36, 60,
 def unlike_tiny() -> ModelConfig:
     """Every dimension differs from the tiny preset's (checked by ``test_the_model_is_unlike_tiny``)."""
     return ModelConfig.preset("tiny").replace(
-        vocab_size=200, hidden_size=40, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+        vocab_size=400, hidden_size=40, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
         num_attention_heads=3, num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=3,
         linear_key_head_dim=12, linear_value_head_dim=12, num_experts=6, num_experts_per_tok=3,
         moe_intermediate_size=28, shared_expert_intermediate_size=20, initializer_range=0.1, mtp_num_layers=1)
@@ -53,7 +53,7 @@ PEFTS = {
 }
 
 
-def _batch(seed=0, b=4, s=37, vocab=200):
+def _batch(seed=0, b=4, s=37, vocab=400):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (b, s), generator=g)
     labels = ids.clone()
@@ -290,3 +290,54 @@ def test_unmerged_layout_equals_merged_single_process(layout, mesh_sizes, world,
         _close(outs[0]["grads"][n], g0[n], n)
     for n, p in _adapters(s0).items():
         _close(outs[0]["params"][n], p, n)
+
+
+# ---- the trainer: a run on a Hugging Face base unlike tiny trains, resumes exactly and exports ------------------
+
+
+@pytest.mark.slow  # ~1-3 min on the shared 2-core machine: three short runs and both exports
+@pytest.mark.parametrize("base", ["compute", "fp8"])
+def test_lora_run_on_a_model_unlike_tiny_resumes_and_exports(tmp_path, base):
+    """``q38 train`` with ``peft`` over a Hugging Face base unlike tiny (the issue's defect: an internal
+    RuntimeError before the first step), resumed bit for bit, then ``--to-peft`` and ``--to-hf``: with a
+    compute-dtype base, ``peft`` on transformers and the merged model give q38's logits (unmerged forward); with a
+    block-FP8 base both exports are written and load."""
+    from q38.cli import main
+    from q38.hf import save_hf
+    from q38.model import logits
+    from q38.train.io.checkpoint import latest_checkpoint, load_checkpoint
+    from q38.train.run.trainer import train
+    from tests.run_utils import losses, run_config
+    from tests.test_peft_export import LOGIT_TOL, _base_params, _hf_model, _peft_logits
+
+    cfg = unlike_tiny()
+    params = _base_params(cfg)
+    save_hf(tmp_path / "hf-base", cfg, params)
+    kw = dict(init_from=str(tmp_path / "hf-base"), model=cfg.to_dict(),
+              peft={"rank": 4, "alpha": 16, "base_dtype": base},
+              train={"lr": 5e-2, "warmup_steps": 0, "loss_chunk_size": 64})
+    ref = train(run_config(tmp_path / "ref", steps=3, **kw))
+    first = train(run_config(tmp_path / "run", steps=2, **kw))
+    second = train(run_config(tmp_path / "run", steps=3, **kw))
+    assert [r["step"] for r in second] == [3]
+    assert losses(first + second) == losses(ref)  # exact
+    assert losses(ref)[-1] < losses(ref)[0]
+    assert main(["convert", "--to-peft", str(tmp_path / "run"), str(tmp_path / "adapter")]) == 0
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), str(tmp_path / "merged")]) == 0
+    ids = torch.randint(0, cfg.vocab_size, (2, 45), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        merged = _hf_model(tmp_path / "merged")(input_ids=ids).logits
+    got, _ = _peft_logits(tmp_path / "hf-base", tmp_path / "adapter", ids)
+    assert got.shape == merged.shape == (2, 45, cfg.vocab_size)
+    if base == "fp8":
+        return
+    from q38.train.io.peft import lora_state
+
+    rc = run_config(tmp_path / "run", steps=3, **kw)
+    state = lora_state(params, rc.model, rc.train, rc.peft, seed=rc.run.seed, empty=True)
+    state, _ = load_checkpoint(latest_checkpoint(tmp_path / "run" / "checkpoints"), state)
+    with torch.no_grad():
+        ours = logits(state.params, ids, cfg)  # the layers run the unmerged products on the adapted nodes
+        assert (ours - logits(params, ids, cfg)).abs().max() > 100 * LOGIT_TOL  # the run moved the model
+    assert (got - ours).abs().max() <= LOGIT_TOL
+    assert (merged - ours).abs().max() <= LOGIT_TOL
