@@ -33,7 +33,7 @@ def unlike_tiny() -> ModelConfig:
     return ModelConfig.preset("tiny").replace(
         vocab_size=400, hidden_size=40, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
         num_attention_heads=3, num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=3,
-        linear_key_head_dim=12, linear_value_head_dim=12, num_experts=6, num_experts_per_tok=3,
+        linear_key_head_dim=12, linear_value_head_dim=12, num_experts=12, num_experts_per_tok=3,
         moe_intermediate_size=28, shared_expert_intermediate_size=20, initializer_range=0.1, mtp_num_layers=1)
 
 
@@ -53,7 +53,7 @@ PEFTS = {
 }
 
 
-def _batch(seed=0, b=4, s=37, vocab=400):
+def _batch(seed=0, b=4, s=40, vocab=400):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (b, s), generator=g)
     labels = ids.clone()
@@ -193,7 +193,7 @@ class _Shapes(TorchDispatchMode):
 def test_no_base_gradient_and_no_merged_weight(base, monkeypatch):
     """A LoRA step merges nothing (``merge_weight`` is never called) and, for a compute-dtype base, no op of the
     forward or backward makes a float tensor of any adapted weight's full shape (a merged weight or its gradient,
-    ``[o, i]`` or ``[e, o, i]``; the activations' shapes differ: 148 tokens). A block-FP8 base is dequantized per
+    ``[o, i]`` or ``[e, o, i]``; the activations' shapes differ: 160 tokens). A block-FP8 base is dequantized per
     product (that tensor has the weight's shape: checked by the merge not running)."""
     def refuse(*a, **k):
         raise AssertionError("a merged weight was built")
@@ -341,3 +341,12 @@ def test_lora_run_on_a_model_unlike_tiny_resumes_and_exports(tmp_path, base):
         assert (ours - logits(params, ids, cfg)).abs().max() > 100 * LOGIT_TOL  # the run moved the model
     assert (got - ours).abs().max() <= LOGIT_TOL
     assert (merged - ours).abs().max() <= LOGIT_TOL
+
+
+def test_a_compiled_block_refuses_a_lora_run():
+    tc = TrainConfig(loss_chunk_size=16)
+    state = _state(tc, PEFTS["per_expert"])
+    state = attrs.evolve(state, kernels=resolve_kernels(KernelConfig(block="compiled", experts="batched"),
+                                                        device="cpu"))
+    with pytest.raises(NotImplementedError, match="kernels.block: compiled with a LoRA run"):
+        loss_and_grads(state, _batch())
