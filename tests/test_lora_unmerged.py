@@ -129,8 +129,14 @@ def _adapters(state):
     return {n: t for n, t in named_leaves(state.params) if is_adapter_path(n)}
 
 
-def _close(a, b, n):
-    assert (a - b).abs().max() <= TOL * max(1.0, float(b.abs().max())), n
+def _close(a, b, n, tol=TOL):
+    assert (a - b).abs().max() <= tol * max(1.0, float(b.abs().max())), n
+
+
+# Adapter gradients, unmerged vs merged on one process: the merged form rounds W + s·B@A before the product, the
+# unmerged one rounds x·Wᵀ and s·(x·Aᵀ)·Bᵀ apart; through the GDN core's chunked backward the first GDN layer's w_qkv
+# B gradient then differs by 2.8e-5 of its largest entry (1.1; shared adapters, rank 3), every other leaf by < 1e-5.
+GRAD_TOL = 5e-5
 
 
 def _merged(monkeypatch):
@@ -148,13 +154,18 @@ def _run(state, steps=1):
     return r, s
 
 
-@pytest.mark.parametrize("experts", ["grouped_mm", "batched"])
-@pytest.mark.parametrize("base", ["compute", "fp8"])
-@pytest.mark.parametrize("mode", list(PEFTS))
+# two cases by default (30-130 s each on the loaded shared machine), the rest slow-marked
+_EQUAL = [(m, b, e) for m in PEFTS for b in ("compute", "fp8") for e in ("grouped_mm", "batched")]
+EQUAL_CASES = [pytest.param(*c, marks=() if c in (("per_expert", "compute", "grouped_mm"), ("shared", "fp8", "batched"))
+                            else pytest.mark.slow, id="-".join(c)) for c in _EQUAL]
+
+
+@pytest.mark.parametrize("mode,base,experts", EQUAL_CASES)
 def test_unmerged_equals_merged(mode, base, experts, monkeypatch):
     """Loss, aux and MTP terms, every adapter gradient and the adapters after two AdamW steps: the unmerged run
-    against the merged form, on the model unlike tiny, fp32."""
-    tc = TrainConfig(loss_chunk_size=16, aux_loss_coef=0.01, lr=1e-2, eps=1e-3)
+    against the merged form, on the model unlike tiny, fp32 (lr 1e-3 with eps 1e-3, as the layout tests: AdamW turns
+    a gradient's rounding difference into up to lr / eps times it per step where the gradient is near 0)."""
+    tc = TrainConfig(loss_chunk_size=16, aux_loss_coef=0.01, lr=1e-3, eps=1e-3)
     state = attrs.evolve(_state(tc, PEFTS[mode], base), kernels=resolve_kernels(KernelConfig(experts=experts), device="cpu"))
     r, s = _run(state, 2)
     with monkeypatch.context() as m:
@@ -165,7 +176,7 @@ def test_unmerged_equals_merged(mode, base, experts, monkeypatch):
     g, g0 = _adapter_grads(state, r), _adapter_grads(state, r0)
     assert sum(bool(x.abs().sum() > 0) for x in g0.values()) == len(g0)  # A and B both get gradients
     for n in g0:
-        _close(g[n], g0[n], n)
+        _close(g[n], g0[n], n, GRAD_TOL)
     a, a0 = _adapters(s), _adapters(s0)
     for n in a0:
         _close(a[n], a0[n], n)
