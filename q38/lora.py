@@ -1,13 +1,17 @@
 """LoRA adapters (docs/finetuning.md#lora): the ``peft`` run setting, the adapter pytree nodes, their declarations
-and the merge that turns a (gathered) adapted weight into the weight the layers compute with.
+and the unmerged products the layers run with an adapted (gathered) weight.
 
 An adapted parameter is a node in place of the weight in the parameter tree: ``Lora(base, lora_a, lora_b)``
 (one adapter per matrix, or per routed expert: ``A [.., r, in]``, ``B [.., out, r]``) or ``SharedLora(base, shared_a,
-shared_b)`` (one adapter shared by every routed expert of a layer: ``A [r, in]``, ``B [out, r]``). The layers never
-see the node: the step's gather hook brings base and adapter into compute form (each sharded on its own logical
-axes) and :func:`merge_adapters` replaces the node by ``base + (alpha / r) · B @ A``. ``B`` starts at zero, so step 0
-is the base model exactly. A block-FP8 base (``peft.base_dtype: fp8``) is a ``q38.fp8.Fp8Weight`` in place of a
-tensor base (or of a frozen weight without adapter), dequantized by the merge after its bits and scales are gathered.
+shared_b)`` (one adapter shared by every routed expert of a layer: ``A [r, in]``, ``B [out, r]``). The step's gather
+hook brings base and adapter into compute form (each sharded on its own logical axes) and :func:`compute_form` keeps
+them apart: the layers' matmul helpers (``q38.layers.common.linear``, the experts' grouped / batched products) call
+the node, which computes ``x·Wᵀ + (alpha / r)·(x·Aᵀ)·Bᵀ`` with the base a constant (no weight gradient, no merged
+copy). ``B`` starts at zero, so step 0 is the base model exactly. A block-FP8 base (``peft.base_dtype: fp8``) is a
+``q38.fp8.Fp8Weight`` in place of a tensor base (or of a frozen weight without adapter), dequantized inside each
+product after its bits and scales are gathered (and again in backward). :func:`merge_weight` / :func:`merged_params`
+build ``base + (alpha / r)·B @ A`` for the merged export (and :func:`merge_adapters` the former merged run form, kept
+for ``benchmarks/lora.py`` and the equality tests).
 
 Dims: ``e`` routed experts, ``r`` the LoRA rank; ``o`` / ``i`` a projection's output and input widths.
 """
@@ -66,8 +70,8 @@ class PeftConfig:
              f"peft.rank must be a positive integer, got {self.rank!r}")
         need(isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and self.alpha > 0,
              f"peft.alpha must be a positive number, got {self.alpha!r}")
-        need(self.dropout == 0, f"peft.dropout {self.dropout!r} is not implemented (adapters are merged into the "
-             "weight before each layer runs, so no per-token dropout of the adapter input); set peft.dropout: 0")
+        need(self.dropout == 0, f"peft.dropout {self.dropout!r} is not implemented (no dropout of the adapter "
+             "input); set peft.dropout: 0")
         unknown = [t for t in self.targets if t not in TARGETS]
         need(not unknown, f"peft.targets: unknown parameter name(s) {unknown}; adaptable: {', '.join(TARGETS)}")
         need(len(self.targets) > 0, "peft.targets is empty; name at least one parameter (e.g. w_q)")
