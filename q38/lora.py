@@ -1,25 +1,30 @@
 """LoRA adapters (docs/finetuning.md#lora): the ``peft`` run setting, the adapter pytree nodes, their declarations
-and the merge that turns a (gathered) adapted weight into the weight the layers compute with.
+and the unmerged products the layers run with an adapted (gathered) weight.
 
 An adapted parameter is a node in place of the weight in the parameter tree: ``Lora(base, lora_a, lora_b)``
 (one adapter per matrix, or per routed expert: ``A [.., r, in]``, ``B [.., out, r]``) or ``SharedLora(base, shared_a,
-shared_b)`` (one adapter shared by every routed expert of a layer: ``A [r, in]``, ``B [out, r]``). The layers never
-see the node: the step's gather hook brings base and adapter into compute form (each sharded on its own logical
-axes) and :func:`merge_adapters` replaces the node by ``base + (alpha / r) · B @ A``. ``B`` starts at zero, so step 0
-is the base model exactly. A block-FP8 base (``peft.base_dtype: fp8``) is a ``q38.fp8.Fp8Weight`` in place of a
-tensor base (or of a frozen weight without adapter), dequantized by the merge after its bits and scales are gathered.
+shared_b)`` (one adapter shared by every routed expert of a layer: ``A [r, in]``, ``B [out, r]``). The step's gather
+hook brings base and adapter into compute form (each sharded on its own logical axes) and :func:`compute_form` keeps
+them apart: the layers' matmul helpers (``q38.layers.common.linear``, the experts' grouped / batched products) call
+the node, which computes ``x·Wᵀ + (alpha / r)·(x·Aᵀ)·Bᵀ`` with the base a constant (no weight gradient, no merged
+copy). ``B`` starts at zero, so step 0 is the base model exactly. A block-FP8 base (``peft.base_dtype: fp8``) is a
+``q38.fp8.Fp8Weight`` in place of a tensor base (or of a frozen weight without adapter), dequantized inside each
+product after its bits and scales are gathered (and again in backward). :func:`merge_weight` / :func:`merged_params`
+build ``base + (alpha / r)·B @ A`` for the merged export (and :func:`merge_adapters` the former merged run form, kept
+for ``benchmarks/lora.py`` and the equality tests).
 
 Dims: ``e`` routed experts, ``r`` the LoRA rank; ``o`` / ``i`` a projection's output and input widths.
 """
 
 import attrs
 import torch
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from jaxtyping import Float
 from torch import Tensor
 
 from q38.errors import ConfigError, check_keys, need
-from q38.fp8 import FP8_LEAVES, Fp8Weight, scale_shape
+from q38.fp8 import FP8_LEAVES, Fp8Weight, dequantize_blocks, scale_shape
 from q38.layers.common import ParamInfo
 
 # q38's own parameter names that can carry an adapter (docs/finetuning.md#lora lists what each is)
@@ -66,8 +71,8 @@ class PeftConfig:
              f"peft.rank must be a positive integer, got {self.rank!r}")
         need(isinstance(self.alpha, (int, float)) and not isinstance(self.alpha, bool) and self.alpha > 0,
              f"peft.alpha must be a positive number, got {self.alpha!r}")
-        need(self.dropout == 0, f"peft.dropout {self.dropout!r} is not implemented (adapters are merged into the "
-             "weight before each layer runs, so no per-token dropout of the adapter input); set peft.dropout: 0")
+        need(self.dropout == 0, f"peft.dropout {self.dropout!r} is not implemented (no dropout of the adapter "
+             "input); set peft.dropout: 0")
         unknown = [t for t in self.targets if t not in TARGETS]
         need(not unknown, f"peft.targets: unknown parameter name(s) {unknown}; adaptable: {', '.join(TARGETS)}")
         need(len(self.targets) > 0, "peft.targets is empty; name at least one parameter (e.g. w_q)")
@@ -140,8 +145,47 @@ def check_rank(peft: "PeftConfig | None", model_config) -> None:
 # ---- the adapter nodes ---------------------------------------------------------------------------------------------
 
 
+class _Adapted:
+    """The products an adapted weight takes part in, unmerged (what the layers' matmul helpers call:
+    ``q38.layers.common.linear``, ``q38.layers.moe``'s expert products): the frozen base's product (``frozen_*``:
+    a constant, input gradient only) plus ``scale ·`` the low-rank product through the adapter."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape (the base's)."""
+        return tuple((self.base.bits if isinstance(self.base, Fp8Weight) else self.base).shape)
+
+    def _ab(self, like: Tensor) -> tuple[Tensor, Tensor]:
+        a, b = (self.shared_a, self.shared_b) if isinstance(self, SharedLora) else (self.lora_a, self.lora_b)
+        return a.to(like.dtype), b.to(like.dtype)
+
+    def linear(self, x: Float[Tensor, "... i"]) -> Float[Tensor, "... o"]:
+        """``x·Wᵀ + s·(x·Aᵀ)·Bᵀ`` of a 2-D weight."""
+        a, b = self._ab(x)
+        return frozen_linear(x, self.base).add_(F.linear(F.linear(x, a), b), alpha=self.scale)
+
+    def grouped_mm(self, x_md: Float[Tensor, "m i"], offs: Tensor) -> Float[Tensor, "m o"]:
+        """Routed experts over rows sorted by expert (``offs``: each expert's end row): ``x·W_eᵀ + s·(x·A_eᵀ)·B_eᵀ``
+        per expert as grouped GEMMs with the base's offsets (one pair for all experts: two plain GEMMs)."""
+        a, b = self._ab(x_md)
+        if isinstance(self, SharedLora):
+            low = F.linear(F.linear(x_md, a), b)
+        else:
+            low = F.grouped_mm(F.grouped_mm(x_md, a.transpose(-2, -1), offs=offs), b.transpose(-2, -1), offs=offs)
+        return frozen_grouped_mm(x_md, self.base, offs).add_(low, alpha=self.scale)
+
+    def bmm(self, x_eqd: Float[Tensor, "e q i"]) -> Float[Tensor, "e q o"]:
+        """Routed experts over rows padded to ``[e, capacity, i]``: ``x·W_eᵀ + s·(x·A_eᵀ)·B_eᵀ`` per expert."""
+        a, b = self._ab(x_eqd)
+        if isinstance(self, SharedLora):
+            low = F.linear(F.linear(x_eqd, a), b)
+        else:
+            low = torch.bmm(torch.bmm(x_eqd, a.transpose(-2, -1)), b.transpose(-2, -1))
+        return frozen_bmm(x_eqd, self.base).add_(low, alpha=self.scale)
+
+
 @attrs.frozen
-class Lora:
+class Lora(_Adapted):
     """An adapted weight: frozen ``base`` ``[.., o, i]`` plus ``scale · lora_b @ lora_a`` (``lora_a [.., r, i]``,
     ``lora_b [.., o, r]``; a leading expert dim when the base has one)."""
 
@@ -152,7 +196,7 @@ class Lora:
 
 
 @attrs.frozen
-class SharedLora:
+class SharedLora(_Adapted):
     """Routed experts ``base [e, o, i]`` plus one adapter for all of them: ``scale · shared_b @ shared_a``
     (``shared_a [r, i]``, ``shared_b [o, r]``)."""
 
@@ -160,6 +204,23 @@ class SharedLora:
     shared_a: Tensor
     shared_b: Tensor
     scale: float = attrs.field(default=1.0, kw_only=True)
+
+
+@attrs.frozen
+class Frozen(_Adapted):
+    """A frozen weight without adapter in compute form (a block-FP8 base leaf the run does not adapt): its
+    products only (``compute_form`` builds it; never stored in a parameter tree)."""
+
+    base: Fp8Weight
+
+    def linear(self, x):
+        return frozen_linear(x, self.base)
+
+    def grouped_mm(self, x_md, offs):
+        return frozen_grouped_mm(x_md, self.base, offs)
+
+    def bmm(self, x_eqd):
+        return frozen_bmm(x_eqd, self.base)
 
 
 def _register(cls, names: tuple[str, str, str]) -> None:
@@ -274,9 +335,8 @@ def add_adapters(params, peft: PeftConfig, *, seed: int, make=None, base_dtype=N
         base = t if fp8 or dt is None or not t.is_floating_point() else t.to(dt)
         if not peft.adapts(path):
             return base
-        # the declaration's axes and FSDP dim, at this weight's own (global) shape: the declarations are of a small
-        # model (``q38.model.declared_params``), so their shapes are not this model's
-        info = attrs.evolve(declared_info(path), shape=tuple((t.bits if fp8 else t).shape))
+        # the declaration gives the logical axes and FSDP role; the shape is the base's own (the model's config)
+        info = attrs.evolve(declared_info(path), shape=tuple(int(n) for n in (t.bits if fp8 else t).shape))
         shared = info.axes[:1] == ("expert",) and peft.experts == "shared"
         keys = ("shared_a", "shared_b") if shared else ("lora_a", "lora_b")
         a, b = (make(f"{path}.{k}", adapter_info(info, k, peft.rank), t.bits if fp8 else t) for k in keys)
@@ -303,6 +363,85 @@ def merge_weight(n: "Lora | SharedLora") -> Float[Tensor, "..."]:
     if n.base.dim() == 2:
         return torch.addmm(n.base, b, a, alpha=n.scale)
     return torch.baddbmm(n.base, b, a, alpha=n.scale)
+
+
+# ---- the unmerged products (the run path) -----------------------------------------------------------------------
+
+
+def _product(kind: str, x: Tensor, w: Tensor, offs: Tensor | None) -> Tensor:
+    """``x`` times the weight ``w`` ``[.., o, i]`` transposed: ``linear`` (2-D ``w``), ``grouped_mm`` (rows sorted by
+    expert, ``offs``), ``bmm`` (``[e, q, i]`` rows per expert)."""
+    if kind == "linear":
+        return F.linear(x, w)
+    if kind == "grouped_mm":
+        return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    return torch.bmm(x, w.transpose(-2, -1))
+
+
+def _input_grad(kind: str, g: Tensor, w: Tensor, offs: Tensor | None) -> Tensor:
+    """The gradient of ``_product(kind, x, w)`` w.r.t. ``x`` (``g`` its output's gradient): ``g · W``."""
+    if kind == "linear":
+        return torch.matmul(g, w)
+    if kind == "grouped_mm":
+        return F.grouped_mm(g.contiguous(), w, offs=offs)
+    return torch.bmm(g, w)
+
+
+class _Fp8Product(torch.autograd.Function):
+    """``_product`` of ``x`` and a gathered block-FP8 weight (``bits``, ``scale_inv``): the weight is dequantized for
+    the forward and dequantized again in backward for the input gradient (recomputed, not saved: what backward
+    keeps is the bits and scales, 1 byte a value plus the scales, which FSDP's reshard-after-forward frees and
+    re-gathers like any gathered parameter, where a saved dequantized copy would hold 2-4 bytes a value of every
+    layer until its backward; the recompute is one elementwise pass, small next to the GEMM). No weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, bits, scale_inv, offs, kind, block, dtype):
+        ctx.kind, ctx.block, ctx.dtype = kind, block, dtype
+        ctx.save_for_backward(bits, scale_inv, offs)
+        return _product(kind, x, dequantize_blocks(bits, scale_inv, block, dtype).to(x.dtype), offs)
+
+    @staticmethod
+    def backward(ctx, g):
+        bits, scale_inv, offs = ctx.saved_tensors
+        w = dequantize_blocks(bits, scale_inv, ctx.block, ctx.dtype).to(g.dtype)
+        return _input_grad(ctx.kind, g, w, offs), None, None, None, None, None, None
+
+
+def _frozen(kind: str, x: Tensor, base, offs: Tensor | None = None) -> Tensor:
+    if isinstance(base, Fp8Weight):
+        return _Fp8Product.apply(x, base.bits, base.scale_inv, offs, kind, base.block, base.dtype)
+    return _product(kind, x, base.detach(), offs)  # a constant: autograd computes the input gradient only
+
+
+def frozen_linear(x: Float[Tensor, "... i"], base) -> Float[Tensor, "... o"]:
+    """``x·Wᵀ`` of a frozen weight (a tensor or an ``Fp8Weight``): no weight gradient."""
+    return _frozen("linear", x, base)
+
+
+def frozen_grouped_mm(x_md: Float[Tensor, "m i"], base, offs: Tensor) -> Float[Tensor, "m o"]:
+    """``x·W_eᵀ`` per expert over rows sorted by expert (``F.grouped_mm``) of frozen experts: no weight gradient."""
+    return _frozen("grouped_mm", x_md, base, offs)
+
+
+def frozen_bmm(x_eqd: Float[Tensor, "e q i"], base) -> Float[Tensor, "e q o"]:
+    """``x·W_eᵀ`` per expert over padded rows (``bmm``) of frozen experts: no weight gradient."""
+    return _frozen("bmm", x_eqd, base)
+
+
+def compute_form(tree):
+    """The run path's form of a gathered subtree (the step's gather hook): every adapted node stays a node with its
+    base as a constant (detached; a block-FP8 base stays its gathered bits and scales, dequantized inside each
+    product), and a block-FP8 weight without adapter becomes ``Frozen``; the layers' matmul helpers run the
+    unmerged products (``Lora.linear`` / ``grouped_mm`` / ``bmm``), so no merged weight and no weight gradient of
+    the base exist. Other leaves pass through; the identity on a tree without adapters or FP8 weights."""
+    def c(x):
+        if isinstance(x, Fp8Weight):
+            return Frozen(x)
+        if is_adapted(x) and not isinstance(x.base, Fp8Weight):
+            return attrs.evolve(x, base=x.base.detach())
+        return x
+
+    return pytree.tree_map(c, tree, is_leaf=_node)
 
 
 def _node(x) -> bool:

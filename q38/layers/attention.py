@@ -20,7 +20,7 @@ from torch import Tensor
 
 from q38.model_config import ModelConfig
 from q38.errors import DataError
-from q38.layers.common import ParamInfo
+from q38.layers.common import ParamInfo, linear
 from q38.layers.context import SeqInfo
 from q38.layers.norm import rms_norm
 from q38.layers.rope import apply_rope, rope_cos_sin
@@ -80,10 +80,10 @@ def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, 
     comm = info.comm
     ids = None if (comm.is_local and not info.packed) else comm.all_gather_seq_async((info.seq_idx, info.doc_ids), 1)
     cos, sin = rope_cos_sin(info.positions, cfg.rotary_dim, cfg.rope_theta)
-    k_bsgc = rms_norm(rearrange(F.linear(x, p.w_k), "b s (g c) -> b s g c", g=g), p.k_norm, cfg.rms_norm_eps)
-    v_bsgc = rearrange(F.linear(x, p.w_v), "b s (g c) -> b s g c", g=g)
+    k_bsgc = rms_norm(rearrange(linear(x, p.w_k), "b s (g c) -> b s g c", g=g), p.k_norm, cfg.rms_norm_eps)
+    v_bsgc = rearrange(linear(x, p.w_v), "b s (g c) -> b s g c", g=g)
     kv = comm.all_gather_seq_async((apply_rope(k_bsgc, cos, sin), v_bsgc), 1)
-    qg_bshc = rearrange(F.linear(x, p.w_q), "b s (h c2) -> b s h c2", h=h)
+    qg_bshc = rearrange(linear(x, p.w_q), "b s (h c2) -> b s h c2", h=h)
     q_bshc, gate_bshc = qg_bshc.chunk(2, dim=-1)  # one cat in backward, not two zero-filled slice grads
     q_bshc = apply_rope(rms_norm(q_bshc, p.q_norm, cfg.rms_norm_eps), cos, sin)
     # the mask as the indices it is computed from: each implementation builds its own form (dense, block, cu_seqlens)
@@ -97,7 +97,7 @@ def attention_apply(p: AttnParams, x: Float[Tensor, "b s d"], cfg: ModelConfig, 
     # sigmoid before the merge of (h c): the gate is a strided half of the projection, whose merge would copy it;
     # the sigmoid's output is contiguous, so the merge is a view
     o_bsd = rearrange(o_bhsc, "b h s c -> b s (h c)") * rearrange(torch.sigmoid(gate_bshc), "b s h c -> b s (h c)")
-    return F.linear(o_bsd, p.w_o)
+    return linear(o_bsd, p.w_o)
 
 
 # ---- the attention core's implementations (kernels.attention); contract: q [b h s c], k, v [b g t c],

@@ -11,7 +11,7 @@ from torch.profiler import record_function
 
 from q38.model_config import ModelConfig
 from q38.kernels import OPS
-from q38.layers.common import ParamInfo
+from q38.layers.common import ParamInfo, WeightNode
 from q38.layers.context import SeqInfo
 from q38.layers.kinds import MIXER_KINDS, kind_of
 from q38.layers.moe import ExpertDispatch, MoEParams, abstract_moe, moe_apply
@@ -85,6 +85,11 @@ def compiled_block(apply: Callable) -> Callable:
             if dispatch is not None or not info.comm.is_local:
                 raise NotImplementedError("kernels.block: compiled runs on one device without expert parallelism "
                                           "(no cp / ep mesh dims) for now; set kernels.block: eager")
+            if any(isinstance(w, WeightNode) for w in (*attrs.astuple(p.mixer, recurse=False),
+                                                       *attrs.astuple(p.moe, recurse=False))):
+                raise NotImplementedError("kernels.block: compiled with a LoRA run or a block-FP8 base (adapters "
+                                          "beside their frozen weights) is not implemented yet; set kernels.block: "
+                                          "eager")
             for op in OPS:
                 info.kernels.fn(op)
             return compiled(p, x, cfg, info, dispatch, router_bias, kind)

@@ -2,9 +2,12 @@
 
 import hashlib
 import math
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
+import torch.nn.functional as F
+from jaxtyping import Float
 from torch import Tensor
 
 
@@ -96,3 +99,22 @@ def materialize(
         raise ValueError(f"unknown init rule {info.init!r} for parameter {path}")
     return t.to(device=device, dtype=dtype)
 
+
+
+@runtime_checkable
+class WeightNode(Protocol):
+    """A weight in compute form that computes its own products (a LoRA run's adapted weight, base and adapter
+    unmerged, or a frozen block-FP8 weight: ``q38.lora``); the layers' matmul helpers dispatch on it."""
+
+    def linear(self, x: Tensor) -> Tensor: ...
+
+    def grouped_mm(self, x_md: Tensor, offs: Tensor) -> Tensor: ...
+
+    def bmm(self, x_eqd: Tensor) -> Tensor: ...
+
+
+def linear(x: Float[Tensor, "... i"], w) -> Float[Tensor, "... o"]:
+    """``x·wᵀ`` of a projection weight ``[o, i]``: a tensor, or a weight node in compute form (a LoRA run's adapted
+    or block-FP8 weight, ``q38.lora``), which computes its own product (the frozen base's and the adapter's,
+    unmerged: ``node.linear(x)``)."""
+    return F.linear(x, w) if isinstance(w, Tensor) else w.linear(x)

@@ -19,7 +19,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from q38.model_config import ModelConfig
-from q38.layers.common import ParamInfo
+from q38.layers.common import ParamInfo, linear
 from q38.layers.context import SeqHandle, SeqInfo
 from q38.layers.norm import gated_rms_norm
 from q38.pytree import pytree_node
@@ -849,11 +849,11 @@ def gdn_apply(
     # CP: the conv halo is started as soon as its inputs exist and waited by the conv, after the other projections.
     kw = p.conv_w.shape[1]
     doc_halo = start_doc_halo(kw, info)
-    mixed = F.linear(x, p.w_qkv)
+    mixed = linear(x, p.w_qkv)
     halo = start_conv_halo(mixed, kw, info, doc_halo)
-    z = rearrange(F.linear(x, p.w_z), "b s (h c) -> b s h c", h=nv)
-    beta = torch.sigmoid(F.linear(x, p.w_b))
-    log_decay = -p.A_log.float().exp() * F.softplus(F.linear(x, p.w_a).float() + p.dt_bias)  # fp32, ≤ 0
+    z = rearrange(linear(x, p.w_z), "b s (h c) -> b s h c", h=nv)
+    beta = torch.sigmoid(linear(x, p.w_b))
+    log_decay = -p.A_log.float().exp() * F.softplus(linear(x, p.w_a).float() + p.dt_bias)  # fp32, ≤ 0
     qkv = F.silu(kernels.fn("causal_conv1d")(mixed, p.conv_w, info, halo))
     q, k, v = torch.split(qkv, [cfg.linear_key_dim, cfg.linear_key_dim, cfg.linear_value_dim], dim=-1)
     q = rearrange(q, "b s (hk c) -> b s hk c", hk=nk)
@@ -864,4 +864,4 @@ def gdn_apply(
         o = kernels.fn("gdn")(q, k, v, log_decay, beta, info, chunk_size=int(kernels.gdn_chunk_size),
                               backward=backward)
     o = gated_rms_norm(o, z, p.norm_w, cfg.rms_norm_eps)
-    return F.linear(rearrange(o, "b s h c -> b s (h c)"), p.w_out)
+    return linear(rearrange(o, "b s h c -> b s (h c)"), p.w_out)

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from q38.model_config import ModelConfig
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
-from q38.layers.common import ParamInfo
+from q38.layers.common import ParamInfo, WeightNode, linear
 from q38.pytree import pytree_node
 
 
@@ -73,23 +73,23 @@ def route(
 def swiglu_grouped_mm(
     x_md: Float[Tensor, "m d"],
     counts_e: Int[Tensor, " e"],
-    we_gate_up: Float[Tensor, "e f2 d"],
-    we_down: Float[Tensor, "e d f"],
+    we_gate_up: Float[Tensor, "e f2 d"] | WeightNode,
+    we_down: Float[Tensor, "e d f"] | WeightNode,
     w_m: Float[Tensor, " m"],
 ) -> Float[Tensor, "m d"]:
     """``kernels.experts: grouped_mm``: SwiGLU of rows already sorted by expert (``counts_e`` rows for expert 0, then
     expert 1, ...), each row's activation scaled by its gate weight ``w_m`` before the down projection; one
     ``F.grouped_mm`` per projection."""
     offs = torch.cumsum(counts_e, 0).to(torch.int32)
-    a_mf = _WeightedSwiGLU.apply(w_m, F.grouped_mm(x_md, we_gate_up.transpose(-2, -1), offs=offs))
-    return _GradContiguous.apply(F.grouped_mm(a_mf, we_down.transpose(-2, -1), offs=offs))
+    a_mf = _WeightedSwiGLU.apply(w_m, _grouped(x_md, we_gate_up, offs))
+    return _GradContiguous.apply(_grouped(a_mf, we_down, offs))
 
 
 def swiglu_batched(
     x_md: Float[Tensor, "m d"],
     counts_e: Int[Tensor, " e"],
-    we_gate_up: Float[Tensor, "e f2 d"],
-    we_down: Float[Tensor, "e d f"],
+    we_gate_up: Float[Tensor, "e f2 d"] | WeightNode,
+    we_down: Float[Tensor, "e d f"] | WeightNode,
     w_m: Float[Tensor, " m"],
 ) -> Float[Tensor, "m d"]:
     """``kernels.experts: batched``: the same SwiGLU as ``swiglu_grouped_mm``, the rows scattered into
@@ -106,11 +106,24 @@ def swiglu_batched(
     slot_m = torch.arange(m, device=x_md.device) - starts[expert_m]
     flat = expert_m * cap + slot_m
     x_eqd = x_md.new_zeros(e * cap, x_md.shape[1]).index_copy(0, flat, x_md).view(e, cap, -1)
-    h_qf2 = torch.bmm(x_eqd, we_gate_up.transpose(-2, -1)).reshape(e * cap, -1)
+    h_qf2 = _bmm(x_eqd, we_gate_up).reshape(e * cap, -1)
     w_q = w_m.new_zeros(e * cap).index_copy(0, flat, w_m)  # padding rows: weight 0
     a_eqf = _WeightedSwiGLU.apply(w_q, h_qf2).view(e, cap, -1)
-    y_eqd = torch.bmm(a_eqf, we_down.transpose(-2, -1))
+    y_eqd = _bmm(a_eqf, we_down)
     return y_eqd.reshape(e * cap, -1).index_select(0, flat)
+
+
+def _grouped(x_md: Float[Tensor, "m i"], w, offs: Tensor) -> Float[Tensor, "m o"]:
+    """``x·W_eᵀ`` per expert over rows sorted by expert: ``F.grouped_mm`` of an expert weight ``[e, o, i]``, or the
+    weight node's own product (a LoRA run's adapted or block-FP8 experts, ``q38.lora``: base and adapter unmerged,
+    over the same rows and offsets)."""
+    return F.grouped_mm(x_md, w.transpose(-2, -1), offs=offs) if isinstance(w, Tensor) else w.grouped_mm(x_md, offs)
+
+
+def _bmm(x_eqd: Float[Tensor, "e q i"], w) -> Float[Tensor, "e q o"]:
+    """``x·W_eᵀ`` per expert over padded rows ``[e, capacity, i]``: ``bmm`` of an expert weight, or the weight
+    node's own product (as ``_grouped``)."""
+    return torch.bmm(x_eqd, w.transpose(-2, -1)) if isinstance(w, Tensor) else w.bmm(x_eqd)
 
 
 # The routed experts' SwiGLU over slots sorted by expert: ``swiglu_grouped_mm`` or ``swiglu_batched`` (the
@@ -228,8 +241,8 @@ def shared_expert(p: MoEParams, x_nd: Float[Tensor, "n d"]) -> Float[Tensor, "n 
     gate and up projections stay two matmuls on the parameters themselves: a matmul over ``[Wg; Wu]`` would save the
     concatenated weight for its backward in full, outside FSDP's reshard-after-forward."""
     gate_n = torch.sigmoid(F.linear(x_nd, p.w_shared_gate)).squeeze(-1)
-    a = _WeightedSwiGLU.apply(gate_n, F.linear(x_nd, p.ws_gate), F.linear(x_nd, p.ws_up))
-    return F.linear(a, p.ws_down)
+    a = _WeightedSwiGLU.apply(gate_n, linear(x_nd, p.ws_gate), linear(x_nd, p.ws_up))
+    return linear(a, p.ws_down)
 
 
 def moe_apply(
@@ -246,7 +259,7 @@ def moe_apply(
     ``kernels``: the step's resolved kernels (``kernels.experts`` runs the routed experts)."""
     b, s, d = x.shape
     x_nd = x.reshape(-1, d)
-    logits_ne = F.linear(x_nd, p.w_router)
+    logits_ne = linear(x_nd, p.w_router)
     w_nk, idx_nk = route(logits_ne, cfg.num_experts_per_tok, cfg.norm_topk_prob, router_bias)
     experts = kernels.fn("experts")
     if dispatch is None:

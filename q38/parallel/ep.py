@@ -215,6 +215,10 @@ class EPDispatch:
         return y_back
 
     def _balance(self, expert_m, dest, local_idx, w_gu, w_dn, num_experts):
+        if not (isinstance(w_gu, Tensor) and isinstance(w_dn, Tensor)):
+            raise ConfigError("train.enable_ep_balance with a LoRA run (peft) or a block-FP8 base is not implemented "
+                              "(expert copies would have to carry the adapters and FP8 scales); set "
+                              "enable_ep_balance: false")
         e_local = w_gu.shape[0]
         load = torch.bincount(expert_m, minlength=num_experts).float()
         links.all_reduce(load, self.group)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from q38.lora import merge_adapters
+from q38.lora import compute_form
 from q38.model import LayerHooks, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
 from q38.train.core.optim import adamw_step, adamw_step_
@@ -157,10 +157,11 @@ def make_layer_hooks(runtime, tc, regions: KernelRegions | None = None, lora: bo
     """How the model runs on ``runtime`` (from ``step_runtime``): gathers in the policy's ``param_dtype``, recompute /
     offload / reshard-after-forward around each layer, EP dispatch, FSDP prefetch. ``regions``: the step's
     ``KernelRegions`` (the layers' ``SeqInfo.region``), for selective recompute. ``lora``: the parameters hold LoRA
-    nodes, merged after each gather (``q38.lora.merge_adapters``)."""
+    nodes (or block-FP8 weights), put in compute form after each gather (``q38.lora.compute_form``: base and adapter
+    unmerged, the base a constant)."""
     gather = runtime.gather
     if lora:
-        gather = lambda tree: merge_adapters(runtime.gather(tree))  # noqa: E731
+        gather = lambda tree: compute_form(runtime.gather(tree))  # noqa: E731
     return LayerHooks(
         gather=gather, wrap_layer=layer_wrapper(tc, _reshard_hooks(runtime, tc), regions),
         dispatch=runtime.dispatch,

@@ -17,7 +17,7 @@ import typing
 import attrs
 import torch
 
-from q38.lora import merge_adapters
+from q38.lora import compute_form
 from q38.model import LayerHooks, forward, head_weight
 from q38.batch import IGNORE_INDEX, count_targets
 
@@ -56,8 +56,8 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
     runtime = step_runtime(mesh, tc)
     depths = mc.mtp_num_layers
     gather = runtime.gather
-    if state.peft is not None:  # a LoRA run: adapters merged into their weights after each gather
-        gather = lambda tree: merge_adapters(runtime.gather(tree))  # noqa: E731
+    if state.peft is not None:  # a LoRA run: adapters beside their frozen weights (unmerged) after each gather
+        gather = lambda tree: compute_form(runtime.gather(tree))  # noqa: E731
     hooks = LayerHooks(gather=gather, dispatch=runtime.dispatch)
     p, bias = state.params, state.router_bias
     runtime.bind(p)
