@@ -11,6 +11,7 @@ from q38.train.core.optim import adamw_step, adamw_step_
 from q38.train.core.state import init_state
 from q38.train.core.step import train_step
 from q38.train.core.step_config import TrainConfig
+from tests.dist_utils import run_distributed
 from tests.test_donate import CFG, TC, _b, _same_state
 
 BF16 = TC.replace(moment_dtype="bfloat16")
@@ -189,3 +190,33 @@ def test_unfinished_lean_options_are_refused(key, value):
         TrainConfig(**{key: value})
     assert TrainConfig(moment_dtype="bfloat16").moment_dtype == "bfloat16"
     assert TrainConfig(moment_dtype="int8").moment_dtype == "int8"
+
+
+def _int8_rank(rank, world, layout_name, mesh_sizes, ckpt):
+    from q38.parallel.layout import Layout
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
+    from q38.train.core.state import state_from_params
+    from q38.train.io.checkpoint import empty_params, load_checkpoint, save_checkpoint
+    from tests.test_donate import _run
+
+    mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)
+    state = shard(init_state(CFG, INT8, seed=1), mesh)
+    sb = lambda b: shard_batch(b, mesh, CFG.mtp_num_layers)  # noqa: E731
+    pure, lp, _ = _run(state, [_b(0), _b(1)], mesh, donate=False, shard_b=sb)
+    don, ld, _ = _run(tree_map(lambda t: t.clone(), state), [_b(0), _b(1)], mesh, donate=True, shard_b=sb)
+    pure_vs_donated = _same_state(pure, don)
+    save_checkpoint(ckpt, don, {"step": 2, "model_config": CFG.to_dict(), "train_config": INT8.to_dict()})
+    back, _ = load_checkpoint(f"{ckpt}/step_000002", state_from_params(empty_params(CFG, mesh=mesh), CFG, INT8))
+    a, la, _ = _run(back, [_b(2)], mesh, donate=True, shard_b=sb)
+    b, lb, _ = _run(don, [_b(2)], mesh, donate=True, shard_b=sb)
+    sharded = [n for n, t in named_leaves(state.exp_avg) if hasattr(t, "to_local") and n.endswith(".scales")
+               and t.shape[0] > 1]
+    return {"losses": (lp, ld, la, lb), "pure_vs_donated": pure_vs_donated, "resumed": _same_state(a, b),
+            "sharded_scales": len(sharded)}
+
+
+@pytest.mark.dist
+def test_int8_moments_on_two_ranks_donated_equals_pure_and_resume_is_exact(tmp_path):
+    for o in run_distributed(_int8_rank, 2, "fsdp_ep", {"fsdp": 1, "ep": 2}, str(tmp_path)):
+        assert o["losses"][0] == o["losses"][1] and o["losses"][2] == o["losses"][3]
+        assert o["pure_vs_donated"] == [] and o["resumed"] == [] and o["sharded_scales"] > 0
