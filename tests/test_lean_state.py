@@ -220,3 +220,19 @@ def test_int8_moments_on_two_ranks_donated_equals_pure_and_resume_is_exact(tmp_p
     for o in run_distributed(_int8_rank, 2, "fsdp_ep", {"fsdp": 1, "ep": 2}, str(tmp_path)):
         assert o["losses"][0] == o["losses"][1] and o["losses"][2] == o["losses"][3]
         assert o["pure_vs_donated"] == [] and o["resumed"] == [] and o["sharded_scales"] > 0
+
+
+def test_int8_checkpoint_resumes_only_on_its_layout(tmp_path):
+    from q38.train.io.checkpoint import save_checkpoint
+    from q38.train.run.trainer import _check_int8_layout
+
+    state = init_state(CFG, INT8, seed=2)
+    meta = {"step": 0, "model_config": CFG.to_dict(), "train_config": INT8.to_dict(), "layout": "fsdp",
+            "mesh": {"fsdp": 2}}
+    path = save_checkpoint(tmp_path, state, meta)
+    run = lambda layout, mesh, tc=INT8: (tc.moment_dtype, layout, mesh)  # noqa: E731
+    _check_int8_layout(path, *run("fsdp", {"fsdp": 2}))  # the same layout and mesh: allowed
+    _check_int8_layout(path, *run("fsdp_ep", {"fsdp": 1, "ep": 2}, TC))  # moments not int8 now: nothing to refuse
+    with pytest.raises(ConfigError, match=r"int8 moments quantized per shard of layout 'fsdp' mesh \{'fsdp': 2\}; "
+                                          r"resume it with that layout and mesh"):
+        _check_int8_layout(path, *run("fsdp", {"fsdp": 4}))
