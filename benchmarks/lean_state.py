@@ -25,14 +25,15 @@ OPTIONS = {"float32": {}, "bfloat16": {"train.moment_dtype": "bfloat16"}, "int8"
 MARKS = (1, 50, 100, 200, 300)
 
 
-def start(model: str, moment: str, steps: int, rows: int, out: Path) -> subprocess.Popen:
+def start(model: str, moment: str, steps: int, rows: int, out: Path, seed: int = 0) -> subprocess.Popen:
     sets = {"model": MODELS[model], **OPTIONS[moment], "run.steps": steps, "train.total_steps": steps,
             "data.batch_size": rows, "run.out_dir": str(out), "run.eval_every": steps, "run.save_every": 0,
-            "run.progress": False}
+            "run.progress": False, "run.seed": seed}
     cmd = [sys.executable, "-m", "q38.cli", "train", str(REPO / "specs" / "train" / "tiny.yaml")]
     for k, v in sets.items():
         cmd += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
-    return subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.DEVNULL)
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)  # one thread a run: they run side by side
 
 
 def result(out: Path, steps: int) -> dict:
@@ -50,13 +51,14 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--options", default=",".join(OPTIONS))
     ap.add_argument("--rows", type=int, default=4, help="data.batch_size (the default run's is 8)")
+    ap.add_argument("--seed", type=int, default=0, help="run.seed (another seed: the fp32 run's own spread)")
     a = ap.parse_args(argv)
     marks = [m for m in MARKS if m <= a.steps]
     print(f"| model | option | {' | '.join(f'loss@{m}' for m in marks)} | eval loss | Δ final vs fp32 |")
     print("|---|---|" + "---|" * (len(marks) + 2))
     runs = [(m, o) for m in a.models.split(",") for o in a.options.split(",")]
     with tempfile.TemporaryDirectory(prefix="q38_lean_") as d:
-        procs = {r: start(*r, a.steps, a.rows, Path(d) / "_".join(r)) for r in runs}  # all at once
+        procs = {r: start(*r, a.steps, a.rows, Path(d) / "_".join(r), a.seed) for r in runs}  # all at once
         for r, p in procs.items():
             if p.wait():
                 raise SystemExit(f"lean_state: the run {r} failed (exit {p.returncode})")
