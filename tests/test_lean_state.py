@@ -153,6 +153,16 @@ def test_int8_moments_donated_equals_pure_and_resume_is_exact(tmp_path):
     template = state_from_params(empty_params(CFG), CFG, INT8)
     back, _ = load_checkpoint(tmp_path / "step_000002", template)
     assert _same_state(back, don) == []
+    # q38 convert reads only the parameters: the same files as the fp32-moment checkpoint of the same parameters
+    from q38.cli import main
+    from q38.train.core.state import state_from_params as sfp
+
+    twin = sfp(tree_map(lambda t: t.clone(), back.params), CFG, TC)
+    save_checkpoint(tmp_path / "fp32", twin, {"step": 2, "model_config": CFG.to_dict(), "train_config": TC.to_dict()})
+    for src, out in ((tmp_path / "step_000002", "hf8"), (tmp_path / "fp32" / "step_000002", "hf32")):
+        assert main(["convert", "--to-hf", str(src), str(tmp_path / out), "--dtype", "float32"]) == 0
+    files = sorted(p.name for p in (tmp_path / "hf8").iterdir() if p.suffix == ".safetensors")
+    assert files and all((tmp_path / "hf8" / f).read_bytes() == (tmp_path / "hf32" / f).read_bytes() for f in files)
     a, _ = train_step(back, _b(2), donate=True)
     b, _ = train_step(don, _b(2), donate=True)
     assert _same_state(a, b) == []
