@@ -18,6 +18,7 @@ freed memory goes back to the OS at once, so the high-water mark is the live pea
 
     python benchmarks/optim_memory.py                # 4 ranks, fsdp, seq 512, 1 row per rank, 1 step
     python benchmarks/optim_memory.py --world 1      # one process
+    python benchmarks/optim_memory.py --train '{"overlap_comm": false}'   # train settings of the step (JSON)
 """
 
 import argparse
@@ -57,7 +58,7 @@ def worker(mode: str, rank: int, world: int, work: Path, layout: str, seq: int, 
     torch.set_num_threads(1)
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{work / 'pg'}", rank=rank, world_size=world)
-    cfg, tc = ModelConfig.from_yaml(MODEL), TrainConfig()
+    cfg, tc = ModelConfig.from_yaml(MODEL), TrainConfig(**json.loads(os.environ.get("Q38_OPTIM_TRAIN", "{}")))
     mesh = make_mesh(Layout.preset(layout), world) if world > 1 else None
     if mesh is None:
         from q38.model import init_params
@@ -126,9 +127,9 @@ def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str) -> tupl
     return b.peak_fwd_bwd, b.peak_optimizer, state
 
 
-def run_mode(mode: str, world: int, layout: str, seq: int, rows: int, steps: int) -> list[dict]:
+def run_mode(mode: str, world: int, layout: str, seq: int, rows: int, steps: int, train: str = "{}") -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(REPO), MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", Q38_OPTIM_TRAIN=train)
     with tempfile.TemporaryDirectory(prefix="q38_optim_memory_") as d:
         procs = [subprocess.Popen([sys.executable, __file__, "--worker", mode, "--rank", str(r), "--world",
                                    str(world), "--work", d, "--layout", layout, "--seq", str(seq), "--rows",
@@ -151,6 +152,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=1, help="rows per rank and step")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--train", default="{}", help='train settings as JSON, e.g. \'{"overlap_comm": false}\'')
     ap.add_argument("--worker", choices=MODES)
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--work", type=Path)
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
           f"{'plan f/b':>9} {'plan opt':>9} {'plan/state':>10} {'s':>6} loss")
     losses = {}
     for mode in a.modes.split(","):
-        outs = run_mode(mode, a.world, a.layout, a.seq, a.rows, a.steps)
+        outs = run_mode(mode, a.world, a.layout, a.seq, a.rows, a.steps, a.train)
         worst = max(outs, key=lambda o: (o["peak"] - o["base"] + o["shard"]) / o["shard"])
         peak = worst["peak"] - worst["base"] + worst["shard"]
         plan = plan_figure(a.world, a.layout, a.seq, a.rows, mode)

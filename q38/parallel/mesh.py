@@ -119,17 +119,23 @@ def shard(tree, mesh: Mesh, layout: Layout | None = None):
                 f"layout {layout.name!r} has mesh dims {tuple(mesh.sizes)} but the mesh was built with "
                 f"{mesh.device_mesh.mesh_dim_names}; build the mesh from this layout (make_mesh(layout, world))"
             )
-    named = named_leaves(tree)
+    from q38.train.core import qmoment
+
+    named = named_leaves(tree, is_leaf=qmoment.is_int8_moment)
     params = {}
     for path, t in named:
         q = _param_suffix(path)
         if q is not None:
-            params.setdefault(q, tuple(t.shape))
+            params.setdefault(q, tuple((t.codes if qmoment.is_int8_moment(t) else t).shape))
     pl = mesh.layout.placements_of_shapes(list(params.items()), mesh.sizes)
-    flat, spec = pytree.tree_flatten(tree)
+    flat, spec = pytree.tree_flatten(tree, is_leaf=qmoment.is_int8_moment)
     out = []
     for (path, _), t in zip(named, flat):
         q = _param_suffix(path)
+        if q is not None and qmoment.is_int8_moment(t):  # 8-bit moment: its values placed, requantized per shard
+            d = distribute_tensor(qmoment.load(t), mesh.device_mesh, pl[q].dtensor_placements())
+            out.append(qmoment.stored(qmoment.zeros_like(d, t.signed), d.to_local()))
+            continue
         out.append(t if q is None else distribute_tensor(t, mesh.device_mesh, pl[q].dtensor_placements()))
     return pytree.tree_unflatten(out, spec)
 

@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw
 
+from q38.train.core import qmoment
+
 IMPLS = ("foreach", "fused")
 
 
@@ -36,6 +38,20 @@ def _rewrap(like: Tensor, local: Tensor) -> Tensor:
                               stride=like.stride())
 
 
+def _work(m) -> Tensor:
+    """An fp32 copy of a moment's local shard (an ``Int8Moment`` dequantized)."""
+    if qmoment.is_int8_moment(m):
+        return qmoment.load(m)
+    return _local(m).detach().to(torch.float32, copy=True)
+
+
+def _stored(m, w: Tensor):
+    """The updated fp32 local shard ``w`` as a new moment like ``m`` (rounded to its dtype, or requantized)."""
+    if qmoment.is_int8_moment(m):
+        return qmoment.stored(m, w)
+    return _rewrap(m, w.to(_local(m).dtype))
+
+
 @torch.no_grad()
 def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, decay: list[bool], *, step: int,
                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale=None,
@@ -50,8 +66,8 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, dec
         raise ValueError(f"AdamW impl must be one of {IMPLS}, got {impl!r}")
     p_loc = [_local(p) for p in params]
     work_p = [p.detach().to(torch.float32, copy=True) for p in p_loc]
-    work_m = [_local(m).detach().to(torch.float32, copy=True) for m in exp_avgs]
-    work_v = [_local(v).detach().to(torch.float32, copy=True) for v in exp_avg_sqs]
+    work_m = [_work(m) for m in exp_avgs]
+    work_v = [_work(v) for v in exp_avg_sqs]
     g = [_local(x).detach().to(torch.float32) for x in grads]
     if grad_scale is not None and not (isinstance(grad_scale, float) and grad_scale == 1.0):
         g = torch._foreach_mul(g, grad_scale)
@@ -72,8 +88,8 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, dec
             lr=lr, weight_decay=weight_decay if dec else 0.0, eps=eps, maximize=False,
         )
     new_p = [_rewrap(p, w.to(pl.dtype)) for p, pl, w in zip(params, p_loc, work_p)]
-    new_m = [_rewrap(m, w.to(_local(m).dtype)) for m, w in zip(exp_avgs, work_m)]
-    new_v = [_rewrap(v, w.to(_local(v).dtype)) for v, w in zip(exp_avg_sqs, work_v)]
+    new_m = [_stored(m, w) for m, w in zip(exp_avgs, work_m)]
+    new_v = [_stored(v, w) for v, w in zip(exp_avg_sqs, work_v)]
     return new_p, new_m, new_v
 
 
@@ -91,7 +107,8 @@ def adamw_step_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, de
         raise ValueError(f"AdamW impl must be one of {IMPLS}, got {impl!r}")
     scale = None if grad_scale is None or (isinstance(grad_scale, float) and grad_scale == 1.0) else grad_scale
     for i, dec in enumerate(decay):
-        p, m, v = _local(params[i]), _local(exp_avgs[i]), _local(exp_avg_sqs[i])
+        p, m, v = _local(params[i]), exp_avgs[i], exp_avg_sqs[i]
+        m, v = (x if qmoment.is_int8_moment(x) else _local(x) for x in (m, v))
         g = _local(grads[i]).detach().to(torch.float32)
         grads[i] = None  # this leaf's gradient now lives only in `g`, dropped at the end of the iteration
         if p.numel() == 0:
@@ -99,12 +116,15 @@ def adamw_step_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, de
         if scale is not None:
             g.mul_(scale)
         kind = impl or default_impl(p.device)
-        work = [t if t.dtype == torch.float32 else t.to(torch.float32) for t in (p, m, v)]  # (one leaf's copies)
+        work = [qmoment.load(t) if qmoment.is_int8_moment(t) else t if t.dtype == torch.float32
+                else t.to(torch.float32) for t in (p, m, v)]  # (one leaf's copies; int8 moments dequantized)
         steps = [torch.full((), float(step - 1), dtype=torch.float32, device="cpu" if kind == "foreach" else p.device)]
         adamw([work[0]], [g], [work[1]], [work[2]], [], steps, foreach=kind == "foreach", fused=kind == "fused",
               amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay if dec else 0.0, eps=eps,
               maximize=False)
         for t, w in zip((p, m, v), work):
-            if w is not t:
+            if qmoment.is_int8_moment(t):
+                qmoment.store_(t, w)  # requantized into the moment's own codes and scales
+            elif w is not t:
                 t.copy_(w)  # rounded back to the stored dtype
         del g, work

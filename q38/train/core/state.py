@@ -133,12 +133,17 @@ def state_from_params(params: ModelParams, model_config: ModelConfig, train_conf
                       kernels: KernelConfig = DEFAULT_KERNELS, peft: PeftConfig | None = None) -> TrainState:
     """The state of ``params`` at step 0: zero moments (``train.moment_dtype``) for every leaf that trains (all of
     them, or with ``peft`` the adapter matrices of ``params``, built by ``q38.lora.add_adapters``)."""
-    dtype = getattr(torch, train_config.moment_dtype)  # fp32, or bf16 moments (train.moment_dtype)
-    zeros = lambda p: torch.zeros_like(p, dtype=dtype)  # noqa: E731
+    if train_config.moment_dtype == "int8":  # 8-bit block-wise moments (q38.train.core.qmoment)
+        from q38.train.core.qmoment import zeros_like
+
+        first, second = (lambda p: zeros_like(p, True)), (lambda p: zeros_like(p, False))
+    else:
+        dtype = getattr(torch, train_config.moment_dtype)  # fp32, or bf16 moments (train.moment_dtype)
+        first = second = lambda p: torch.zeros_like(p, dtype=dtype)  # noqa: E731
     return TrainState(
         params=params,
-        exp_avg=trainable_tree(params, zeros),
-        exp_avg_sq=trainable_tree(params, zeros),
+        exp_avg=trainable_tree(params, first),
+        exp_avg_sq=trainable_tree(params, second),
         step=torch.zeros((), dtype=torch.int64),
         model_config=model_config,
         train_config=train_config,

@@ -18,6 +18,7 @@ from q38.lora import compute_form
 from q38.model import LayerHooks, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
 from q38.train.core.optim import adamw_step, adamw_step_
+from q38.train.core.qmoment import is_int8_moment
 from q38.batch import StepBatch, prepare_batch, split_micro_batches
 from q38.train.core.objective import TermInput, aux_mask, default_terms, expert_counts, routing, step_context, total
 from q38.train.core.remat import KernelRegions, layer_wrapper
@@ -223,7 +224,11 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
         sums = values if sums is None else pytree.tree_map(torch.add, sums, values)
         mb_load = expert_counts(routes, mb.real_mask)
         load = mb_load if load is None else load + mb_load
-    grads = [torch.zeros_like(t) if g is None else g.to(t.dtype) for t, g in zip(trained, grads)]
+    # Held in reduce_dtype (bf16 gradients: 2 bytes a parameter until each leaf's update casts its own to fp32);
+    # the clipping norm squares each leaf in fp32 (runtime.grad_sq_norm).
+    keep = tc.torch_reduce_dtype
+    grads = [torch.zeros_like(t, dtype=keep if t.dtype == torch.float32 else t.dtype) if g is None
+             else g.to(keep if t.dtype == torch.float32 else t.dtype) for t, g in zip(trained, grads)]
 
     # One collective for every term and the router loads.
     names = [t.name for t in terms]
@@ -290,7 +295,8 @@ def train_step(params: TrainState, batch, mesh=None, terms=None, *, donate: bool
         scale = torch.clamp(tc.grad_clip / (grad_norm + 1e-6), max=1.0)
     if donate:
         trained = [t for t, m in zip(flat, trains) if m]
-        moments = tree_leaves(state.exp_avg), tree_leaves(state.exp_avg_sq)
+        moments = (tree_leaves(state.exp_avg, is_leaf=is_int8_moment),
+                   tree_leaves(state.exp_avg_sq, is_leaf=is_int8_moment))
         decay = decay_mask(state.params, tc)
         new_state = attrs.evolve(state, step=state.step + 1)  # the same buffers, updated below
         state.donate(step)  # before any buffer is written: a failure half-way leaves no usable input behind
@@ -308,8 +314,8 @@ def train_step(params: TrainState, batch, mesh=None, terms=None, *, donate: bool
     new_state = attrs.evolve(
         state,
         params=pytree.tree_unflatten([next(updated) if m else t for t, m in zip(flat, trains)], spec),
-        exp_avg=pytree.tree_unflatten(new_m, pytree.tree_structure(state.exp_avg)),
-        exp_avg_sq=pytree.tree_unflatten(new_v, pytree.tree_structure(state.exp_avg_sq)),
+        exp_avg=pytree.tree_unflatten(new_m, pytree.tree_structure(state.exp_avg, is_leaf=is_int8_moment)),
+        exp_avg_sq=pytree.tree_unflatten(new_v, pytree.tree_structure(state.exp_avg_sq, is_leaf=is_int8_moment)),
         step=state.step + 1,
     )
     if state.router_bias is not None:
@@ -324,7 +330,8 @@ def _adamw(state: TrainState, flat: list[Tensor], grads: list[Tensor], scale, lr
     untouched)."""
     tc = state.train_config
     return adamw_step(
-        flat, grads, tree_leaves(state.exp_avg), tree_leaves(state.exp_avg_sq), decay_mask(state.params, tc),
+        flat, grads, tree_leaves(state.exp_avg, is_leaf=is_int8_moment),
+        tree_leaves(state.exp_avg_sq, is_leaf=is_int8_moment), decay_mask(state.params, tc),
         step=step, lr=lr, beta1=tc.beta1, beta2=tc.beta2, eps=tc.eps, weight_decay=tc.weight_decay,
         grad_scale=scale,
     )

@@ -187,8 +187,9 @@ def validate_train_config(t: TrainConfig) -> None:
     for ok, msg in rules:
         if not ok:
             raise ConfigError(msg)
-    # implemented: moment_dtype float32 | bfloat16 (docs/optimizer.md); the rest is refused until it is
-    lean = {k: getattr(t, k) for k, d in (("moment_dtype", ("float32", "bfloat16")), ("master_dtype", ("float32",)),
+    # implemented: moment_dtype float32 | bfloat16 | int8 (docs/optimizer.md); the rest is refused until it is
+    lean = {k: getattr(t, k) for k, d in (("moment_dtype", ("float32", "bfloat16", "int8")),
+                                           ("master_dtype", ("float32",)),
                                            ("offload_optimizer", (False,))) if getattr(t, k) not in d}
     if lean:
         raise ConfigError(f"{', '.join(f'{k}: {v}' for k, v in lean.items())} is not implemented yet; "

@@ -629,7 +629,8 @@ def expected_keys(model: ModelConfig) -> set[str]:
 
     names = [n for n, _ in named_leaves(init_params(model, device="meta"))]
     names += [f"{n}.{k}" for n in names for k in ("base", *ADAPTER_KEYS)]
-    return {f"{p}.{n}" for p in ("params", "exp_avg", "exp_avg_sq") for n in names} | {"step", "router_bias"}
+    moments = {f"{p}.{n}{q}" for p in ("exp_avg", "exp_avg_sq") for n in names for q in ("", ".codes", ".scales")}
+    return {f"params.{n}" for n in names} | moments | {"step", "router_bias"}  # (.codes/.scales: int8 moments)
 
 
 def empty_params(model: ModelConfig, *, device=None, dtype=None, mesh=None):

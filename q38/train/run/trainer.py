@@ -190,6 +190,20 @@ def _base_ref(cfg: RunConfig) -> dict:
     return _BASE_REFS[key]
 
 
+def _check_int8_layout(path, moment_dtype: str, layout, mesh) -> None:
+    """8-bit moments are quantized in blocks of each rank's local shard (q38.train.core.qmoment): they resume only
+    on the layout and mesh they were saved with."""
+    from q38.train.io.checkpoint import read_meta
+
+    meta = read_meta(path)
+    if (meta.get("train_config") or {}).get("moment_dtype") != "int8" or moment_dtype != "int8":
+        return
+    saved, now = (meta.get("layout"), meta.get("mesh")), (layout, mesh)
+    if saved != now:
+        raise ConfigError(f"checkpoint {path} holds int8 moments quantized per shard of layout {saved[0]!r} mesh "
+                          f"{saved[1]}; resume it with that layout and mesh (this run: {now[0]!r} {now[1]})")
+
+
 def _changes(meta: Mapping[str, Any], cfg: RunConfig, plan: RunPlan) -> list[str]:
     """Data and train settings that differ from the checkpoint's (allowed, e.g. more steps; reported)."""
     d = meta.get("data") or {}
@@ -377,6 +391,7 @@ def _build_state(cfg: RunConfig, resume: _Resume, mesh, device: str, plan: RunPl
     if resume.latest is None:
         return state_from_params(_initial_params(cfg, device, dtype, mesh), cfg.model, cfg.train,
                                  kernels=plan.kernels), 0  # the kernels the steps' layers run
+    _check_int8_layout(resume.latest, cfg.train.moment_dtype, cfg.layout, plan.mesh_sizes)
     params = empty_params(cfg.model, device=device, dtype=dtype, mesh=mesh)
     state, meta = load_checkpoint(resume.latest, state_from_params(params, cfg.model, cfg.train, kernels=plan.kernels))
     changes = _changes(meta, cfg, plan)
