@@ -97,7 +97,7 @@ def _q_ref(x, signed):
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["pure", "donated"])
 def test_int8_moments_against_a_hand_written_reference(inplace):
-    from q38.train.core import qmoment
+    from q38 import qmoment
 
     g0 = torch.Generator().manual_seed(1)
     shapes = [(37, 11), (700,), (3, 7, 5)]  # 407 values: one full block and a partial one; 700: 2 full + partial

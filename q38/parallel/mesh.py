@@ -119,7 +119,7 @@ def shard(tree, mesh: Mesh, layout: Layout | None = None):
                 f"layout {layout.name!r} has mesh dims {tuple(mesh.sizes)} but the mesh was built with "
                 f"{mesh.device_mesh.mesh_dim_names}; build the mesh from this layout (make_mesh(layout, world))"
             )
-    from q38.train.core import qmoment
+    from q38 import qmoment
 
     named = named_leaves(tree, is_leaf=qmoment.is_int8_moment)
     params = {}

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 from torch.optim.adamw import adamw
 
-from q38.train.core import qmoment
+from q38 import qmoment
 
 IMPLS = ("foreach", "fused")
 

@@ -133,8 +133,8 @@ def state_from_params(params: ModelParams, model_config: ModelConfig, train_conf
                       kernels: KernelConfig = DEFAULT_KERNELS, peft: PeftConfig | None = None) -> TrainState:
     """The state of ``params`` at step 0: zero moments (``train.moment_dtype``) for every leaf that trains (all of
     them, or with ``peft`` the adapter matrices of ``params``, built by ``q38.lora.add_adapters``)."""
-    if train_config.moment_dtype == "int8":  # 8-bit block-wise moments (q38.train.core.qmoment)
-        from q38.train.core.qmoment import zeros_like
+    if train_config.moment_dtype == "int8":  # 8-bit block-wise moments (q38.qmoment)
+        from q38.qmoment import zeros_like
 
         first, second = (lambda p: zeros_like(p, True)), (lambda p: zeros_like(p, False))
     else:

@@ -18,7 +18,7 @@ from q38.lora import compute_form
 from q38.model import LayerHooks, forward, head_weight
 from q38.pytree import pytree_node, tree_leaves
 from q38.train.core.optim import adamw_step, adamw_step_
-from q38.train.core.qmoment import is_int8_moment
+from q38.qmoment import is_int8_moment
 from q38.batch import StepBatch, prepare_batch, split_micro_batches
 from q38.train.core.objective import TermInput, aux_mask, default_terms, expert_counts, routing, step_context, total
 from q38.train.core.remat import KernelRegions, layer_wrapper

@@ -191,7 +191,7 @@ def _base_ref(cfg: RunConfig) -> dict:
 
 
 def _check_int8_layout(path, moment_dtype: str, layout, mesh) -> None:
-    """8-bit moments are quantized in blocks of each rank's local shard (q38.train.core.qmoment): they resume only
+    """8-bit moments are quantized in blocks of each rank's local shard (q38.qmoment): they resume only
     on the layout and mesh they were saved with."""
     from q38.train.io.checkpoint import read_meta
 
