@@ -151,7 +151,7 @@ LOOPED_ENTRY = """\
 
 # (recipe, file, anchor, text, where): each edit puts ``text`` before or after the one occurrence of ``anchor``
 EDITS = (
-    ("kind", "q38/model_config.py", "    partial_rotary_factor: float = 0.25\n",
+    ("kind", "q38/model_config.py", "    partial_rotary_factor: float = 0.25  # fraction of head_dim that is rotated\n",
      "    sliding_window: int = 4096  # sliding_attention layers: the keys a query sees, itself included\n", "after"),
     ("kind", "q38/model_config.py", '        need(self.rms_norm_eps > 0, "rms_norm_eps must be > 0")\n',
      '        need(self.sliding_window > 0, f"sliding_window must be > 0, got {self.sliding_window}")\n', "after"),

@@ -418,7 +418,9 @@ def test_bad_shard_inputs(tmp_path, capsys, tiny_shards):
     _expect_error(tmp_path, capsys, {"path": str(d)},
                   rf"{d / 'shard_000003.tokens'} holds token id 400 >= the model's vocab_size 384")
 
-    _expect_error(tmp_path, capsys, {"path": str(tmp_path)}, rf"{tmp_path} has no manifest\.json")
+    empty = tmp_path / "empty"  # (not tmp_path itself: the run writes under tmp_path, and a run never writes into its data)
+    empty.mkdir()
+    _expect_error(tmp_path, capsys, {"path": str(empty)}, rf"{empty} has no manifest\.json")
 
 
 def test_bad_token_in_a_shard_is_caught_when_the_shard_is_first_read(tmp_path, tiny_shards, monkeypatch):

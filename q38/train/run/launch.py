@@ -151,7 +151,7 @@ def check_memory(cfg: RunConfig, plan: RunPlan, world_size: int, device: str) ->
         if str(device).split(":")[0] == "cpu" and cfg.run.memory_check:  # the parameters alone, 2 bytes each
             from q38.model import check_host_memory
 
-            local = min(int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), world_size)  # ranks on this host
+            local = min(int(os.environ.get("LOCAL_WORLD_SIZE", 1)), world_size)  # ranks on this host (torchrun sets it)
             check_host_memory(cfg.model, bytes_per_param=2, share=local / world_size, what="run.device cpu",
                               fix="choose a smaller model, more hosts, or set run.memory_check: false to start anyway")
         return None
