@@ -171,6 +171,11 @@ class _Adapted:
         if isinstance(self, SharedLora):
             low = F.linear(F.linear(x_md, a), b)
         else:
+            # grouped_mm wants 16-byte strides: a rank that is not a multiple of 16 bytes (rank 2 in fp32) is padded
+            # with zero rows of A and zero columns of B, which add exact zeros to the product and get no gradient
+            pad = -a.shape[-2] % (16 // a.element_size())
+            if pad:
+                a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
             low = F.grouped_mm(F.grouped_mm(x_md, a.transpose(-2, -1), offs=offs), b.transpose(-2, -1), offs=offs)
         return frozen_grouped_mm(x_md, self.base, offs).add_(low, alpha=self.scale)
 
