@@ -182,10 +182,10 @@ def _add_budget_args(ap) -> None:
     ap.add_argument("--global-batch", type=positive_int, help="sequences per step over all data-parallel ranks")
     ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step")
     ap.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute mode")
-    ap.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32"),
+    ap.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32", "bfloat16", "float16", "float32"),
                     help="compute/gather dtype (default: the run config's train.param_dtype or run.dtype, else fp32 "
                          "as q38 train)")
-    ap.add_argument("--reduce-dtype", choices=("bf16", "fp32"),
+    ap.add_argument("--reduce-dtype", choices=("bf16", "fp32", "bfloat16", "float32"),
                     help="gradient reduce dtype (default: the run config's train.reduce_dtype, else fp32)")
     ap.add_argument("--gdn-kernel", choices=("fla", "torch"), help="GDN implementation to plan activations for "
                                                                    "(default: the run config's kernels.gdn when it "
