@@ -471,6 +471,16 @@ def test_a_fifo_as_a_megatron_file_is_named(which, tmp_path, capsys):
     _assert_one_line(rc, capsys.readouterr().err, "train", [f"corpus.{which} is a FIFO, not a regular file"])
 
 
+def test_a_fifo_as_the_jsonl_data_path_is_named(tmp_path, capsys):
+    """A FIFO as ``data.path``: named as a FIFO, never opened (it said "not found")."""
+    fifo = tmp_path / "data.jsonl"
+    os.mkfifo(fifo)
+    cfg = write_config(tmp_path / "run.yaml", run_dict(tmp_path / "run", steps=1, data={"path": str(fifo)}))
+    capsys.readouterr()
+    rc = main(["train", str(cfg)])
+    _assert_one_line(rc, capsys.readouterr().err, "train", [f"{fifo} is a FIFO; expected a JSONL file"])
+
+
 @pytest.mark.parametrize("seed", [-1, 1 << 63])
 def test_a_seed_outside_64_bits_is_refused(seed, tmp_path, capsys):
     cfg = write_config(tmp_path / "run.yaml", run_dict(tmp_path / "run", steps=1))

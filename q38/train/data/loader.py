@@ -127,7 +127,10 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
     its end. A missing file raises immediately."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data: {path} not found (or not a file); expected a JSONL file of {{\"text\": ...}} or "
+        from q38.train.io.untrusted import file_kind
+
+        what = f"is {file_kind(path.stat().st_mode)}" if path.exists() else "not found"
+        raise DataError(f"data: {path} {what}; expected a JSONL file of {{\"text\": ...}} or "
                         f"{{\"messages\": [...]}} records, or \"builtin:tiny\"")
     return (record for _, record in _iter_jsonl(path))
 

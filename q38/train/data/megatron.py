@@ -50,7 +50,7 @@ def _check_regular(f: Path, prefix: str, fix: str) -> None:
     directory is named as what it is, never opened."""
     import stat
 
-    from q38.train.io.untrusted import _kind
+    from q38.train.io.untrusted import file_kind
 
     try:
         st = os.stat(f)
@@ -60,7 +60,7 @@ def _check_regular(f: Path, prefix: str, fix: str) -> None:
     except OSError as e:
         _fail(f"Megatron corpus {prefix}: {f} cannot be read ({e.strerror or e}); {fix}")
     if not stat.S_ISREG(st.st_mode):
-        _fail(f"Megatron corpus {prefix}: {f} is {_kind(st.st_mode)}, not a regular file (a Megatron corpus is "
+        _fail(f"Megatron corpus {prefix}: {f} is {file_kind(st.st_mode)}, not a regular file (a Megatron corpus is "
               f"two files, PREFIX.bin and PREFIX.idx); {fix}")
 
 

@@ -112,9 +112,9 @@ def inside(root: str | os.PathLike, rel: Any, what: str, *, follow: bool = False
         if not last and not stat.S_ISDIR(st.st_mode):
             raise _refuse_path(what, f"{rel!r}: {p} is not a directory")
         if last and kind == "dir" and not stat.S_ISDIR(st.st_mode):
-            raise _refuse_path(what, f"{rel!r} is not a directory ({_kind(st.st_mode)})")
+            raise _refuse_path(what, f"{rel!r} is not a directory ({file_kind(st.st_mode)})")
         if last and kind == "file" and not stat.S_ISREG(st.st_mode):
-            raise _refuse_path(what, f"{rel!r} is not a regular file ({_kind(st.st_mode)})")
+            raise _refuse_path(what, f"{rel!r} is not a regular file ({file_kind(st.st_mode)})")
     return p
 
 
@@ -133,7 +133,8 @@ def _link_target_inside(root: Path, link: Path, rel: str, what: str) -> Path:
     return target
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words (for refusals: "a FIFO", "a directory", ...)."""
     for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
         if test(mode):
@@ -157,7 +158,7 @@ def open_regular(path: str | os.PathLike, what: str, *, follow: bool = False) ->
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise _refuse_path(what, f"{path} is not a regular file ({_kind(st.st_mode)})")
+            raise _refuse_path(what, f"{path} is not a regular file ({file_kind(st.st_mode)})")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
