@@ -104,10 +104,12 @@ def worker(mode: str, rank: int, world: int, work: Path, layout: str, seq: int, 
             "seconds": seconds, "loss": loss}
 
 
-def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str) -> tuple[float, float, float] | None:
+def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str,
+                train: str = "{}") -> tuple[float, float, float] | None:
     """The plan's (forward/backward peak, optimizer peak, state) bytes per rank for this step, or None when the plan
     has no model of ``mode`` (the donated optimizer phase is another change's: a ``donated`` / ``pure_step``
-    argument of ``estimate``)."""
+    argument of ``estimate``). ``train``: the step's train settings (JSON); the communication overlap they set
+    (``overlap_comm``, ``fsdp_prefetch``) is priced as ``q38 plan`` prices a run's."""
     from q38.model_config import ModelConfig
     from q38.parallel.budget import estimate
     from q38.parallel.layout import Layout
@@ -121,6 +123,10 @@ def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str) -> tupl
         kw["pure_step"] = mode == "pure"
     elif mode == "donated":
         return None
+    t = json.loads(train)
+    overlap = bool(t.get("overlap_comm", True))
+    kw.update(async_reduce=overlap, cp_early=overlap,
+              prefetch=overlap if t.get("fsdp_prefetch") is None else bool(t["fsdp_prefetch"]))
     b = estimate(cfg, Layout.preset(layout if world > 1 else "single"), world, seq_len=seq, rows_per_rank=rows,
                  param_dtype="fp32", reduce_dtype="fp32", adamw_impl="foreach", **kw)
     state = sum(it.bytes for it in b.optimizer_phase if it.name in ("master weights", "optimizer moments"))
@@ -169,7 +175,7 @@ def main(argv=None) -> int:
         outs = run_mode(mode, a.world, a.layout, a.seq, a.rows, a.steps, a.train)
         worst = max(outs, key=lambda o: (o["peak"] - o["base"] + o["shard"]) / o["shard"])
         peak = worst["peak"] - worst["base"] + worst["shard"]
-        plan = plan_figure(a.world, a.layout, a.seq, a.rows, mode)
+        plan = plan_figure(a.world, a.layout, a.seq, a.rows, mode, a.train)
         pf = "n/a" if plan is None else f"{plan[0] / 2**30:.3f}"
         po = "n/a" if plan is None else f"{plan[1] / 2**30:.3f}"
         pr = "n/a" if plan is None else f"{max(plan[0], plan[1]) / plan[2]:.2f}"

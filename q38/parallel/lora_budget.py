@@ -148,6 +148,13 @@ def lora_memory(items: list[Item], ls: LoraStats, st, cfg, peft) -> list[Item]:
             out.append(Item("optimizer moments", ad * st.mom, f"AdamW m and v of the adapters, {st.moment_dtype}"))
         elif it.name == "gradient accumulator":
             out.append(Item("gradient accumulator", ad * st.red * 2, "adapters only"))
+        elif it.name == "layer weight gradients":  # the frozen base has none
+            out.append(Item(it.name, ls.adapters.largest_layer * st.act, "LoRA adapters: " + it.note, "layer"))
+        elif it.name in ("gradients awaiting reduction", "reduce-scatter staging"):  # adapters only: the base is
+            full = ls.adapters.largest_layer * st.red  # frozen, never reduced
+            staged = full + ls.adapters.largest_layer_local * st.red
+            out.append(Item(it.name, full if it.name.startswith("gradients") else staged, "LoRA adapters: "
+                            + it.note, "layer"))
         elif it.name == "compute-dtype copy of shards":
             out.append(Item(it.name, ls.adapters.largest_layer_local * st.act, "the layer's adapter shards cast",
                             "layer"))
