@@ -126,7 +126,7 @@ def _combined(a: ParamStats, b: ParamStats) -> ParamStats:
                       a.largest_layer_local + b.largest_layer_local, a.gathered_layers + b.gathered_layers,
                       add(a.gather_group, b.gather_group), add(a.gather_prefetchable, b.gather_prefetchable),
                       add(a.layer_gather, b.layer_gather), add(a.allreduce_dim, b.allreduce_dim),
-                      add(a.recompute_prefetchable, b.recompute_prefetchable))
+                      add(a.recompute_prefetchable, b.recompute_prefetchable), max(a.largest_edge, b.largest_edge))
 
 
 def _base_item(ls: LoraStats) -> Item:
