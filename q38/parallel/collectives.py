@@ -177,7 +177,7 @@ class _Reduction:
         # chunks' contiguous copies: twice its bytes).
         self.value = None
         if self._keep is not None:  # what the reduce-scatter in flight keeps alive (counted by _Reductions)
-            self.held = _storage_bytes([*self._keep, *([self.value] if self.value is not None else [])])
+            self.held = _storage_bytes([t for t in (*self._keep, self.value) if t is not None])
         return True
 
     def result(self) -> Tensor:
@@ -194,13 +194,13 @@ class _Reductions:
     last has its full-size gradients waiting for their reduce-scatter, as FSDP2 keeps one layer's reduce-scatter in
     flight behind the next one's compute (not every layer's until the end of backward).
     ``most_bytes``: the most bytes the reduce-scatters in flight held at once in their input buffers (the full-size
-    gradients, chunked; what the plan's "gradients awaiting their reduction" item prices)."""
+    gradients, chunked; what the plan's "gradients awaiting reduction" item prices)."""
 
     def __init__(self) -> None:
         self.pending: list[_Reduction] = []
         self.issued = 0  # reductions issued async from backward and waited after it (reported, checked by tests)
         self.in_flight = 0  # bytes of the input buffers of the reduce-scatters issued and not yet completed
-        self.most_bytes = 0  # the most of them at once (the plan's "gradients awaiting their reduction" item)
+        self.most_bytes = 0  # the most of them at once (the plan's "gradients awaiting reduction" item)
         self._calls: list[int] = []  # gather calls in issue order, the newest last
         self._call_of: dict[int, int] = {}  # id(reduction) -> its gather call
 
