@@ -11,7 +11,8 @@ beyond the interpreter and torch; ``f/b peak``: the same high-water mark read wh
 (before the optimizer phase); ``opt peak``: the high-water mark of the optimizer phase alone (reset when
 forward/backward returns), each over the same baseline plus the state. Beside it the plan's figure for the same step
 (``q38.parallel.budget.estimate``: the larger of its forward/backward and optimizer phases, over the state it
-prices).
+prices), and ``awaiting``: the runtime's own count of the most bytes of gradients awaiting an async reduce-scatter
+at once (``Gradients.async_reduce_bytes``; 0 with ``overlap_comm: false``).
 
 The workers run with ``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0`` (as benchmarks/checkpoint_io.py):
 freed memory goes back to the OS at once, so the high-water mark is the live peak.
@@ -79,9 +80,12 @@ def worker(mode: str, rank: int, world: int, work: Path, layout: str, seq: int, 
     fb = []  # VmHWM when forward/backward has returned (before the optimizer phase)
     real = step_mod.loss_and_grads
 
+    awaiting = []  # the runtime's count: the most bytes awaiting an async reduce-scatter at once
+
     def tapped(*a, **k):
         r = real(*a, **k)
         fb.append(_status("VmHWM"))
+        awaiting.append(r.async_reduce_bytes)
         Path("/proc/self/clear_refs").write_text("5")  # from here VmHWM is the optimizer phase's own peak
         return r
 
@@ -101,13 +105,15 @@ def worker(mode: str, rank: int, world: int, work: Path, layout: str, seq: int, 
         dist.barrier()
         dist.destroy_process_group()
     return {"rank": rank, "base": base, "peak": peak, "fb_peak": max(fb), "opt_peak": opt_peak, "shard": shard,
-            "seconds": seconds, "loss": loss}
+            "seconds": seconds, "loss": loss, "awaiting": max(awaiting)}
 
 
-def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str) -> tuple[float, float, float] | None:
+def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str,
+                train: str = "{}") -> tuple[float, float, float] | None:
     """The plan's (forward/backward peak, optimizer peak, state) bytes per rank for this step, or None when the plan
     has no model of ``mode`` (the donated optimizer phase is another change's: a ``donated`` / ``pure_step``
-    argument of ``estimate``)."""
+    argument of ``estimate``). ``train``: the step's train settings (JSON); the communication overlap they set
+    (``overlap_comm``, ``fsdp_prefetch``) is priced as ``q38 plan`` prices a run's."""
     from q38.model_config import ModelConfig
     from q38.parallel.budget import estimate
     from q38.parallel.layout import Layout
@@ -121,6 +127,10 @@ def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str) -> tupl
         kw["pure_step"] = mode == "pure"
     elif mode == "donated":
         return None
+    t = json.loads(train)
+    overlap = bool(t.get("overlap_comm", True))
+    kw.update(async_reduce=overlap, cp_early=overlap,
+              prefetch=overlap if t.get("fsdp_prefetch") is None else bool(t["fsdp_prefetch"]))
     b = estimate(cfg, Layout.preset(layout if world > 1 else "single"), world, seq_len=seq, rows_per_rank=rows,
                  param_dtype="fp32", reduce_dtype="fp32", adamw_impl="foreach", **kw)
     state = sum(it.bytes for it in b.optimizer_phase if it.name in ("master weights", "optimizer moments"))
@@ -163,13 +173,13 @@ def main(argv=None) -> int:
     print(f"ft512 (72.8M params), {a.world} rank(s), layout {a.layout if a.world > 1 else 'single'}, seq {a.seq}, "
           f"{a.rows} row(s) per rank, {a.steps} step(s); peak = VmHWM - RSS with the state built + the state")
     print(f"{'mode':8} {'state/rank':>10} {'f/b peak':>9} {'opt peak':>9} {'peak/rank':>10} {'peak/state':>10} "
-          f"{'plan f/b':>9} {'plan opt':>9} {'plan/state':>10} {'s':>6} loss")
+          f"{'plan f/b':>9} {'plan opt':>9} {'plan/state':>10} {'s':>6} {'awaiting':>9} loss")
     losses = {}
     for mode in a.modes.split(","):
         outs = run_mode(mode, a.world, a.layout, a.seq, a.rows, a.steps, a.train)
         worst = max(outs, key=lambda o: (o["peak"] - o["base"] + o["shard"]) / o["shard"])
         peak = worst["peak"] - worst["base"] + worst["shard"]
-        plan = plan_figure(a.world, a.layout, a.seq, a.rows, mode)
+        plan = plan_figure(a.world, a.layout, a.seq, a.rows, mode, a.train)
         pf = "n/a" if plan is None else f"{plan[0] / 2**30:.3f}"
         po = "n/a" if plan is None else f"{plan[1] / 2**30:.3f}"
         pr = "n/a" if plan is None else f"{max(plan[0], plan[1]) / plan[2]:.2f}"
@@ -179,7 +189,8 @@ def main(argv=None) -> int:
         print(f"{mode:8} {worst['shard'] / 2**30:>9.3f}G {fbp / 2**30:>8.3f}G {opp / 2**30:>8.3f}G "
               f"{peak / 2**30:>9.3f}G "
               f"{peak / worst['shard']:>10.2f} "
-              f"{pf:>8}G {po:>8}G {pr:>10} {max(o['seconds'] for o in outs):>6.1f} {worst['loss']:.6f}")
+              f"{pf:>8}G {po:>8}G {pr:>10} {max(o['seconds'] for o in outs):>6.1f} "
+              f"{max(o['awaiting'] for o in outs) / 2**20:>8.1f}M {worst['loss']:.6f}")
     if len(set(losses.values())) > 1:
         print(f"note: the modes' last losses differ: {losses}")
     return 0

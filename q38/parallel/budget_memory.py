@@ -145,9 +145,9 @@ class _Step:
         return self.rows_mb * self.seq
 
 
-def _activations(cfg: ModelConfig, st: _Step, kinds: list) -> tuple[float | int, float | int, str]:
-    """``(saved, working, note)``: the bytes autograd saves over every layer of one micro-batch (per the recompute
-    mode) and the backward working set of one layer."""
+def _activations(cfg: ModelConfig, st: _Step, kinds: list) -> tuple[float | int, float | int, str, float | int]:
+    """``(saved, working, note, least)``: the bytes autograd saves over every layer of one micro-batch (per the
+    recompute mode), the backward working set of one layer, and the least one layer saves."""
     n_mb, d, act = st.n_mb, cfg.hidden_size, st.act
     acts = [layer_activations(cfg, k.name, st.rows_mb, st.seq, act_bytes=act, cp=st.cp, ep=st.ep,
                               ep_balance=st.ep_balance, gdn_kernel=st.gdn_kernel, kv_native=st.kv_native,
@@ -170,14 +170,15 @@ def _activations(cfg: ModelConfig, st: _Step, kinds: list) -> tuple[float | int,
             if a.mixer_backward:
                 working = max(working, a.mixer_backward - a.total - later - not_at_mixer + 2 * n_mb * d * act)
             later += a.total
-        return saved, working, f"{len(kinds)} layers × saved tensors"
+        return saved, working, f"{len(kinds)} layers × saved tensors", min(a.total for a in acts)
     keep = kept_regions(st.recompute)
     kept = sum(a.kept for a, k in zip(acts, kinds) if k.region in keep)
     saved = len(kinds) * n_mb * d * act + kept
     # the layer in backward: its recomputed saved tensors at the start (MoE backward), or, later, the mixer
     # core's backward (torch GDN: its own working set, gdn_backward_working)
     working = max(max(a.total + a.widest, a.mixer_backward - not_at_mixer) for a in acts) + 2 * n_mb * d * act
-    return saved, working, f"{len(kinds)} layer inputs" + (" + kept kernel outputs" if kept else "")
+    least = n_mb * d * act + min(a.kept if k.region in keep else 0.0 for a, k in zip(acts, kinds))
+    return saved, working, f"{len(kinds)} layer inputs" + (" + kept kernel outputs" if kept else ""), least
 
 
 def _loss_workspace(cfg: ModelConfig, st: _Step, chunk_tokens: int | None,
@@ -200,7 +201,7 @@ def _forward_backward_items(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: 
                             loss: tuple[float | int, float | int]) -> list[Item]:
     """The memory of the forward/backward phase, item by item."""
     numel, n_mb, d, act = ps.numel, st.n_mb, cfg.hidden_size, st.act
-    saved, working, saved_note = _activations(cfg, st, kinds)
+    saved, working, saved_note, layer_saved = _activations(cfg, st, kinds)
     memory = _state_items(st, numel, " on the fullest rank")
     if st.micro_batches > 1:
         memory.append(Item("gradient accumulator", numel * st.red * 2,
@@ -217,9 +218,35 @@ def _forward_backward_items(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: 
         memory.append(Item("gathered params (held)", ps.gathered_layers * act,
                            "every layer's gathered weights, saved for its backward (no recompute)"))
     elif ps.gathered_layers:
-        ahead = any(v > 0 for v in ps.gather_prefetchable.values())
-        memory.append(Item("gathered params (transient)", (2 if ahead else 1) * ps.largest_layer * act,
-                           f"{'current + prefetched' if ahead else 'current'} layer, compute form", "layer"))
+        # At the backward peak: the layer in backward (gathered again, or kept by its recompute) and, with recompute,
+        # the layer before it, prefetched as this one's recompute began (forward holds two too: the current layer
+        # and the one prefetched ahead)
+        behind = st.recompute != "none" and any(v > 0 for v in ps.recompute_prefetchable.values())
+        memory.append(Item("gathered params (transient)", (2 if behind else 1) * ps.largest_layer * act,
+                           f"{'current + prefetched' if behind else 'current'} layer, compute form", "layer"))
+    if ps.gathered_layers:
+        # autograd makes the gathered weights' gradients full-size in the compute dtype; each gather's backward node
+        # runs after the layer's whole backward (it was recorded before the layer's ops), so all of them are alive
+        # together before their reductions are issued
+        memory.append(Item("layer weight gradients", ps.largest_layer * act,
+                           "full-size, compute dtype, the layer in backward", "layer"))
+    if st.async_reduce and (ps.gathered_layers or ps.largest_edge):
+        # Backward issues each gathered leaf's reduction async (MeshRuntime with overlap_comm) and completes one
+        # gather call's (a layer's) when the next call's first is issued: while a layer runs its backward, the
+        # full-size gradients of the one backward finished before it (or of an edge gathered alone, the lm_head
+        # being reduced first) wait in reduce_dtype for their reduce-scatter, with the collective's staging copy
+        # of their chunks (the list reduce-scatter flattens them into one buffer, gloo and NCCL alike, until it
+        # completes) and its output: the reduced shard. Their layer's backward is done: its saved activations
+        # (counted among the saved ones, at least the smallest layer's) are freed by then.
+        full = max(ps.largest_layer, ps.largest_edge) * st.red
+        what = "a layer" if ps.largest_layer >= ps.largest_edge else "an edge leaf"
+        freed = 0.0 if st.offload_activations else layer_saved
+        memory.append(Item("gradients awaiting reduction", full,
+                           f"{what}'s full-size gradients in {st.reduce_dtype}, reduce-scatter in flight (async)",
+                           "layer"))
+        memory.append(Item("reduce-scatter staging", max(0.0, full + ps.largest_layer_local * st.red - freed),
+                           "the collective's flattened copy of those chunks + the reduced shard, less their "
+                           "layer's saved activations (freed)", "layer"))
     memory.append(Item("layer backward working set", working, "recomputed layer + gradients of its widest tensors"
                        if st.recompute != "none" else "gradients of the widest saved tensors", "layer"))
     model_extra = (n_mb * d * 2 + cfg.mtp_num_layers * n_mb * (5 * d)) * act  # embedding out, final norm, MTP block

@@ -60,6 +60,15 @@ def _rs_buffers(g: Tensor, dim: int, n: int, sizes) -> tuple[Tensor, list[Tensor
     return torch.empty_like(chunks[0]), chunks
 
 
+def _storage_bytes(ts) -> int:
+    """Bytes of the distinct storages under ``ts`` (chunks that are views of one gradient count it once)."""
+    seen = {}
+    for t in ts:
+        s = t.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
 def _rs_mine(out: Tensor, dim: int, group, sizes) -> Tensor:
     """This rank's reduced chunk: the buffer, trimmed of its padding when uneven."""
     return out if sizes is None else out.narrow(dim, 0, sizes[dist.get_rank(group)])
@@ -141,13 +150,14 @@ class _Reduction:
     def __init__(self, key: int, g: Tensor, todo: list, in_dtype):
         self.key, self.todo, self.in_dtype = key, list(todo), in_dtype
         self.value, self.work, self._finish, self._keep = g, None, None, None
+        self.held = 0  # bytes of the reduce-scatter's input buffers while it is in flight
         self.advance()
 
     def advance(self) -> bool:
         """Complete the collective in flight (if any) and issue the next one; False when none is left."""
         if self.work is not None:
             self.work.wait()
-            self.value, self.work, self._keep = self._finish(), None, None
+            self.value, self.work, self._keep, self.held = self._finish(), None, None, 0
         if not self.todo:
             return False
         st = self.todo.pop(0)
@@ -162,6 +172,12 @@ class _Reduction:
             with record_function("q38.all_reduce"):
                 self.work = links.all_reduce(buf, st.group, async_op=True)
             self._finish = lambda: buf
+        # The collective reads only its own buffers: the gradient they were made from is not held beside them
+        # (holding it would keep a non-contiguous full-size gradient, e.g. an expert weight's, alive next to its
+        # chunks' contiguous copies: twice its bytes).
+        self.value = None
+        if self._keep is not None:  # what the reduce-scatter in flight keeps alive (counted by _Reductions)
+            self.held = _storage_bytes([t for t in (*self._keep, self.value) if t is not None])
         return True
 
     def result(self) -> Tensor:
@@ -173,14 +189,18 @@ class _Reductions:
 
     Each is issued with a ticket ``(leaf key, gather call)``: the leaves one ``MeshRuntime.gather`` call brought
     into compute form (one layer) share a gather call. When backward issues the first reduction of a new gather
-    call, the reductions of the calls before the previous one complete their collective in flight (and issue the
-    next, e.g. the replicated dims' all-reduce of the shard): at most two layers' full-size gradients wait for
-    their reduce-scatter at once, as FSDP2 keeps one layer's reduce-scatter in flight behind the next one's
-    compute, instead of every layer's until the end of backward."""
+    call, the reductions of the calls before it complete their collective in flight (and issue the next, e.g. the
+    replicated dims' all-reduce of the shard): while a layer's backward computes, only the layer backward finished
+    last has its full-size gradients waiting for their reduce-scatter, as FSDP2 keeps one layer's reduce-scatter in
+    flight behind the next one's compute (not every layer's until the end of backward).
+    ``most_bytes``: the most bytes the reduce-scatters in flight held at once in their input buffers (the full-size
+    gradients, chunked; what the plan's "gradients awaiting reduction" item prices)."""
 
     def __init__(self) -> None:
         self.pending: list[_Reduction] = []
         self.issued = 0  # reductions issued async from backward and waited after it (reported, checked by tests)
+        self.in_flight = 0  # bytes of the input buffers of the reduce-scatters issued and not yet completed
+        self.most_bytes = 0  # the most of them at once (the plan's "gradients awaiting reduction" item)
         self._calls: list[int] = []  # gather calls in issue order, the newest last
         self._call_of: dict[int, int] = {}  # id(reduction) -> its gather call
 
@@ -188,25 +208,30 @@ class _Reductions:
         key, call = ticket
         if not self._calls or self._calls[-1] != call:
             self._calls.append(call)
-            if len(self._calls) > 2:
-                self._settle(set(self._calls[:-2]))
+            if len(self._calls) > 1:
+                self._settle(set(self._calls[:-1]))
         r = _Reduction(key, g, todo, in_dtype)
         self._call_of[id(r)] = call
         self.pending.append(r)
         self.issued += 1
+        self.in_flight += r.held
+        self.most_bytes = max(self.most_bytes, self.in_flight)
 
     def _settle(self, calls: set) -> None:
         """Complete the in-flight collective of every reduction of ``calls`` still waiting on its full gradient."""
         for r in self.pending:
             if self._call_of[id(r)] in calls and r.work is not None and r._keep is not None:
-                r.advance()
+                self.in_flight -= r.held
+                r.advance()  # may issue the next reduce-scatter of an uneven gather over several mesh dims
+                self.in_flight += r.held
+                self.most_bytes = max(self.most_bytes, self.in_flight)
 
     def drain(self) -> list[tuple[int, Tensor]]:
         """Wait every pending reduction, each rank in the same order; a contribution with more steps (uneven
         per-dim reduce-scatters, then the all-reduces) issues its next step when its previous one completes, all
         contributions stepping together. Returns (leaf key, reduced local gradient in the master dtype)."""
         live, done = list(self.pending), list(self.pending)
-        self.pending, self._calls, self._call_of = [], [], {}
+        self.pending, self._calls, self._call_of, self.in_flight = [], [], {}, 0
         while live:
             live = [r for r in live if r.advance()]
         return [(r.key, r.result()) for r in done]

@@ -17,6 +17,7 @@ class LocalRuntime:
     prefetched = 0
     prefetched_backward = 0
     async_reductions = 0
+    async_reduce_bytes = 0
     cp_early = 0
 
     def __init__(self, param_dtype=torch.float32, compute_dtype=None):

@@ -126,7 +126,7 @@ def _combined(a: ParamStats, b: ParamStats) -> ParamStats:
                       a.largest_layer_local + b.largest_layer_local, a.gathered_layers + b.gathered_layers,
                       add(a.gather_group, b.gather_group), add(a.gather_prefetchable, b.gather_prefetchable),
                       add(a.layer_gather, b.layer_gather), add(a.allreduce_dim, b.allreduce_dim),
-                      add(a.recompute_prefetchable, b.recompute_prefetchable))
+                      add(a.recompute_prefetchable, b.recompute_prefetchable), max(a.largest_edge, b.largest_edge))
 
 
 def _base_item(ls: LoraStats) -> Item:
@@ -148,6 +148,13 @@ def lora_memory(items: list[Item], ls: LoraStats, st, cfg, peft) -> list[Item]:
             out.append(Item("optimizer moments", ad * st.mom, f"AdamW m and v of the adapters, {st.moment_dtype}"))
         elif it.name == "gradient accumulator":
             out.append(Item("gradient accumulator", ad * st.red * 2, "adapters only"))
+        elif it.name == "layer weight gradients":  # the frozen base has none
+            out.append(Item(it.name, ls.adapters.largest_layer * st.act, "LoRA adapters: " + it.note, "layer"))
+        elif it.name in ("gradients awaiting reduction", "reduce-scatter staging"):  # adapters only: the base is
+            full = ls.adapters.largest_layer * st.red  # frozen, never reduced
+            staged = full + ls.adapters.largest_layer_local * st.red
+            out.append(Item(it.name, full if it.name.startswith("gradients") else staged, "LoRA adapters: "
+                            + it.note, "layer"))
         elif it.name == "compute-dtype copy of shards":
             out.append(Item(it.name, ls.adapters.largest_layer_local * st.act, "the layer's adapter shards cast",
                             "layer"))

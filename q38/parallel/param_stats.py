@@ -46,6 +46,7 @@ class ParamStats:
     layer_gather: dict
     allreduce_dim: dict
     recompute_prefetchable: dict = attrs.field(factory=dict)  # layer gathers prefetched behind the next recompute
+    largest_edge: int = 0  # compute-form elements of the largest gathered leaf outside the layers (embed, lm_head)
 
 
 _STATS_CACHE: dict = {}
@@ -95,6 +96,7 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
     # search prices thousands of layouts of models whose layers repeat), the path deciding where it is counted.
     per_sig: dict = {}
     count: dict = {}
+    largest_edge = 0
     for path, pp in placements.items():
         sig = (pp.shape, pp.mesh_axes_per_dim, pp.compute_axes_per_dim)
         m = per_sig.get(sig)
@@ -114,6 +116,8 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
         count[sig] = count.get(sig, 0) + 1
         _, lmax, cmax, steps, rep, reduced = m
         in_layer = ".layers." in f".{path}"
+        if not in_layer and steps:
+            largest_edge = max(largest_edge, cmax)
         if in_layer:
             key = _layer_key(path)
             layer_compute[key] = layer_compute.get(key, 0) + cmax
@@ -142,7 +146,7 @@ def param_stats(placements, mesh: Mapping[str, int], prefetch: bool) -> ParamSta
 
     stats = ParamStats(numel, max((m[1] for m in per_sig.values()), default=0),
                        largest_layer, max(layer_local.values(), default=0), gathered_layers, gather_group,
-                       gather_prefetchable, layer_gather, allreduce_dim, recompute_prefetchable)
+                       gather_prefetchable, layer_gather, allreduce_dim, recompute_prefetchable, largest_edge)
     if len(_STATS_CACHE) > 64:
         _STATS_CACHE.clear()
     _STATS_CACHE[ck] = (placements, stats)

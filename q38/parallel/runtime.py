@@ -78,6 +78,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         self.prefetched = 0
         self.prefetched_backward = 0
         self._reductions = _Reductions()
+        self._reduce_bytes = 0  # the most input bytes of async reduce-scatters in flight at once, earlier binds
         self._anchor: Tensor | None = None  # set by bind(defer_reductions=True) when overlapping
         self._gather_calls = 0
         # Every compute-form tensor made by gather() in this step (storage weak refs): what reshard-after-forward
@@ -100,6 +101,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             if self._compute_dtype is not None:
                 self._dtype_of[id(leaf)] = self._compute_dtype(path)
             self._steps_of[id(leaf)] = self._steps(leaf) if isinstance(leaf, DTensor) else ()
+        self._reduce_bytes = self.async_reduce_bytes
         self._reductions = _Reductions()
         defer = self.overlap and defer_reductions
         self._anchor = torch.zeros((), device=self.device, requires_grad=True) if defer else None
@@ -108,6 +110,12 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
     def async_reductions(self) -> int:
         """Gradient reductions issued async from backward and waited after it (reported in Gradients)."""
         return self._reductions.issued
+
+    @property
+    def async_reduce_bytes(self) -> int:
+        """The most bytes the async reduce-scatters in flight held at once in their input buffers (the full-size
+        gradients awaiting their reduction), over the step's micro-batches (reported in Gradients)."""
+        return max(self._reduce_bytes, self._reductions.most_bytes)
 
     @property
     def cp_early(self) -> int:

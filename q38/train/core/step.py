@@ -141,6 +141,7 @@ class Gradients(_Terms):
     prefetched: int = 0  # FSDP gathers that were started a layer early (in forward) and consumed
     prefetched_backward: int = 0  # FSDP gathers started in backward for the next layer's recompute and consumed
     async_reductions: int = 0  # gradient reductions issued async in backward and waited after it (overlap_comm)
+    async_reduce_bytes: int = 0  # the most bytes of full-size gradients awaiting their async reduce-scatter at once
     ep_copies: tuple = ()  # EP balance: expert copies the plan made, per MoE layer call
     mtp_tokens: tuple = ()  # valid targets of each MTP depth in the step (0: that term is 0, not NaN)
     cp_early: int = 0  # CP exchanges started async, before the compute that does not need them (overlap_comm)
@@ -239,7 +240,8 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     loads, copies = runtime.ep_stats()
     return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
                      prefetched=runtime.prefetched, prefetched_backward=runtime.prefetched_backward,
-                     async_reductions=runtime.async_reductions, ep_copies=copies, mtp_tokens=tuple(ctx.n_mtp),
+                     async_reductions=runtime.async_reductions,
+                     async_reduce_bytes=runtime.async_reduce_bytes, ep_copies=copies, mtp_tokens=tuple(ctx.n_mtp),
                      cp_early=runtime.cp_early)
 
 
