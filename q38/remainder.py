@@ -1,4 +1,5 @@
-"""bf16 + remainder master weights (``train.master_dtype: bfloat16_remainder``, docs/optimizer.md#bf16--remainder-masters).
+"""bf16 + remainder master weights (``train.master_dtype: bfloat16_remainder``; docs/optimizer.md, "bf16 +
+remainder masters").
 
 An fp32 master ``x`` with bits ``u`` (32 bits, read as unsigned) is stored as two 16-bit halves:
 

@@ -152,7 +152,8 @@ def test_checkpoints_resume_exactly_convert_both_ways_and_export_the_joined_mast
     ck = save(tmp_path / "rem", state, REM)
     keys = saved_tensors(ck)
     assert keys["master_remainder.embed"][1] == torch.int16 and keys["params.embed"][1] == torch.bfloat16
-    assert "master_remainder.layers.0.mixer.A_log" not in keys and keys["params.layers.0.mixer.A_log"][1] == torch.float32
+    assert "master_remainder.layers.0.mixer.A_log" not in keys  # an fp32_params leaf: an fp32 master
+    assert keys["params.layers.0.mixer.A_log"][1] == torch.float32
     back, _ = load_checkpoint(ck, state_from_params(empty_params(CFG), CFG, REM))
     assert _same_state(back, state) == []
     masters = _joined(state)

@@ -159,9 +159,9 @@ def state_from_params(params: ModelParams, model_config: ModelConfig, train_conf
     ``train.master_dtype: bfloat16_remainder``: each leaf computed in bf16 is split exactly into its bf16 high half
     (the state's ``params`` leaf) and an int16 remainder (``master_remainder``), leaf by leaf; an fp32 leaf is split
     as it is, a bf16 leaf gets a zero remainder (its value is the master)."""
-    params, remainder = remainder_form(params, train_config)
-    if remainder is not None and peft is not None:
+    if train_config.master_dtype == "bfloat16_remainder" and peft is not None:
         raise ConfigError(LORA_REFUSAL)
+    params, remainder = remainder_form(params, train_config)
     if train_config.moment_dtype == "int8":  # 8-bit block-wise moments (q38.qmoment)
         from q38.qmoment import zeros_like
 
@@ -222,6 +222,7 @@ def remainder_form(params: ModelParams, train_config: TrainConfig) -> tuple[Mode
 
     new = tree_map_with_path(high, params)
     return new, tree_map_with_path(lambda path, t: halves.get(path), params)
+
 
 def initial_router_bias(model_config: ModelConfig, train_config: TrainConfig, params) -> Tensor | None:
     """Zeros ``[moe layers, e]`` (main layers, then MTP depths) when ``aux_loss_free``, else None."""

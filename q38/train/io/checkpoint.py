@@ -685,8 +685,9 @@ def check_saved_params(reader, model: ModelConfig, path) -> None:
 
 def expected_keys(model: ModelConfig) -> set[str]:
     """Every tensor key a q38 checkpoint of ``model`` may hold: ``params.<leaf>``, the two AdamW moments of each,
-    its ``master_remainder`` (bf16 + remainder masters), ``step`` and the router bias of ``aux_loss_free``; for a LoRA run, a weight's frozen ``.base`` and its adapter
-    matrices (``q38.lora.ADAPTER_KEYS``) in place of the weight."""
+    its ``master_remainder`` (bf16 + remainder masters), ``step`` and the router bias of ``aux_loss_free``; for a
+    LoRA run, a weight's frozen ``.base`` and its adapter matrices (``q38.lora.ADAPTER_KEYS``) in place of the
+    weight."""
     from q38.lora import ADAPTER_KEYS
     from q38.model import init_params
 
@@ -713,9 +714,9 @@ def empty_params(model: ModelConfig, *, device=None, dtype=None, mesh=None):
 
 def load_params(path: str | os.PathLike, *, device=None, dtype=None, mesh=None) -> tuple[ModelConfig, Any, dict]:
     """``(model config, params, meta)`` of a q38 checkpoint (a checkpoint, checkpoints or run directory); the
-    optimizer moments are not read; bf16 + remainder masters are joined into their fp32 masters. ``dtype``: cast, or ``dtype(path)`` per parameter (default: the dtype the
-    parameters were saved in). ``mesh``:
-    the parameters as DTensors of that mesh's layout, each rank reading only its shards."""
+    optimizer moments are not read; bf16 + remainder masters are joined into their fp32 masters. ``dtype``: cast,
+    or ``dtype(path)`` per parameter (default: the dtype the parameters were saved in). ``mesh``: the parameters as
+    DTensors of that mesh's layout, each rank reading only its shards."""
     path = resolve_checkpoint(path)
     meta = read_meta(path)
     cfg = ModelConfig.from_dict(meta["model_config"], source=f"{path}/{META_FILE}")
