@@ -1,9 +1,10 @@
 """Lean optimizer state against the fp32 state: 300-step runs of the embedded default run (``specs/train/tiny.yaml``:
 the tiny model on the shipped corpus) and of a two-layer hybrid (``benchmarks/models/hybrid2.yaml``: one GDN, one
-full-attention layer), once per lean option (``OPTIONS``: moment dtype, gradient dtype), at ``--rows`` rows of 128
-tokens a step (all runs at once, one process and one thread each). Prints, per model and option, the training loss
-at steps 1, 50, 100, 200, 300 (mean of the 10 steps ending there, so one batch's noise does not decide) and the
-final eval loss, and each option's difference from the fp32 run. Every run is ``q38 train`` in a fresh process.
+full-attention layer), once per lean option (``OPTIONS``: moment dtype, gradient dtype, bf16 + remainder masters
+beside the fp32-master run computing in bf16), at ``--rows`` rows of 128 tokens a step (all runs at once, one
+process and one thread each). Prints, per model and option, the training loss at steps 1, 50, 100, 200, 300 (mean
+of the 10 steps ending there, so one batch's noise does not decide) and the final eval loss, and each option's
+difference from the fp32 run. Every run is ``q38 train`` in a fresh process.
 
     python benchmarks/lean_state.py                # both models, every option, 300 steps, 4 rows
     python benchmarks/lean_state.py --steps 50 --models tiny
@@ -21,7 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 MODELS = {"tiny": "tiny", "hybrid2": str(REPO / "benchmarks" / "models" / "hybrid2.yaml")}
 # option name -> train settings (the first is the baseline)
 OPTIONS = {"float32": {}, "bfloat16": {"train.moment_dtype": "bfloat16"}, "int8": {"train.moment_dtype": "int8"},
-           "int8+bf16grads": {"train.moment_dtype": "int8", "train.reduce_dtype": "bfloat16"}}
+           "int8+bf16grads": {"train.moment_dtype": "int8", "train.reduce_dtype": "bfloat16"},
+           # bf16 + remainder masters need bf16 compute: beside them the fp32-master run computing in bf16
+           "bf16compute": {"train.param_dtype": "bfloat16"},
+           "bf16compute+remainder": {"train.param_dtype": "bfloat16", "train.master_dtype": "bfloat16_remainder"}}
 MARKS = (1, 50, 100, 200, 300)
 
 

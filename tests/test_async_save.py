@@ -91,17 +91,21 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_kill_9_during_background_writes_resumes_from_a_complete_checkpoint(tmp_path):
+@pytest.mark.parametrize("train", [
+    {}, pytest.param({"master_dtype": "bfloat16_remainder", "param_dtype": "bfloat16"}, marks=pytest.mark.slow)],
+    ids=["fp32-masters", "bf16-remainder-masters"])
+def test_kill_9_during_background_writes_resumes_from_a_complete_checkpoint(tmp_path, train):
     """2 torchrun processes saving every step in the background; kill -9 of the whole process group at a random
     moment, twice; each relaunch resumes from the newest complete checkpoint, and the final losses equal a run that
-    never stopped."""
+    never stopped (with fp32 masters, and with bf16 + remainder masters: both halves staged and resumed)."""
     steps = 12
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     (tmp_path / "driver.py").write_text(DRIVER)
 
     def cmd(out, **run):
-        cfg = write_config(tmp_path / f"{out.name}.yaml", run_dict(out, steps=steps, layout="fsdp", run=run))
+        cfg = write_config(tmp_path / f"{out.name}.yaml", run_dict(out, steps=steps, layout="fsdp", run=run,
+                                                                   train=train))
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 str(tmp_path / "driver.py"), "train", str(cfg)]
 

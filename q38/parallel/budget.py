@@ -116,6 +116,9 @@ def estimate(
     master_dtype = {"float32": "fp32"}.get(master_dtype, master_dtype)
     if master_dtype not in ("fp32", "bfloat16_remainder"):
         raise ConfigError(f"master_dtype must be float32 or bfloat16_remainder, got {master_dtype!r}")
+    if master_dtype == "bfloat16_remainder" and param_dtype not in ("bf16", "bfloat16"):
+        raise ConfigError(f"master_dtype bfloat16_remainder keeps the bf16 compute weight as the master's high half: "
+                          f"it needs param_dtype bf16 (got {param_dtype}); add --param-dtype bf16")
     try:
         mom = moment_bytes(moment_dtype)
     except ValueError as e:
@@ -204,7 +207,7 @@ def estimate(
                         f"{moment_dtype}, gradients {reduce_dtype}" + (", offloaded to the host" if offload_optimizer
                                                                         else "")
                         + ("; priced only: q38 train does not run this state yet"
-                           if offload_optimizer or master_dtype == "bfloat16_remainder" else ""),
+                           if offload_optimizer else ""),
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
         hbm_bytes=hw.hbm_bytes if hw else None, ops=ops, kernels=kernels if ops else None,
         doc_len=doc_len if packed_rows else None,

@@ -136,6 +136,12 @@ def shard(tree, mesh: Mesh, layout: Layout | None = None):
             d = distribute_tensor(qmoment.load(t), mesh.device_mesh, pl[q].dtensor_placements())
             out.append(qmoment.stored(qmoment.zeros_like(d, t.signed), d.to_local()))
             continue
+        if q is not None and t.dtype == torch.int16:  # a master's remainder (q38.remainder): gloo and NCCL have no
+            # int16, so its bits travel as bf16 (a scatter copies bytes) and are read back as int16
+            d = distribute_tensor(t.view(torch.bfloat16), mesh.device_mesh, pl[q].dtensor_placements())
+            out.append(DTensor.from_local(d.to_local().view(torch.int16), mesh.device_mesh, d.placements,
+                                          run_check=False, shape=d.shape, stride=d.stride()))
+            continue
         out.append(t if q is None else distribute_tensor(t, mesh.device_mesh, pl[q].dtensor_placements()))
     return pytree.tree_unflatten(out, spec)
 
@@ -220,7 +226,16 @@ def unshard(tree):
     """Every DTensor leaf of ``tree`` as a full tensor on every rank (for checks and Hugging Face export)."""
     import torch.utils._pytree as pytree
 
-    return pytree.tree_map(lambda t: t.full_tensor() if isinstance(t, DTensor) else t, tree)
+    def full(t):
+        if not isinstance(t, DTensor):
+            return t
+        if t.dtype == torch.int16:  # a master's remainder: gathered as bf16 bits (no int16 in gloo / NCCL)
+            local = t.to_local().view(torch.bfloat16)
+            return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                                      stride=t.stride()).full_tensor().view(torch.int16)
+        return t.full_tensor()
+
+    return pytree.tree_map(full, tree)
 
 
 def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int, *, local_rows: bool = False) -> StepBatch:

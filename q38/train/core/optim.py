@@ -5,6 +5,10 @@ The state stays a pytree (``TrainState.params / exp_avg / exp_avg_sq``: fp32 mas
 mesh); ``adamw_step`` runs the kernels on the local shards of copies, so ``train_step`` never mutates its input state;
 ``adamw_step_`` (the donated step) runs them on the state's own local shards, leaf by leaf. Decoupled
 weight decay uses the decay mask (``no_decay`` patterns): two kernel calls, one with ``weight_decay = 0``.
+
+bf16 + remainder masters (``train.master_dtype: bfloat16_remainder``, ``q38.remainder``): ``remainders[i]`` is leaf
+``i``'s int16 remainder (``params[i]`` its bf16 high half) or None (an fp32 master). The kernel runs on the fp32
+master joined from the two halves (integer ops, exact), which is split back after it.
 """
 
 import torch
@@ -12,6 +16,7 @@ from torch import Tensor
 from torch.optim.adamw import adamw
 
 from q38 import qmoment
+from q38 import remainder as rm
 
 IMPLS = ("foreach", "fused")
 
@@ -55,17 +60,21 @@ def _stored(m, w: Tensor):
 @torch.no_grad()
 def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, decay: list[bool], *, step: int,
                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale=None,
-               impl: str | None = None) -> tuple[list, list, list]:
+               impl: str | None = None, remainders: list | None = None) -> tuple:
     """One AdamW update of flat leaf lists (DTensors or plain tensors; ``step`` counts this update, from 1).
 
     Returns new ``(params, exp_avgs, exp_avg_sqs)`` lists in the inputs' types and placements; inputs are not
     modified. ``grad_scale``: the clipping factor the gradients are multiplied by first (a 0-dim tensor or float).
     The update runs in fp32: a leaf or moment stored in another dtype (bf16 moments: ``train.moment_dtype``) is
-    updated in fp32 and rounded back to its dtype."""
+    updated in fp32 and rounded back to its dtype. With ``remainders`` (bf16 + remainder masters): returns
+    ``(params, exp_avgs, exp_avg_sqs, remainders)``, each such leaf's new high half and remainder split from its
+    updated fp32 master."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"AdamW impl must be one of {IMPLS}, got {impl!r}")
     p_loc = [_local(p) for p in params]
-    work_p = [p.detach().to(torch.float32, copy=True) for p in p_loc]
+    rems = remainders if remainders is not None else [None] * len(params)
+    work_p = [p.detach().to(torch.float32, copy=True) if r is None else rm.join(p.detach(), _local(r))
+              for p, r in zip(p_loc, rems)]
     work_m = [_work(m) for m in exp_avgs]
     work_v = [_work(v) for v in exp_avg_sqs]
     g = [_local(x).detach().to(torch.float32) for x in grads]
@@ -87,22 +96,37 @@ def adamw_step(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, dec
             steps, foreach=kind == "foreach", fused=kind == "fused", amsgrad=False, beta1=beta1, beta2=beta2,
             lr=lr, weight_decay=weight_decay if dec else 0.0, eps=eps, maximize=False,
         )
-    new_p = [_rewrap(p, w.to(pl.dtype)) for p, pl, w in zip(params, p_loc, work_p)]
     new_m = [_stored(m, w) for m, w in zip(exp_avgs, work_m)]
     new_v = [_stored(v, w) for v, w in zip(exp_avg_sqs, work_v)]
-    return new_p, new_m, new_v
+    if remainders is None:
+        new_p = [_rewrap(p, w.to(pl.dtype)) for p, pl, w in zip(params, p_loc, work_p)]
+        return new_p, new_m, new_v
+    new_p, new_r = [], []
+    for i, (p, pl, r) in enumerate(zip(params, p_loc, rems)):
+        w, work_p[i] = work_p[i], None  # (each master's fp32 buffer is the work buffer of its own split)
+        if r is None:
+            new_p.append(_rewrap(p, w.to(pl.dtype)))
+            new_r.append(None)
+            continue
+        high, low = torch.empty_like(pl), torch.empty_like(_local(r))
+        rm.split_(w, high, low)
+        new_p.append(_rewrap(p, high))
+        new_r.append(_rewrap(r, low))
+    return new_p, new_m, new_v, new_r
 
 
 @torch.no_grad()
 def adamw_step_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, decay: list[bool], *, step: int,
                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, grad_scale=None,
-                impl: str | None = None) -> None:
+                impl: str | None = None, remainders: list | None = None) -> None:
     """``adamw_step`` in place, leaf by leaf (the donated step: ``train_step(..., donate=True)``).
 
     Each leaf's local shards of master and moments are updated by torch's kernel itself, its gradient multiplied by
     ``grad_scale`` in place; ``grads[i]`` is set to None as soon as leaf ``i`` is done, so the caller's list holds
     no gradient afterwards. Temporaries at any moment: one leaf's (e.g. ``sqrt(exp_avg_sq)`` of the foreach path).
-    The same bits as ``adamw_step``: the kernels compute each element independently of how leaves are grouped."""
+    The same bits as ``adamw_step``: the kernels compute each element independently of how leaves are grouped.
+    ``remainders``: a bf16 + remainder leaf's fp32 master is joined into one fp32 buffer (its temporaries: that
+    buffer), updated there and split back into the leaf's own high half and remainder."""
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"AdamW impl must be one of {IMPLS}, got {impl!r}")
     scale = None if grad_scale is None or (isinstance(grad_scale, float) and grad_scale == 1.0) else grad_scale
@@ -116,12 +140,17 @@ def adamw_step_(params: list, grads: list, exp_avgs: list, exp_avg_sqs: list, de
         if scale is not None:
             g.mul_(scale)
         kind = impl or default_impl(p.device)
-        work = [qmoment.load(t) if qmoment.is_int8_moment(t) else t if t.dtype == torch.float32
+        r = None if remainders is None or remainders[i] is None else _local(remainders[i])
+        work = [rm.join(p, r) if t is p and r is not None  # a bf16 + remainder master joined, exact
+                else qmoment.load(t) if qmoment.is_int8_moment(t) else t if t.dtype == torch.float32
                 else t.to(torch.float32) for t in (p, m, v)]  # (one leaf's copies; int8 moments dequantized)
         steps = [torch.full((), float(step - 1), dtype=torch.float32, device="cpu" if kind == "foreach" else p.device)]
         adamw([work[0]], [g], [work[1]], [work[2]], [], steps, foreach=kind == "foreach", fused=kind == "fused",
               amsgrad=False, beta1=beta1, beta2=beta2, lr=lr, weight_decay=weight_decay if dec else 0.0, eps=eps,
               maximize=False)
+        if r is not None:
+            rm.split_(work[0], p, r)  # back into the leaf's own halves (the fp32 buffer is spent)
+            work[0] = p
         for t, w in zip((p, m, v), work):
             if qmoment.is_int8_moment(t):
                 qmoment.store_(t, w)  # requantized into the moment's own codes and scales

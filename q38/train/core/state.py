@@ -8,7 +8,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from q38.model_config import ModelConfig
+from q38.model_config import ConfigError, ModelConfig
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
 from q38.lora import PeftConfig, trainable_mask, trainable_tree
 from q38.model import ModelParams, init_params
@@ -28,6 +28,10 @@ class TrainState:
     so the same state trains under any kernels).
     ``router_bias``: ``[moe layers, e]`` fp32 expert-selection bias of aux-loss-free balancing (``aux_loss_free``),
     else None; train state, not a parameter (no gradient, replicated and identical on every rank, checkpointed).
+    ``master_remainder``: with ``train.master_dtype: bfloat16_remainder`` (``q38.remainder``), the int16 low halves
+    of the fp32 masters, a tree like ``params`` (same placements) with None where a leaf keeps an fp32 master (the
+    ``fp32_params`` leaves); ``params`` then holds the bf16 high halves of those leaves (the compute weights). None
+    (no tree) with fp32 masters.
     ``peft``: the LoRA setting of a LoRA run (``q38.lora``), else None. Then ``params`` holds adapted nodes (a frozen
     base in the compute dtype plus fp32 adapter matrices) and the moments exist only for the adapter matrices (the
     frozen leaves are None in ``exp_avg`` / ``exp_avg_sq``): the leaves that train are the leaves that have
@@ -46,6 +50,7 @@ class TrainState:
     router_bias: Tensor | None = None
     kernels: KernelConfig = attrs.field(default=DEFAULT_KERNELS, kw_only=True)
     peft: PeftConfig | None = attrs.field(default=None, kw_only=True)
+    _master_remainder: ModelParams | None = attrs.field(default=None, kw_only=True, alias="master_remainder")
     # [step number] once donated (a box of its own per instance: evolve and unflatten start undonated)
     _donation: list = attrs.field(factory=list, init=False, eq=False, repr=False, hash=False)
 
@@ -66,6 +71,20 @@ class TrainState:
         """AdamW second moments; refused on a donated state."""
         self.check_not_donated("exp_avg_sq")
         return self._exp_avg_sq
+
+    @property
+    def master_remainder(self) -> ModelParams | None:
+        """The int16 remainders of bf16 + remainder masters (None: fp32 masters); refused on a donated state."""
+        self.check_not_donated("master_remainder")
+        return self._master_remainder
+
+    def masters(self) -> list:
+        """Per trained leaf (flatten order of the trained leaves of ``params``): its int16 remainder (a bf16 +
+        remainder master) or None (an fp32 master)."""
+        if self._master_remainder is None:
+            return [None] * sum(self.trainable())
+        rem = dict(named_leaves(self.master_remainder))
+        return [rem.get(n) for (n, _), m in zip(named_leaves(self.params), self.trainable()) if m]
 
     @property
     def donated(self) -> bool:
@@ -98,20 +117,23 @@ class TrainState:
 
 def _flatten(s: TrainState):
     # an absent router bias lives in the context (no None leaf), as pytree_node does for optional fields
+    # (and an absent remainder tree too: an fp32-master state flattens as it always did)
     extra = [] if s.router_bias is None else [s.router_bias]
-    return [s.params, s.exp_avg, s.exp_avg_sq, s.step, *extra], (s.model_config, s.train_config, bool(extra),
-                                                                  s.kernels, s.peft)
+    rem = [] if s.master_remainder is None else [s.master_remainder]
+    return [s.params, s.exp_avg, s.exp_avg_sq, s.step, *extra, *rem], (s.model_config, s.train_config, bool(extra),
+                                                                        s.kernels, s.peft, bool(rem))
 
 
 def _unflatten(children, ctx):
     bias = children[4] if ctx[2] else None
+    rem = children[4 + ctx[2]] if ctx[5] else None
     return TrainState(*children[:4], model_config=ctx[0], train_config=ctx[1], router_bias=bias, kernels=ctx[3],
-                      peft=ctx[4])
+                      peft=ctx[4], master_remainder=rem)
 
 
 def _flatten_with_keys(s: TrainState):
-    names = ("params", "exp_avg", "exp_avg_sq", "step", "router_bias")
     children, ctx = _flatten(s)
+    names = ("params", "exp_avg", "exp_avg_sq", "step") + ("router_bias",) * ctx[2] + ("master_remainder",) * ctx[5]
     return [(pytree.GetAttrKey(n), c) for n, c in zip(names, children)], ctx
 
 
@@ -132,7 +154,14 @@ def init_state(model_config: ModelConfig, train_config: TrainConfig, *, seed: in
 def state_from_params(params: ModelParams, model_config: ModelConfig, train_config: TrainConfig, *,
                       kernels: KernelConfig = DEFAULT_KERNELS, peft: PeftConfig | None = None) -> TrainState:
     """The state of ``params`` at step 0: zero moments (``train.moment_dtype``) for every leaf that trains (all of
-    them, or with ``peft`` the adapter matrices of ``params``, built by ``q38.lora.add_adapters``)."""
+    them, or with ``peft`` the adapter matrices of ``params``, built by ``q38.lora.add_adapters``).
+
+    ``train.master_dtype: bfloat16_remainder``: each leaf computed in bf16 is split exactly into its bf16 high half
+    (the state's ``params`` leaf) and an int16 remainder (``master_remainder``), leaf by leaf; an fp32 leaf is split
+    as it is, a bf16 leaf gets a zero remainder (its value is the master)."""
+    if train_config.master_dtype == "bfloat16_remainder" and peft is not None:
+        raise ConfigError(LORA_REFUSAL)
+    params, remainder = remainder_form(params, train_config)
     if train_config.moment_dtype == "int8":  # 8-bit block-wise moments (q38.qmoment)
         from q38.qmoment import zeros_like
 
@@ -150,7 +179,49 @@ def state_from_params(params: ModelParams, model_config: ModelConfig, train_conf
         router_bias=initial_router_bias(model_config, train_config, params),
         kernels=kernels,
         peft=peft,
+        master_remainder=remainder,
     )
+
+
+LORA_REFUSAL = ("train.master_dtype: bfloat16_remainder with a peft section: a LoRA run trains only its fp32 adapters "
+                "(a small state) and keeps no master of the base; set train.master_dtype: float32")
+
+
+def remainder_form(params: ModelParams, train_config: TrainConfig) -> tuple[ModelParams, ModelParams | None]:
+    """``(params, remainders)``: with ``master_dtype: bfloat16_remainder``, every leaf computed in bf16 split into
+    its bf16 high half and int16 remainder (``q38.remainder``; DTensors split shard by shard, placements kept), the
+    other leaves as they are and None in the remainder tree; otherwise ``(params, None)``."""
+    if train_config.master_dtype != "bfloat16_remainder":
+        return params, None
+    from q38 import remainder as rm
+    from q38.pytree import tree_map_with_path
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def wrap(like, t):
+        if not hasattr(like, "to_local"):
+            return t
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
+
+    halves = {}
+
+    def high(path, t):
+        if not rm.is_remainder_path(path, train_config) or not t.is_floating_point():
+            return t
+        x = local(t)
+        if x.dtype == torch.bfloat16:  # already bf16: the value is the master, its remainder zero
+            h, r = x, torch.zeros(x.shape, dtype=torch.int16, device=x.device)
+        else:
+            h, r = rm.split(x.to(torch.float32))
+        halves[path] = wrap(t, r)
+        return wrap(t, h)
+
+    new = tree_map_with_path(high, params)
+    return new, tree_map_with_path(lambda path, t: halves.get(path), params)
 
 
 def initial_router_bias(model_config: ModelConfig, train_config: TrainConfig, params) -> Tensor | None:

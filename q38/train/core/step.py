@@ -16,7 +16,7 @@ from torch.profiler import record_function
 
 from q38.lora import compute_form
 from q38.model import LayerHooks, forward, head_weight
-from q38.pytree import pytree_node, tree_leaves
+from q38.pytree import named_leaves, pytree_node, tree_leaves
 from q38.train.core.optim import adamw_step, adamw_step_
 from q38.qmoment import is_int8_moment
 from q38.batch import StepBatch, prepare_batch, split_micro_batches
@@ -300,19 +300,27 @@ def train_step(params: TrainState, batch, mesh=None, terms=None, *, donate: bool
         moments = (tree_leaves(state.exp_avg, is_leaf=is_int8_moment),
                    tree_leaves(state.exp_avg_sq, is_leaf=is_int8_moment))
         decay = decay_mask(state.params, tc)
+        remainders = state.masters() if state.master_remainder is not None else None  # (updated in place too)
         new_state = attrs.evolve(state, step=state.step + 1)  # the same buffers, updated below
         state.donate(step)  # before any buffer is written: a failure half-way leaves no usable input behind
         del r  # the gradients live on only in `grads`, which the update empties leaf by leaf
         with record_function("q38.optimizer"):
             adamw_step_(trained, grads, *moments, decay, step=step, lr=lr, beta1=tc.beta1, beta2=tc.beta2,
-                        eps=tc.eps, weight_decay=tc.weight_decay, grad_scale=scale)
+                        eps=tc.eps, weight_decay=tc.weight_decay, grad_scale=scale, remainders=remainders)
         if state.router_bias is not None:
             new_state = attrs.evolve(new_state, router_bias=update_router_bias(state.router_bias, router_load,
                                                                                tc.router_bias_rate))
         return new_state, metrics
     with record_function("q38.optimizer"):
-        new_p, new_m, new_v = _adamw(state, [t for t, m in zip(flat, trains) if m], grads, scale, lr, step)
+        new_p, new_m, new_v, new_r = _adamw(state, [t for t, m in zip(flat, trains) if m], grads, scale, lr, step)
     updated = iter(new_p)
+    if new_r is not None:  # bf16 + remainder masters: the new remainders, by path (None at fp32 masters)
+        names = [n for (n, _), m in zip(named_leaves(state.params), trains) if m]
+        by_name = {n: r for n, r in zip(names, new_r) if r is not None}
+        from q38.pytree import tree_map_with_path
+
+        state = attrs.evolve(state, master_remainder=tree_map_with_path(lambda p, _: by_name[p],
+                                                                        state.master_remainder))
     new_state = attrs.evolve(
         state,
         params=pytree.tree_unflatten([next(updated) if m else t for t, m in zip(flat, trains)], spec),
@@ -329,11 +337,13 @@ def train_step(params: TrainState, batch, mesh=None, terms=None, *, donate: bool
 def _adamw(state: TrainState, flat: list[Tensor], grads: list[Tensor], scale, lr: float, step: int):
     """Decoupled-weight-decay Adam in fp32 with torch's kernels (``q38.train.core.optim``) over the trained leaves
     ``flat`` (their moments are the leaves of ``exp_avg`` / ``exp_avg_sq``); returns new lists (the inputs are
-    untouched)."""
+    untouched). Returns ``(params, exp_avgs, exp_avg_sqs, remainders or None)``."""
     tc = state.train_config
-    return adamw_step(
+    rems = state.masters() if state.master_remainder is not None else None
+    out = adamw_step(
         flat, grads, tree_leaves(state.exp_avg, is_leaf=is_int8_moment),
         tree_leaves(state.exp_avg_sq, is_leaf=is_int8_moment), decay_mask(state.params, tc),
         step=step, lr=lr, beta1=tc.beta1, beta2=tc.beta2, eps=tc.eps, weight_decay=tc.weight_decay,
-        grad_scale=scale,
+        grad_scale=scale, remainders=rems,
     )
+    return out if rems is not None else (*out, None)

@@ -20,7 +20,7 @@ NAN_POLICIES = ("stop", "skip")
 MOMENT_DTYPES = ("float32", "bfloat16", "int8")
 MASTER_DTYPES = ("float32", "bfloat16_remainder")
 EP_DISPATCHES = ("flat", "hierarchical")
-# mixed precision (docs/parallel.md#mixed-precision): master weights and AdamW moments are always fp32
+# mixed precision (docs/parallel.md#mixed-precision): master weights fp32 (or bf16 + remainder: master_dtype)
 PRECISION_DTYPES = ("float32", "bfloat16")
 # Leaves that stay fp32 in compute under a 16-bit param_dtype (never rounded by the gather): the GDN decay A_log and
 # the GDN gated-norm weight, the two leaves released Qwen3.5 checkpoints store in fp32
@@ -118,7 +118,8 @@ class TrainConfig:
     # block); `master_dtype` the master weights; `offload_optimizer` keeps masters and moments in host memory and
     # steps there
     moment_dtype: str = attrs.field(default="float32", validator=one_of(*MOMENT_DTYPES))
-    # master weights: fp32, or the bf16 weight plus a 16-bit remainder
+    # master weights: fp32, or the bf16 weight plus a 16-bit remainder (needs param_dtype bfloat16; the bf16 half
+    # is the compute weight: 4 bytes a parameter either way, no cast copy before the gathers)
     master_dtype: str = attrs.field(default="float32", validator=one_of(*MASTER_DTYPES))
     # masters and moments in host memory, stepped there
     offload_optimizer: bool = attrs.field(default=False, validator=boolean)
@@ -187,13 +188,18 @@ def validate_train_config(t: TrainConfig) -> None:
     for ok, msg in rules:
         if not ok:
             raise ConfigError(msg)
-    # implemented: moment_dtype float32 | bfloat16 | int8 (docs/optimizer.md); the rest is refused until it is
+    # implemented: moment_dtype float32 | bfloat16 | int8, master_dtype float32 | bfloat16_remainder
+    # (docs/optimizer.md); offload_optimizer is refused until it is
     lean = {k: getattr(t, k) for k, d in (("moment_dtype", ("float32", "bfloat16", "int8")),
-                                           ("master_dtype", ("float32",)),
+                                           ("master_dtype", MASTER_DTYPES),
                                            ("offload_optimizer", (False,))) if getattr(t, k) not in d}
     if lean:
         raise ConfigError(f"{', '.join(f'{k}: {v}' for k, v in lean.items())} is not implemented yet; "
                           "leave the optimizer state at its defaults")
+    if t.master_dtype == "bfloat16_remainder" and t.param_dtype != "bfloat16":
+        raise ConfigError(f"master_dtype: bfloat16_remainder stores each master as its bf16 compute weight plus a "
+                          f"16-bit remainder, so it needs param_dtype: bfloat16 (got {t.param_dtype}); set "
+                          "train.param_dtype: bfloat16 (or run.dtype: bfloat16), or master_dtype: float32")
 
 
 def validate_run(

@@ -6,6 +6,8 @@ Layout of a run directory::
     OUT_DIR/checkpoints/latest                  "step_000050" (written atomically; informative)
     OUT_DIR/checkpoints/step_000050/.metadata   DCP index
     OUT_DIR/checkpoints/step_000050/__*_*.distcp DCP shards: {"params.<path>", "exp_avg.<path>", "exp_avg_sq.<path>", "step"}
+                                                 (bf16 + remainder masters: "params.<path>" the bf16 high half and
+                                                 "master_remainder.<path>" the int16 low half; joined on load)
     OUT_DIR/checkpoints/step_000050/meta.json   step, model + train config, data position, layout, versions
     OUT_DIR/checkpoints/step_000050/rng/rank_00000.pt  each rank's torch RNG states
 
@@ -587,7 +589,10 @@ def load_checkpoint(path: str | os.PathLike, template) -> tuple[Any, dict]:
         fresh[n] = sd.pop(n)
     if "router_bias" in sd and not (meta.get("train_config") or {}).get("aux_loss_free"):
         fresh["router_bias"] = sd.pop("router_bias")  # aux_loss_free switched on at resume: start from zero bias
-    _dcp_load(sd, path, model=template.model_config)
+    reader = checkpoint_reader(path)
+    split, joined = _master_conversions(sd, saved_tensors(path, reader))
+    _dcp_load(sd, path, reader, model=template.model_config)
+    _convert_masters(sd, split, joined)
     saved_step = _scalar(sd["step"]) if "step" in sd else meta["step"]
     if saved_step != meta["step"]:
         raise CheckpointMismatch(f"checkpoint {path}: {META_FILE} says step {meta['step']}, its saved state is at step "
@@ -603,6 +608,64 @@ def load_checkpoint(path: str | os.PathLike, template) -> tuple[Any, dict]:
             set_rng_state(torch.load(io.BytesIO(fh.read(1 << 24)), weights_only=True))
     del rng_dir
     return state, meta
+
+
+def _like(t, dtype):
+    """An empty tensor shaped and placed like ``t`` (a DTensor: its local shard) in ``dtype``."""
+    if not hasattr(t, "to_local"):
+        return torch.empty(t.shape, dtype=dtype, device=t.device)
+    from torch.distributed.tensor import DTensor
+
+    local = t.to_local()
+    return DTensor.from_local(torch.empty(local.shape, dtype=dtype, device=local.device), t.device_mesh,
+                              t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _master_conversions(sd: dict, saved: dict) -> tuple[dict, dict]:
+    """Load a checkpoint saved with another ``train.master_dtype`` exactly (``q38.remainder``), leaf by leaf:
+    ``split``: {parameter path: (high, remainder)} of the template's bf16 + remainder leaves saved as fp32 masters
+    (``sd`` then loads each fp32 master into a temporary, split after the load); ``joined``: {parameter path:
+    remainder temporary} of the template's fp32 masters saved as bf16 + remainder (``sd`` loads the high half into
+    the fp32 leaf, a cast that is exact, and the remainder into the temporary; ``_convert_masters`` joins them)."""
+    split, joined = {}, {}
+    for k in [k for k in sd if k.startswith("params.")]:
+        q = k.removeprefix("params.")
+        rk = f"master_remainder.{q}"
+        if rk in sd and rk not in saved:  # saved as an fp32 master (or another dtype): loaded in fp32, then split
+            split[q] = (sd[k], sd.pop(rk))
+            sd[k] = _like(split[q][0], torch.float32)
+        elif rk not in sd and rk in saved and sd[k].dtype == torch.float32:  # saved split, wanted as fp32
+            joined[q] = sd[rk] = _like(sd[k], torch.int16)
+    return split, joined
+
+
+def _convert_masters(sd: dict, split: dict, joined: dict) -> None:
+    """After the load: ``_master_conversions``' leaves split into their template's halves, or joined in place."""
+    from q38 import remainder as rm
+
+    for q, (high, rem) in split.items():
+        master = sd[f"params.{q}"]
+        rm.split_(_local(master).contiguous(), _local(high), _local(rem))
+        sd[f"params.{q}"], sd[f"master_remainder.{q}"] = high, rem
+    for q, rem in joined.items():
+        master = sd[f"params.{q}"]
+        _local(master).copy_(rm.join(_local(master).to(torch.bfloat16), _local(sd.pop(f"master_remainder.{q}"))))
+
+
+def master_dtypes(saved: dict) -> dict:
+    """``saved`` (``saved_tensors``) with each bf16 + remainder parameter's dtype given as its master's, fp32 (what
+    ``load_params`` returns and an export of the saved dtypes writes)."""
+    out = dict(saved)
+    for k in saved:
+        if k.startswith("master_remainder."):
+            q = f"params.{k.removeprefix('master_remainder.')}"
+            if q in out:
+                out[q] = (out[q][0], torch.float32)
+    return out
 
 
 def _scalar(t) -> int:
@@ -622,15 +685,18 @@ def check_saved_params(reader, model: ModelConfig, path) -> None:
 
 def expected_keys(model: ModelConfig) -> set[str]:
     """Every tensor key a q38 checkpoint of ``model`` may hold: ``params.<leaf>``, the two AdamW moments of each,
-    ``step`` and the router bias of ``aux_loss_free``; for a LoRA run, a weight's frozen ``.base`` and its adapter
-    matrices (``q38.lora.ADAPTER_KEYS``) in place of the weight."""
+    its ``master_remainder`` (bf16 + remainder masters), ``step`` and the router bias of ``aux_loss_free``; for a
+    LoRA run, a weight's frozen ``.base`` and its adapter matrices (``q38.lora.ADAPTER_KEYS``) in place of the
+    weight."""
     from q38.lora import ADAPTER_KEYS
     from q38.model import init_params
 
     names = [n for n, _ in named_leaves(init_params(model, device="meta"))]
     names += [f"{n}.{k}" for n in names for k in ("base", *ADAPTER_KEYS)]
     moments = {f"{p}.{n}{q}" for p in ("exp_avg", "exp_avg_sq") for n in names for q in ("", ".codes", ".scales")}
-    return {f"params.{n}" for n in names} | moments | {"step", "router_bias"}  # (.codes/.scales: int8 moments)
+    remainders = {f"master_remainder.{n}" for n in names}  # bf16 + remainder masters (q38.remainder)
+    return ({f"params.{n}" for n in names} | moments | remainders
+            | {"step", "router_bias"})  # (.codes/.scales: int8 moments)
 
 
 def empty_params(model: ModelConfig, *, device=None, dtype=None, mesh=None):
@@ -648,9 +714,9 @@ def empty_params(model: ModelConfig, *, device=None, dtype=None, mesh=None):
 
 def load_params(path: str | os.PathLike, *, device=None, dtype=None, mesh=None) -> tuple[ModelConfig, Any, dict]:
     """``(model config, params, meta)`` of a q38 checkpoint (a checkpoint, checkpoints or run directory); the
-    optimizer moments are not read. ``dtype``: cast, or ``dtype(path)`` per parameter (default: the dtype the
-    parameters were saved in). ``mesh``:
-    the parameters as DTensors of that mesh's layout, each rank reading only its shards."""
+    optimizer moments are not read; bf16 + remainder masters are joined into their fp32 masters. ``dtype``: cast,
+    or ``dtype(path)`` per parameter (default: the dtype the parameters were saved in). ``mesh``: the parameters as
+    DTensors of that mesh's layout, each rank reading only its shards."""
     path = resolve_checkpoint(path)
     meta = read_meta(path)
     cfg = ModelConfig.from_dict(meta["model_config"], source=f"{path}/{META_FILE}")
@@ -659,7 +725,10 @@ def load_params(path: str | os.PathLike, *, device=None, dtype=None, mesh=None) 
     check_saved_params(reader, cfg, path)
     params = empty_params(cfg, device=device, dtype=saved, mesh=mesh)
     sd = {f"params.{n}": t for n, t in named_leaves(params)}
+    # bf16 + remainder masters: each high half loads into its fp32 leaf (exact) and is joined with its remainder
+    _, joined = _master_conversions(sd, saved_tensors(path, reader))
     _dcp_load(sd, path, reader, model=cfg)
+    _convert_masters(sd, {}, joined)
     if callable(dtype):  # a dtype per parameter (TrainConfig.compute_dtype)
         from q38.pytree import tree_map_with_path
 

@@ -32,7 +32,8 @@ from q38.model_config import ConfigError, ModelConfig
 from q38.fp8 import FP8_DTYPE, Fp8Format, default_quantized
 from q38.hf import DEFAULT_MAX_SHARD_BYTES, HFReader, export_tmp_dir, fp8_dtypes, open_hf, plan_export, publish_export
 from q38.train.io.checkpoint import (
-    _barrier, _broadcast, _dcp_load, _dist, _fsync_dir, _rank, check_saved_params, checkpoint_reader, read_meta,
+    _barrier, _broadcast, _dcp_load, _dist, _fsync_dir, _rank, check_saved_params, checkpoint_reader, master_dtypes,
+    read_meta,
     saved_tensors,
     shared_tmp_dir, write_checkpoint,
 )
@@ -100,12 +101,18 @@ def _leaf_loader(ck: Path, reader, saved: dict) -> Callable[[tuple[str, ...]], t
     """``load(names)``: those parameters, whole, from the DCP checkpoint (this process alone; in their saved dtype:
     each output tensor is cast, or quantized, to its own export dtype)."""
 
+    from q38.train.io.checkpoint import _convert_masters, _master_conversions
+
+    masters = master_dtypes(saved)  # a bf16 + remainder master is read as its fp32 master, joined
+
     def load(names: tuple[str, ...]) -> tuple:
         sd = {}
         for q in names:
-            shape, dt = saved[f"params.{q}"]
+            shape, dt = masters[f"params.{q}"]
             sd[f"params.{q}"] = torch.empty(shape, dtype=dt, device="cpu")  # on its way to a file
+        _, joined = _master_conversions(sd, saved)
         _dcp_load(sd, ck, reader, collective=False)
+        _convert_masters(sd, {}, joined)
         return tuple(sd[f"params.{q}"] for q in names)
 
     return load
@@ -221,7 +228,8 @@ def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=No
         if missing:
             raise ConfigError(f"checkpoint {ck} lacks parameters {missing[:4]} (not a q38 checkpoint of "
                               f"{cfg.model_type}?)")
-        dtypes, fp8 = export_dtypes(meta, dtype, saved)
+        # bf16 + remainder masters export as the fp32 masters they are (joined as each is read)
+        dtypes, fp8 = export_dtypes(meta, dtype, master_dtypes(saved))
         export = plan_export(cfg, dtypes, max_shard_bytes=max_shard_bytes, fp8=fp8)
         return reader, saved, export
 

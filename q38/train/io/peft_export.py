@@ -335,7 +335,10 @@ def _base_loader(lc: LoraCheckpoint, base: str | os.PathLike | None, stack: Exit
     _same_model(config_diff(bmeta["model_config"], cfg.to_dict()), bk, lc)
     breader = checkpoint_reader(bk)
     bsaved = saved_tensors(bk, breader)
-    return _leaf_loader(bk, breader, bsaved), (lambda q: bsaved[f"params.{q}"][1]), False  # (an FP8 base: refused)
+    from q38.train.io.checkpoint import master_dtypes
+
+    masters = master_dtypes(bsaved)  # a base with bf16 + remainder masters: read (and typed) as its fp32 masters
+    return _leaf_loader(bk, breader, bsaved), (lambda q: masters[f"params.{q}"][1]), False  # (an FP8 base: refused)
 
 
 def _same_model(diff: list[str], where, lc: LoraCheckpoint) -> None:

@@ -41,7 +41,7 @@ MAX_KEY_CHARS = 1024  # a state-dict key
 MAX_CHUNKS = 10_000_000  # saved chunks over all tensors
 TORCH_SAVE_SLACK = 1 << 16  # bytes a torch.save of one tensor adds around its data (zip headers, pickle; ~1.5 KB)
 SAVED_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
-                          torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8, torch.bool})
+                          torch.int16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8, torch.bool})
 
 HASH_SIDECAR_RE = re.compile(r"^__\d+_chunks\.json$")  # a rank's streamed chunk checksums, for the manifest
 DISTCP_RE = re.compile(r"^__\d+_\d+\.distcp$")  # the shard files DCP's FileSystemWriter names

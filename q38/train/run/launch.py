@@ -111,6 +111,10 @@ def check_run(cfg: RunConfig, world_size: int = 1, device: str = "cpu") -> RunPl
     from q38.parallel.layout import Layout, LayoutError
 
     layout = Layout.load(cfg.layout)
+    if cfg.peft is not None and cfg.train.master_dtype == "bfloat16_remainder":
+        from q38.train.core.state import LORA_REFUSAL
+
+        raise ConfigError(LORA_REFUSAL)
     try:
         sizes = layout.resolve_mesh(world_size)
     except LayoutError as e:

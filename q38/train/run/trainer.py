@@ -153,7 +153,9 @@ def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo, track
         "step": int(state.step),
         "model_config": cfg.model.to_dict(),
         "train_config": cfg.train.to_dict(),
-        "param_dtype": "float32",  # stored dtype: fp32 masters (train_config.param_dtype is the compute dtype)
+        # stored dtype: fp32 masters (train_config.param_dtype is the compute dtype); bf16 + remainder masters are
+        # saved as their two halves and loaded as fp32 (load_params joins them)
+        "param_dtype": "float32",
         "source_format": _SOURCE_FORMAT.get(str(cfg.init_from)),  # what `q38 convert --to-hf` writes by default
         "data": {"iterator": batches.state_dict(), "path": str(cfg.data.path), "tokenizer": str(cfg.data.tokenizer),
                  "seq_len": cfg.data.seq_len, "batch_size": cfg.data.batch_size, "dp_size": plan.dp_size,
