@@ -113,10 +113,12 @@ def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str,
     """The plan's (forward/backward peak, optimizer peak, state) bytes per rank for this step, or None when the plan
     has no model of ``mode`` (the donated optimizer phase is another change's: a ``donated`` / ``pure_step``
     argument of ``estimate``). ``train``: the step's train settings (JSON); the communication overlap they set
-    (``overlap_comm``, ``fsdp_prefetch``) is priced as ``q38 plan`` prices a run's."""
+    (``overlap_comm``, ``fsdp_prefetch``) and their dtypes (``param_dtype``, ``reduce_dtype``, ``moment_dtype``,
+    ``master_dtype``) are priced as ``q38 plan`` prices a run's."""
     from q38.model_config import ModelConfig
     from q38.parallel.budget import estimate
     from q38.parallel.layout import Layout
+    from q38.parallel.search import _dtype_name
 
     cfg = ModelConfig.from_yaml(MODEL)
     params = inspect.signature(estimate).parameters
@@ -131,8 +133,12 @@ def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str,
     overlap = bool(t.get("overlap_comm", True))
     kw.update(async_reduce=overlap, cp_early=overlap,
               prefetch=overlap if t.get("fsdp_prefetch") is None else bool(t["fsdp_prefetch"]))
+    for key in ("moment_dtype", "master_dtype"):  # the state's dtypes, as the run holds them
+        if key in t:
+            kw[key] = t[key]
     b = estimate(cfg, Layout.preset(layout if world > 1 else "single"), world, seq_len=seq, rows_per_rank=rows,
-                 param_dtype="fp32", reduce_dtype="fp32", adamw_impl="foreach", **kw)
+                 param_dtype=_dtype_name(t.get("param_dtype", "float32")),
+                 reduce_dtype=_dtype_name(t.get("reduce_dtype", "float32")), adamw_impl="foreach", **kw)
     state = sum(it.bytes for it in b.optimizer_phase if it.name in ("master weights", "optimizer moments"))
     return b.peak_fwd_bwd, b.peak_optimizer, state
 

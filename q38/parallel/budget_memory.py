@@ -126,6 +126,12 @@ class _Step:
         return self.master_dtype == "bfloat16_remainder"
 
     @property
+    def held(self) -> int:
+        """Bytes a parameter of the gradients the optimizer phase holds: ``reduce_dtype``'s, but a bf16 + remainder
+        master's leaf is bf16, so its reduced gradient is rounded to bf16 (q38/train/core/step.py)."""
+        return min(self.red, 2) if self.remainder else self.red
+
+    @property
     def cast_copy(self) -> bool:
         """Each layer's shards are cast to the compute dtype before the gather (not when the stored form already is
         the compute dtype: a bf16+remainder master, or the device copy of an offloaded optimizer)."""
@@ -282,20 +288,21 @@ def _optimizer_items(st: _Step, numel: int, grad_clip: bool, impl: str, largest_
     in place. Offloaded (``st.offload_optimizer``): the device holds its compute-dtype shards and the gradients,
     copied to the host leaf by leaf; the update runs there."""
     opt = _state_items(st, numel)
-    opt.append(Item("gradients", numel * st.red, f"{st.reduce_dtype}, all leaves at the end of backward"))
+    held = "bf16 (the bf16 + remainder leaves' dtype)" if st.held != st.red else st.reduce_dtype
+    opt.append(Item("gradients", numel * st.held, f"{held}, all leaves at the end of backward"))
     if st.offload_optimizer:
         return opt
     if st.donated:
-        tmp = 4 * st.remainder + 8 * (st.mom != 8) + 4 * (st.red != 4) + 4 * (impl == "foreach")
+        tmp = 4 * st.remainder + 8 * (st.mom != 8) + 4 * (st.held != 4) + 4 * (impl == "foreach")
         if tmp and largest_leaf:
             opt.append(Item("one leaf's update temporaries", largest_leaf * tmp,
                             f"fp32 working copies of the largest leaf ({largest_leaf:,} elements), donated step"))
         return opt
     opt.append(Item("new weights and moments", numel * (st.mst + st.mom),
                     "copies the functional AdamW updates and returns (pure step)"))
-    if grad_clip or st.red != 4:
+    if grad_clip or st.held != 4:
         opt.append(Item("fp32 gradients for the update", numel * 4,
-                        "scaled by the clipping factor" if grad_clip else f"{st.reduce_dtype} gradients cast to fp32"))
+                        "scaled by the clipping factor" if grad_clip else f"{held} gradients cast to fp32"))
     if impl == "foreach":
         opt.append(Item("update temporaries", numel * 4, "foreach AdamW: sqrt(exp_avg_sq) of every parameter"))
     return opt
