@@ -204,7 +204,7 @@ def test_settings_it_cannot_run_are_refused_in_one_line(tmp_path):
     from q38.train.run.launch import check_run
     from tests.run_utils import run_config
 
-    for kw, pattern in (({}, r"^offload_optimizer: true .* needs param_dtype: bfloat16 or float16 \(got float32\); "
+    for kw, pattern in (({}, r"^offload_optimizer: true .* needs param_dtype: bfloat16 \(got float32\); "
                              r"set train.param_dtype: bfloat16, or offload_optimizer: false$"),
                         ({"param_dtype": "bfloat16", "master_dtype": "bfloat16_remainder"},
                          r"^offload_optimizer: true keeps fp32 masters on the host, .* set master_dtype: float32 "
@@ -219,4 +219,20 @@ def test_settings_it_cannot_run_are_refused_in_one_line(tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="with a peft section"):
         state_from_params(init_state(CFG, TC).params, CFG, OFF, peft=cfg.peft)
-    assert TrainConfig(offload_optimizer=True, param_dtype="float16").offload_optimizer
+    assert TrainConfig(offload_optimizer=True, param_dtype="bfloat16").offload_optimizer
+
+
+@pytest.mark.slow  # ~1 min on the shared 2-core machine: three short runs
+def test_q38_train_equals_the_fp32_master_run_and_resumes_exactly(tmp_path):
+    """``q38 train`` with ``offload_optimizer: true``: the losses of the fp32-master run (reduce_dtype bfloat16) at
+    every step, and a run stopped at step 2 (checkpoint saved, donated steps after it) and resumed gives them too."""
+    from q38.train.run.trainer import train
+    from tests.run_utils import losses, run_config
+
+    cfg = CFG.replace(vocab_size=288)  # the byte tokenizer's 261 tokens (still unlike tiny's 384)
+    lean = {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16", "loss_chunk_size": 16}
+    off = {**lean, "offload_optimizer": True}
+    fp32 = train(run_config(tmp_path / "fp32", steps=3, train=lean, model=cfg.to_dict()))
+    cut = train(run_config(tmp_path / "cut", steps=2, train=off, run={"save_every": 2}, model=cfg.to_dict()))
+    rest = train(run_config(tmp_path / "cut", steps=3, train=off, model=cfg.to_dict()))
+    assert [r["step"] for r in rest] == [3] and losses(cut + rest) == losses(fp32) and len(losses(fp32)) == 3

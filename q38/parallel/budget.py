@@ -205,9 +205,7 @@ def estimate(
         optimizer_s=optimizer_s, dequant_s=dequant_s, host_optimizer=host,
         optimizer_state=f"{'pure' if not donated else 'donated'} step, masters {master_dtype}, moments "
                         f"{moment_dtype}, gradients {reduce_dtype}" + (", offloaded to the host" if offload_optimizer
-                                                                        else "")
-                        + ("; priced only: q38 train does not run this state yet"
-                           if offload_optimizer else ""),
+                                                                        else ""),
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
         hbm_bytes=hw.hbm_bytes if hw else None, ops=ops, kernels=kernels if ops else None,
         doc_len=doc_len if packed_rows else None,

@@ -122,7 +122,7 @@ class TrainConfig:
     # is the compute weight: 4 bytes a parameter either way, no cast copy before the gathers)
     master_dtype: str = attrs.field(default="float32", validator=one_of(*MASTER_DTYPES))
     # masters and moments in host memory, the AdamW step there; the device keeps the param_dtype compute copy of each
-    # weight (needs param_dtype bfloat16 or float16; master_dtype float32; not with a peft section)
+    # weight (needs param_dtype bfloat16; master_dtype float32; not with a peft section)
     offload_optimizer: bool = attrs.field(default=False, validator=boolean)
 
     def __attrs_post_init__(self) -> None:
@@ -193,9 +193,9 @@ def validate_train_config(t: TrainConfig) -> None:
         raise ConfigError(f"master_dtype: bfloat16_remainder stores each master as its bf16 compute weight plus a "
                           f"16-bit remainder, so it needs param_dtype: bfloat16 (got {t.param_dtype}); set "
                           "train.param_dtype: bfloat16 (or run.dtype: bfloat16), or master_dtype: float32")
-    if t.offload_optimizer and t.param_dtype not in ("bfloat16", "float16"):
+    if t.offload_optimizer and t.param_dtype != "bfloat16":
         raise ConfigError(f"offload_optimizer: true keeps only the compute copy of each weight on the device, in "
-                          f"param_dtype, so it needs param_dtype: bfloat16 or float16 (got {t.param_dtype}); set "
+                          f"param_dtype, so it needs param_dtype: bfloat16 (got {t.param_dtype}); set "
                           "train.param_dtype: bfloat16, or offload_optimizer: false")
     if t.offload_optimizer and t.master_dtype != "float32":
         raise ConfigError(f"offload_optimizer: true keeps fp32 masters on the host, where the bf16 + remainder form "
