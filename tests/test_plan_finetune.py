@@ -93,8 +93,8 @@ def test_lean_state_bytes_per_parameter(moments, master, reduce, per_value, leaf
 
 def test_offloaded_optimizer_host_bytes_and_time():
     """Offloaded: the device keeps its bf16 shards (2 bytes a value) and the gradients; the host holds each local
-    rank's masters and moments (4 + 8) per value (the gradients land leaf by leaf), and AdamW streams masters and moments read
-    and written, the gradients read and the bf16 weights written (2·4 + 2·8 + 4 + 2 bytes a value) at the profile's
+    rank's masters and moments (4 + 8) per value (the gradients land leaf by leaf), and AdamW streams masters and
+    moments read and written, the gradients read and the bf16 weights written (2·4 + 2·8 + 4 + 2 bytes a value) at the profile's
     host memory bandwidth."""
     hw = Hardware.load("h200")
     n = sum(_leaves())
