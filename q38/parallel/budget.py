@@ -187,11 +187,9 @@ def estimate(
         held, streamed, link = host_optimizer(st, opt_numel, hw.devices_per_node)
         host_s = streamed / hw.host_memory_bandwidth
         link_s = link / hw.host_link_bandwidth
-        bwd_s = compute_s - compute_fwd_s
-        # the gradients go to the host and the update runs there leaf by leaf as backward releases them: what runs
-        # beyond the backward's compute is exposed, and the last layer's share (its update after backward ends) always
-        longest = max(host_s, link_s)
-        optimizer_s = max(0.0, longest - bwd_s) + longest / max(1, cfg.num_hidden_layers)
+        # as q38.offload runs it: after backward, leaf by leaf, each gradient's copy overlapping the host update of
+        # the leaf before (CUDA), nothing overlapping the backward: the longer of the host update and the copies
+        optimizer_s = max(host_s, link_s)
         host = (held, host_s, link_s)
     dequant_s = lora_budget.dequant_seconds(ls, st, hw.hbm_bandwidth) if ls is not None and hw else 0.0
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
