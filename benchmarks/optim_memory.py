@@ -71,6 +71,7 @@ def worker(mode: str, rank: int, world: int, work: Path, layout: str, seq: int, 
     del params
     shard = sum(getattr(t, "_local_tensor", t).numel() * getattr(t, "_local_tensor", t).element_size()
                 for t in tree_leaves(state) if t.dim() > 0)
+    sides = _sides(state)  # offload_optimizer: the bytes of the device-side and host-side trees
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, cfg.vocab_size, (rows * world, seq), generator=g) for _ in range(steps)]
     if world > 1:
@@ -81,11 +82,13 @@ def worker(mode: str, rank: int, world: int, work: Path, layout: str, seq: int, 
     real = step_mod.loss_and_grads
 
     awaiting = []  # the runtime's count: the most bytes awaiting an async reduce-scatter at once
+    grad_bytes = []  # bytes of the gradients the step holds when forward/backward returns
 
     def tapped(*a, **k):
         r = real(*a, **k)
         fb.append(_status("VmHWM"))
         awaiting.append(r.async_reduce_bytes)
+        grad_bytes.append(sum(_nbytes(x) for x in r.grads))
         Path("/proc/self/clear_refs").write_text("5")  # from here VmHWM is the optimizer phase's own peak
         return r
 
@@ -105,7 +108,45 @@ def worker(mode: str, rank: int, world: int, work: Path, layout: str, seq: int, 
         dist.barrier()
         dist.destroy_process_group()
     return {"rank": rank, "base": base, "peak": peak, "fb_peak": max(fb), "opt_peak": opt_peak, "shard": shard,
-            "seconds": seconds, "loss": loss, "awaiting": max(awaiting)}
+            "seconds": seconds, "loss": loss, "awaiting": max(awaiting), "grads": max(grad_bytes), **sides}
+
+
+def _nbytes(t) -> int:
+    t = getattr(t, "_local_tensor", t)
+    return t.numel() * t.element_size()
+
+
+def _sides(state) -> dict:
+    """Bytes of this rank's state by the side it lives on under ``offload_optimizer`` (summed tensor sizes, not
+    measured memory: on a CPU run both sides are this one process): ``device_params`` (the ``params`` leaves: the
+    compute copies, and the fp32 masters of the leaves that keep them on the device), ``device_moments`` (those
+    leaves' moments), ``host`` (the host masters and the moments of the offloaded leaves)."""
+    from q38.pytree import named_leaves, tree_leaves
+
+    hosted = set() if state.host_master is None else {n for n, _ in named_leaves(state.host_master)}
+    moments = [(n.removesuffix(".codes").removesuffix(".scales"), m)  # (int8: codes and scales)
+               for tree in (state.exp_avg, state.exp_avg_sq) for n, m in named_leaves(tree)]
+    return {"device_params": sum(_nbytes(t) for t in tree_leaves(state.params)),
+            "device_moments": sum(_nbytes(m) for n, m in moments if n not in hosted),
+            "host": (sum(_nbytes(t) for t in tree_leaves(state.host_master or {}))
+                     + sum(_nbytes(m) for n, m in moments if n in hosted))}
+
+
+def plan_sides(world: int, layout: str, seq: int, rows: int, mode: str, train: str) -> tuple[float, float, float]:
+    """The plan's ``(compute-dtype shards, gradients, host bytes)`` per rank of an offloaded step (``q38 plan
+    --offload-optimizer``; the host figure per node of the h200 profile over its devices per node)."""
+    from q38.model_config import ModelConfig
+    from q38.parallel.budget import estimate
+    from q38.parallel.hardware import Hardware
+    from q38.parallel.layout import Layout
+
+    t, hw = json.loads(train), Hardware.load("h200")
+    b = estimate(ModelConfig.from_yaml(MODEL), Layout.preset(layout if world > 1 else "single"), world, seq_len=seq,
+                 rows_per_rank=rows, param_dtype="bf16", adamw_impl="foreach", donated=mode == "donated",
+                 reduce_dtype={"bfloat16": "bf16"}.get(t.get("reduce_dtype"), "fp32"),
+                 moment_dtype=t.get("moment_dtype", "float32"), offload_optimizer=True, hardware=hw)
+    items = {it.name: it.bytes for it in b.optimizer_phase}
+    return items["compute-dtype shards"], items["gradients"], b.host_optimizer[0] / hw.devices_per_node
 
 
 def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str,
@@ -197,6 +238,16 @@ def main(argv=None) -> int:
               f"{peak / worst['shard']:>10.2f} "
               f"{pf:>8}G {po:>8}G {pr:>10} {max(o['seconds'] for o in outs):>6.1f} "
               f"{max(o['awaiting'] for o in outs) / 2**20:>8.1f}M {worst['loss']:.6f}")
+        # summed tensor bytes of each side (offload_optimizer: beside the plan's items)
+        o = max(outs, key=lambda o: o["device_params"] + o["device_moments"] + o["host"])
+        print(f"  largest rank's trees (summed tensor sizes; on CPU both sides are this process): device params "
+              f"{o['device_params'] / 2**20:.1f}M + moments {o['device_moments'] / 2**20:.2f}M + gradients "
+              f"{o['grads'] / 2**20:.1f}M, host {o['host'] / 2**20:.1f}M", end="")
+        if json.loads(a.train).get("offload_optimizer"):
+            ps, pg, ph = plan_sides(a.world, a.layout, a.seq, a.rows, mode, a.train)
+            print(f"; plan: compute-dtype shards {ps / 2**20:.1f}M + gradients {pg / 2**20:.1f}M, host "
+                  f"{ph / 2**20:.1f}M", end="")
+        print()
     if len(set(losses.values())) > 1:
         print(f"note: the modes' last losses differ: {losses}")
     return 0

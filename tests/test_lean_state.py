@@ -194,14 +194,6 @@ def test_bf16_gradients_are_held_in_bf16_and_step_as_before():
         assert torch.equal(a, c) and torch.equal(b, c)
 
 
-@pytest.mark.parametrize("key,value", [("offload_optimizer", True)])
-def test_unfinished_lean_options_are_refused(key, value):
-    with pytest.raises(ConfigError, match=rf"^{key}: {value} is not implemented yet"):
-        TrainConfig(**{key: value})
-    assert TrainConfig(moment_dtype="bfloat16").moment_dtype == "bfloat16"
-    assert TrainConfig(moment_dtype="int8").moment_dtype == "int8"
-
-
 def _int8_rank(rank, world, layout_name, mesh_sizes, ckpt):
     from q38.parallel.layout import Layout
     from q38.parallel.mesh import make_mesh, shard, shard_batch

@@ -187,11 +187,9 @@ def estimate(
         held, streamed, link = host_optimizer(st, opt_numel, hw.devices_per_node)
         host_s = streamed / hw.host_memory_bandwidth
         link_s = link / hw.host_link_bandwidth
-        bwd_s = compute_s - compute_fwd_s
-        # the gradients go to the host and the update runs there leaf by leaf as backward releases them: what runs
-        # beyond the backward's compute is exposed, and the last layer's share (its update after backward ends) always
-        longest = max(host_s, link_s)
-        optimizer_s = max(0.0, longest - bwd_s) + longest / max(1, cfg.num_hidden_layers)
+        # as q38.offload runs it: after backward, leaf by leaf, each gradient's copy overlapping the host update of
+        # the leaf before (CUDA), nothing overlapping the backward: the longer of the host update and the copies
+        optimizer_s = max(host_s, link_s)
         host = (held, host_s, link_s)
     dequant_s = lora_budget.dequant_seconds(ls, st, hw.hbm_bandwidth) if ls is not None and hw else 0.0
     dp = math.prod(mesh.get(n, 1) for n in layout.batch_mesh_dims)
@@ -205,9 +203,7 @@ def estimate(
         optimizer_s=optimizer_s, dequant_s=dequant_s, host_optimizer=host,
         optimizer_state=f"{'pure' if not donated else 'donated'} step, masters {master_dtype}, moments "
                         f"{moment_dtype}, gradients {reduce_dtype}" + (", offloaded to the host" if offload_optimizer
-                                                                        else "")
-                        + ("; priced only: q38 train does not run this state yet"
-                           if offload_optimizer else ""),
+                                                                        else ""),
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
         hbm_bytes=hw.hbm_bytes if hw else None, ops=ops, kernels=kernels if ops else None,
         doc_len=doc_len if packed_rows else None,

@@ -286,11 +286,15 @@ def _optimizer_items(st: _Step, numel: int, grad_clip: bool, impl: str, largest_
     (``_foreach_mul`` returns new tensors) or stored in another dtype; torch's foreach AdamW divides by
     ``_foreach_sqrt(exp_avg_sq)``, a new tensor per parameter of the group (≈ all of them), the fused kernel updates
     in place. Offloaded (``st.offload_optimizer``): the device holds its compute-dtype shards and the gradients,
-    copied to the host leaf by leaf; the update runs there."""
+    copied to the host leaf by leaf; the update runs there (the donated step writes each new compute copy into its
+    shard; the pure step returns new ones, the old still alive)."""
     opt = _state_items(st, numel)
     held = "bf16 (the bf16 + remainder leaves' dtype)" if st.held != st.red else st.reduce_dtype
     opt.append(Item("gradients", numel * st.held, f"{held}, all leaves at the end of backward"))
     if st.offload_optimizer:
+        if not st.donated:
+            opt.append(Item("new compute-dtype shards", numel * st.act,
+                            "the pure step's new compute copies of the host masters"))
         return opt
     if st.donated:
         tmp = 4 * st.remainder + 8 * (st.mom != 8) + 4 * (st.held != 4) + 4 * (impl == "foreach")
@@ -315,10 +319,11 @@ def optimizer_traffic(st: _Step, numel: int | float) -> float:
 
 def host_optimizer(st: _Step, numel: int | float, devices_per_node: int) -> tuple[float, float, float]:
     """An offloaded optimizer: ``(host bytes per node, host-memory bytes AdamW streams per node and step, device <->
-    host bytes per device and step)``. The host holds each local rank's masters, moments and a landing buffer for its
-    gradients; AdamW reads masters, moments and gradients and writes masters, moments and the compute-dtype
-    weights the device gathers from; the device sends its gradients and receives its compute-dtype shards."""
-    held = devices_per_node * numel * (st.mst + st.mom + st.red)
+    host bytes per device and step)``. The host holds each local rank's masters and moments (as ``q38.offload`` does:
+    the gradients land leaf by leaf, one leaf's pinned buffer and the next one's in flight, not counted); AdamW reads
+    masters, moments and gradients and writes masters, moments and the compute-dtype weights the device gathers
+    from; the device sends its gradients and receives its compute-dtype shards."""
+    held = devices_per_node * numel * (st.mst + st.mom)
     streamed = devices_per_node * numel * (2 * st.mst + 2 * st.mom + st.red + st.act)
     return float(held), float(streamed), float(numel * (st.red + st.act))
 

@@ -186,9 +186,9 @@ def format_budget(b: Budget) -> str:
             lines.append(f"  {it.name:<32}{_fmt_bytes(it.bytes):>14}   {it.note}")
     if b.host_optimizer:
         held, host_s, link_s = b.host_optimizer
-        lines.append(f"offloaded optimizer: host memory {_fmt_bytes(held)} per node (masters, moments, gradient "
-                     f"buffers); host AdamW {_fmt_s(host_s)} per step, device <-> host copies {_fmt_s(link_s)}; "
-                     f"exposed {_fmt_s(b.optimizer_s)} (the rest overlaps the backward)")
+        lines.append(f"offloaded optimizer: host memory {_fmt_bytes(held)} per node (masters and moments); host "
+                     f"AdamW {_fmt_s(host_s)} per step, device <-> host copies {_fmt_s(link_s)}, overlapped with "
+                     f"it: {_fmt_s(b.optimizer_s)} after the backward")
     fit = b.fit_line()
     if fit:
         lines.append(fit)

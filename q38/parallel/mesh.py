@@ -143,7 +143,20 @@ def shard(tree, mesh: Mesh, layout: Layout | None = None):
                                           run_check=False, shape=d.shape, stride=d.stride()))
             continue
         out.append(t if q is None else distribute_tensor(t, mesh.device_mesh, pl[q].dtensor_placements()))
+    # offloaded optimizer state (q38.offload): a host master and its moments stay on the host, placed like the weight
+    host = {_param_suffix(p) for p, t in named if p.startswith("host_master.")}
+    if host and mesh.device_mesh.device_type != "cpu":
+        out = [pytree.tree_map(_on_host, t) if p.split(".", 1)[0] in ("host_master", "exp_avg", "exp_avg_sq")
+               and _param_suffix(p) in host else t for (p, _), t in zip(named, out)]
     return pytree.tree_unflatten(out, spec)
+
+
+def _on_host(t):
+    """DTensor ``t`` with its local shard moved to the host (an offloaded master or moment on a CUDA mesh)."""
+    if not isinstance(t, DTensor):
+        return t.cpu()
+    return DTensor.from_local(t.to_local().cpu(), t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
 
 
 def local_index(shape, mesh: Mesh, placements) -> tuple[slice, ...]:
@@ -229,6 +242,10 @@ def unshard(tree):
     def full(t):
         if not isinstance(t, DTensor):
             return t
+        if t.to_local().device.type != t.device_mesh.device_type:  # a host shard (offloaded) on a CUDA mesh:
+            dev = t.to_local().device  # gathered on the mesh's device, returned to the host
+            return full(DTensor.from_local(t.to_local().to(t.device_mesh.device_type), t.device_mesh, t.placements,
+                                           run_check=False, shape=t.shape, stride=t.stride())).to(dev)
         if t.dtype == torch.int16:  # a master's remainder: gathered as bf16 bits (no int16 in gloo / NCCL)
             local = t.to_local().view(torch.bfloat16)
             return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape,

@@ -32,6 +32,10 @@ class TrainState:
     of the fp32 masters, a tree like ``params`` (same placements) with None where a leaf keeps an fp32 master (the
     ``fp32_params`` leaves); ``params`` then holds the bf16 high halves of those leaves (the compute weights). None
     (no tree) with fp32 masters.
+    ``host_master``: with ``train.offload_optimizer: true`` (``q38.offload``), the fp32 masters on the host
+    (``device="cpu"``), a tree like ``params`` (same placements) with None where a leaf keeps its fp32 master on the
+    device (the ``fp32_params`` leaves); ``params`` then holds those leaves' compute copies (``master.to(param_dtype)``)
+    on the run's device, and their moments live on the host too. None (no tree) otherwise.
     ``peft``: the LoRA setting of a LoRA run (``q38.lora``), else None. Then ``params`` holds adapted nodes (a frozen
     base in the compute dtype plus fp32 adapter matrices) and the moments exist only for the adapter matrices (the
     frozen leaves are None in ``exp_avg`` / ``exp_avg_sq``): the leaves that train are the leaves that have
@@ -51,6 +55,7 @@ class TrainState:
     kernels: KernelConfig = attrs.field(default=DEFAULT_KERNELS, kw_only=True)
     peft: PeftConfig | None = attrs.field(default=None, kw_only=True)
     _master_remainder: ModelParams | None = attrs.field(default=None, kw_only=True, alias="master_remainder")
+    _host_master: ModelParams | None = attrs.field(default=None, kw_only=True, alias="host_master")
     # [step number] once donated (a box of its own per instance: evolve and unflatten start undonated)
     _donation: list = attrs.field(factory=list, init=False, eq=False, repr=False, hash=False)
 
@@ -77,6 +82,21 @@ class TrainState:
         """The int16 remainders of bf16 + remainder masters (None: fp32 masters); refused on a donated state."""
         self.check_not_donated("master_remainder")
         return self._master_remainder
+
+    @property
+    def host_master(self) -> ModelParams | None:
+        """The fp32 masters kept on the host (offloaded optimizer state; None: masters on the device); refused on a
+        donated state."""
+        self.check_not_donated("host_master")
+        return self._host_master
+
+    def host_masters(self) -> list:
+        """Per trained leaf (flatten order of the trained leaves of ``params``): its host fp32 master (offloaded) or
+        None (its master is the ``params`` leaf)."""
+        if self._host_master is None:
+            return [None] * sum(self.trainable())
+        hm = dict(named_leaves(self.host_master))
+        return [hm.get(n) for (n, _), m in zip(named_leaves(self.params), self.trainable()) if m]
 
     def masters(self) -> list:
         """Per trained leaf (flatten order of the trained leaves of ``params``): its int16 remainder (a bf16 +
@@ -120,20 +140,23 @@ def _flatten(s: TrainState):
     # (and an absent remainder tree too: an fp32-master state flattens as it always did)
     extra = [] if s.router_bias is None else [s.router_bias]
     rem = [] if s.master_remainder is None else [s.master_remainder]
-    return [s.params, s.exp_avg, s.exp_avg_sq, s.step, *extra, *rem], (s.model_config, s.train_config, bool(extra),
-                                                                        s.kernels, s.peft, bool(rem))
+    host = [] if s.host_master is None else [s.host_master]
+    return [s.params, s.exp_avg, s.exp_avg_sq, s.step, *extra, *rem, *host], (
+        s.model_config, s.train_config, bool(extra), s.kernels, s.peft, bool(rem), bool(host))
 
 
 def _unflatten(children, ctx):
     bias = children[4] if ctx[2] else None
     rem = children[4 + ctx[2]] if ctx[5] else None
+    host = children[4 + ctx[2] + ctx[5]] if ctx[6] else None
     return TrainState(*children[:4], model_config=ctx[0], train_config=ctx[1], router_bias=bias, kernels=ctx[3],
-                      peft=ctx[4], master_remainder=rem)
+                      peft=ctx[4], master_remainder=rem, host_master=host)
 
 
 def _flatten_with_keys(s: TrainState):
     children, ctx = _flatten(s)
-    names = ("params", "exp_avg", "exp_avg_sq", "step") + ("router_bias",) * ctx[2] + ("master_remainder",) * ctx[5]
+    names = (("params", "exp_avg", "exp_avg_sq", "step") + ("router_bias",) * ctx[2] + ("master_remainder",) * ctx[5]
+             + ("host_master",) * ctx[6])
     return [(pytree.GetAttrKey(n), c) for n, c in zip(names, children)], ctx
 
 
@@ -158,10 +181,17 @@ def state_from_params(params: ModelParams, model_config: ModelConfig, train_conf
 
     ``train.master_dtype: bfloat16_remainder``: each leaf computed in bf16 is split exactly into its bf16 high half
     (the state's ``params`` leaf) and an int16 remainder (``master_remainder``), leaf by leaf; an fp32 leaf is split
-    as it is, a bf16 leaf gets a zero remainder (its value is the master)."""
+    as it is, a bf16 leaf gets a zero remainder (its value is the master).
+
+    ``train.offload_optimizer: true``: each leaf computed in ``param_dtype`` keeps an fp32 copy on the host
+    (``host_master``), its moments are made there, and its ``params`` leaf becomes ``master.to(param_dtype)`` on the
+    leaf's device (``offload_form``)."""
     if train_config.master_dtype == "bfloat16_remainder" and peft is not None:
         raise ConfigError(LORA_REFUSAL)
+    if train_config.offload_optimizer and peft is not None:
+        raise ConfigError(OFFLOAD_LORA_REFUSAL)
     params, remainder = remainder_form(params, train_config)
+    params, host = offload_form(params, train_config)
     if train_config.moment_dtype == "int8":  # 8-bit block-wise moments (q38.qmoment)
         from q38.qmoment import zeros_like
 
@@ -169,10 +199,12 @@ def state_from_params(params: ModelParams, model_config: ModelConfig, train_conf
     else:
         dtype = getattr(torch, train_config.moment_dtype)  # fp32, or bf16 moments (train.moment_dtype)
         first = second = lambda p: torch.zeros_like(p, dtype=dtype)  # noqa: E731
+    # moments made like each leaf's master: on the host for an offloaded leaf
+    like = params if host is None else _with_host_masters(params, host)
     return TrainState(
         params=params,
-        exp_avg=trainable_tree(params, first),
-        exp_avg_sq=trainable_tree(params, second),
+        exp_avg=trainable_tree(like, first),
+        exp_avg_sq=trainable_tree(like, second),
         step=torch.zeros((), dtype=torch.int64),
         model_config=model_config,
         train_config=train_config,
@@ -180,7 +212,56 @@ def state_from_params(params: ModelParams, model_config: ModelConfig, train_conf
         kernels=kernels,
         peft=peft,
         master_remainder=remainder,
+        host_master=host,
     )
+
+
+OFFLOAD_LORA_REFUSAL = ("train.offload_optimizer: true with a peft section: a LoRA run trains only its fp32 adapters "
+                        "(a small state) and keeps no master of the base; set train.offload_optimizer: false")
+
+
+def _with_host_masters(params: ModelParams, host: ModelParams) -> ModelParams:
+    from q38.pytree import tree_map_with_path
+
+    hm = {n: t for n, t in named_leaves(host) if t is not None}
+    return tree_map_with_path(lambda path, t: hm.get(path, t), params)
+
+
+def offload_form(params: ModelParams, train_config: TrainConfig) -> tuple[ModelParams, ModelParams | None]:
+    """``(params, host masters)``: with ``offload_optimizer``, every leaf computed in ``param_dtype``
+    (``q38.offload.is_offload_path``) copied to the host in fp32 (its master; DTensors shard by shard, placements
+    kept) and cast to ``param_dtype`` where it is (its compute copy), the other leaves as they are and None in the
+    host tree; otherwise ``(params, None)``."""
+    if not train_config.offload_optimizer:
+        return params, None
+    from q38.offload import HOST, is_offload_path
+    from q38.pytree import tree_map_with_path
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    def wrap(like, t):
+        if not hasattr(like, "to_local"):
+            return t
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                  stride=like.stride())
+
+    masters = {}
+
+    def compute(path, t):
+        if not is_offload_path(path, train_config) or not t.is_floating_point():
+            return t
+        x = local(t)
+        if x.device.type != "meta":
+            masters[path] = wrap(t, x.detach().to(HOST, torch.float32, copy=True))
+        else:  # an abstract state (a checkpoint template built on meta): the master abstract too
+            masters[path] = wrap(t, torch.empty(x.shape, dtype=torch.float32, device="meta"))
+        return wrap(t, x.detach().to(train_config.torch_param_dtype))  # round to nearest even, where the leaf is
+
+    new = tree_map_with_path(compute, params)
+    return new, tree_map_with_path(lambda path, t: masters.get(path), params)
 
 
 LORA_REFUSAL = ("train.master_dtype: bfloat16_remainder with a peft section: a LoRA run trains only its fp32 adapters "

@@ -301,12 +301,14 @@ def train_step(params: TrainState, batch, mesh=None, terms=None, *, donate: bool
                    tree_leaves(state.exp_avg_sq, is_leaf=is_int8_moment))
         decay = decay_mask(state.params, tc)
         remainders = state.masters() if state.master_remainder is not None else None  # (updated in place too)
+        hosts = state.host_masters() if state.host_master is not None else None  # offloaded: stepped on the host
         new_state = attrs.evolve(state, step=state.step + 1)  # the same buffers, updated below
         state.donate(step)  # before any buffer is written: a failure half-way leaves no usable input behind
         del r  # the gradients live on only in `grads`, which the update empties leaf by leaf
         with record_function("q38.optimizer"):
             adamw_step_(trained, grads, *moments, decay, step=step, lr=lr, beta1=tc.beta1, beta2=tc.beta2,
-                        eps=tc.eps, weight_decay=tc.weight_decay, grad_scale=scale, remainders=remainders)
+                        eps=tc.eps, weight_decay=tc.weight_decay, grad_scale=scale, remainders=remainders,
+                        host_masters=hosts)
         if state.router_bias is not None:
             new_state = attrs.evolve(new_state, router_bias=update_router_bias(state.router_bias, router_load,
                                                                                tc.router_bias_rate))
@@ -314,7 +316,14 @@ def train_step(params: TrainState, batch, mesh=None, terms=None, *, donate: bool
     with record_function("q38.optimizer"):
         new_p, new_m, new_v, new_r = _adamw(state, [t for t, m in zip(flat, trains) if m], grads, scale, lr, step)
     updated = iter(new_p)
-    if new_r is not None:  # bf16 + remainder masters: the new remainders, by path (None at fp32 masters)
+    if state.host_master is not None:  # offloaded: new_r holds the new host masters, by path (None on the device)
+        names = [n for (n, _), m in zip(named_leaves(state.params), trains) if m]
+        by_name = {n: h for n, h in zip(names, new_r) if h is not None}
+        from q38.pytree import tree_map_with_path
+
+        state = attrs.evolve(state, host_master=tree_map_with_path(lambda p, h: None if h is None else by_name[p],
+                                                                   state.host_master))
+    elif new_r is not None:  # bf16 + remainder masters: the new remainders, by path (None at fp32 masters)
         names = [n for (n, _), m in zip(named_leaves(state.params), trains) if m]
         by_name = {n: r for n, r in zip(names, new_r) if r is not None}
         from q38.pytree import tree_map_with_path
@@ -337,13 +346,14 @@ def train_step(params: TrainState, batch, mesh=None, terms=None, *, donate: bool
 def _adamw(state: TrainState, flat: list[Tensor], grads: list[Tensor], scale, lr: float, step: int):
     """Decoupled-weight-decay Adam in fp32 with torch's kernels (``q38.train.core.optim``) over the trained leaves
     ``flat`` (their moments are the leaves of ``exp_avg`` / ``exp_avg_sq``); returns new lists (the inputs are
-    untouched). Returns ``(params, exp_avgs, exp_avg_sqs, remainders or None)``."""
+    untouched). Returns ``(params, exp_avgs, exp_avg_sqs, remainders or host masters or None)``."""
     tc = state.train_config
     rems = state.masters() if state.master_remainder is not None else None
+    hosts = state.host_masters() if state.host_master is not None else None
     out = adamw_step(
         flat, grads, tree_leaves(state.exp_avg, is_leaf=is_int8_moment),
         tree_leaves(state.exp_avg_sq, is_leaf=is_int8_moment), decay_mask(state.params, tc),
         step=step, lr=lr, beta1=tc.beta1, beta2=tc.beta2, eps=tc.eps, weight_decay=tc.weight_decay,
-        grad_scale=scale, remainders=rems,
+        grad_scale=scale, remainders=rems, host_masters=hosts,
     )
-    return out if rems is not None else (*out, None)
+    return out if rems is not None or hosts is not None else (*out, None)

@@ -7,7 +7,9 @@ Layout of a run directory::
     OUT_DIR/checkpoints/step_000050/.metadata   DCP index
     OUT_DIR/checkpoints/step_000050/__*_*.distcp DCP shards: {"params.<path>", "exp_avg.<path>", "exp_avg_sq.<path>", "step"}
                                                  (bf16 + remainder masters: "params.<path>" the bf16 high half and
-                                                 "master_remainder.<path>" the int16 low half; joined on load)
+                                                 "master_remainder.<path>" the int16 low half; joined on load;
+                                                 offloaded masters, train.offload_optimizer: "params.<path>" the
+                                                 host fp32 master, as an fp32-master run saves it)
     OUT_DIR/checkpoints/step_000050/meta.json   step, model + train config, data position, layout, versions
     OUT_DIR/checkpoints/step_000050/rng/rank_00000.pt  each rank's torch RNG states
 
@@ -399,7 +401,10 @@ def state_dict_of(tree) -> dict:
     from q38.train.core.state import frozen_names
 
     frozen = frozen_names(tree)
-    return {n: t for n, t in named_leaves(tree) if n not in frozen}
+    sd = {n: t for n, t in named_leaves(tree) if n not in frozen}
+    for k in [k for k in sd if k.startswith("host_master.")]:  # an offloaded master is saved as the fp32 master it
+        sd[f"params.{k.removeprefix('host_master.')}"] = sd.pop(k)  # is: the checkpoint of an fp32-master run
+    return sd
 
 
 def write_checkpoint(final: str | os.PathLike, state, meta: Mapping[str, Any], *, planner=None) -> Path:
@@ -589,10 +594,18 @@ def load_checkpoint(path: str | os.PathLike, template) -> tuple[Any, dict]:
         fresh[n] = sd.pop(n)
     if "router_bias" in sd and not (meta.get("train_config") or {}).get("aux_loss_free"):
         fresh["router_bias"] = sd.pop("router_bias")  # aux_loss_free switched on at resume: start from zero bias
+    # offloaded masters (q38.offload): "params.<path>" loads into the host fp32 master, then cast into the device leaf
+    compute = {}
+    for k in [k for k in sd if k.startswith("host_master.")]:
+        q = f"params.{k.removeprefix('host_master.')}"
+        compute[q], sd[q] = sd[q], sd.pop(k)
     reader = checkpoint_reader(path)
     split, joined = _master_conversions(sd, saved_tensors(path, reader))
     _dcp_load(sd, path, reader, model=template.model_config)
     _convert_masters(sd, split, joined)
+    for q, leaf in compute.items():
+        _local(leaf).copy_(_local(sd[q]))  # master.to(param_dtype): a cast copy, round to nearest even
+        sd[f"host_master.{q.removeprefix('params.')}"], sd[q] = sd[q], leaf
     saved_step = _scalar(sd["step"]) if "step" in sd else meta["step"]
     if saved_step != meta["step"]:
         raise CheckpointMismatch(f"checkpoint {path}: {META_FILE} says step {meta['step']}, its saved state is at step "

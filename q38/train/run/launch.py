@@ -115,6 +115,10 @@ def check_run(cfg: RunConfig, world_size: int = 1, device: str = "cpu") -> RunPl
         from q38.train.core.state import LORA_REFUSAL
 
         raise ConfigError(LORA_REFUSAL)
+    if cfg.peft is not None and cfg.train.offload_optimizer:
+        from q38.train.core.state import OFFLOAD_LORA_REFUSAL
+
+        raise ConfigError(OFFLOAD_LORA_REFUSAL)
     try:
         sizes = layout.resolve_mesh(world_size)
     except LayoutError as e:

@@ -154,7 +154,8 @@ def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo, track
         "model_config": cfg.model.to_dict(),
         "train_config": cfg.train.to_dict(),
         # stored dtype: fp32 masters (train_config.param_dtype is the compute dtype); bf16 + remainder masters are
-        # saved as their two halves and loaded as fp32 (load_params joins them)
+        # saved as their two halves and loaded as fp32 (load_params joins them); offloaded masters (host_master) are
+        # saved as the fp32 masters they are
         "param_dtype": "float32",
         "source_format": _SOURCE_FORMAT.get(str(cfg.init_from)),  # what `q38 convert --to-hf` writes by default
         "data": {"iterator": batches.state_dict(), "path": str(cfg.data.path), "tokenizer": str(cfg.data.tokenizer),
