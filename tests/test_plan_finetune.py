@@ -92,18 +92,19 @@ def test_lean_state_bytes_per_parameter(moments, master, reduce, per_value, leaf
 
 
 def test_offloaded_optimizer_host_bytes_and_time():
-    """Offloaded: the device keeps its bf16 shards (2 bytes a value) and the gradients; the host holds each local
-    rank's masters and moments (4 + 8) per value (the gradients land leaf by leaf), and AdamW streams masters and
-    moments read and written, the gradients read and the bf16 weights written (2·4 + 2·8 + 4 + 2 bytes a value) at the profile's
-    host memory bandwidth."""
+    """Offloaded: the device keeps its bf16 shards (2 bytes a value) and the gradients, which are bf16 whatever
+    reduce_dtype (the leaf is the bf16 compute copy: q38/train/core/step.py rounds its reduced gradient to bf16);
+    the host holds each local rank's masters and moments (4 + 8) per value (the gradients land leaf by leaf), and
+    AdamW streams masters and moments read and written, the gradients read and the bf16 weights written
+    (2·4 + 2·8 + 2 + 2 bytes a value) at the profile's host memory bandwidth."""
     hw = Hardware.load("h200")
     n = sum(_leaves())
     b = _single(offload_optimizer=True, reduce_dtype="fp32", hardware=hw)
-    assert b.peak_optimizer == n * (2 + 4)
+    assert b.peak_optimizer == n * (2 + 2)
     held, host_s, link_s = b.host_optimizer
     assert held == hw.devices_per_node * n * (4 + 8)
-    assert host_s == pytest.approx(hw.devices_per_node * n * (8 + 16 + 4 + 2) / hw.host_memory_bandwidth)
-    assert link_s == pytest.approx(n * (4 + 2) / hw.host_link_bandwidth)
+    assert host_s == pytest.approx(hw.devices_per_node * n * (8 + 16 + 2 + 2) / hw.host_memory_bandwidth)
+    assert link_s == pytest.approx(n * (2 + 2) / hw.host_link_bandwidth)
     assert not [it for it in b.memory if it.name in ("master weights", "optimizer moments")]
 
 

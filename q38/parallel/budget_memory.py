@@ -127,9 +127,10 @@ class _Step:
 
     @property
     def held(self) -> int:
-        """Bytes a parameter of the gradients the optimizer phase holds: ``reduce_dtype``'s, but a bf16 + remainder
-        master's leaf is bf16, so its reduced gradient is rounded to bf16 (q38/train/core/step.py)."""
-        return min(self.red, 2) if self.remainder else self.red
+        """Bytes a parameter of the gradients the optimizer phase holds: ``reduce_dtype``'s, but the leaf of a
+        bf16 + remainder master or of an offloaded optimizer is the bf16 compute copy, so its reduced gradient is
+        rounded to bf16 (q38/train/core/step.py)."""
+        return min(self.red, 2) if self.remainder or self.offload_optimizer else self.red
 
     @property
     def cast_copy(self) -> bool:
@@ -289,7 +290,7 @@ def _optimizer_items(st: _Step, numel: int, grad_clip: bool, impl: str, largest_
     copied to the host leaf by leaf; the update runs there (the donated step writes each new compute copy into its
     shard; the pure step returns new ones, the old still alive)."""
     opt = _state_items(st, numel)
-    held = "bf16 (the bf16 + remainder leaves' dtype)" if st.held != st.red else st.reduce_dtype
+    held = "bf16 (the compute-copy leaves' dtype)" if st.held != st.red else st.reduce_dtype
     opt.append(Item("gradients", numel * st.held, f"{held}, all leaves at the end of backward"))
     if st.offload_optimizer:
         if not st.donated:
@@ -314,7 +315,7 @@ def _optimizer_items(st: _Step, numel: int, grad_clip: bool, impl: str, largest_
 
 def optimizer_traffic(st: _Step, numel: int | float) -> float:
     """HBM bytes the on-device AdamW moves per step: masters and moments read and written, the gradients read."""
-    return numel * (2 * st.mst + 2 * st.mom + st.red)
+    return numel * (2 * st.mst + 2 * st.mom + st.held)
 
 
 def host_optimizer(st: _Step, numel: int | float, devices_per_node: int) -> tuple[float, float, float]:
@@ -324,8 +325,8 @@ def host_optimizer(st: _Step, numel: int | float, devices_per_node: int) -> tupl
     masters, moments and gradients and writes masters, moments and the compute-dtype weights the device gathers
     from; the device sends its gradients and receives its compute-dtype shards."""
     held = devices_per_node * numel * (st.mst + st.mom)
-    streamed = devices_per_node * numel * (2 * st.mst + 2 * st.mom + st.red + st.act)
-    return float(held), float(streamed), float(numel * (st.red + st.act))
+    streamed = devices_per_node * numel * (2 * st.mst + 2 * st.mom + st.held + st.act)
+    return float(held), float(streamed), float(numel * (st.held + st.act))
 
 
 def _start_items(cfg: ModelConfig, st: _Step, ps: ParamStats) -> list[Item]:
