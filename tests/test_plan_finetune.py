@@ -108,6 +108,38 @@ def test_offloaded_optimizer_host_bytes_and_time():
     assert not [it for it in b.memory if it.name in ("master weights", "optimizer moments")]
 
 
+def test_the_search_keeps_an_offloaded_candidate_only_when_the_host_holds_its_state():
+    """Host bytes per node = devices per node × (4 + 8) × the rank's parameters (hand count from the layout's
+    shards): a profile whose host memory is just above that (over the 90 % headroom) keeps the candidate, one just
+    below refuses it; the same search without offload never looks at the host. Offloading without bf16 compute is
+    refused as ``q38 train`` refuses it."""
+    import attrs
+
+    from q38.model_config import ConfigError
+    from q38.parallel.search import MEMORY_HEADROOM, search
+
+    cfg, world = _cfg(), 8
+    hw = Hardware.load("h200")
+    kw = dict(seq_len=SEQ, global_batch=world, param_dtype="bf16", offload_optimizer=True)
+    cands, _ = search(cfg, world, hw, **kw)
+    best = cands[0]
+    numel = next(it for it in best.budget.memory if it.name == "compute-dtype shards").bytes / 2
+    held = hw.devices_per_node * numel * (4 + 8)
+    assert best.budget.host_optimizer[0] == held
+    need = max(c.budget.host_optimizer[0] for c in cands)  # the candidate holding the most on the host
+    roomy = attrs.evolve(hw, host_memory_bytes=need / MEMORY_HEADROOM * 1.001)
+    assert len(search(cfg, world, roomy, **kw)[0]) == len(cands)
+    least = min(c.budget.host_optimizer[0] for c in cands)
+    tight = attrs.evolve(hw, host_memory_bytes=least / MEMORY_HEADROOM * 0.999)
+    with pytest.raises(ConfigError, match="no layout fits"):
+        search(cfg, world, tight, **kw)
+    assert search(cfg, world, tight, seq_len=SEQ, global_batch=world, param_dtype="bf16")[0]  # not offloaded
+    with pytest.raises(ConfigError, match="offload_optimizer keeps a bf16 compute copy on the device: it needs "
+                                          "param_dtype bf16"):
+        estimate(cfg, Layout.preset("single"), 1, seq_len=SEQ, rows_per_rank=ROWS, param_dtype="fp32",
+                 offload_optimizer=True, hardware=hw)
+
+
 def test_the_2_4t_optimizer_phase_donated_halves_the_pure_one():
     """The command of issue #42 (layout qwen3_8_2_4t on 512 H200s, full recompute): the pure step's optimizer
     phase (142.6 GiB, over the H200) against the donated one, which holds the state and the fp32 gradients once

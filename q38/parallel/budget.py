@@ -119,6 +119,9 @@ def estimate(
     if master_dtype == "bfloat16_remainder" and param_dtype not in ("bf16", "bfloat16"):
         raise ConfigError(f"master_dtype bfloat16_remainder keeps the bf16 compute weight as the master's high half: "
                           f"it needs param_dtype bf16 (got {param_dtype}); add --param-dtype bf16")
+    if offload_optimizer and param_dtype not in ("bf16", "bfloat16"):
+        raise ConfigError(f"offload_optimizer keeps a bf16 compute copy on the device: it needs param_dtype bf16 (got "
+                          f"{param_dtype}); add --param-dtype bf16")
     try:
         mom = moment_bytes(moment_dtype)
     except ValueError as e:

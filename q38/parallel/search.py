@@ -201,7 +201,7 @@ def search(
                                      ep_dispatch=disp, **ckw)
                         if smallest is None or b.peak_bytes < smallest[0]:
                             smallest = (b.peak_bytes, f"{d['name']} mb={mb} recompute={rc}")
-                        if b.peak_bytes <= cap:
+                        if b.peak_bytes <= cap and _host_fits(b, hardware):
                             fits.append(Candidate(d, b, disp))
     if not fits and smallest is None and kernels is not None:
         raise ConfigError(f"no layout can run the run's kernels on {hardware.name} ({'; '.join(sorted(set(why))[:2])})")
@@ -565,6 +565,15 @@ def planned_peft(section, rank: int | None, base_dtype: str | None, src: str | N
     return attrs.evolve(peft, **changes) if changes else peft
 
 
+def _host_fits(b, hardware: Hardware) -> bool:
+    """An offloaded optimizer's host bytes per node (masters and moments of every local rank) within
+    ``MEMORY_HEADROOM`` of the profile's ``host_memory_bytes`` (always, without offload or without that figure). Not
+    counted: an async checkpoint's staged copy of the state (``run.async_save``), the data loader, the OS."""
+    if not b.host_optimizer or not hardware.host_memory_bytes:
+        return True
+    return b.host_optimizer[0] <= MEMORY_HEADROOM * hardware.host_memory_bytes
+
+
 def fewest_ranks(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_len: int,
                  global_batch: int | None = None, min_world: int | None = None, **kw) -> tuple[int, Candidate] | None:
     """The smallest world (whole nodes of ``hardware``, doubling from one node or ``min_world``, up to ``max_world``)
@@ -618,12 +627,14 @@ LEAN_OPTIONS = (
     ("bf16 moments", dict(moment_dtype="bfloat16")),
     ("bf16 moments + bf16 gradients", dict(moment_dtype="bfloat16", reduce_dtype="bf16")),
     ("int8 moments + bf16 gradients", dict(moment_dtype="int8", reduce_dtype="bf16")),
+    ("fp32 masters and moments offloaded to host memory", dict(offload_optimizer=True, param_dtype="bf16")),
+    ("offloaded + bf16 gradients", dict(offload_optimizer=True, param_dtype="bf16", reduce_dtype="bf16")),
 )
-# settings q38 train does not run (printed as "priced only"): none now. --offload-optimizer (q38.offload) runs and
-# is priced when asked for; it is not offered above (it needs the profile's host figures, and it trades device
-# memory for host-link time per step). (bf16 + remainder masters, --master-dtype bfloat16_remainder, run: they hold
-# the same 4 bytes a parameter as fp32 masters, plus one leaf's fp32 master in the donated update, so as an option
-# here they could not lower the fewest devices.)
+# settings q38 train does not run (printed as "priced only"): none now. The offloaded row needs the profile's host
+# side (host_memory_bytes, host_memory_bandwidth, host_link_bandwidth); its host bytes per node must fit
+# MEMORY_HEADROOM of host_memory_bytes (_host_fits). (bf16 + remainder masters, --master-dtype bfloat16_remainder,
+# run: they hold the same 4 bytes a parameter as fp32 masters, plus one leaf's fp32 master in the donated update, so
+# as an option here they could not lower the fewest devices.)
 NOT_RUN: dict = {}
 
 
