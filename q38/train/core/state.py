@@ -227,6 +227,20 @@ def _with_host_masters(params: ModelParams, host: ModelParams) -> ModelParams:
     return tree_map_with_path(lambda path, t: hm.get(path, t), params)
 
 
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _wrap(like, t):
+    """``t`` (a local shard) placed like ``like`` (a DTensor), or ``t`` itself when ``like`` is a plain tensor."""
+    if not hasattr(like, "to_local"):
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
 def offload_form(params: ModelParams, train_config: TrainConfig) -> tuple[ModelParams, ModelParams | None]:
     """``(params, host masters)``: with ``offload_optimizer``, every leaf computed in ``param_dtype``
     (``q38.offload.is_offload_path``) copied to the host in fp32 (its master; DTensors shard by shard, placements
@@ -237,28 +251,17 @@ def offload_form(params: ModelParams, train_config: TrainConfig) -> tuple[ModelP
     from q38.offload import HOST, is_offload_path
     from q38.pytree import tree_map_with_path
 
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    def wrap(like, t):
-        if not hasattr(like, "to_local"):
-            return t
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                                  stride=like.stride())
-
     masters = {}
 
     def compute(path, t):
         if not is_offload_path(path, train_config) or not t.is_floating_point():
             return t
-        x = local(t)
+        x = _local(t)
         if x.device.type != "meta":
-            masters[path] = wrap(t, x.detach().to(HOST, torch.float32, copy=True))
+            masters[path] = _wrap(t, x.detach().to(HOST, torch.float32, copy=True))
         else:  # an abstract state (a checkpoint template built on meta): the master abstract too
-            masters[path] = wrap(t, torch.empty(x.shape, dtype=torch.float32, device="meta"))
-        return wrap(t, x.detach().to(train_config.torch_param_dtype))  # round to nearest even, where the leaf is
+            masters[path] = _wrap(t, torch.empty(x.shape, dtype=torch.float32, device="meta"))
+        return _wrap(t, x.detach().to(train_config.torch_param_dtype))  # round to nearest even, where the leaf is
 
     new = tree_map_with_path(compute, params)
     return new, tree_map_with_path(lambda path, t: masters.get(path), params)
@@ -277,29 +280,18 @@ def remainder_form(params: ModelParams, train_config: TrainConfig) -> tuple[Mode
     from q38 import remainder as rm
     from q38.pytree import tree_map_with_path
 
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    def wrap(like, t):
-        if not hasattr(like, "to_local"):
-            return t
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                                  stride=like.stride())
-
     halves = {}
 
     def high(path, t):
         if not rm.is_remainder_path(path, train_config) or not t.is_floating_point():
             return t
-        x = local(t)
+        x = _local(t)
         if x.dtype == torch.bfloat16:  # already bf16: the value is the master, its remainder zero
             h, r = x, torch.zeros(x.shape, dtype=torch.int16, device=x.device)
         else:
             h, r = rm.split(x.to(torch.float32))
-        halves[path] = wrap(t, r)
-        return wrap(t, h)
+        halves[path] = _wrap(t, r)
+        return _wrap(t, h)
 
     new = tree_map_with_path(high, params)
     return new, tree_map_with_path(lambda path, t: halves.get(path), params)
