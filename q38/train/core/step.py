@@ -16,7 +16,7 @@ from torch.profiler import record_function
 
 from q38.lora import compute_form
 from q38.model import LayerHooks, forward, head_weight
-from q38.pytree import named_leaves, pytree_node, tree_leaves
+from q38.pytree import named_leaves, pytree_node, tree_leaves, tree_map_with_path
 from q38.train.core.optim import adamw_step, adamw_step_
 from q38.qmoment import is_int8_moment
 from q38.batch import StepBatch, prepare_batch, split_micro_batches
@@ -316,20 +316,12 @@ def train_step(params: TrainState, batch, mesh=None, terms=None, *, donate: bool
     with record_function("q38.optimizer"):
         new_p, new_m, new_v, new_r = _adamw(state, [t for t, m in zip(flat, trains) if m], grads, scale, lr, step)
     updated = iter(new_p)
-    if state.host_master is not None:  # offloaded: new_r holds the new host masters, by path (None on the device)
+    if new_r is not None:  # the new host masters (offloaded) or remainders (bf16 + remainder), by path
+        field = "host_master" if state.host_master is not None else "master_remainder"
         names = [n for (n, _), m in zip(named_leaves(state.params), trains) if m]
-        by_name = {n: h for n, h in zip(names, new_r) if h is not None}
-        from q38.pytree import tree_map_with_path
-
-        state = attrs.evolve(state, host_master=tree_map_with_path(lambda p, h: None if h is None else by_name[p],
-                                                                   state.host_master))
-    elif new_r is not None:  # bf16 + remainder masters: the new remainders, by path (None at fp32 masters)
-        names = [n for (n, _), m in zip(named_leaves(state.params), trains) if m]
-        by_name = {n: r for n, r in zip(names, new_r) if r is not None}
-        from q38.pytree import tree_map_with_path
-
-        state = attrs.evolve(state, master_remainder=tree_map_with_path(lambda p, _: by_name[p],
-                                                                        state.master_remainder))
+        by_name = {n: x for n, x in zip(names, new_r) if x is not None}
+        state = attrs.evolve(state, **{field: tree_map_with_path(lambda p, x: None if x is None else by_name[p],
+                                                                 getattr(state, field))})
     new_state = attrs.evolve(
         state,
         params=pytree.tree_unflatten([next(updated) if m else t for t, m in zip(flat, trains)], spec),
