@@ -16,13 +16,14 @@ from q38.train.core.step_config import TrainConfig
 from tests.dist_utils import run_distributed
 from tests.test_parallel import CASES, _batch
 
-# Every dimension differs from the tiny preset (hidden 64, 8 experts top-2, 4 layers, vocab 384, ...), and each is
+# Every dimension differs from the tiny preset (hidden 64, 8 experts top-2, 4 layers, vocab 384, attention 4/2 heads
+# of 16, GDN 2/4 heads of 16, widths 32), and each is
 # even (experts: a multiple of 4) so that every shipped layout's small mesh (2 per dim) shards it.
 CFG = ModelConfig(
     model_type="qwen3_8_moe", vocab_size=160, hidden_size=48, num_hidden_layers=2,
     layer_types=("linear_attention", "full_attention"),
-    num_attention_heads=2, num_key_value_heads=2, head_dim=12, rope_theta=10_000.0, partial_rotary_factor=0.5,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=6,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=12, rope_theta=10_000.0, partial_rotary_factor=0.5,
+    linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=6,
     num_experts=12, num_experts_per_tok=3, moe_intermediate_size=24, shared_expert_intermediate_size=20,
     mtp_num_layers=1, initializer_range=0.1, max_position_embeddings=4096,
 )

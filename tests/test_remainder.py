@@ -99,10 +99,12 @@ def test_a_remainder_run_equals_the_fp32_master_run_at_step_1_and_stays_close(tm
     compute with the same bf16 weights, so step 1's losses, gradients (bf16 in both) and updated masters are equal
     bit for bit. After it the remainder run computes with the round-half-up high half where the fp32 run casts
     round-to-nearest-even: they differ exactly at the masters with a tie low half, and the runs drift apart by
-    that much (3 steps: losses within 0.05, masters within 1e-3; measured 0.028 and 1.0e-4)."""
+    that much (3 steps: losses within 0.05, masters within 1e-3; measured 0.019 and 8.9e-5)."""
     from q38.hf import load_hf, save_hf
 
-    save_hf(tmp_path / "hf", CFG, _bf16_masters(), dtypes=lambda q: torch.bfloat16)
+    # seed 8: one master after step 1 has a tie low half with an even high half (seeds without one make the
+    # step-2 comparison below vacuous; checked by the assertion after it)
+    save_hf(tmp_path / "hf", CFG, _bf16_masters(8), dtypes=lambda q: torch.bfloat16)
     _, params = load_hf(tmp_path / "hf", dtype=torch.float32)
     a = state_from_params(params, CFG, FP)
     b = state_from_params(tree_map(lambda t: t.clone(), params), CFG, REM)
@@ -114,11 +116,14 @@ def test_a_remainder_run_equals_the_fp32_master_run_at_step_1_and_stays_close(tm
     assert all(torch.equal(ja[n], jb[n]) for n in ja)
     # the compute weights of step 2 differ exactly at the ties that round to even downwards (an even high half)
     rem = dict(named_leaves(sb.master_remainder))
+    downs = 0
     for n, high in named_leaves(sb.params):
         if n in rem:
             u = ja[n].view(torch.int32)
             down = ((u & 0xFFFF) == 0x8000) & (((u >> 16) & 1) == 0)
             assert torch.equal(ja[n].bfloat16().view(torch.int16) != high.view(torch.int16), down)
+            downs += int(down.sum())
+    assert downs > 0  # the case this test is about occurs
     sa, la2, _ = _run(sa, [_b(1), _b(2)], None, donate=True)
     sb, lb2, _ = _run(sb, [_b(1), _b(2)], None, donate=True)
     assert all(abs(x - y) < 0.05 for p, q in zip(la2, lb2) for x, y in zip(p, q))
