@@ -167,8 +167,8 @@ def _fmt_list(title: str, items: list[str]) -> str:
 
 def _checkpoint_index(path: Path) -> dict[str, str]:
     """``{key: file name}`` of a single-file or sharded safetensors checkpoint. Every file the index names must be
-    a regular file inside ``path`` (a symlink only into ``path`` or its hub cache's blobs: ``untrusted.inside``)."""
-    from q38.train.io.untrusted import inside, load_json  # the checkpoint reader's file rules (a leaf module)
+    a regular file inside ``path`` (a symlink only into ``path`` or its hub cache's blobs: ``q38.files.inside``)."""
+    from q38.files import inside, load_json  # the checkpoint reader's file rules (a leaf module)
 
     if (path / INDEX_FILE).is_file() or (path / INDEX_FILE).is_symlink():
         where = str(path / INDEX_FILE)

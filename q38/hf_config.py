@@ -18,7 +18,7 @@ def read_hf_config(path_or_dict: str | os.PathLike | Mapping[str, Any]) -> dict[
         return dict(path_or_dict)
     # the file checks of q38's checkpoint reader (a leaf module; imported here, not at the top, to keep this module
     # light): bounded, no FIFO, a symlink only to a Hugging Face cache blob, nested at most MAX_JSON_DEPTH deep
-    from q38.train.io.untrusted import check_config_bounds, inside, load_json
+    from q38.files import check_config_bounds, inside, load_json
 
     p = Path(path_or_dict)
     if p.is_dir():

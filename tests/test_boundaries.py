@@ -1,4 +1,5 @@
-"""The package's boundaries, read from the source: layers import no parallel/train code and no torch.distributed;
+"""The package's boundaries, read from the source: the top-level (model) modules import no parallel/train code;
+layers import no parallel/train code and no torch.distributed;
 q38.parallel imports nothing from q38.train or q38.cli; the rooms of q38.train import one way; nothing imports q38.cli; the module import graph has no
 circle; both runtimes implement the one StepRuntime protocol."""
 
@@ -55,6 +56,23 @@ def test_train_has_only_its_rooms():
     loose = sorted(f.name for f in (ROOT / "train").glob("*.py") if f.name != "__init__.py")
     rooms = sorted(d.name for d in (ROOT / "train").iterdir() if d.is_dir() and d.name != "__pycache__")
     assert (loose, rooms) == ([], sorted(TRAIN_ROOMS))
+
+
+# The command-line modules: the only top-level files that put the floors together.
+CLI_MODULES = ("cli.py", "config_reference.py")
+
+
+def test_the_model_floor_imports_no_floor_above_it():
+    """The top-level modules (config, model, HF I/O, the file rules of ``q38.files``) are the floor the layers, the
+    parallel runtime and the trainer stand on: none imports ``q38.train`` or ``q38.parallel`` (an arrow back up)."""
+    bad = [f"q38/{f.name} imports {m}" for f in sorted(ROOT.glob("*.py")) if f.name not in CLI_MODULES
+           for m in sorted(_imports(f)) if m.split(".")[:2] in (["q38", "train"], ["q38", "parallel"])]
+    assert bad == []
+
+
+def test_the_file_rules_are_a_bottom_floor_module():
+    """``q38.files`` imports nothing of q38 but the errors, and not torch: every reader can import it."""
+    assert sorted(m for m in _imports(ROOT / "files.py") if m.startswith(("q38", "torch"))) == ["q38.errors"]
 
 
 def test_parallel_imports_nothing_from_the_cli():

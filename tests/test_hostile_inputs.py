@@ -398,7 +398,7 @@ def test_deeply_nested_json_is_one_line(name, depth, tmp_path, capsys, monkeypat
 def test_json_depth_bound_against_a_parser():
     """``json_depth_over`` agrees with the depth of what ``json.loads`` builds, strings with brackets and escapes
     included."""
-    from q38.train.io.untrusted import json_depth_over
+    from q38.files import json_depth_over
 
     def depth(x) -> int:
         if isinstance(x, dict):
@@ -450,7 +450,9 @@ def test_the_metadata_readers_refusal_names_the_opcode(tmp_path):
     _file`` instead, a message about q38's internals)."""
     import pickle
 
-    from q38.train.io.untrusted import UnsafeCheckpoint, unpickle_metadata
+    from q38.files import UnsafeCheckpoint
+
+    from q38.train.io.untrusted import unpickle_metadata
 
     f = tmp_path / ".metadata"
     f.write_bytes(b"\x80\x04" + pickle.NONE + pickle.PERSID + b"x\n" + pickle.STOP)

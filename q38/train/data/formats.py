@@ -65,7 +65,7 @@ def to_record(record: Any, fmt: str, where: str) -> Any:
 def _loads(text: str, where: str, msg: str, fix: str = "") -> Any:
     """JSON inside a record's string (tool schemas, call arguments): nested at most ``MAX_JSON_DEPTH`` deep, else a
     ``DataError`` naming ``where``; not JSON: ``DataError("where: msg (why)fix")``."""
-    from q38.train.io.untrusted import MAX_JSON_DEPTH, json_depth_over
+    from q38.files import MAX_JSON_DEPTH, json_depth_over
 
     if json_depth_over(text):
         _fail(where, f"JSON inside a string nested too deeply (more than {MAX_JSON_DEPTH} levels of arrays / objects)")

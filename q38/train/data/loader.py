@@ -91,7 +91,7 @@ def record_too_large(where: str, size: int, limit: int) -> DataError:
 def parse_record(line: bytes | str, where: str):
     """One JSON record (a JSONL line, a JSON-array element's text): nested at most ``MAX_JSON_DEPTH`` deep (checked
     before parsing), else one ``DataError`` naming ``where``."""
-    from q38.train.io.untrusted import MAX_JSON_DEPTH, json_depth_over
+    from q38.files import MAX_JSON_DEPTH, json_depth_over
 
     if json_depth_over(line):
         raise DataError(f"{where}: JSON nested too deeply (more than {MAX_JSON_DEPTH} levels of arrays / objects); "
@@ -127,7 +127,7 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
     its end. A missing file raises immediately."""
     path = Path(path)
     if not path.is_file():
-        from q38.train.io.untrusted import file_kind
+        from q38.files import file_kind
 
         what = f"is {file_kind(path.stat().st_mode)}" if path.exists() else "not found"
         raise DataError(f"data: {path} {what}; expected a JSONL file of {{\"text\": ...}} or "

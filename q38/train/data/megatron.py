@@ -50,7 +50,7 @@ def _check_regular(f: Path, prefix: str, fix: str) -> None:
     directory is named as what it is, never opened."""
     import stat
 
-    from q38.train.io.untrusted import file_kind
+    from q38.files import file_kind
 
     try:
         st = os.stat(f)
@@ -81,7 +81,7 @@ class MegatronIndex:
         for f in (self.idx, self.bin):
             _check_regular(f, prefix, fix)
         size = self.idx.stat().st_size
-        from q38.train.io.untrusted import open_regular
+        from q38.files import open_regular
 
         with open_regular(self.idx, f"data: {self.idx}", follow=True) as fh:  # never blocks on a FIFO
             head = fh.read(HEADER_BYTES)

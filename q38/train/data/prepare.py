@@ -56,9 +56,9 @@ def expand_inputs(inputs: Sequence[str], split: str | None = None) -> list[tuple
     """Files (``.jsonl``, ``.json``, ``.parquet``, ``.arrow``, ``.csv``), directories of them (sorted), Hugging Face
     ``save_to_disk`` directories (their Arrow files; ``split`` of a ``DatasetDict``), or ``builtin:NAME``. Every file
     is a regular file (a FIFO or device is refused, never waited on); a file found in a directory lies inside it (a
-    symlink only to a file inside the directory: ``untrusted.inside``)."""
+    symlink only to a file inside the directory: ``q38.files.inside``)."""
     from q38.train.data.readers import hf_dataset_files, is_hf_dataset_dir
-    from q38.train.io.untrusted import CheckpointMismatch, inside
+    from q38.files import CheckpointMismatch, inside
 
     out: list[tuple[Path, str]] = []
     hf_dirs = 0
@@ -93,7 +93,7 @@ def expand_inputs(inputs: Sequence[str], split: str | None = None) -> list[tuple
 def _regular(f: Path) -> None:
     """``f`` (a path given on the command line, a symlink followed) is a regular file: a FIFO, device or socket is
     named, never opened."""
-    from q38.train.io.untrusted import open_regular
+    from q38.files import open_regular
 
     with open_regular(f, "input", follow=True):
         pass

@@ -43,7 +43,7 @@ def is_hf_dataset_dir(d: Path) -> bool:
 def _dataset_json(d: Path, name: str):
     """``d/name`` parsed under the checkpoint reader's rules (a regular file inside ``d``, bounded, nested at most
     ``MAX_JSON_DEPTH`` deep): one ``DataError`` otherwise."""
-    from q38.train.io.untrusted import CheckpointMismatch, inside, load_json
+    from q38.files import CheckpointMismatch, inside, load_json
 
     try:
         return load_json(inside(d, name, f"data: {d / name}", follow=True), f"data: {d / name}", follow=True)
@@ -53,10 +53,10 @@ def _dataset_json(d: Path, name: str):
 
 def hf_dataset_files(d: Path, split: str | None) -> list[Path]:
     """The Arrow files of a ``save_to_disk`` directory, in order; for a ``DatasetDict``, those of ``split`` (default:
-    the only split, or ``train``). Every split and file named must lie inside ``d`` (``untrusted.inside``: a plain
+    the only split, or ``train``). Every split and file named must lie inside ``d`` (``q38.files.inside``: a plain
     relative name, no ``..``, no absolute path, no symlink leading out), a directory or a regular file; nothing
     outside is opened."""
-    from q38.train.io.untrusted import CheckpointMismatch, inside
+    from q38.files import CheckpointMismatch, inside
 
     if (d / "dataset_dict.json").exists() or (d / "dataset_dict.json").is_symlink():
         index = _dataset_json(d, "dataset_dict.json")
@@ -109,7 +109,7 @@ def _open_arrow(path: str):
     """The record batches of an Arrow file (IPC stream, else IPC file format), memory-mapped, each checked with
     pyarrow's full validation (offsets and lengths inside their buffers, valid UTF-8) before it is returned: a
     batch whose string offsets point past its data would otherwise be read past the end of the map."""
-    from q38.train.io.untrusted import CheckpointMismatch, open_regular
+    from q38.files import CheckpointMismatch, open_regular
 
     pa = pyarrow_modules("Arrow files")
     try:
@@ -239,7 +239,7 @@ def json_array_records(chunk: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     text exceeds the per-record bound (``prepare-data --max-line-mb``) is refused before it is decoded, so memory
     holds at most about twice the bound; each record nests at most ``MAX_JSON_DEPTH`` deep."""
     from q38.train.data.loader import MAX_LINE_BYTES, record_too_large
-    from q38.train.io.untrusted import MAX_JSON_DEPTH, json_depth_over
+    from q38.files import MAX_JSON_DEPTH, json_depth_over
 
     f = chunk["file"]
     limit = chunk.get("max_line", MAX_LINE_BYTES)

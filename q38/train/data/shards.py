@@ -179,7 +179,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if not m.is_file():
         raise DataError(f"data: {d} has no {MANIFEST} (not prepared, or its preparation was interrupted); run "
                         f"`q38 prepare-data INPUT... --out {d}`")
-    from q38.train.io.untrusted import CheckpointMismatch, load_json
+    from q38.files import CheckpointMismatch, load_json
 
     try:
         manifest = load_json(m, f"data: {m}")  # bounded, never through a symlink or from a FIFO
@@ -239,7 +239,7 @@ def verify_shard_files(path: Path, man: Mapping[str, Any]) -> None:
             if not f.exists() and not f.is_symlink():
                 raise DataError(f"data: shard file {f} listed in {path / MANIFEST} is missing; {fix}")
             from q38.errors import ConfigError
-            from q38.train.io.untrusted import inside
+            from q38.files import inside
 
             try:  # a regular file of the directory: not a link out, a FIFO or a device
                 inside(path, files[kind], f"data: shard file listed in {path / MANIFEST}")

@@ -106,7 +106,7 @@ def read_json_object(file: Path) -> dict[str, Any]:
     """A tokenizer directory's JSON file as a dict ({} when absent); a bad file is one ``DataError`` naming it."""
     if not file.is_file():
         return {}
-    from q38.train.io.untrusted import CheckpointMismatch, load_json
+    from q38.files import CheckpointMismatch, load_json
 
     try:  # bounded, a regular file (a hub cache links to blobs), nested at most MAX_JSON_DEPTH deep
         data = load_json(file, f"tokenizer: cannot parse {file}", MAX_TOKENIZER_BYTES, follow=True)
@@ -163,7 +163,7 @@ def risky_repetition(pattern: str) -> str | None:
 def check_tokenizer_file(file: Path) -> None:
     """Before the tokenizers library reads ``file``: its size, and every regex it holds (pre-tokenizer splits,
     normalizer replacements) bounded in length and free of nested or alternating unbounded repetition."""
-    from q38.train.io.untrusted import CheckpointMismatch, load_json
+    from q38.files import CheckpointMismatch, load_json
 
     try:
         data = load_json(file, "tokenizer", MAX_TOKENIZER_BYTES, follow=True)  # a hub cache links to its blob

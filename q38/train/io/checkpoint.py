@@ -37,11 +37,10 @@ import torch.utils._pytree as pytree
 from q38.model_config import ModelConfig
 from q38.pytree import named_leaves, tree_map
 from q38.train.io import untrusted
-from q38.train.io.untrusted import (  # noqa: F401  (CheckpointMismatch, UnsafeCheckpoint: re-exported)
-    SAVED_DTYPES, CheckpointMismatch, UnsafeCheckpoint, check_config_bounds, check_keys,
-    hashing_writer, inside, load_json,
-    open_regular, safe_reader, sha256_file, streamed_hashes, tiles,
+from q38.files import (  # noqa: F401  (CheckpointMismatch, UnsafeCheckpoint: re-exported)
+    CheckpointMismatch, UnsafeCheckpoint, check_config_bounds, inside, load_json, open_regular, sha256_file,
 )
+from q38.train.io.untrusted import SAVED_DTYPES, check_keys, hashing_writer, safe_reader, streamed_hashes, tiles
 
 FORMAT = "q38-checkpoint/1"
 CHECKPOINTS = "checkpoints"

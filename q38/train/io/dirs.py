@@ -39,7 +39,7 @@ def check_out_dir(out_dir: str | os.PathLike) -> None:
 
 def check_safetensors_dir(path: str | os.PathLike, what: str) -> None:
     """A Hugging Face directory's ``config.json`` parses and every ``*.safetensors`` header is readable."""
-    from q38.train.io.untrusted import check_config_bounds, inside, load_json
+    from q38.files import check_config_bounds, inside, load_json
 
     p = Path(path)
     cfg = p / "config.json"
@@ -69,7 +69,9 @@ def _check_safetensors_extent(f: Path, size: int) -> None:
     """The header's data offsets fit in the file (a truncated file fails here, before any tensor is read)."""
     import struct
 
-    from q38.train.io.untrusted import MAX_JSON_BYTES, MAX_NDIM, MAX_TENSOR_ELEMENTS, open_regular
+    from q38.files import MAX_JSON_BYTES, open_regular
+
+    from q38.train.io.untrusted import MAX_NDIM, MAX_TENSOR_ELEMENTS
 
     with open_regular(f, str(f), follow=True) as fh:
         head = fh.read(8)

@@ -40,7 +40,7 @@ def _hf_tensors(d: Path) -> dict[str, tuple[Path, int, int, str, list]]:
     """``{key: (file, start, end, dtype, shape)}`` of the tensors a Hugging Face directory's reader reads: those its
     ``model.safetensors.index.json`` maps (each in the file it names), else those of its ``*.safetensors`` files
     (a key in two files refused). Byte ranges are absolute file offsets, checked inside the file."""
-    from q38.train.io.untrusted import MAX_JSON_BYTES, inside, load_json, open_regular
+    from q38.files import MAX_JSON_BYTES, inside, load_json, open_regular
 
     index = d / "model.safetensors.index.json"
     wanted: dict[str, str] | None = None
@@ -93,7 +93,7 @@ def _hash_chunks(chunks: list[tuple[Path, int, int]]) -> list[bytes]:
     """The SHA-256 of each ``(file, start, end)`` byte range, in threads (one open descriptor per file)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from q38.train.io.untrusted import open_regular
+    from q38.files import open_regular
 
     with ExitStack() as stack:
         fds = {f: stack.enter_context(open_regular(f, str(f), follow=True)).fileno()
@@ -174,7 +174,7 @@ def weights_reference(d: Path) -> dict:
 def _legacy_headers_sha256(d: Path) -> str:
     """What q38 recorded for a Hugging Face base before ``REFERENCE_FORMAT``: the hash of its safetensors index, or
     of its files' headers (kept to check the checkpoints written then; it does not cover the weights' bytes)."""
-    from q38.train.io.untrusted import open_regular, sha256_file
+    from q38.files import open_regular, sha256_file
 
     index = d / "model.safetensors.index.json"
     if index.is_file():
@@ -201,7 +201,7 @@ def base_reference(init_from: str | None, seed: int) -> dict:
     if not init_from:
         return {"init_from": None, "seed": int(seed)}
     from q38.train.io.checkpoint import MANIFEST_FILE, resolve_checkpoint
-    from q38.train.io.untrusted import sha256_file
+    from q38.files import sha256_file
 
     p = Path(init_from)
     if _is_hf_dir(p):

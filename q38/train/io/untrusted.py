@@ -1,8 +1,7 @@
-"""Reading checkpoint files that may come from anywhere: files resolved inside their directory (the ``inside`` rule
-every input that names files follows: Hugging Face model and dataset directories, safetensors indexes, prepared
-data), bounded reads, JSON parsed under a nesting bound (``parse_json``), DCP's ``.metadata`` read by an allow-list
-unpickler and checked field by field, and the streamed checksums of the DCP shard files' chunks (computed while DCP
-writes them, checked while q38 reads them back).
+"""Reading q38 checkpoints that may come from anywhere: DCP's ``.metadata`` read by an allow-list unpickler and
+checked field by field, and the streamed checksums of the DCP shard files' chunks (computed while DCP writes them,
+checked while q38 reads them back). The file rules every input shares (``inside``, bounded reads and JSON, config
+bounds) are ``q38.files``.
 
 Everything here refuses bad input with ``UnsafeCheckpoint`` / ``CheckpointMismatch`` (``ConfigError``s: one line
 through the CLI, exit 2) naming the file and the entry. Nothing of a refused file is run, allocated or followed.
@@ -18,20 +17,19 @@ import json
 import os
 import pickle
 import re
-import stat
 import struct
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import xxhash
 
-from q38.model_config import ConfigError
+from q38.files import CheckpointMismatch, UnsafeCheckpoint, describe, inside, open_regular, read_bounded, refuse_unsafe
 
 # ---- limits (every number a hostile file could inflate is checked against one of these before it is used) -------
 MAX_METADATA_BYTES = 256 << 20  # DCP's .metadata (a 2.4T-parameter run on a few thousand ranks stays well below)
-MAX_JSON_BYTES = 64 << 20  # meta.json, manifest.json, config.json, a safetensors header
 MAX_PICKLE_STACK = 100_000  # items on the unpickler's stack at once (DCP batches 1000 dict items per mark)
 MAX_PICKLE_MARKS = 32  # nested marks (q38's metadata nests 4 deep)
 MAX_NDIM = 8  # dimensions of one tensor
@@ -51,233 +49,6 @@ HASHING = True  # off only in benchmarks/checkpoint_io.py --hash-cost (what the 
 # without ``chunk_hash`` was written by q38 before XXH3-128: plain SHA-256 of the bytes, still read and checked.
 CHUNK_HASH = "xxh3-128"
 CHUNK_HASHES = (CHUNK_HASH, "sha256")
-
-
-class CheckpointMismatch(ConfigError):
-    """A checkpoint was made for another model, or is not (or no longer) a q38 checkpoint; the message says why."""
-
-
-class UnsafeCheckpoint(CheckpointMismatch):
-    """A checkpoint file asks for something a q38 checkpoint never holds (a type, a path, a size); nothing of it was
-    run, followed or allocated."""
-
-
-def _refuse(where: str, what: str) -> UnsafeCheckpoint:
-    return UnsafeCheckpoint(f"{where}: refused: {what} (a crafted or damaged checkpoint; nothing in it was run or "
-                            "followed); load only checkpoints written by q38 or torch.distributed.checkpoint")
-
-
-def _refuse_path(where: str, what: str) -> UnsafeCheckpoint:
-    return UnsafeCheckpoint(f"{where}: refused: {what} (a crafted or damaged input; nothing outside it was opened)")
-
-
-# ---- paths --------------------------------------------------------------------------------------------------------
-
-
-def inside(root: str | os.PathLike, rel: Any, what: str, *, follow: bool = False, kind: str = "file") -> Path:
-    """``root/rel`` for a name ``rel`` taken from a file (a manifest entry, a storage entry's ``relative_path``, a
-    data manifest, a dataset's split or data file, a safetensors index entry): refused unless it is a non-empty
-    relative POSIX path without ``..``, ``.`` or empty parts, no component is a symlink, and it is a regular file
-    (``kind="dir"``: a directory) inside ``root`` (not a FIFO, device or directory). ``what`` names the entry in the
-    one-line refusal.
-
-    ``follow``: a final symlink is followed when what it names (resolved) lies inside ``root`` too, or, for a
-    Hugging Face hub cache snapshot (``root`` is ``<repo>/snapshots/<revision>``), inside that repository's
-    ``<repo>/blobs`` (the hub cache links each file of a snapshot to its blob); every other symlink is refused, so
-    nothing outside the input is opened (docs/checkpoints.md#what-a-checkpoint-may-name)."""
-    if not isinstance(rel, str) or not rel or len(rel) > 4096 or "\x00" in rel or "\\" in rel:
-        raise _refuse_path(what, f"file name {_short(rel)} is not a plain relative path")
-    parts = rel.split("/")
-    if rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise _refuse_path(what, f"file name {rel!r} leaves its directory or is not a plain relative path")
-    root = Path(root)
-    p = root
-    for i, part in enumerate(parts):
-        p = p / part
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            raise CheckpointMismatch(f"{what}: {p} is missing") from None
-        except OSError as e:
-            raise CheckpointMismatch(f"{what}: {p} cannot be read ({e.strerror or e})") from None
-        last = i == len(parts) - 1
-        if stat.S_ISLNK(st.st_mode) and follow and last and kind == "file":
-            target = _link_target_inside(root, p, rel, what)
-            try:
-                st = os.stat(target)
-            except OSError as e:
-                raise CheckpointMismatch(f"{what}: {p} is a broken link ({e.strerror or e})") from None
-        elif stat.S_ISLNK(st.st_mode):
-            raise _refuse_path(what, f"{rel!r} is a symbolic link ({p})")
-        if not last and not stat.S_ISDIR(st.st_mode):
-            raise _refuse_path(what, f"{rel!r}: {p} is not a directory")
-        if last and kind == "dir" and not stat.S_ISDIR(st.st_mode):
-            raise _refuse_path(what, f"{rel!r} is not a directory ({file_kind(st.st_mode)})")
-        if last and kind == "file" and not stat.S_ISREG(st.st_mode):
-            raise _refuse_path(what, f"{rel!r} is not a regular file ({file_kind(st.st_mode)})")
-    return p
-
-
-def _link_target_inside(root: Path, link: Path, rel: str, what: str) -> Path:
-    """What the symlink ``link`` (a file of ``root``) resolves to, refused unless it lies inside ``root`` or, in a
-    Hugging Face hub cache snapshot, inside its repository's ``blobs`` folder (see ``inside``)."""
-    base = Path(os.path.realpath(root))
-    target = Path(os.path.realpath(link))
-    allowed = [base]
-    if base.parent.name == "snapshots":  # <cache>/models--org--name/snapshots/<revision>
-        allowed.append(base.parent.parent / "blobs")
-    if not any(target == a or a in target.parents for a in allowed):
-        where = " or its hub cache blobs" if len(allowed) > 1 else ""
-        raise _refuse_path(what, f"{rel!r} is a symbolic link to {target}, outside {base}{where}; copy the file into "
-                      "the directory (cp -L) instead of linking it")
-    return target
-
-
-def file_kind(mode: int) -> str:
-    """What a non-regular file is, in words (for refusals: "a FIFO", "a directory", ...)."""
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
-@contextmanager
-def open_regular(path: str | os.PathLike, what: str, *, follow: bool = False) -> Iterator[io.BufferedReader]:
-    """``open(path, "rb")`` that never follows a final symlink (unless ``follow``) and never blocks on a FIFO: the
-    file must be regular when opened (checked on the open descriptor)."""
-    try:
-        nofollow = 0 if follow else os.O_NOFOLLOW
-        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise CheckpointMismatch(f"{what}: {path} is missing") from None
-    except OSError as e:
-        if os.path.islink(path):
-            raise _refuse_path(what, f"{path} is a symbolic link") from None
-        raise CheckpointMismatch(f"{what}: {path} cannot be read ({e.strerror or e})") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _refuse_path(what, f"{path} is not a regular file ({file_kind(st.st_mode)})")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    with os.fdopen(fd, "rb") as f:
-        yield f
-
-
-def read_bounded(path: str | os.PathLike, limit: int, what: str, *, follow: bool = False) -> bytes:
-    """The bytes of a regular file of at most ``limit`` bytes (refused, with both numbers, before reading more)."""
-    with open_regular(path, what, follow=follow) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size > limit:
-            raise _refuse(what, f"{path} is {size} bytes, more than the {limit} a q38 checkpoint's file of this kind "
-                          "can hold")
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise _refuse(what, f"{path} grew past {limit} bytes while being read")
-    return data
-
-
-def load_json(path: str | os.PathLike, what: str, limit: int = MAX_JSON_BYTES, *, follow: bool = False) -> Any:
-    """A JSON file read under ``read_bounded``, nested at most ``MAX_JSON_DEPTH`` deep; a deeper nesting or a
-    malformed file is one ``CheckpointMismatch``."""
-    data = read_bounded(path, limit, what, follow=follow)
-    return parse_json(data, what if str(path) in what else f"{what}: {path}", CheckpointMismatch)
-
-
-MAX_JSON_DEPTH = 100  # arrays / objects inside each other in any JSON q38 parses (a model config nests 4 deep)
-_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
-_DEPTH_CHUNK = 1 << 22  # brackets scanned at once (bounded memory for the running depth)
-
-
-def json_depth_over(data: bytes | str, limit: int = MAX_JSON_DEPTH) -> bool:
-    """Whether the JSON text ``data`` nests arrays and objects more than ``limit`` deep, found without parsing it,
-    at C speed: escaped backslashes and quotes dropped, then every string (the text between quotes), then everything
-    but brackets; the deepest running count of open brackets is the depth. A bound that does not depend on the
-    interpreter's recursion limit or the caller's stack depth. Text that is not JSON may pass (the parser then names
-    its fault)."""
-    import numpy as np
-
-    if isinstance(data, str):
-        if data.count("[") + data.count("{") <= limit:
-            return False
-        data = data.encode("utf-8", "surrogatepass")
-    else:
-        data = bytes(data)
-        if data.count(b"[") + data.count(b"{") <= limit:
-            return False
-    if b"\\" in data:  # an escaped quote does not end a string (backslash pairs first: \\" does)
-        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
-    s = np.frombuffer(b"".join(data.split(b'"')[::2]).translate(None, _NOT_BRACKET), np.uint8)
-    depth = 0
-    for a in range(0, len(s), _DEPTH_CHUNK):
-        part = s[a:a + _DEPTH_CHUNK]
-        run = np.cumsum(np.where((part == ord("[")) | (part == ord("{")), 1, -1), dtype=np.int64) + depth
-        if run.max() > limit:
-            return True
-        depth = int(run[-1])
-    return False
-
-
-def parse_json(data: bytes | str, where: str, error: type[Exception] = ConfigError,
-               limit: int = MAX_JSON_DEPTH) -> Any:
-    """``json.loads(data)`` refused with one ``error`` naming ``where`` when ``data`` nests deeper than ``limit``
-    (checked before parsing) or is not valid JSON / UTF-8."""
-    if json_depth_over(data, limit):
-        raise error(f"{where}: JSON nested too deeply (more than {limit} levels of arrays / objects inside each "
-                    "other, deeper than any file q38 reads); fix or regenerate the file")
-    try:
-        return json.loads(data)
-    except RecursionError:
-        raise error(f"{where}: JSON nested too deeply to read; fix or regenerate the file") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise error(f"{where} is not valid JSON ({' '.join(str(e).split())[:200]})") from None
-
-
-MAX_CONFIG_INT = 1 << 40  # any integer of a model config (sizes, counts, ids)
-MAX_CONFIG_LIST = 4096  # entries of a list in a model config (layer_types, ...)
-MAX_CONFIG_LAYERS = 4096  # num_hidden_layers and its kin: the loaders loop over layers before any tensor exists
-LAYER_COUNT_KEYS = ("num_hidden_layers", "mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp_num_layers",
-                    "num_experts", "num_local_experts", "n_routed_experts")
-
-
-def check_config_bounds(cfg: Any, where: str) -> None:
-    """A model config from a file (``meta.json``'s ``model_config``, a HF ``config.json``) holds only JSON scalars,
-    short lists and small tables, with every integer at most ``MAX_CONFIG_INT`` and the layer and expert counts at
-    most ``MAX_CONFIG_LAYERS`` (building even the shapes of a model loops over them). Refused with the number and
-    the limit, before the config is used."""
-    def walk(x: Any, path: str, depth: int) -> None:
-        if depth > 6:
-            raise _refuse(where, f"{path} nests deeper than a model config does")
-        if isinstance(x, dict):
-            if len(x) > MAX_CONFIG_LIST:
-                raise _refuse(where, f"{path} has {len(x)} entries, more than {MAX_CONFIG_LIST}")
-            for k, v in x.items():
-                walk(v, f"{path}.{str(k)[:60]}" if path else str(k)[:60], depth + 1)
-        elif isinstance(x, list):
-            if len(x) > MAX_CONFIG_LIST:
-                raise _refuse(where, f"{path} has {len(x)} entries, more than {MAX_CONFIG_LIST}")
-            for i, v in enumerate(x):
-                walk(v, f"{path}[{i}]", depth + 1)
-        elif isinstance(x, bool) or x is None:
-            return
-        elif isinstance(x, int):
-            lim = MAX_CONFIG_LAYERS if path.rpartition(".")[2] in LAYER_COUNT_KEYS else MAX_CONFIG_INT
-            if abs(x) > lim:
-                raise _refuse(where, f"{path} = {str(x)[:30]} exceeds the limit {lim}")
-        elif isinstance(x, float):
-            return
-        elif isinstance(x, str):
-            if len(x) > 1 << 16:
-                raise _refuse(where, f"{path} is a string of {len(x)} characters")
-        else:
-            raise _refuse(where, f"{path} holds {_short(x)}")
-
-    if not isinstance(cfg, dict):
-        raise _refuse(where, f"the model config is {_short(cfg)}, not a table")
-    walk(cfg, "", 0)
 
 
 # ---- DCP .metadata: an allow-list unpickler -------------------------------------------------------------------------
@@ -349,7 +120,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             self.dispatch[op[0]] = fn
 
     def bad(self, what: str) -> UnsafeCheckpoint:
-        return _refuse(self.where, what)
+        return refuse_unsafe(self.where, what)
 
     def find_class(self, module: str, name: str):
         if (module, name) in self.classes:
@@ -409,28 +180,28 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             ok = len(args) == 1 and type(args[0]) is tuple and len(args[0]) <= MAX_NDIM and \
                 all(type(d) is int and 0 <= d <= MAX_DIM for d in args[0])
             if not ok:
-                raise self.bad(f"torch.Size{_short(args)}: at most {MAX_NDIM} dimensions of 0..{MAX_DIM}")
+                raise self.bad(f"torch.Size{describe(args)}: at most {MAX_NDIM} dimensions of 0..{MAX_DIM}")
             self.stack[-1] = torch.Size(args[0])
         elif fn is _get_layout:
             if args != ("torch.strided",):
-                raise self.bad(f"layout {_short(args)}: q38 saves strided tensors only")
+                raise self.bad(f"layout {describe(args)}: q38 saves strided tensors only")
             self.stack[-1] = torch.strided
         elif fn is self.enum:
             if len(args) != 1 or type(args[0]) is not int or args[0] not in (0, 1, 2):
-                raise self.bad(f"memory format {_short(args)}")
+                raise self.bad(f"memory format {describe(args)}")
             self.stack[-1] = self.enum(args[0])
         elif fn is PurePosixPath:
             if not (len(args) <= 64 and all(type(a) is str and len(a) <= 4096 for a in args)):
-                raise self.bad(f"path {_short(args)}")
+                raise self.bad(f"path {describe(args)}")
             self.stack[-1] = PurePosixPath(*args)
         else:
-            raise self.bad(f"it calls {_short(fn)}, which q38 checkpoint metadata never does")
+            raise self.bad(f"it calls {describe(fn)}, which q38 checkpoint metadata never does")
 
     def _newobj(self):
         args = self.stack.pop()
         cls = self.stack.pop()
         if cls not in self.fields or args != ():
-            raise self.bad(f"it creates {_short(cls)}{_short(args)}; only DCP's metadata dataclasses, without "
+            raise self.bad(f"it creates {describe(cls)}{describe(args)}; only DCP's metadata dataclasses, without "
                            "arguments, are allowed")
         self.append(cls.__new__(cls))
 
@@ -439,21 +210,21 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         inst = self.stack[-1]
         cls = type(inst)
         if cls not in self.fields:
-            raise self.bad(f"it sets the state of {_short(inst)}; only instances of DCP's metadata dataclasses may "
+            raise self.bad(f"it sets the state of {describe(inst)}; only instances of DCP's metadata dataclasses may "
                            "have state")
         if cls.__name__ == "TensorProperties":
             if not (type(state) is tuple and len(state) == 5 and isinstance(state[0], torch.dtype)
                     and state[1] is torch.strided and type(state[2]) is bool and type(state[3]) is self.enum
                     and type(state[4]) is bool):
-                raise self.bad(f"TensorProperties state {_short(state)}")
+                raise self.bad(f"TensorProperties state {describe(state)}")
             inst.__setstate__(state)
             return
         if type(state) is not dict or not all(type(k) is str and k in self.fields[cls] for k in state):
-            raise self.bad(f"{cls.__name__} state {_short(state)}: only the fields "
+            raise self.bad(f"{cls.__name__} state {describe(state)}: only the fields "
                            f"{sorted(self.fields[cls])} are allowed")
         if cls is self.index_cls and not (type(state.get("fqn")) is str and
                                           (state.get("offset") is None or _is_size(state.get("offset")))):
-            raise self.bad(f"MetadataIndex {_short(state)}")  # checked before it is hashed as a dict key
+            raise self.bad(f"MetadataIndex {describe(state)}")  # checked before it is hashed as a dict key
         inst.__dict__.update(state)
 
     # -- containers: only plain lists and dicts; dict keys only of types that hash in bounded time --
@@ -463,14 +234,14 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if type(k) is self.index_cls and type(k.__dict__.get("fqn")) is str and \
                 (k.__dict__.get("offset") is None or _is_size(k.__dict__.get("offset"))):
             return
-        raise self.bad(f"a dict key {_short(k)}")
+        raise self.bad(f"a dict key {describe(k)}")
 
     def _setitem(self):
         v = self.stack.pop()
         k = self.stack.pop()
         d = self.stack[-1]
         if type(d) is not dict:
-            raise self.bad(f"an item set on {_short(d)}")
+            raise self.bad(f"an item set on {describe(d)}")
         self._key(k)
         d[k] = v
 
@@ -478,7 +249,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         items = self.pop_mark()
         d = self.stack[-1]
         if type(d) is not dict or len(items) % 2:
-            raise self.bad(f"items set on {_short(d)}")
+            raise self.bad(f"items set on {describe(d)}")
         for i in range(0, len(items), 2):
             self._key(items[i])
             d[items[i]] = items[i + 1]
@@ -494,31 +265,18 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def _append(self):
         v = self.stack.pop()
         if type(self.stack[-1]) is not list:
-            raise self.bad(f"an append to {_short(self.stack[-1])}")
+            raise self.bad(f"an append to {describe(self.stack[-1])}")
         self.stack[-1].append(v)
 
     def _appends(self):
         items = self.pop_mark()
         if type(self.stack[-1]) is not list:
-            raise self.bad(f"an append to {_short(self.stack[-1])}")
+            raise self.bad(f"an append to {describe(self.stack[-1])}")
         self.stack[-1].extend(items)
 
 
 def _get_layout(name: str):  # a marker: find_class hands this out for torch.serialization._get_layout
     raise AssertionError("never called")
-
-
-def _short(x: Any) -> str:
-    """A bounded description of an object from a hostile file (never its full repr: that can be huge or recurse)."""
-    if isinstance(x, type) or callable(x):
-        return f"{getattr(x, '__module__', '?')}.{getattr(x, '__qualname__', type(x).__name__)}"
-    if type(x) in (int, bool, float) or x is None:
-        return repr(x)[:40]
-    if type(x) is str:
-        return repr(x[:60]) + ("..." if len(x) > 60 else "")
-    if type(x) in (tuple, list, dict, torch.Size):
-        return f"({type(x).__name__} of {len(x)})"
-    return f"a {type(x).__name__}"
 
 
 def unpickle_metadata(path: Path, what: str | None = None):
@@ -531,7 +289,7 @@ def unpickle_metadata(path: Path, what: str | None = None):
     except UnsafeCheckpoint:
         raise
     except RecursionError:
-        raise _refuse(where, "it nests deeper than checkpoint metadata does") from None
+        raise refuse_unsafe(where, "it nests deeper than checkpoint metadata does") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError,
             struct.error, MemoryError) as e:
         raise CheckpointMismatch(f"{where}: unreadable checkpoint metadata ({type(e).__name__}: "
@@ -554,43 +312,43 @@ def check_metadata(md: Any, ck_dir: Path, where: str, hashes: Mapping[str, Any] 
 
     def need(cond: object, what: str) -> None:
         if not cond:
-            raise _refuse(where, what)
+            raise refuse_unsafe(where, what)
 
-    need(type(md) is m.Metadata, f"it holds {_short(md)}, not DCP checkpoint metadata")
+    need(type(md) is m.Metadata, f"it holds {describe(md)}, not DCP checkpoint metadata")
     sdm = md.__dict__.get("state_dict_metadata")
     need(type(sdm) is dict and sdm, "state_dict_metadata is not a non-empty dict")
     n_chunks = 0
     chunk_of: dict[tuple[str, tuple[int, ...]], int] = {}  # (key, offsets) -> bytes of its data
     for key, tm in sdm.items():
-        need(type(key) is str and 0 < len(key) <= MAX_KEY_CHARS, f"state-dict key {_short(key)}")
+        need(type(key) is str and 0 < len(key) <= MAX_KEY_CHARS, f"state-dict key {describe(key)}")
         if type(tm) is m.BytesStorageMetadata:
             need(False, f"{key!r} is stored as pickled bytes; q38 saves tensors only, and DCP would unpickle them "
                         "with torch.load(weights_only=False)")
-        need(type(tm) is m.TensorStorageMetadata, f"{key!r}: {_short(tm)} is not tensor storage metadata")
+        need(type(tm) is m.TensorStorageMetadata, f"{key!r}: {describe(tm)} is not tensor storage metadata")
         props, size, chunks = (tm.__dict__.get(f) for f in ("properties", "size", "chunks"))
-        need(type(props) is m.TensorProperties, f"{key!r}: properties {_short(props)}")
+        need(type(props) is m.TensorProperties, f"{key!r}: properties {describe(props)}")
         pd = props.__dict__
         need(pd.get("dtype") in SAVED_DTYPES and pd.get("layout") is torch.strided and
              type(pd.get("requires_grad")) is bool and type(pd.get("pin_memory")) is bool and
              pd.get("memory_format") in (torch.contiguous_format, torch.channels_last, torch.preserve_format),
-             f"{key!r}: tensor properties {_short(pd.get('dtype'))}")
+             f"{key!r}: tensor properties {describe(pd.get('dtype'))}")
         need(_is_size(size) and len(size) <= MAX_NDIM and all(0 <= d <= MAX_DIM for d in size),
-             f"{key!r}: shape {_short(size)}")
+             f"{key!r}: shape {describe(size)}")
         numel = 1
         for d in size:
             numel *= d
         need(numel <= MAX_TENSOR_ELEMENTS, f"{key!r}: shape {list(size)} has {numel} elements, more than the "
                                            f"{MAX_TENSOR_ELEMENTS} limit")
-        need(type(chunks) is list and chunks, f"{key!r}: chunks {_short(chunks)}")
+        need(type(chunks) is list and chunks, f"{key!r}: chunks {describe(chunks)}")
         n_chunks += len(chunks)
         need(n_chunks <= MAX_CHUNKS, f"more than {MAX_CHUNKS} saved chunks")
         item = pd["dtype"].itemsize
         for c in chunks:
-            need(type(c) is m.ChunkStorageMetadata, f"{key!r}: chunk {_short(c)}")
+            need(type(c) is m.ChunkStorageMetadata, f"{key!r}: chunk {describe(c)}")
             off, sz = c.__dict__.get("offsets"), c.__dict__.get("sizes")
             need(_is_size(off) and _is_size(sz) and len(off) == len(sz) == len(size) and
                  all(o + s <= d for o, s, d in zip(off, sz, size)),
-                 f"{key!r}: chunk at {_short(off)} of {_short(sz)} is not inside its shape {list(size)}")
+                 f"{key!r}: chunk at {describe(off)} of {describe(sz)} is not inside its shape {list(size)}")
             cn = 1
             for s in sz:
                 cn *= s
@@ -601,29 +359,29 @@ def check_metadata(md: Any, ck_dir: Path, where: str, hashes: Mapping[str, Any] 
                                          all(type(x) in (str, int) for x in v) for k, v in pdata.items()),
              "planner_data is not DCP's {key: path} mapping of these keys")
     sm = md.__dict__.get("storage_meta")
-    need(sm is None or type(sm) is m.StorageMeta, f"storage_meta {_short(sm)}")
+    need(sm is None or type(sm) is m.StorageMeta, f"storage_meta {describe(sm)}")
     need(md.__dict__.get("version") is None or type(md.__dict__.get("version")) is str, "version")
     sdata = md.__dict__.get("storage_data")
     need(type(sdata) is dict and len(sdata) == len(chunk_of),
-         f"storage_data holds {_short(sdata)}, not one entry for each of the {len(chunk_of)} saved chunks")
+         f"storage_data holds {describe(sdata)}, not one entry for each of the {len(chunk_of)} saved chunks")
     sizes: dict[str, int] = {}
     for idx, info in sdata.items():
         need(type(idx) is m.MetadataIndex and _is_size(idx.__dict__.get("offset")),
-             f"storage key {_short(idx)}")
+             f"storage key {describe(idx)}")
         fqn, off = idx.fqn, tuple(idx.offset)
         need((fqn, off) in chunk_of, f"storage entry {fqn!r} at {list(off)} names no saved chunk")
-        need(type(info) is fs._StorageInfo, f"{fqn!r}: storage {_short(info)}")
+        need(type(info) is fs._StorageInfo, f"{fqn!r}: storage {describe(info)}")
         d = info.__dict__
         rel, start, length = d.get("relative_path"), d.get("offset"), d.get("length")
         need(d.get("transform_descriptors") is None, f"{fqn!r}: stream transforms (q38 saves none)")
         need(type(start) is int and type(length) is int and start >= 0 and length > 0,
-             f"{fqn!r}: byte range {_short(start)}+{_short(length)}")
+             f"{fqn!r}: byte range {describe(start)}+{describe(length)}")
         data_bytes = chunk_of[(fqn, off)]
         need(data_bytes <= length <= data_bytes + TORCH_SAVE_SLACK,
              f"{fqn!r}: {length} stored bytes for a chunk of {data_bytes} data bytes (limit: data + "
              f"{TORCH_SAVE_SLACK})")
         if type(rel) is not str or not DISTCP_RE.match(rel):
-            need(False, f"{fqn!r}: storage file {_short(rel)} is not a DCP shard file name (__<rank>_<n>.distcp)")
+            need(False, f"{fqn!r}: storage file {describe(rel)} is not a DCP shard file name (__<rank>_<n>.distcp)")
         if rel not in sizes:
             with open_regular(inside(ck_dir, rel, where), f"{where} ({fqn!r})") as f:
                 sizes[rel] = os.fstat(f.fileno()).st_size
@@ -795,15 +553,6 @@ def hashing_writer(path: str | os.PathLike, **kw):
     return HashingWriter(str(path), **kw)
 
 
-def sha256_file(path: Path, *, follow: bool = False) -> str:
-    """The SHA-256 of a regular file, read in 1 MiB pieces (``follow``: a symlink to a regular file is read too)."""
-    h = hashlib.sha256()
-    with open_regular(path, str(path), follow=follow) as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def streamed_hashes(ck_dir: Path) -> dict[str, dict]:
     """The hashes every rank's writer left in ``ck_dir`` (the sidecar files are removed: the manifest holds them)."""
     out: dict[str, dict] = {}
@@ -891,11 +640,11 @@ def safe_reader(path: str | os.PathLike, manifest_files: Mapping[str, Any] | Non
     manifest's (when the manifest holds chunk checksums), and only then unpickles it with torch's weights-only
     unpickler (its tensor a view of the buffer, copied once into its target); checks the loaded tensor's dtype and
     shape against the metadata; and refuses byte items (DCP would unpickle those with ``weights_only=False``)."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
     from torch.distributed.checkpoint.planner import LoadItemType
     from torch.futures import Future
-    from torch.distributed._shard._utils import narrow_tensor_by_index
 
     class SafeReader(FileSystemReader):
         _cached: Metadata | None = None
@@ -919,7 +668,7 @@ def safe_reader(path: str | os.PathLike, manifest_files: Mapping[str, Any] | Non
             per_file: dict[str, list] = {}
             for req in plan.items:
                 if req.type == LoadItemType.BYTE_IO:
-                    raise _refuse(str(root), f"{req.storage_index.fqn!r} is a byte item (q38 saves tensors only)")
+                    raise refuse_unsafe(str(root), f"{req.storage_index.fqn!r} is a byte item (q38 saves tensors only)")
                 per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
             longest = max((self.storage_data[r.storage_index].length for r in plan.items), default=0)
             buf = torch.empty(longest, dtype=torch.uint8)  # every chunk is read into it, one after the other
@@ -967,7 +716,7 @@ def safe_reader(path: str | os.PathLike, manifest_files: Mapping[str, Any] | Non
                     if type(t) is not torch.Tensor or t.dtype != tm.properties.dtype or chunk is None or \
                             tuple(t.shape) != tuple(chunk.sizes):
                         raise CheckpointMismatch(f"{f}: the chunk of {idx.fqn!r} at byte {info.offset} holds "
-                                                 f"{_short(t)} {getattr(t, 'dtype', '')} "
+                                                 f"{describe(t)} {getattr(t, 'dtype', '')} "
                                                  f"{list(getattr(t, 'shape', []))}, the metadata says "
                                                  f"{tm.properties.dtype} {list(chunk.sizes) if chunk else '?'}")
                     for req in rs:
