@@ -451,7 +451,6 @@ def test_the_metadata_readers_refusal_names_the_opcode(tmp_path):
     import pickle
 
     from q38.files import UnsafeCheckpoint
-
     from q38.train.io.untrusted import unpickle_metadata
 
     f = tmp_path / ".metadata"
@@ -489,3 +488,25 @@ def test_a_seed_outside_64_bits_is_refused(seed, tmp_path, capsys):
     rc = main(["train", str(cfg), "--set", f"run.seed={seed}"])
     _assert_one_line(rc, capsys.readouterr().err, "train", [f"run.seed must be an integer from 0 to {(1 << 63) - 1}",
                                                              str(seed)])
+
+
+@pytest.mark.parametrize("key", ["path", "eval_path"])
+def test_a_data_path_that_is_a_symlink_loop_is_named(key, tmp_path, capsys):
+    """``data.path`` (or ``eval_path``) a symlink to itself: one line naming it (was an internal "Symlink loop")."""
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop.name)
+    cfg = write_config(tmp_path / "run.yaml", run_dict(tmp_path / "run", steps=1, data={key: str(loop)}))
+    capsys.readouterr()
+    rc = main(["train", str(cfg)])
+    _assert_one_line(rc, capsys.readouterr().err, "train", [f"{loop} cannot be resolved", "loop of links"])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("backend", ["nccl", "hccl"])
+def test_an_accelerator_backend_on_a_cpu_process_is_refused(backend, tmp_path, capsys):
+    """``run.backend: nccl`` on a CPU-only process was accepted (a CPU tensor in an NCCL collective fails later)."""
+    cfg = write_config(tmp_path / "run.yaml", run_dict(tmp_path / "run", steps=1, run={"backend": backend,
+                                                                                        "device": "cpu"}))
+    rc = main(["train", str(cfg)])
+    _assert_one_line(rc, capsys.readouterr().err, "train", [f"run.backend is {backend} but this process runs on cpu"])
+    assert not (tmp_path / "run").exists()

@@ -222,16 +222,25 @@ def run_inputs(run_config: dict | None, meta: dict | None = None) -> list[tuple[
     return found
 
 
+def _real(p: Path, what: str) -> Path:
+    """``p`` with its symlinks resolved; a symlink loop (or a link chain the system will not follow) is one line."""
+    try:
+        return p.resolve()
+    except (RuntimeError, OSError) as e:
+        raise ConfigError(f"{what} {p} cannot be resolved ({' '.join(str(e).split())[:200]}): a symbolic link that "
+                          "points at itself or a loop of links; point it at a real file or directory") from None
+
+
 def check_run_out_dir(out_dir: str | os.PathLike, inputs: Sequence[tuple[str, Path]]) -> None:
     """``q38 train``'s ``run.out_dir`` never is nor lies inside a path the run reads (``run_inputs``), and none of
     them lies where the run writes (``out_dir/checkpoints``, ``out_dir/hf``, ``metrics.jsonl``, the run lock), real
     paths compared (symlinks resolved); checked before anything is created."""
     from q38.train.io.checkpoint import CHECKPOINTS
 
-    o = Path(out_dir).resolve()
+    o = _real(Path(out_dir), "run.out_dir")
     written = [o / CHECKPOINTS, o / "hf", o / METRICS_FILE, o / LOCK_FILE]
     for role, src in inputs:
-        s = src.resolve()
+        s = _real(src, f"the run's {role}")
         if o == s or s in o.parents:
             raise ConfigError(f"run.out_dir {out_dir} is the run's {role} {src} or inside it; the run would write "
                               "into what it reads; choose a run.out_dir outside it")

@@ -61,10 +61,20 @@ def tune_cpu_allocator() -> str | None:
     return "glibc malloc: mmap threshold 32 MiB, trim threshold 1 GiB (CPU: fewer page faults)" if ok else None
 
 
+BACKEND_DEVICE = {"nccl": "cuda", "hccl": "npu"}  # the device kind each accelerator backend moves tensors of
+
+
 def pick_backend(device: str, name: str = "auto") -> str:
-    if name != "auto":
-        return name
-    return {"cuda": "nccl", "npu": "hccl"}.get(device.split(":")[0], "gloo")
+    """The process-group backend of ``run.backend`` on ``device`` (auto: nccl on CUDA, hccl on NPU, else gloo);
+    nccl or hccl asked for on a device of another kind is refused in one line (they move only their device's
+    tensors: a CPU process would fail at its first collective)."""
+    kind = device.split(":")[0]
+    if name == "auto":
+        return {"cuda": "nccl", "npu": "hccl"}.get(kind, "gloo")
+    need(BACKEND_DEVICE.get(name, kind) == kind,
+         f"run.backend is {name} but this process runs on {kind} ({name} needs {BACKEND_DEVICE.get(name)} devices); "
+         "set run.backend: auto (or gloo), or run.device to a device of that kind")
+    return name
 
 
 @attrs.frozen

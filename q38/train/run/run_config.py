@@ -99,6 +99,13 @@ class RunOptions:
     eval_every: int = 0  # steps between held-out evaluations (0: only after the last step, when there is eval data)
     # global batches per evaluation (at most: fewer when the eval split is smaller); 0: the whole eval split
     eval_batches: int = EVAL_BATCHES
+    # keep the checkpoint of the best evaluation so far in out_dir/best (null: none; true: eval_loss): an evaluation
+    # metric (eval_loss, eval_ppl, eval_mtp_<k>, eval_aux: lower is better; eval_accuracy: higher is better)
+    keep_best: Any = None
+    # stop the run after this many evaluations in a row that do not improve run.keep_best's metric by more than
+    # run.early_stop_min_delta (0: never stop early)
+    early_stop_patience: int = 0
+    early_stop_min_delta: float = 0.0  # the least change of the metric that counts as an improvement for the patience
     # on an accelerator: refuse to start when q38 plan's predicted per-rank peak exceeds the device's memory
     memory_check: bool = True
     # write checkpoints between run.save_every steps in the background (staged to host memory first; the final one
@@ -117,9 +124,21 @@ class RunOptions:
     step_timeout_floor_s: float = 300.0
 
     def __attrs_post_init__(self) -> None:
-        for k in ("eval_every", "eval_batches"):
+        for k in ("eval_every", "eval_batches", "early_stop_patience"):
             v = getattr(self, k)
             need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
+        need(self.keep_best in (None, False, True) or isinstance(self.keep_best, str) and best_metric_known(
+            self.keep_best), f"run.keep_best must be null, true (eval_loss) or an evaluation metric "
+             f"({', '.join(BEST_METRICS)}, eval_mtp_<k>), got {self.keep_best!r}")
+        need(isinstance(self.early_stop_min_delta, (int, float)) and not isinstance(self.early_stop_min_delta, bool)
+             and 0 <= self.early_stop_min_delta < float("inf"),
+             f"run.early_stop_min_delta must be a number >= 0, got {self.early_stop_min_delta!r}")
+        need(self.best_metric is None or self.eval_every > 0,
+             f"run.keep_best is {self.keep_best!r} but run.eval_every is 0: the best checkpoint is chosen among the "
+             "periodic evaluations; set run.eval_every (e.g. 100)")
+        need(not self.early_stop_patience or self.best_metric is not None,
+             f"run.early_stop_patience is {self.early_stop_patience} but run.keep_best is not set: early stopping "
+             "watches run.keep_best's metric; set run.keep_best: eval_loss (or another metric)")
         need(self.resume or self.resume_from is None,
               f"run.resume_from is {self.resume_from!r} but run.resume is false; set run.resume: true to continue "
               "from that checkpoint, or drop run.resume_from to start fresh")
@@ -154,6 +173,21 @@ class RunOptions:
         need(self.peak_flops is None or (isinstance(self.peak_flops, (int, float)) and self.peak_flops > 0),
               f"run.peak_flops must be a positive number (FLOP/s per device) or null, got {self.peak_flops!r}")
 
+    @property
+    def best_metric(self) -> str | None:
+        """The evaluation metric ``run.keep_best`` watches (None: no best checkpoint is kept)."""
+        if self.keep_best is None or self.keep_best is False:
+            return None
+        return "eval_loss" if self.keep_best is True else self.keep_best
+
+
+BEST_METRICS = ("eval_loss", "eval_ppl", "eval_accuracy", "eval_aux")  # and eval_mtp_<k>
+
+
+def best_metric_known(name: str) -> bool:
+    """Whether ``name`` is an evaluation metric ``run.keep_best`` can watch."""
+    return name in BEST_METRICS or (name.startswith("eval_mtp_") and name[9:].isdigit() and int(name[9:]) > 0)
+
 
 def _is_seconds(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
@@ -171,6 +205,12 @@ class RunConfig:
     source: str
     kernels: KernelConfig = KernelConfig()  # a run setting, not model identity (q38.kernels)
     peft: PeftConfig | None = None  # LoRA (q38.lora; docs/finetuning.md#lora); None: a full fine-tune
+
+    def __attrs_post_init__(self) -> None:
+        metric = self.run.best_metric
+        need(metric is None or not metric.startswith("eval_mtp_") or int(metric[9:]) <= self.model.mtp_num_layers,
+             f"run.keep_best is {metric} but the model has {self.model.mtp_num_layers} MTP depth(s); watch eval_loss"
+             + (f" or eval_mtp_1..eval_mtp_{self.model.mtp_num_layers}" if self.model.mtp_num_layers else ""))
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> "RunConfig":

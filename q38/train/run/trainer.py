@@ -8,6 +8,7 @@ layout's mesh is checked against ``WORLD_SIZE`` before anything is allocated.
 
 import contextlib
 import fnmatch
+import math
 import signal
 import sys
 import time
@@ -146,7 +147,8 @@ def _initial_params(cfg: RunConfig, device: str, dtype: torch.dtype | Callable[[
     return load_hf(src, dtype=dtype, device=device, **mtp)[1]
 
 
-def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo, tracker_ids: dict) -> dict:
+def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo, tracker_ids: dict,
+          best: dict | None = None) -> dict:
     import q38
 
     return {
@@ -168,6 +170,7 @@ def _meta(cfg: RunConfig, state, batches, plan: RunPlan, world: WorldInfo, track
         "run_config": cfg.to_dict(),
         **_peft_meta(cfg),
         "trackers": tracker_ids,  # each tracker's run id: a resume continues the same tracker runs
+        "best": best,  # run.keep_best: the best evaluation so far (metric, value, step, evaluations since, stopped)
         "q38_version": q38.__version__,
         "torch_version": torch.__version__,
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -234,6 +237,7 @@ def train(cfg: RunConfig, *, on_step: Callable[[dict], None] | None = None) -> l
         die_with_launcher()  # a worker never outlives its torchrun agent
     device = pick_device(cfg.run.device, world.local_rank)
     plan = check_run(cfg, world.world_size, device)  # before any allocation or process group
+    backend = pick_backend(device, cfg.run.backend)  # refused here when it cannot move this device's tensors
     from q38.train.io.dirs import check_out_dir, check_run_out_dir, run_inputs
     from q38.train.run.safety import check_device, run_lock
 
@@ -242,7 +246,7 @@ def train(cfg: RunConfig, *, on_step: Callable[[dict], None] | None = None) -> l
     check_out_dir(cfg.run.out_dir)
     created_pg = False
     if world.world_size > 1:
-        created_pg = _init_process_group(device, pick_backend(device, cfg.run.backend), world, cfg.run.timeout_s)
+        created_pg = _init_process_group(device, backend, world, cfg.run.timeout_s)
     try:
         with run_lock(cfg.run.out_dir, lead=world.rank == 0):  # one run per out_dir
             return _train(cfg, world, device, plan, on_step)
@@ -287,12 +291,19 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
                   "(raise run.steps to continue, or use a new run.out_dir; to evaluate it: `q38 eval "
                   f"{resume.latest} --data FILE`)")
         return []
+    best = _Best.resumed(cfg, resume.meta if start else None)
+    if best.stopped:
+        if lead:
+            print(f"q38 train: {resume.latest} stopped early at step {start} ({best.metric} best {best.value:.4f} at "
+                  f"step {best.step}, in {Path(cfg.run.out_dir) / BEST_DIR}): nothing to train (set "
+                  "run.early_stop_patience: 0 or raise it to continue, or use a new run.out_dir)")
+        return []
     if lead:
         _start_metrics_log(resume, start)
     logs = RunLog(cfg, start, lead, plan, run_ids=(resume.meta or {}).get("trackers") if start else None)
     try:
         logs.startup(resume.latest if start else None, device, plan)
-        return _loop(cfg, world, device, plan, mesh, state, start, batches, evals, logs, on_step)
+        return _loop(cfg, world, device, plan, mesh, state, start, batches, evals, logs, on_step, best)
     finally:
         logs.close()
         if hasattr(batches, "close"):
@@ -529,10 +540,63 @@ class RunLog:
             t.close()
 
 
+@attrs.define
+class _Best:
+    """``run.keep_best``: the best evaluation so far (its metric's value and step) and, for
+    ``run.early_stop_patience``, how many evaluations in a row have not improved on it by more than
+    ``run.early_stop_min_delta``. Saved in every checkpoint's ``meta.json`` (``best``), so a resumed run keeps both."""
+
+    metric: str | None
+    value: float | None = None
+    step: int | None = None
+    since: int = 0
+    stopped: bool = False
+
+    @classmethod
+    def resumed(cls, cfg: RunConfig, meta: Mapping[str, Any] | None) -> "_Best":
+        best = cls(cfg.run.best_metric)
+        old = (meta or {}).get("best")
+        if best.metric is not None and isinstance(old, dict) and old.get("metric") == best.metric:
+            value, step, since = old.get("value"), old.get("step"), old.get("since")
+            if isinstance(value, (int, float)) and isinstance(step, int) and isinstance(since, int):
+                best.value, best.step, best.since = float(value), step, since
+                best.stopped = old.get("stopped") is True
+        return best
+
+    def better(self, v: float, by: float = 0.0) -> bool:
+        if not math.isfinite(v):
+            return False
+        if self.value is None:
+            return True
+        return v > self.value + by if self.metric == "eval_accuracy" else v < self.value - by
+
+    def update(self, m: Mapping[str, float], step: int, cfg: RunConfig) -> bool:
+        """Take this step's evaluation; True when it is the best so far (its checkpoint is then kept)."""
+        v = float(m[self.metric])
+        improved = self.better(v, cfg.run.early_stop_min_delta)
+        new = self.better(v)
+        if new:
+            self.value, self.step = v, step
+        self.since = 0 if improved else self.since + 1
+        patience = cfg.run.early_stop_patience
+        self.stopped = bool(patience) and self.since >= patience
+        return new
+
+    def record(self) -> dict | None:
+        if self.metric is None:
+            return None
+        return {"metric": self.metric, "value": self.value, "step": self.step, "since": self.since,
+                "stopped": self.stopped}
+
+
+BEST_DIR = "best"  # out_dir/best/step_<n>: the checkpoint of the best evaluation (run.keep_best)
+
+
 def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, state, start: int, batches, evals,
-          logs: RunLog, on_step) -> list[dict]:
-    """Steps ``start + 1 .. run.steps``: step, evaluate, log, save every ``run.save_every`` and at the end; SIGTERM
-    / SIGINT finish the step, save and stop."""
+          logs: RunLog, on_step, best: _Best) -> list[dict]:
+    """Steps ``start + 1 .. run.steps``: step, evaluate, log, save every ``run.save_every`` and at the end (and the
+    best evaluation's checkpoint, ``run.keep_best``); SIGTERM / SIGINT, or ``run.early_stop_patience`` evaluations
+    without improvement, finish the step, save and stop."""
     from q38.parallel.links import CommClock
     from q38.parallel.mesh import shard_batch
     from q38.train.run.evaluate import eval_losses
@@ -546,7 +610,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
                       world.world_size)
     records: list[dict] = []
     saved_at = None
-    saver = _Saver(cfg, plan, world, device, logs)
+    saver = _Saver(cfg, plan, world, device, logs, best)
     save_s = 0.0  # seconds the last save held training up (reported with the next step)
 
     dog = StepWatchdog(cfg.run.step_timeout_s, cfg.run.out_dir, world.rank, world.world_size, store=_store(),
@@ -577,6 +641,7 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
                                       or step == cfg.run.steps):
                 with dog.phase(step, "evaluation", "run.timeout_s", cfg.run.timeout_s):
                     m.update(eval_losses(state, evals, mesh, device, progress=cfg.run.progress and logs.lead))
+            new_best = best.metric is not None and best.metric in m and best.update(m, step, cfg)
             with dog.step(step):  # (armed again after an evaluation, which has a bound of its own)
                 tput.update(step, m["tokens"], dt)
                 wait = t0 - t_data
@@ -600,13 +665,23 @@ def _loop(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, mesh, st
                 if saver.pending is not None and not writing:  # every rank's background write has finished
                     saved_at = saver.finish()
                     save_s = time.perf_counter() - t_save
-                last = stopping or step == cfg.run.steps
+                if new_best:  # in the step (never in the background): the best is on disk before training goes on
+                    at = saver.save_best(state, batches)
+                    save_s = time.perf_counter() - t_save
+                    logs.line(f"step {step}: best {best.metric} so far ({best.value:.4f}): checkpoint saved to {at}")
+                last = stopping or best.stopped or step == cfg.run.steps
                 if last or (cfg.run.save_every and step % cfg.run.save_every == 0):
                     saved_at = saver.save(state, batches, background=not last) or saved_at
                     save_s = time.perf_counter() - t_save
             if stopping:
                 logs.end(f"q38 train: stopped by {signal.Signals(stopping).name} at step {step}; checkpoint saved "
                          f"to {saved_at} (run the same command again to resume)")
+                return records
+            if best.stopped:
+                logs.end(f"q38 train: early stop at step {step}: {best.metric} has not improved by more than "
+                         f"{cfg.run.early_stop_min_delta} for {best.since} evaluations (run.early_stop_patience); "
+                         f"best {best.value:.4f} at step {best.step}, in {saver.best_root}; checkpoint saved to "
+                         f"{saved_at}")
                 return records
     logs.end(f"q38 train: done, step {cfg.run.steps}; checkpoint saved to {saved_at}")
     return records
@@ -617,11 +692,13 @@ class _Saver:
     (``AsyncSave``: at most one in flight; the last save of a run, and one on a stop signal, is written in the step
     after the one in flight has finished). A failed save ends the run with one line (``safety.save_error``)."""
 
-    def __init__(self, cfg: RunConfig, plan: RunPlan, world: WorldInfo, device: str, logs: "RunLog") -> None:
+    def __init__(self, cfg: RunConfig, plan: RunPlan, world: WorldInfo, device: str, logs: "RunLog",
+                 best: _Best) -> None:
         from q38.train.io.checkpoint import CHECKPOINTS
 
-        self.cfg, self.plan, self.world, self.logs = cfg, plan, world, logs
+        self.cfg, self.plan, self.world, self.logs, self.best = cfg, plan, world, logs, best
         self.root = Path(cfg.run.out_dir) / CHECKPOINTS
+        self.best_root = Path(cfg.run.out_dir) / BEST_DIR
         self.pinned = device.split(":")[0] != "cpu"
         self.pending = None
         self.group = None
@@ -640,7 +717,7 @@ class _Saver:
 
         self.finish()  # at most one save in flight
         step = int(state.step)
-        meta = _meta(self.cfg, state, batches, self.plan, self.world, self.logs.run_ids())
+        meta = _meta(self.cfg, state, batches, self.plan, self.world, self.logs.run_ids(), self.best.record())
         if background and self.cfg.run.async_save:
             self.pending = self._guard(step, lambda: AsyncSave(self.root, state, meta, keep_last=self.cfg.run.keep_last,
                                                                 group=self.group, pinned=self.pinned))
@@ -648,6 +725,14 @@ class _Saver:
         path = self._guard(step, lambda: save_checkpoint(self.root, state, meta, keep_last=self.cfg.run.keep_last))
         _export_hf(self.cfg, path, step, self.logs.line)
         return path
+
+    def save_best(self, state, batches) -> Path:
+        """This step's state as ``out_dir/best/step_<n>``, replacing the previous best (written in the step)."""
+        from q38.train.io.checkpoint import save_checkpoint
+
+        self.finish()
+        meta = _meta(self.cfg, state, batches, self.plan, self.world, self.logs.run_ids(), self.best.record())
+        return self._guard(int(state.step), lambda: save_checkpoint(self.best_root, state, meta, keep_last=1))
 
     def finish(self) -> Path | None:
         """Publish the save in flight (waiting for its write; collective); None when there is none."""
