@@ -133,6 +133,8 @@ class Sampling:
             raise ValueError(f"top_k must be an integer >= 0 (0: every token), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.seed, int) and 0 <= self.seed < 1 << 63):
+            raise ValueError(f"seed must be an integer from 0 to 2**63 - 1, got {self.seed!r}")
 
 
 def sampling_probs(logits: Float[Tensor, "b v"], s: Sampling) -> Float[Tensor, "b v"]:

@@ -137,7 +137,8 @@ def test_top_k_generation_equals_a_naive_sampling_loop():
 
 
 def test_sampling_options_are_checked():
-    for bad in (dict(top_k=-1), dict(top_k=1.5), dict(top_k=True), dict(top_p=0), dict(temperature=float("nan"))):
+    for bad in (dict(top_k=-1), dict(top_k=1.5), dict(top_k=True), dict(top_p=0), dict(temperature=float("nan")),
+                dict(seed=-1), dict(seed=1 << 63)):
         with pytest.raises(ValueError):
             Sampling(**bad)
 
