@@ -47,6 +47,17 @@ def empty_cache(cfg: ModelConfig, batch: int, *, dtype: torch.dtype = torch.floa
                        pos=torch.zeros(batch, dtype=torch.long, device=device))
 
 
+def cache_bytes(cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of the decode cache of ``rows`` rows that have taken ``length`` steps: each GDN layer's conv window and
+    fp32 state (whatever the length), each attention layer's keys and values (``dtype``) and their valid flags per
+    step."""
+    one = empty_cache(cfg, 1, dtype=dtype, device="meta")
+    fixed = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(one))
+    n_attn = sum(kind == "full_attention" for kind in cfg.layer_types)
+    per_step = n_attn * (2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize + 1)
+    return rows * (fixed + length * per_step)
+
+
 def _keep(active: Tensor, new: Tensor, old: Tensor) -> Tensor:
     """``new`` where the row is active, else ``old`` (rows are dim 0)."""
     return torch.where(active.view(-1, *([1] * (new.dim() - 1))), new, old)
@@ -181,9 +192,9 @@ def generate(
     dtype = dtype or params.embed.dtype
     gen = torch.Generator().manual_seed(int(sampling.seed))
     tokens, active = left_aligned(prompts, device=dev)
-    logits, cache = feed(params, empty_cache(config, len(prompts), dtype=dtype, device=dev), tokens, config,
-                         active=active, router_bias=router_bias)
-    logits = logits[:, -1]
+    cache = empty_cache(config, len(prompts), dtype=dtype, device=dev)
+    for t in range(tokens.shape[1]):  # the prefill (``feed``), keeping only the last step's logits
+        logits, cache = decode_step(params, cache, tokens[:, t], config, active=active[:, t], router_bias=router_bias)
     out: list[list[int]] = [[] for _ in prompts]
     running = torch.ones(len(prompts), dtype=torch.bool, device=dev)
     for step in range(max_new_tokens):

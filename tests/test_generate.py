@@ -312,6 +312,25 @@ def test_lengths_past_the_models_positions_are_refused_up_front(hf_dir, tmp_path
         generate(_params(), CFG, [[1, 2, 3]], max_new_tokens=510)
 
 
+def test_more_prompts_than_memory_holds_are_refused_up_front(hf_dir, tmp_path, capsys, monkeypatch):
+    """A prompts file of many short prompts (one batch) whose decode caches exceed the memory left is refused before
+    any weight is read, naming how many prompts fit; the bound is the cache's size, counted here from the model's
+    dimensions."""
+    import q38.model
+
+    n = 3000
+    f = tmp_path / "many.jsonl"
+    f.write_text((json.dumps({"text": "ab"}) + "\n") * n)
+    length = 2 + 100
+    gdn = CFG.linear_num_value_heads * CFG.linear_key_head_dim * CFG.linear_value_head_dim * 4 + (
+        CFG.linear_conv_kernel_dim - 1) * CFG.linear_conv_dim * 2
+    attn = length * (2 * CFG.num_key_value_heads * CFG.head_dim * 2 + 1)
+    per_row = 2 * gdn + 2 * attn + 8 + 2 * 4 * CFG.vocab_size  # 2 layers of each kind, the position, logits + probs
+    monkeypatch.setattr(q38.model, "host_memory_available", lambda: 1000 * per_row)
+    err = _one_line_error(capsys, hf_dir, "--prompts", f, "--max-new-tokens", 100)
+    assert f"{n:,} prompts of up to 2 tokens" in err and "give at most 1,000 prompts in one call" in err, err
+
+
 def test_eval_batch_size_past_memory_is_one_line(hf_dir, tmp_path, capsys):
     """``q38 eval --batch-size 10^12`` is refused before any data or weight is read (it would pad terabytes)."""
     data = tmp_path / "d.jsonl"

@@ -106,6 +106,25 @@ def check_lengths(prompts: Sequence[Sequence[int]], recs: Sequence[dict], max_ne
                               f"{max_positions - len(p):,} or less")
 
 
+def check_decode_memory(prompts: Sequence[Sequence[int]], max_new_tokens: int, model, device: str) -> None:
+    """Refuse, before any weight is read, prompts whose one batch cannot fit: every row holds a decode cache for the
+    longest prompt plus ``max_new_tokens`` steps (``q38.decode.cache_bytes``, keys and values at 2 bytes an element
+    at the least) and fp32 logits and probabilities over the vocabulary; that lower bound must fit in what
+    ``device`` can still allocate."""
+    from q38.decode import cache_bytes
+    from q38.train.run.inference import device_room
+
+    longest = max(len(p) for p in prompts)
+    per_row = cache_bytes(model, 1, longest + max_new_tokens, torch.bfloat16) + 2 * 4 * model.vocab_size
+    where, room = device_room(device)
+    if room is not None and len(prompts) * per_row > room:
+        raise ConfigError(f"{len(prompts):,} prompts of up to {longest:,} tokens with --max-new-tokens "
+                          f"{max_new_tokens:,} need at least {len(prompts) * per_row / 2**30:,.2f} GiB of {where} "
+                          f"for their decode caches (all prompts run as one batch), more than the {room / 2**30:,.2f} "
+                          f"GiB this process can still allocate; give at most {room // per_row:,} prompts in one "
+                          "call, or lower --max-new-tokens")
+
+
 def stop_tokens(tok, chat: bool) -> tuple[int, ...]:
     """Where a row stops: the tokenizer's end-of-sequence token, and for chats the end of a turn (``<|im_end|>``)
     when the vocabulary has it."""
@@ -177,9 +196,10 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
     tok = load_tokenizer(cfg.data.tokenizer)
     prompts = [prompt_ids(r, tok) for r in recs]
     check_lengths(prompts, recs, max_new_tokens, cfg.model.max_position_embeddings)
+    device = pick_device(cfg.run.device, 0)
+    check_decode_memory(prompts, max_new_tokens, cfg.model, device)
     skip = special_ids(tok) if skip_special_tokens else frozenset()
     stop_ids = stop_tokens(tok, any("messages" in r for r in recs)) if stop_at_eos else ()
-    device = pick_device(cfg.run.device, 0)
     plan = check_run(cfg, 1, device)
     import attrs
 

@@ -79,6 +79,20 @@ def load_state(src: Source, world, device: str, plan, mesh):
     return state
 
 
+def device_room(device: str) -> tuple[str, int | None]:
+    """What ``device`` can still allocate, in words and bytes (None: unknown): the host's memory for ``cpu``, a CUDA
+    device's free memory."""
+    if device.startswith("cuda"):
+        import torch
+
+        return f"free memory of {device}", torch.cuda.mem_get_info(torch.device(device))[0]
+    if device == "cpu":
+        from q38.model import host_memory_available
+
+        return "host memory", host_memory_available()
+    return device, None
+
+
 EVAL_BYTES_PER_TOKEN = 3 * 8  # a batch's input ids, labels and document ids: int64 on the host
 
 
@@ -95,10 +109,9 @@ def check_eval_batch(rows: int, cfg: RunConfig, device: str, what: str) -> None:
     hidden = 2 * cfg.model.hidden_size
     on_host = EVAL_BYTES_PER_TOKEN + (hidden if device == "cpu" else 0)
     checks = [("host memory", on_host, host_memory_available())]
-    if device.startswith("cuda"):
-        import torch
-
-        checks.append((f"free memory of {device}", hidden, torch.cuda.mem_get_info(torch.device(device))[0]))
+    if device != "cpu":
+        where, room = device_room(device)
+        checks.append((where, hidden, room))
     for where, per_token, room in checks:
         if room is not None and tokens * per_token > room:
             most = max(room // (per_token * cfg.data.seq_len), 0)
