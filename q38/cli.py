@@ -36,6 +36,9 @@ def _int_at_least(lo: int, what: str):
     return parse
 
 
+PLAN_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")  # q38.parallel.plan.DTYPES' names
+
+
 positive_int = _int_at_least(1, "a positive integer")  # argparse ``type=``: the error names the option
 nonnegative_int = _int_at_least(0, "an integer >= 0")
 
@@ -134,54 +137,102 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
+class _InOrder(argparse.Action):
+    """Appends ``(kind, value)`` to one shared list, so prompts of different options keep their command-line order."""
+
+    def __init__(self, *args, kind: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kind = kind
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        items = list(getattr(namespace, self.dest) or [])
+        items.append((self.kind, values))
+        setattr(namespace, self.dest, items)
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= v < 1 << 63:
+        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2**63 - 1, got {v}")
+    return v
+
+
 def _generate(argv: list[str]) -> int:
     p = OneLineParser(prog="q38 generate", description="Sample from a checkpoint: greedy (the default) or with a "
-                      "temperature and top-p, from text prompts or chat messages rendered by the checkpoint's chat "
-                      "template. One process.")
+                      "temperature, top-k and top-p, from text prompts and chat messages (rendered by the "
+                      "checkpoint's chat template) in any mix, run as one batch. One process.")
     p.add_argument("source", help=SOURCE_HELP)
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt", action="append", help="a text prompt, continued as it is (repeatable: one batch)")
-    g.add_argument("--chat", action="append", help="a user message, rendered with the tokenizer's chat template "
-                   "(ChatML without one) and an assistant turn opened (repeatable)")
-    g.add_argument("--prompts", help="a JSONL file: {\"text\": ...} prompts and {\"messages\": [...]} chats (rendered "
-                   "with the chat template, an assistant turn opened)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--prompt", dest="inputs", action=_InOrder, kind="text", metavar="TEXT",
+                   help="a text prompt, continued as it is (repeatable)")
+    p.add_argument("--chat", dest="inputs", action=_InOrder, kind="chat", metavar="MESSAGE",
+                   help="a user message, rendered with the tokenizer's chat template (ChatML without one) and an "
+                   "assistant turn opened (repeatable)")
+    p.add_argument("--prompts", dest="inputs", action=_InOrder, kind="file", metavar="FILE",
+                   help="a JSONL file: {\"text\": ...} prompts and {\"messages\": [...]} chats (rendered with the "
+                   "chat template, an assistant turn opened); repeatable, and mixed with --prompt and --chat in the "
+                   "order given")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="at most this many tokens per answer "
+                   "(default 64); a prompt and its answer must fit the model's max_position_embeddings")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sample from "
                    "softmax(logits / temperature)")
+    p.add_argument("--top-k", type=nonnegative_int, default=0, help="sample from the k most likely tokens only "
+                   "(default 0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of most likely tokens "
-                   "whose probability reaches this (default 1: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the draws (sampling only)")
+                   "whose probability reaches this (default 1: all); applied after --top-k")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the draws (sampling only)")
     p.add_argument("--system", default=None, help="--chat: a system message before each user message")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING", help="end an answer when its text "
+                   "contains STRING, and cut the answer before it (repeatable)")
+    p.add_argument("--keep-special-tokens", action="store_true", help="show special tokens (end of turn, end of "
+                   "text, ...) in the answers' text (default: left out, as transformers' skip_special_tokens)")
     p.add_argument("--no-eos-stop", action="store_true", help="keep sampling after the end-of-sequence token")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a setting of the source's run config, e.g. --set data.tokenizer=DIR")
-    p.add_argument("--json", action="store_true", help="print one JSON record per prompt (prompt and output ids, "
-                   "text) instead of the text")
+    p.add_argument("--json", action="store_true", help="print one JSON record per prompt (its index and origin, the "
+                   "prompt, prompt and output ids, the answer's text, why it stopped) instead of the text")
     a = p.parse_args(argv)
+    if not a.inputs:
+        raise ValueError("give at least one prompt: --prompt TEXT, --chat MESSAGE or --prompts FILE (see `q38 "
+                         "generate --help`)")
     import json
 
     from q38.train.run.generate import generate_from
 
-    check_file_args(("--prompts", a.prompts, True))
-    recs = generate_from(a.source, text=a.prompt, chat=a.chat, prompts_file=a.prompts, system=a.system,
-                         max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-                         stop_at_eos=not a.no_eos_stop, overrides=_overrides(a.set))
+    check_file_args(*(("--prompts", v, True) for kind, v in a.inputs if kind == "file"))
+    recs = generate_from(a.source, inputs=a.inputs, system=a.system, max_new_tokens=a.max_new_tokens,
+                         temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                         stop_at_eos=not a.no_eos_stop, stop=a.stop, skip_special_tokens=not a.keep_special_tokens,
+                         overrides=_overrides(a.set))
     for r in recs:
-        print(json.dumps(r) if a.json else r["text"])
+        print(json.dumps(r) if a.json else _labelled(r))
     return 0
+
+
+def _labelled(rec: dict) -> str:
+    """A generate record as text: ``[i] ORIGIN: PROMPT`` (a chat: its last message, after its role), then
+    ``[i] answer: TEXT``, and a blank line."""
+    if "prompt" in rec:
+        shown = rec["prompt"]
+    else:
+        last = rec["messages"][-1]
+        shown = f"{last['role']}: {last.get('content') or ''}"
+    return f"[{rec['index']}] {rec['from']}: {shown}\n[{rec['index']}] answer: {rec['text']}\n"
 
 
 def _add_budget_args(ap) -> None:
     """The ``q38 plan`` options of the budget and the search (``q38.parallel.search.BudgetQuery``)."""
-    from q38.parallel.budget import RECOMPUTE_MODES
-
     ap.add_argument("--hardware", help="hardware profile: a name under specs/hardware (h200, ascend_910b) or a YAML")
     ap.add_argument("--train", help="run config whose data/train settings to plan (default: specs/train/<model>.yaml "
                                     "when it exists)")
     ap.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
     ap.add_argument("--global-batch", type=positive_int, help="sequences per step over all data-parallel ranks")
     ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step")
-    ap.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute mode")
+    ap.add_argument("--recompute", type=_recompute_mode, metavar="MODE",
+                    help="activation recompute mode: none, full, or selective_ + the kernel regions whose outputs are "
+                    "kept, joined by + (e.g. selective_attention+gdn)")
     ap.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32", "bfloat16", "float16", "float32"),
                     help="compute/gather dtype (default: the run config's train.param_dtype or run.dtype, else fp32 "
                          "as q38 train)")
@@ -218,6 +269,16 @@ def _add_budget_args(ap) -> None:
                     "(never a run or checkpoint directory)")
 
 
+def _recompute_mode(text: str) -> str:
+    """argparse ``type=`` of ``--recompute``: one of the modes the layer kinds define (read when the option is given,
+    not when the parser is built: they import torch, which ``--help`` does not)."""
+    from q38.parallel.budget import RECOMPUTE_MODES
+
+    if text not in RECOMPUTE_MODES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(RECOMPUTE_MODES)})")
+    return text
+
+
 BUDGET_ARGS = ("hardware", "train", "seq_len", "global_batch", "micro_batches", "recompute", "param_dtype",
                "gdn_kernel", "search", "lora_rank", "lora_base_dtype", "doc_len", "efficiencies", "moment_dtype",
                "master_dtype", "offload_optimizer", "pure_step")  # any of them set: q38 plan prints the budget (or the search) after the plan
@@ -228,6 +289,21 @@ def plan_cli(args: list[str]) -> int:
 
     Prints the report; an invalid model, layout or world size prints one line on stderr and returns 2.
     """
+    # argparse errors and the argument checks below: one line through main (exit 2)
+    ap = OneLineParser(prog="q38 plan", description="Per-rank memory and traffic of a layout on the meta device; with --hardware also FLOPs, "
+                       "step time and MFU; with --search the layouts that fit, ranked.")
+    ap.add_argument("--model", required=True, help="model preset name, q38 YAML, HF config.json or checkpoint dir")
+    ap.add_argument("--layout", help="parallel layout preset name or YAML path (optional with --search)")
+    ap.add_argument("--world", type=positive_int, required=True, help="number of ranks (WORLD_SIZE)")
+    ap.add_argument("--dtype", choices=sorted(PLAN_DTYPES),
+                    help="alias of --param-dtype (masters and moments are fp32; grads in --reduce-dtype)")
+    ap.add_argument("--optimizer-states", type=nonnegative_int, default=2, help="fp32 optimizer values per parameter")
+    ap.add_argument("--mesh", default="", help="override mesh sizes, e.g. ep=8,cp=2")
+    _add_budget_args(ap)
+    try:
+        ns = ap.parse_args(args)
+    except SystemExit as e:
+        return int(e.code or 0)
     from q38.hf_config import load_model_config
     from q38.model_config import ConfigError
     from q38.parallel.layout import Layout, LayoutError
@@ -236,21 +312,6 @@ def plan_cli(args: list[str]) -> int:
     from q38.parallel.search import BudgetQuery, budget_report, query_precision
     from q38.train.io.dirs import check_output_dir
 
-    # argparse errors and the argument checks below: one line through main (exit 2)
-    ap = OneLineParser(prog="q38 plan", description="Per-rank memory and traffic of a layout on the meta device; with --hardware also FLOPs, "
-                       "step time and MFU; with --search the layouts that fit, ranked.")
-    ap.add_argument("--model", required=True, help="model preset name, q38 YAML, HF config.json or checkpoint dir")
-    ap.add_argument("--layout", help="parallel layout preset name or YAML path (optional with --search)")
-    ap.add_argument("--world", type=positive_int, required=True, help="number of ranks (WORLD_SIZE)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), help="alias of --param-dtype (masters and moments are fp32; "
-                    "grads in --reduce-dtype)")
-    ap.add_argument("--optimizer-states", type=nonnegative_int, default=2, help="fp32 optimizer values per parameter")
-    ap.add_argument("--mesh", default="", help="override mesh sizes, e.g. ep=8,cp=2")
-    _add_budget_args(ap)
-    try:
-        ns = ap.parse_args(args)
-    except SystemExit as e:
-        return int(e.code or 0)
     check_file_args(("--model", ns.model, False), ("--layout", ns.layout, False), ("--train", ns.train, True),
                     ("--hardware", ns.hardware, False), ("--efficiencies", ns.efficiencies, True))
     if not ns.search:  # options only the search reads would be ignored
@@ -518,10 +579,9 @@ def _init_hf(argv: list[str]) -> int:
 
 
 def _prepare_data(argv: list[str]) -> int:
-    from q38.train.data.chat import TRAIN_ON
+    from q38.files import MAX_LINE_BYTES
     from q38.train.data.formats import FORMATS
-    from q38.train.data.loader import MAX_LINE_BYTES
-    from q38.train.data.prepare import CHUNK_BYTES, prepare_data
+    from q38.train.data.options import CHUNK_BYTES, TRAIN_ON
 
     p = OneLineParser(prog="q38 prepare-data", description="Tokenize JSONL (or Parquet, with pyarrow) text / chat "
                       "records into memory-mapped token shards for `data.path`. A re-run on unchanged inputs does "
@@ -552,6 +612,8 @@ def _prepare_data(argv: list[str]) -> int:
         raise ValueError(f"--workers must be >= 1, got {a.workers}")
     if not a.chunk_mb > 0:
         raise ValueError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
+    from q38.train.data.prepare import prepare_data
+
     prepare_data(a.inputs, a.out, tokenizer=a.tokenizer, workers=a.workers, chunk_bytes=int(a.chunk_mb * (1 << 20)),
                  progress=not a.no_progress, train_on=a.train_on, overwrite=a.overwrite,
                  record_format=a.record_format, split=a.split, max_line_bytes=int(a.max_line_mb * (1 << 20)))
@@ -594,16 +656,23 @@ def _kernels(argv: list[str]) -> int:
     return 0
 
 
-def _launch(argv: list[str]) -> int:
-    from q38.train.run.launch import LAUNCHED, launch
+LAUNCHED = ("train", "eval", "convert")  # the q38 commands that run under torchrun (q38 launch)
 
+
+def _launch(argv: list[str]) -> int:
     if argv in ([], ["-h"], ["--help"]):
         print(f"usage: q38 launch [TORCHRUN OPTIONS] {{{','.join(LAUNCHED)}}} ...\n\n"
               "torchrun for q38 commands, e.g. q38 launch --standalone --nproc-per-node 2 train CONFIG. The first "
               "SIGTERM or Ctrl-C is passed to the workers, which save a checkpoint and exit 0; a second one is "
               "torchrun's own stop. The torchrun options are torchrun's (torchrun --help).")
         return 0
-    return launch(argv)
+    at = next((i for i, a in enumerate(argv) if a in LAUNCHED), None)
+    if at is None:
+        raise ValueError(f"q38 launch expects torchrun options, then a q38 command ({', '.join(LAUNCHED)}) and its "
+                         f"arguments, e.g. q38 launch --standalone --nproc-per-node 2 train CONFIG; got {argv}")
+    from q38.train.run.launch import launch
+
+    return launch(argv, at)
 
 
 COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "plan": plan_cli, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
@@ -672,8 +741,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"q38: unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    from q38.model_config import ConfigError
-    from q38.errors import RunError
+    from q38.errors import ConfigError, RunError
 
     world = os.environ.get("WORLD_SIZE", "1")
     who = f"q38 {cmd}" + (f" [rank {os.environ.get('RANK', '?')}]" if world not in ("", "1") else "")

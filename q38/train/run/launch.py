@@ -299,12 +299,10 @@ def die_with_launcher(env: Mapping[str, str] | None = None) -> bool:
 # ---- q38 launch: torchrun with the documented stop ------------------------------------------------------------------
 
 
-LAUNCHED = ("train", "eval", "convert")  # the q38 commands that run under torchrun
-
-
-def launch(argv: list[str]) -> int:
-    """``q38 launch [torchrun options] COMMAND [ARGS]``: ``torchrun [torchrun options] -m q38.cli COMMAND [ARGS]``
-    (torch's own launcher, in this process), except for how it stops.
+def launch(argv: list[str], at: int) -> int:
+    """``q38 launch [torchrun options] COMMAND [ARGS]`` (``argv[at]``: the q38 command, which ``q38.cli`` checked):
+    ``torchrun [torchrun options] -m q38.cli COMMAND [ARGS]`` (torch's own launcher, in this process), except for how
+    it stops.
 
     torchrun's agent turns SIGTERM / SIGINT into an exception: it signals the workers, waits ``--shutdown-timeout``
     (30 s) for them, SIGKILLs the rest and exits 1 with its traceback, whatever the workers did. Here the first
@@ -318,10 +316,6 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    at = next((i for i, a in enumerate(argv) if a in LAUNCHED), None)
-    if at is None:
-        raise ConfigError(f"q38 launch expects torchrun options, then a q38 command ({', '.join(LAUNCHED)}) and its "
-                          f"arguments, e.g. q38 launch --standalone --nproc-per-node 2 train CONFIG; got {argv}")
     args = parse_args([*argv[:at], "-m", "q38.cli", *argv[at:]])
     contexts: list = []
     signals: list[int] = []
