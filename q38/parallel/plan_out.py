@@ -13,7 +13,7 @@ defaults for the steps and the schedule instead of a pre-training config's. Ever
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import attrs
 import yaml
@@ -22,9 +22,6 @@ from q38.errors import placeholder
 from q38.layers.kinds import MIXER_KINDS, kept_regions
 from q38.parallel.budget_result import _fmt_bytes, _fmt_s
 from q38.parallel.precision import short_dtype
-
-if TYPE_CHECKING:
-    from q38.parallel.search import Candidate
 
 WRITTEN_BY = "# Written by `q38 plan --search`"  # first line of each file write_best writes
 
@@ -52,9 +49,10 @@ class RunChoices:
     steps: int | None = None
 
 
-def candidate_run_config(c: "Candidate", model: str, layout_path: str, seq_len: int, base: dict | None = None) -> dict:
-    """The run config (``q38 train`` YAML) matching a candidate: ``base`` (the planned run config, if any) with the
-    layout, data shape, micro-batches and recompute flags of the candidate, and the kernels it was priced with."""
+def candidate_run_config(c: Any, model: str, layout_path: str, seq_len: int, base: dict | None = None) -> dict:
+    """The run config (``q38 train`` YAML) matching a candidate (``q38.parallel.search.Candidate``): ``base`` (the
+    planned run config, if any) with the layout, data shape, micro-batches and recompute flags of the candidate, and
+    the kernels it was priced with."""
     b = c.budget
     rc = b.recompute
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (base or {}).items()}
@@ -180,7 +178,7 @@ def _write_atomic(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def write_best(c: "Candidate", out_dir: str | Path, model: str, seq_len: int,
+def write_best(c: Any, out_dir: str | Path, model: str, seq_len: int,
                base: dict | None = None) -> tuple[Path, Path]:
     """The candidate's layout YAML and its run config ``train.yaml`` in ``out_dir``, each headed by the predicted
     step time, peak and global batch (``q38 plan --train`` on the run config prices them again)."""
