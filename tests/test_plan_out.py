@@ -206,6 +206,7 @@ def test_fewest_ranks_out_writes_the_winner_of_each_row(tmp_path, monkeypatch, c
     holding the row's layout and run config; each file's first line has the row's printed peak and step time, the
     LoRA rows keep their base dtype and the full fine-tune row has no peft section; each loads and passes ``q38
     train``'s checks at the row's world size."""
+    from q38.errors import unfilled
     from q38.train.run.launch import check_run
     from q38.train.run.run_config import RunConfig
 
@@ -230,6 +231,8 @@ def test_fewest_ranks_out_writes_the_winner_of_each_row(tmp_path, monkeypatch, c
         written = yaml.safe_load(path.read_text())
         assert written.get("peft", {}).get("base_dtype") == {"lora_compute": "compute", "full_finetune": None}.get(
             slug, "fp8")
+        # every row of a fine-tune plan is a fine-tune: its base, data and tokenizer are left to fill
+        assert [k for k, _ in unfilled(written)] == ["init_from", "data.path", "data.tokenizer"], slug
         cfg = RunConfig.from_yaml(path, {"kernels.gdn": "auto", "kernels.attention": "auto"}, placeholders="ignore")
         check_run(cfg, world_size=int(world))
     # the directory is the plan's own output now: a second run may write into it

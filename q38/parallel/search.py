@@ -22,7 +22,7 @@ from q38.parallel.efficiency import DEFAULT_DOC_LEN, read_measured
 from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate, recompute_mode
 from q38.parallel.budget_result import _fmt_bytes, _fmt_s
 from q38.parallel.layout import Layout, LayoutError
-from q38.parallel.plan_out import RunChoices, planned_run_config, write_best, written_by_plan
+from q38.parallel.plan_out import RunChoices, is_finetune, planned_run_config, write_best, written_by_plan
 from q38.parallel.precision import Precision, run_precision
 
 TEMPLATES = {(False, False): "fsdp", (True, False): "fsdp_cp", (False, True): "fsdp_ep", (True, True): "fsdp_ep_cp"}
@@ -471,9 +471,11 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
         return 0
     if hw is None:
         raise ConfigError("q38 plan --search needs --hardware (one of the profiles under specs/hardware, e.g. h200)")
+    # a fine-tune plan writes every row as a fine-tune (a LoRA plan's full fine-tune row too)
+    choices = attrs.evolve(q.choices, finetune=is_finetune(raw, kw["peft"], q.choices))
+
     def run_config(row_kw: Mapping[str, Any]) -> dict:  # the run config a row (or the search's best) writes
-        return planned_run_config(raw, row_kw, kernels, model=str(q.model), choices=q.choices,
-                                  own=q.train is not None)
+        return planned_run_config(raw, row_kw, kernels, model=str(q.model), choices=choices, own=q.train is not None)
 
     if q.fewest_ranks:
         rows = fewest_rows(cfg, hw, q.world, seq_len=seq_len, global_batch=global_batch, model_name=str(q.model),
