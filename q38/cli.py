@@ -304,9 +304,11 @@ def plan_cli(args: list[str]) -> int:
             import attrs
             import yaml
 
+            from q38.parallel.plan_out import layout_beside
+
             raw_layout = (yaml.safe_load(Path(ns.train).read_text()) or {}).get("layout")
             if raw_layout:
-                ns.layout = str(raw_layout)
+                ns.layout = layout_beside(str(raw_layout), Path(ns.train).parent)
                 query = attrs.evolve(query, layout=ns.layout)
         if ns.layout is None:
             if not ns.search:

@@ -156,6 +156,15 @@ def _path_arg(p: str) -> str:
     return str(Path(p).resolve()) if Path(p).exists() else p
 
 
+def layout_beside(layout: str, base_dir) -> str:
+    """A relative layout path names the YAML file in ``base_dir`` (the run config's directory) when there is one, else
+    a preset name or a path relative to the CWD, as given: how ``q38 train`` reads a run config's ``layout`` (its own
+    copy of this rule: ``q38.parallel`` imports nothing of ``q38.train``)."""
+    if base_dir is not None and not os.path.isabs(layout) and (Path(base_dir) / layout).is_file():
+        return str(Path(base_dir) / layout)
+    return layout
+
+
 def written_by_plan(d: Path) -> bool:
     """``d`` holds only what ``write_best`` wrote (an earlier search's output): YAML files whose first line is
     ``WRITTEN_BY``, and directories (``--fewest-ranks``: one a row) that hold only such files."""
@@ -189,7 +198,7 @@ def write_best(c: Any, out_dir: str | Path, model: str, seq_len: int,
     head = (f"{WRITTEN_BY}: predicted {_fmt_s(b.step_s)} a step ({b.step_s!r} s), MFU {100 * (b.mfu or 0):.1f}% on "
             f"{b.hardware}, peak {_fmt_bytes(b.peak_bytes)} ({b.peak_bytes:.0f} B) a rank, global batch "
             f"{b.global_tokens // b.seq_len} sequences.\n")
-    run = candidate_run_config(c, model, str(lp), seq_len, base)
+    run = candidate_run_config(c, model, lp.name, seq_len, base)  # the layout beside it (loaders look there first)
     from q38.errors import unfilled
 
     left = unfilled(run)

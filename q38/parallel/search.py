@@ -22,7 +22,8 @@ from q38.parallel.efficiency import DEFAULT_DOC_LEN, read_measured
 from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate, recompute_mode
 from q38.parallel.budget_result import _fmt_bytes, _fmt_s
 from q38.parallel.layout import Layout, LayoutError
-from q38.parallel.plan_out import RunChoices, is_finetune, planned_run_config, write_best, written_by_plan
+from q38.parallel.plan_out import (RunChoices, is_finetune, layout_beside, planned_run_config, write_best,
+                                   written_by_plan)
 from q38.parallel.precision import Precision, run_precision
 
 TEMPLATES = {(False, False): "fsdp", (True, False): "fsdp_cp", (False, True): "fsdp_ep", (True, True): "fsdp_ep_cp"}
@@ -388,7 +389,7 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     seq_len = q.seq_len or int(data.get("seq_len", 4096))
     if layout is None and src is not None and raw.get("layout"):
         try:  # the run config's layout, when it fits this world size: shown next to the search's best
-            layout = Layout.load(str(raw["layout"]))
+            layout = Layout.load(layout_beside(str(raw["layout"]), Path(src).parent))
             layout.resolve_mesh(q.world)
         except LayoutError:
             layout = None

@@ -257,12 +257,15 @@ class RunConfig:
             data["eval_path"] = _resolve(str(data["eval_path"]), base_dir)
         run = dict(raw.get("run") or {})
         _check_keys("run", run, RunOptions)
+        from q38.parallel.plan_out import layout_beside
+
         train = TrainConfig.from_dict(_train_with_run_dtype(raw.get("train") or {}, run, source),
                                       source=f"{source}: train")
         peft = None if raw.get("peft") is None else PeftConfig.from_dict(dict(raw["peft"]), source=source)
         check_peft_combinations(peft, train, kernels, source)
         return cls(
-            model=model, model_source=str(model_src), init_from=init_from, layout=str(raw.get("layout", "single")),
+            model=model, model_source=str(model_src), init_from=init_from,
+            layout=layout_beside(str(raw.get("layout", "single")), base_dir),
             data=structure(DataConfig, data, "data"), train=train, run=structure(RunOptions, run, "run"),
             source=source, kernels=kernels, peft=peft,
         )
