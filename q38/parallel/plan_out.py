@@ -108,10 +108,10 @@ def planned_run_config(raw: Mapping[str, Any], kw: Mapping[str, Any], kernels, *
     return finetune_keys(out, raw, model=model, lora=peft is not None, choices=choices, own=own)
 
 
-def is_finetune(raw: Mapping[str, Any], peft, choices: RunChoices) -> bool:
+def is_finetune(raw: Mapping[str, Any], lora: bool, choices: RunChoices) -> bool:
     """A fine-tune plan: LoRA, ``--finetune`` or ``--init-from``, or a planned run config that starts from a
     checkpoint."""
-    return peft is not None or choices.finetune or choices.init_from is not None or bool(raw.get("init_from"))
+    return lora or choices.finetune or choices.init_from is not None or bool(raw.get("init_from"))
 
 
 def finetune_keys(out: dict, raw: Mapping[str, Any], *, model: str, lora: bool, choices: RunChoices,
@@ -126,7 +126,7 @@ def finetune_keys(out: dict, raw: Mapping[str, Any], *, model: str, lora: bool, 
         data["path"] = _path_arg(choices.data)
     if choices.tokenizer is not None:
         data["tokenizer"] = _path_arg(choices.tokenizer)
-    if is_finetune(raw, lora or None, choices):
+    if is_finetune(raw, lora, choices):
         init = _path_arg(choices.init_from) if choices.init_from is not None else raw.get("init_from")
         out["init_from"] = init or placeholder(INIT_FROM)
         if choices.data is None and not (own and "path" in data):

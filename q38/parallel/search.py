@@ -473,7 +473,7 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     if hw is None:
         raise ConfigError("q38 plan --search needs --hardware (one of the profiles under specs/hardware, e.g. h200)")
     # a fine-tune plan writes every row as a fine-tune (a LoRA plan's full fine-tune row too)
-    choices = attrs.evolve(q.choices, finetune=is_finetune(raw, kw["peft"], q.choices))
+    choices = attrs.evolve(q.choices, finetune=is_finetune(raw, kw["peft"] is not None, q.choices))
 
     def run_config(row_kw: Mapping[str, Any]) -> dict:  # the run config a row (or the search's best) writes
         return planned_run_config(raw, row_kw, kernels, model=str(q.model), choices=choices, own=q.train is not None)
