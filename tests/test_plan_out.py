@@ -239,3 +239,36 @@ def test_fewest_ranks_out_writes_the_winner_of_each_row(tmp_path, monkeypatch, c
     # the directory is the plan's own output now: a second run may write into it
     assert plan_cli(["--model", model, "--world", "8", "--hardware", "h200", "--search", "--seq-len", "64",
                      "--global-batch", "8", "--out", "rows"]) == 0
+
+
+def test_init_from_data_and_tokenizer_on_the_plan_command_line_leave_nothing_to_fill(tmp_path, monkeypatch, capsys):
+    """``--init-from DIR --data PATH`` fill what would be placeholders (absolute paths: the file runs from any
+    directory); the tokenizer is the base directory's when it holds ``tokenizer.json``; the run config loads as
+    written. A pre-training plan (no LoRA, no ``--finetune``) writes no placeholder and keeps its schedule."""
+    from q38.errors import unfilled
+    from q38.train.run.run_config import RunConfig
+
+    monkeypatch.chdir(tmp_path)
+    model = _model_yaml(tmp_path)
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")  # read by nothing here: the plan only names it
+    (tmp_path / "base" / "tokenizer.json").write_text("{}")
+    (tmp_path / "chat.jsonl").write_text('{"text": "hello"}\n')
+    common = ["--model", model, "--world", "1", "--hardware", "h200", "--search", "--seq-len", "32", "--global-batch",
+              "2"]
+    assert plan_cli([*common, "--init-from", "base", "--data", "chat.jsonl", "--out", "ft"]) == 0
+    written = yaml.safe_load((tmp_path / "ft" / "train.yaml").read_text())
+    assert unfilled(written) == []
+    assert written["init_from"] == written["data"]["tokenizer"] == str(tmp_path / "base")
+    assert written["data"]["path"] == str(tmp_path / "chat.jsonl")
+    assert written["run"]["steps"] == written["train"]["total_steps"] == 1000 and written["train"]["lr"] == 1e-5
+    assert "peft" not in written and written["run"]["out_dir"] == "runs/model_finetune"
+    (tmp_path / "pre.yaml").write_text(yaml.safe_dump({"model": model, "data": {"path": "corpus.jsonl"},
+                                                       "train": {"lr": 3e-4, "total_steps": 5000},
+                                                       "run": {"steps": 5000}}))
+    assert plan_cli([*common, "--train", "pre.yaml", "--out", "pre"]) == 0
+    pre = yaml.safe_load((tmp_path / "pre" / "train.yaml").read_text())
+    assert unfilled(pre) == [] and "init_from" not in pre and pre["data"]["path"] == "corpus.jsonl"
+    assert pre["train"]["lr"] == 3e-4 and pre["run"]["steps"] == pre["train"]["total_steps"] == 5000
+    capsys.readouterr()
+    RunConfig.from_yaml(tmp_path / "pre" / "train.yaml")  # no placeholder to refuse
