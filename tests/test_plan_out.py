@@ -272,3 +272,17 @@ def test_init_from_data_and_tokenizer_on_the_plan_command_line_leave_nothing_to_
     assert pre["train"]["lr"] == 3e-4 and pre["run"]["steps"] == pre["train"]["total_steps"] == 5000
     capsys.readouterr()
     RunConfig.from_yaml(tmp_path / "pre" / "train.yaml")  # no placeholder to refuse
+
+
+def test_a_lean_state_file_prints_its_own_dtypes_and_one_total(tmp_path, capsys):
+    """``q38 plan --train FILE`` of a full fine-tune with int8 moments and bf16 + remainder masters: the dtype block
+    says so (not fp32 moments), and the one memory total is the budget's, whose moments item is the int8 size."""
+    model = _model_yaml(tmp_path)
+    (tmp_path / "lean.yaml").write_text(yaml.safe_dump({"model": model, "layout": "fsdp", "data": {
+        "seq_len": 64, "batch_size": 2}, "train": {"param_dtype": "bfloat16", "moment_dtype": "int8",
+                                                    "master_dtype": "bfloat16_remainder"}}))
+    assert plan_cli(["--model", model, "--world", "2", "--train", str(tmp_path / "lean.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^  AdamW moments +int8 ", out, flags=re.M) and re.search(r"^  master weights +bf16\+remainder ",
+                                                                                 out, flags=re.M)
+    assert len(re.findall(r"^  total ", out, flags=re.M)) == 1 and "optimizer moments" in out

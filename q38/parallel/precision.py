@@ -64,7 +64,7 @@ def format_precision(p: Precision) -> str:
     lora = "; a LoRA run (peft): base and adapters" if p.lora_base is not None else ""
     lines = ["dtypes (train.param_dtype or run.dtype, train.reduce_dtype, train.moment_dtype, train.master_dtype; "
              f"q38 plan --dtype / --reduce-dtype / --moment-dtype / --master-dtype override them{lora})"]
-    lines += [f"  {role:<16}{dt:<6}{what}" for role, dt, what in p.roles()]
+    lines += [f"  {role:<16}{dt + ' ':<6}{what}" for role, dt, what in p.roles()]
     return "\n".join(lines)
 
 
