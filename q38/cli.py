@@ -263,10 +263,20 @@ def _add_budget_args(ap) -> None:
                          "train.offload_optimizer)")
     ap.add_argument("--pure-step", action="store_true", help="price the optimizer phase of the pure train_step "
                     "(the library default) instead of the donated step the trainer runs")
-    ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config (a new "
-                    "or empty directory, or one it wrote before)")
+    ap.add_argument("--out", help="where --search writes the best layout and its run config, --fewest-ranks each "
+                    "row's in a subdirectory (a new or empty directory, or one it wrote before); without it nothing "
+                    "is written")
     ap.add_argument("--overwrite", action="store_true", help="--search: write into a non-empty --out it did not write "
                     "(never a run or checkpoint directory)")
+    ap.add_argument("--finetune", action="store_true", help="--out writes a full fine-tune (init_from, your data and "
+                    "tokenizer, fine-tune steps and schedule; a LoRA plan is one already; docs/plan.md)")
+    ap.add_argument("--init-from", help="--out: the fine-tune's base model (a Hugging Face directory or q38 "
+                    "checkpoint); implies --finetune; else written as a placeholder to fill")
+    ap.add_argument("--data", help="--out: data.path of the written run (else a fine-tune's is a placeholder to fill)")
+    ap.add_argument("--tokenizer", help="--out: data.tokenizer of the written run (else --init-from's tokenizer when "
+                    "it has one, or a placeholder to fill)")
+    ap.add_argument("--steps", type=positive_int, help="--out: run.steps and train.total_steps of the written run "
+                    "(a fine-tune of a pre-training config: default 1000)")
 
 
 def _recompute_mode(text: str) -> str:
@@ -309,6 +319,7 @@ def plan_cli(args: list[str]) -> int:
     from q38.parallel.layout import Layout, LayoutError
     from q38.parallel.plan import DTYPES, format_plan, plan
     from q38.parallel.precision import format_precision
+    from q38.parallel.plan_out import RunChoices
     from q38.parallel.search import BudgetQuery, budget_report, query_precision
     from q38.train.io.dirs import check_output_dir
 
@@ -316,9 +327,15 @@ def plan_cli(args: list[str]) -> int:
                     ("--hardware", ns.hardware, False), ("--efficiencies", ns.efficiencies, True))
     if not ns.search:  # options only the search reads would be ignored
         for opt, v in (("--memory-cap", ns.memory_cap), ("--overwrite", ns.overwrite),
-                       ("--fewest-ranks", ns.fewest_ranks)):
+                       ("--fewest-ranks", ns.fewest_ranks), ("--out", ns.out)):
             if v:
                 raise ValueError(f"{opt} applies only to q38 plan --search; add --search or drop {opt}")
+    if ns.out is None:  # options only what --out writes reads would be ignored
+        for opt, v in (("--finetune", ns.finetune), ("--init-from", ns.init_from), ("--data", ns.data),
+                       ("--tokenizer", ns.tokenizer), ("--steps", ns.steps)):
+            if v:
+                raise ValueError(f"{opt} sets what q38 plan --search --out writes; add --search --out DIR or drop "
+                                 f"{opt}")
     if ns.dtype and ns.param_dtype and DTYPES[ns.dtype] != DTYPES[ns.param_dtype]:
         raise ValueError(f"--dtype {ns.dtype} and --param-dtype {ns.param_dtype} disagree; --dtype is an alias of "
                          "--param-dtype: give one")
@@ -329,7 +346,9 @@ def plan_cli(args: list[str]) -> int:
                         overwrite=ns.overwrite, lora_rank=ns.lora_rank, lora_base_dtype=ns.lora_base_dtype,
                         fewest_ranks=ns.fewest_ranks, doc_len=ns.doc_len, efficiencies=ns.efficiencies,
                         moment_dtype=ns.moment_dtype, master_dtype=ns.master_dtype,
-                        offload_optimizer=ns.offload_optimizer, pure_step=ns.pure_step)
+                        offload_optimizer=ns.offload_optimizer, pure_step=ns.pure_step,
+                        choices=RunChoices(finetune=ns.finetune, init_from=ns.init_from, data=ns.data,
+                                           tokenizer=ns.tokenizer, steps=ns.steps))
     try:
         if ns.train:  # the whole run config is checked as `q38 train` checks it; the plan reads its data/train settings
             from q38.parallel.search import _train_defaults
@@ -338,7 +357,7 @@ def plan_cli(args: list[str]) -> int:
             _train_defaults(query, str(ns.model))  # the file itself: found, YAML, a mapping
             model = str(Path(ns.model).resolve()) if Path(ns.model).exists() else ns.model
             with reading("--train", ns.train):
-                RunConfig.from_yaml(ns.train, overrides={"model": model})  # --model is the plan's model
+                RunConfig.from_yaml(ns.train, overrides={"model": model}, placeholders="ignore")  # --model: the plan's
         with reading("--model", ns.model):
             cfg = load_model_config(ns.model)
         prec = query_precision(query)  # the one dtype story of every section below
@@ -346,9 +365,11 @@ def plan_cli(args: list[str]) -> int:
             import attrs
             import yaml
 
+            from q38.parallel.plan_out import layout_beside
+
             raw_layout = (yaml.safe_load(Path(ns.train).read_text()) or {}).get("layout")
             if raw_layout:
-                ns.layout = str(raw_layout)
+                ns.layout = layout_beside(str(raw_layout), Path(ns.train).parent)
                 query = attrs.evolve(query, layout=ns.layout)
         if ns.layout is None:
             if not ns.search:
@@ -367,14 +388,14 @@ def plan_cli(args: list[str]) -> int:
             cfg, layout, ns.world, param_dtype=DTYPES[prec.param], optimizer_state_factor=ns.optimizer_states,
             model_name=str(ns.model), reduce_dtype=DTYPES[prec.reduce],
         )
-        if any(getattr(ns, k) for k in BUDGET_ARGS):
-            print(format_plan(report))
+        if any(getattr(ns, k) for k in BUDGET_ARGS):  # one set of figures: the budget's, for the run as configured
+            print(format_plan(report, precision=prec, budget_follows=True))
             print()
             return budget_report(query, cfg, layout, check_output_dir)
     except (LayoutError, ConfigError) as e:
         print(f"q38 plan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(format_plan(report))
+    print(format_plan(report))  # its own figures: a full state, fp32 masters and moments
     return 0
 
 
