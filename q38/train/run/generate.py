@@ -43,15 +43,13 @@ def prompt_ids(rec: dict, tok) -> list[int]:
     return tok.encode(rec["text"])
 
 
-def stop_tokens(tok, chat: bool) -> tuple[int, ...]:
-    """Where a row stops: the tokenizer's end-of-sequence token, and for chats the end of a turn (``<|im_end|>``)
-    when the vocabulary has it."""
-    from q38.train.data.tokenizer import IM_END
+def stop_tokens(tok) -> tuple[int, ...]:
+    """Where a row stops, text and chat prompts alike: the tokenizer's end-of-sequence token and the end of a turn
+    (``<|im_end|>``) when the vocabulary has it (``stop_token_ids``: the ids an export's ``generation_config.json``
+    names, so transformers stops where ``q38 generate`` does)."""
+    from q38.train.data.tokenizer import stop_token_ids
 
-    ids = [tok.eos_id]
-    if chat and tok.token_to_id(IM_END) is not None:
-        ids.append(tok.token_to_id(IM_END))
-    return tuple(ids)
+    return stop_token_ids(tok)
 
 
 def inference_params(state):
@@ -95,6 +93,6 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
     params = inference_params(state)
     with torch.no_grad():
         outs = generate(params, cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                        stop_ids=stop_tokens(tok, any("messages" in r for r in recs)) if stop_at_eos else (),
+                        stop_ids=stop_tokens(tok) if stop_at_eos else (),
                         router_bias=state.router_bias)
     return [{"prompt_ids": p, "ids": o, "text": tok.decode(o)} for p, o in zip(prompts, outs)]
