@@ -421,7 +421,9 @@ def _convert_files(a, *, lead: bool) -> int:
             raise ValueError(f"--merge-onto chooses the base of a LoRA run's merged export, but {ck} is not a LoRA "
                              "checkpoint; drop --merge-onto")
         _check_export_target(Path(a.src), ck, out, a.overwrite, meta, a.base)
-        extras = _export_extras(a.tokenizer, meta, ck, say)
+        extras = _export_extras(a.tokenizer, meta, ck)
+        bare = (f"{ck} names no tokenizer: the export holds none (pass --tokenizer byte or DIR to add one)"
+                if extras is None and a.tokenizer is None and lead else None)  # said once the export is written
         what = f"step {meta.get('step')} of {ck}"
         if a.to_peft:
             from q38.train.io.peft_export import export_peft
@@ -429,6 +431,8 @@ def _convert_files(a, *, lead: bool) -> int:
             export_peft(ck, out, dtype=dtype, base=a.base, extras=extras)
             if lead:
                 print(f"q38 convert: wrote {out} (PEFT LoRA adapter, rank {meta['peft'].get('rank')}, {what})")
+            if bare:
+                say(bare)
             return 0
         if dtype is None:  # checkpoints hold fp32 masters: export in the source's dtypes, else the compute dtype
             dtype = SOURCE
@@ -444,6 +448,8 @@ def _convert_files(a, *, lead: bool) -> int:
         if lead:
             print(f"q38 convert: wrote {out} (Hugging Face safetensors, {meta['model_config'].get('model_type')}, "
                   f"{what})")
+        if bare:
+            say(bare)
         return 0
     src = Path(a.src)
     if not (src / "config.json").is_file():
@@ -463,10 +469,10 @@ def _convert_files(a, *, lead: bool) -> int:
     return 0
 
 
-def _export_extras(spec: str | None, meta: dict, ck, say):
+def _export_extras(spec: str | None, meta: dict, ck):
     """The tokenizer files, ``generation_config.json`` and token ids of an export of the checkpoint ``ck`` (its
-    ``meta``): of ``--tokenizer`` (``none``: no tokenizer), else of the tokenizer the checkpoint recorded; None (and
-    a note) when it recorded none."""
+    ``meta``): of ``--tokenizer`` (``none``: no tokenizer), else of the tokenizer the checkpoint recorded; None when
+    it recorded none."""
     from q38.model_config import ModelConfig
     from q38.train.data.export_files import export_extras, recorded_tokenizer
 
@@ -474,8 +480,6 @@ def _export_extras(spec: str | None, meta: dict, ck, say):
         return None
     recorded = recorded_tokenizer(meta)
     if spec is None and recorded is None:
-        if say is not None:
-            say(f"{ck} names no tokenizer: the export holds none (pass --tokenizer byte or DIR to add one)")
         return None
     use = spec or recorded
     if use != "byte" and not Path(use).exists():

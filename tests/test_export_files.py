@@ -204,7 +204,8 @@ def test_convert_copies_a_hugging_face_tokenizer(tmp_path, capsys):
     train(run_config(tmp_path / "run", steps=1, model=model, data={"path": str(data), "tokenizer": str(src)}))
     out = tmp_path / "hf"
     assert main(["convert", "--to-hf", str(tmp_path / "run"), str(out)]) == 0, capsys.readouterr().err
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates/short.jinja"):
+    copied = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "additional_chat_templates/short.jinja")
+    for f in copied:
         assert (out / f).read_bytes() == (src / f).read_bytes(), f
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == eos and config["pad_token_id"] == eos and config["bos_token_id"] is None

@@ -273,7 +273,7 @@ def check_base_path(lc: LoraCheckpoint, path: str | os.PathLike | None) -> dict:
     base_difference``: the refusal names the first tensor that differs). Collective under a process group (each rank
     hashes its share of the base): every rank calls it, outside ``all_ranks_ok``. A note about a checkpoint written
     before q38 hashed the base's weights is printed once."""
-    from q38.train.io.peft import base_difference, base_reference
+    from q38.train.io.peft import EDITED, base_difference, base_reference
 
     if lc.base.get("init_from") is None:
         if path is not None:
@@ -286,6 +286,9 @@ def check_base_path(lc: LoraCheckpoint, path: str | os.PathLike | None) -> dict:
                               "that base is now")
     ref = base_reference(str(path), 0)
     what, note = base_difference(lc.base, ref)
+    if what is not None and what.endswith(EDITED):
+        raise PeftExportError(f"{lc.path}/meta.json: its record of the base {path} contradicts itself ({what}); "
+                              "export a checkpoint whose meta.json is as the run wrote it")
     if what is not None:
         raise PeftExportError(f"{path} is not the base the adapters of {lc.path} were trained on ({what}; recorded "
                               f"base {lc.base.get('init_from')}, sha256 {str(lc.base.get('sha256'))[:12]}...); pass "
