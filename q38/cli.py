@@ -420,7 +420,7 @@ def _convert_files(a, *, lead: bool) -> int:
         if a.merge_onto is not None and not lora:
             raise ValueError(f"--merge-onto chooses the base of a LoRA run's merged export, but {ck} is not a LoRA "
                              "checkpoint; drop --merge-onto")
-        _check_export_target(Path(a.src), ck, out, a.overwrite, meta, a.base)
+        _check_export_target(Path(a.src), ck, out, a.overwrite, meta, a.base, a.tokenizer)
         extras = _export_extras(a.tokenizer, meta, ck)
         bare = (f"{ck} names no tokenizer: the export holds none (pass --tokenizer byte or DIR to add one)"
                 if extras is None and a.tokenizer is None and lead else None)  # said once the export is written
@@ -489,15 +489,17 @@ def _export_extras(spec: str | None, meta: dict, ck):
     return export_extras(use, cfg.vocab_size, cfg.max_position_embeddings)
 
 
-def _check_export_target(src, ck, out, overwrite: bool, meta: dict, base) -> None:
+def _check_export_target(src, ck, out, overwrite: bool, meta: dict, base, tokenizer: str | None = None) -> None:
     """``convert --to-hf`` / ``--to-peft`` never writes into its source nor into anything the run references (its
-    base, also as ``--base``, its model source, data and tokenizer: ``run_inputs``), with or without ``--overwrite``,
-    nor over an existing non-empty OUT_DIR without ``--overwrite`` (the export itself is built in a temporary
-    directory and renamed, see ``save_hf``)."""
+    base, also as ``--base``, its model source, data and tokenizer: ``run_inputs``, and ``--tokenizer``), with or
+    without ``--overwrite``, nor over an existing non-empty OUT_DIR without ``--overwrite`` (the export itself is
+    built in a temporary directory and renamed, see ``save_hf``)."""
     from q38.train.io.dirs import check_output_dir, run_inputs
 
     check_output_dir(out, (src, ck), what="OUT_DIR", overwrite=overwrite, role="source")
     refs = run_inputs(meta.get("run_config"), meta) + ([("base (--base)", Path(base))] if base is not None else [])
+    if tokenizer not in (None, "byte", "none"):
+        refs.append(("tokenizer (--tokenizer)", Path(tokenizer)))
     for role, path in refs:
         check_output_dir(out, (path,), what="OUT_DIR", overwrite=overwrite, role=f"run's {role}")
 

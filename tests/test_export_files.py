@@ -225,4 +225,8 @@ def test_convert_copies_a_hugging_face_tokenizer(tmp_path, capsys):
     _refused(capsys, ["convert", "--to-hf", tmp_path / "run", tmp_path / "x", "--tokenizer", tmp_path / "nowhere"],
              "nowhere", "--tokenizer")
     _refused(capsys, ["convert", "--from-hf", out, tmp_path / "x", "--tokenizer", "byte"], "--tokenizer")
+    before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "moved").iterdir() if p.is_file())
+    _refused(capsys, ["convert", "--to-hf", tmp_path / "run", tmp_path / "moved", "--tokenizer", tmp_path / "moved",
+                      "--overwrite"], "tokenizer (--tokenizer)", "--overwrite does not change this")
+    assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "moved").iterdir() if p.is_file()) == before
     assert not (tmp_path / "x").exists()
