@@ -446,6 +446,10 @@ def _convert(argv: list[str]) -> int:
                    "base, data or tokenizer, nor one inside or holding any of them)")
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="--to-hf: largest safetensors file (default 5e9, as transformers writes)")
+    p.add_argument("--tokenizer", default=None,
+                   help="--to-hf / --to-peft: the tokenizer written into the export (byte, a Hugging Face tokenizer "
+                   "directory, or none); default: the one the run used (data.tokenizer), or the tokenizer of the "
+                   "Hugging Face directory an imported checkpoint came from")
     p.add_argument("--merge-onto", choices=("trained", "original"), default=None,
                    help="--to-hf of a LoRA run with peft.base_dtype: fp8 whose base was not a block-FP8 checkpoint "
                    "(quantized at load): merge the adapters onto the block-FP8 (dequantized) values the run trained "
@@ -473,6 +477,8 @@ def _convert_files(a, *, lead: bool) -> int:
         raise ValueError("--base names the base of a LoRA run for --to-hf / --to-peft; --from-hf takes none")
     if a.merge_onto is not None and not a.to_hf:
         raise ValueError("--merge-onto chooses the base of the merged export of a LoRA run (--to-hf); drop it")
+    if a.from_hf and a.tokenizer is not None:
+        raise ValueError("--tokenizer names the tokenizer an export (--to-hf / --to-peft) holds; --from-hf takes none")
     if a.to_peft and a.max_shard_bytes is not None:
         raise ValueError("--max-shard-bytes: a PEFT adapter is one adapter_model.safetensors (what PEFT reads); drop "
                          "it")
@@ -496,14 +502,19 @@ def _convert_files(a, *, lead: bool) -> int:
         if a.merge_onto is not None and not lora:
             raise ValueError(f"--merge-onto chooses the base of a LoRA run's merged export, but {ck} is not a LoRA "
                              "checkpoint; drop --merge-onto")
-        _check_export_target(Path(a.src), ck, out, a.overwrite, meta, a.base)
+        _check_export_target(Path(a.src), ck, out, a.overwrite, meta, a.base, a.tokenizer)
+        extras = _export_extras(a.tokenizer, meta, ck)
+        bare = (f"{ck} names no tokenizer: the export holds none (pass --tokenizer byte or DIR to add one)"
+                if extras is None and a.tokenizer is None and lead else None)  # said once the export is written
         what = f"step {meta.get('step')} of {ck}"
         if a.to_peft:
             from q38.train.io.peft_export import export_peft
 
-            export_peft(ck, out, dtype=dtype, base=a.base)
+            export_peft(ck, out, dtype=dtype, base=a.base, extras=extras)
             if lead:
                 print(f"q38 convert: wrote {out} (PEFT LoRA adapter, rank {meta['peft'].get('rank')}, {what})")
+            if bare:
+                say(bare)
             return 0
         if dtype is None:  # checkpoints hold fp32 masters: export in the source's dtypes, else the compute dtype
             dtype = SOURCE
@@ -512,13 +523,15 @@ def _convert_files(a, *, lead: bool) -> int:
             from q38.train.io.peft_export import export_merged, merge_description
 
             onto = a.merge_onto or "trained"
-            export_merged(ck, out, dtype=dtype, max_shard_bytes=shard, base=a.base, merge_onto=onto)
+            export_merged(ck, out, dtype=dtype, max_shard_bytes=shard, base=a.base, merge_onto=onto, extras=extras)
             what = f"merged: {merge_description(meta, onto, a.base)} + the adapters of {what}"
         else:
-            export_checkpoint(ck, out, dtype=dtype, max_shard_bytes=shard)
+            export_checkpoint(ck, out, dtype=dtype, max_shard_bytes=shard, extras=extras)
         if lead:
             print(f"q38 convert: wrote {out} (Hugging Face safetensors, {meta['model_config'].get('model_type')}, "
                   f"{what})")
+        if bare:
+            say(bare)
         return 0
     src = Path(a.src)
     if not (src / "config.json").is_file():
@@ -538,15 +551,37 @@ def _convert_files(a, *, lead: bool) -> int:
     return 0
 
 
-def _check_export_target(src, ck, out, overwrite: bool, meta: dict, base) -> None:
+def _export_extras(spec: str | None, meta: dict, ck):
+    """The tokenizer files, ``generation_config.json`` and token ids of an export of the checkpoint ``ck`` (its
+    ``meta``): of ``--tokenizer`` (``none``: no tokenizer), else of the tokenizer the checkpoint recorded; None when
+    it recorded none."""
+    from q38.model_config import ModelConfig
+    from q38.train.data.export_files import export_extras, recorded_tokenizer
+
+    if spec == "none":
+        return None
+    recorded = recorded_tokenizer(meta)
+    if spec is None and recorded is None:
+        return None
+    use = spec or recorded
+    if use != "byte" and not Path(use).exists():
+        raise FileNotFoundError(f"the tokenizer {use} {'the run used ' if spec is None else ''}is not there; pass "
+                                "--tokenizer with where it is now (byte, a tokenizer directory), or --tokenizer none")
+    cfg = ModelConfig.from_dict(meta["model_config"], source=f"{ck}/meta.json")
+    return export_extras(use, cfg.vocab_size, cfg.max_position_embeddings)
+
+
+def _check_export_target(src, ck, out, overwrite: bool, meta: dict, base, tokenizer: str | None = None) -> None:
     """``convert --to-hf`` / ``--to-peft`` never writes into its source nor into anything the run references (its
-    base, also as ``--base``, its model source, data and tokenizer: ``run_inputs``), with or without ``--overwrite``,
-    nor over an existing non-empty OUT_DIR without ``--overwrite`` (the export itself is built in a temporary
-    directory and renamed, see ``save_hf``)."""
+    base, also as ``--base``, its model source, data and tokenizer: ``run_inputs``, and ``--tokenizer``), with or
+    without ``--overwrite``, nor over an existing non-empty OUT_DIR without ``--overwrite`` (the export itself is
+    built in a temporary directory and renamed, see ``save_hf``)."""
     from q38.train.io.dirs import check_output_dir, run_inputs
 
     check_output_dir(out, (src, ck), what="OUT_DIR", overwrite=overwrite, role="source")
     refs = run_inputs(meta.get("run_config"), meta) + ([("base (--base)", Path(base))] if base is not None else [])
+    if tokenizer not in (None, "byte", "none"):
+        refs.append(("tokenizer (--tokenizer)", Path(tokenizer)))
     for role, path in refs:
         check_output_dir(out, (path,), what="OUT_DIR", overwrite=overwrite, role=f"run's {role}")
 
@@ -562,6 +597,9 @@ def _init_hf(argv: list[str]) -> int:
                    "fp32")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing non-empty OUT_DIR (never a run or checkpoint directory)")
+    p.add_argument("--tokenizer", default="byte",
+                   help="the tokenizer written beside the weights (with generation_config.json and the token ids of "
+                   "config.json): byte (default), a Hugging Face tokenizer directory, or none")
     p.add_argument("out")
     a = p.parse_args(argv)
     from q38.hf import save_hf
@@ -575,6 +613,14 @@ def _init_hf(argv: list[str]) -> int:
     cfg = load_model_config(a.model)
     if a.seed < 0 or a.seed >= 1 << 63:
         raise ValueError(f"--seed {a.seed}: a seed is an integer from 0 to 2**63 - 1")
+    extras = None
+    if a.tokenizer != "none":
+        from q38.train.data.export_files import export_extras
+
+        tok = Path(a.tokenizer)
+        if a.tokenizer != "byte":
+            check_output_dir(out, [tok] if tok.exists() else [], what="OUT_DIR", overwrite=a.overwrite)
+        extras = export_extras(a.tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
     from q38.model import check_host_memory
 
     check_host_memory(cfg, bytes_per_param=_dtype(a.dtype).itemsize if a.dtype != "fp8" else 4,  # one process holds all
@@ -592,9 +638,9 @@ def _init_hf(argv: list[str]) -> int:
         from q38.train.core.step_config import TrainConfig
 
         keep = TrainConfig(param_dtype="bfloat16").compute_dtype  # bf16, the fp32_params defaults fp32
-        save_hf(out, cfg, init_params(cfg, seed=a.seed), dtypes=fp8_dtypes(keep))
+        save_hf(out, cfg, init_params(cfg, seed=a.seed), dtypes=fp8_dtypes(keep), extras=extras)
     else:
-        save_hf(out, cfg, init_params(cfg, seed=a.seed, dtype=_dtype(a.dtype)))
+        save_hf(out, cfg, init_params(cfg, seed=a.seed, dtype=_dtype(a.dtype)), extras=extras)
     print(f"q38 init-hf: wrote {out} ({a.model}, seed {a.seed})")
     return 0
 

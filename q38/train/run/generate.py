@@ -125,15 +125,13 @@ def check_decode_memory(prompts: Sequence[Sequence[int]], max_new_tokens: int, m
                           "call, or lower --max-new-tokens")
 
 
-def stop_tokens(tok, chat: bool) -> tuple[int, ...]:
-    """Where a row stops: the tokenizer's end-of-sequence token, and for chats the end of a turn (``<|im_end|>``)
-    when the vocabulary has it."""
-    from q38.train.data.tokenizer import IM_END
+def stop_tokens(tok) -> tuple[int, ...]:
+    """Where a row stops, text and chat prompts alike: the tokenizer's end-of-sequence token and the end of a turn
+    (``<|im_end|>``) when the vocabulary has it (``stop_token_ids``: the ids an export's ``generation_config.json``
+    names, so transformers stops where ``q38 generate`` does)."""
+    from q38.train.data.tokenizer import stop_token_ids
 
-    ids = [tok.eos_id]
-    if chat and tok.token_to_id(IM_END) is not None:
-        ids.append(tok.token_to_id(IM_END))
-    return tuple(ids)
+    return stop_token_ids(tok)
 
 
 def special_ids(tok) -> frozenset[int]:
@@ -199,7 +197,7 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
     device = pick_device(cfg.run.device, 0)
     check_decode_memory(prompts, max_new_tokens, cfg.model, device)
     skip = special_ids(tok) if skip_special_tokens else frozenset()
-    stop_ids = stop_tokens(tok, any("messages" in r for r in recs)) if stop_at_eos else ()
+    stop_ids = stop_tokens(tok) if stop_at_eos else ()
     plan = check_run(cfg, 1, device)
     import attrs
 

@@ -760,13 +760,17 @@ class _Saver:
 def _export_hf(cfg: RunConfig, ck: Path, step: int, log) -> None:
     """``run.save_hf``: the checkpoint just saved, exported as ``out_dir/hf/step_<n>`` by every rank at once (each
     writes its share of the files, reading only those tensors back from the checkpoint) at the last step and at
-    multiples of ``run.save_hf_every``."""
+    multiples of ``run.save_hf_every``, with the run's tokenizer files and ``generation_config.json``."""
     every = cfg.run.save_hf_every
     if not cfg.run.save_hf or not (step == cfg.run.steps or (every and step % every == 0)):
         return
     from q38.train.io.checkpoint import step_dir_name
     from q38.train.io.hf_io import export_checkpoint
 
+    from q38.train.data.export_files import export_extras
+
     out = Path(cfg.run.out_dir) / "hf" / step_dir_name(step)
-    export_checkpoint(ck, out, dtype="source")  # the init_from checkpoint's dtypes, else the compute dtype
+    extras = export_extras(cfg.data.tokenizer, cfg.model.vocab_size, cfg.model.max_position_embeddings)
+    # the init_from checkpoint's dtypes, else the compute dtype; the run's tokenizer and where generation stops
+    export_checkpoint(ck, out, dtype="source", extras=extras)
     log(f"step {step}: Hugging Face export written to {out}")
