@@ -230,8 +230,9 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             self._by_storage[y.untyped_storage().data_ptr()] = entry
         return y
 
-    def grad(self, loss: Tensor, leaves: list, grad_outputs=None) -> tuple:
-        """``autograd.grad(loss, leaves)`` (None for a leaf without gradient). With deferred reductions, backward
+    def grad(self, loss: Tensor | list, leaves: list, grad_outputs: list | None = None) -> tuple:
+        """``autograd.grad(loss, leaves)`` (None for a leaf without gradient); ``loss`` may be a list of outputs
+        with their ``grad_outputs`` (a pipeline chunk: its losses and the gradients of the activations it sent on). With deferred reductions, backward
         has only issued each gathered leaf's reduction: they are waited here, after the whole backward, in issue
         order, and added to their leaf's gradient (a leaf gathered twice, e.g. a tied embedding, sums its
         contributions in that order)."""

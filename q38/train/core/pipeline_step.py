@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from q38.model import ChunkOutput, forward_chunk
-from q38.parallel.pipeline import PipeLink, forward_order, run_schedule, schedule
+from q38.parallel.pipeline import PipeLink, check_micro_batches, forward_order, run_schedule, schedule
 from q38.train.core.objective import (TermInput, _segment_index, aux_from_stats, aux_mask, expert_counts, prob_sums,
                                       routing, sequence_aux, step_context)
 from q38.errors import ConfigError
@@ -61,6 +61,7 @@ def pipelined_grads(state, mbs, mesh, runtime, hooks, regions, terms, p, trained
     is the stage mesh's runtime (bound to ``p``), ``trained`` the leaves of ``p`` that train (this stage's)."""
     mc, tc = state.model_config, state.train_config
     _check_terms(terms, mc)
+    check_micro_batches(mesh.layout, len(mbs))
     chunks, pp, rank = mesh.chunks, mesh.pp, mesh.pp_rank
     v = len(chunks) // pp
     n_layers = mc.num_hidden_layers + mc.mtp_num_layers  # router tables: main layers, then MTP depths
