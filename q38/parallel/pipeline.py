@@ -20,7 +20,6 @@ from torch import Tensor
 from q38.model_config import ModelConfig
 from q38.parallel.layout import PIPELINE_DIM, Layout, LayoutError, PipelineSpec
 
-
 # ---- the stage split -----------------------------------------------------------------------------------------------
 
 

@@ -22,11 +22,20 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from q38.errors import ConfigError
 from q38.model import ChunkOutput, forward_chunk
 from q38.parallel.pipeline import PipeLink, check_micro_batches, forward_order, run_schedule, schedule
-from q38.train.core.objective import (TermInput, _segment_index, aux_from_stats, aux_mask, expert_counts, prob_sums,
-                                      routing, sequence_aux, step_context)
-from q38.errors import ConfigError
+from q38.train.core.objective import (
+    TermInput,
+    _segment_index,
+    aux_from_stats,
+    aux_mask,
+    expert_counts,
+    prob_sums,
+    routing,
+    sequence_aux,
+    step_context,
+)
 
 DEFAULT_TERM_NAMES = ("loss", "aux")
 
