@@ -302,3 +302,30 @@ def test_too_few_micro_batches_are_refused():
                                           r"train.micro_batches=3; set it to a multiple of 2"):
         check_micro_batches(_layout(PP_INTERLEAVED), 3)
     check_micro_batches(_layout(PP_EP), 3)  # 1F1B takes any m >= pp
+
+
+def test_q38_train_refuses_bad_pipeline_input_in_one_line_before_any_process(capsys, monkeypatch, tmp_path):
+    from q38.cli import main
+    from tests.run_utils import run_dict, write_config
+
+    cfg = str(write_config(tmp_path / "run.yaml", run_dict(tmp_path / "out", steps=2)))  # a 2-layer model
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    cases = [
+        ("{include: fsdp.yaml, mesh: {pp: 4, fsdp: -1}}", [], "4 stage chunks but the model has 2 layers"),
+        ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {stages: [[0, 0], [0, 1]]}}", [],
+         "pipeline.stages repeats layer 0"),
+        ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}}", [], "needs at least 2 micro-batches"),
+        ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: zero_bubble}}", [],
+         "'zero_bubble' is not run by q38"),
+        ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}}", ["--set", "train.micro_batches=2", "--set", "data.eval_split=0.1"],
+         "evaluation on a layout with a pipeline axis"),
+    ]
+    for i, (text, extra, needle) in enumerate(cases):
+        layout = tmp_path / f"pp{i}.yaml"
+        layout.write_text(text)
+        rc = main(["train", cfg, "--set", f"layout={layout}", *extra])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and err.count("\n") == 0 and "Traceback" not in err, err
+        assert needle in err and err.startswith("q38 train [rank 0]: error:"), err
+    assert not (tmp_path / "out").exists()  # refused before anything was written
