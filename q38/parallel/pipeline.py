@@ -166,6 +166,21 @@ def check_micro_batches(layout: Layout, micro_batches: int) -> None:
                           f"train.micro_batches={micro_batches}; set it to a multiple of {pp}")
 
 
+def fullest_stage(cfg, layout, world: int):
+    """``(stage layout, stage world, owns(path))`` of the pipeline rank holding the most parameter elements per
+    rank: what ``q38 plan``'s placement table shows for a ``pp`` layout (its layout is named ``<name>/stage``)."""
+    from q38.model import abstract_params
+    sizes = layout.resolve_mesh(world)
+    pp = sizes["pp"]
+    chunks = check_model(layout, cfg)
+    stage_sizes = {n: s for n, s in sizes.items() if n != "pp"}
+    stage = layout.stage_layout().with_mesh(**stage_sizes)
+    pl = stage.placements(abstract_params(cfg), stage_sizes)
+    local = {p: math.prod(x.shape) / x.shard_factor for p, x in pl.items()}
+    r = max(range(pp), key=lambda r: sum(n for p, n in local.items() if owns(chunks, r, p)))
+    return stage, world // pp, lambda path: owns(chunks, r, path)
+
+
 # ---- schedules -----------------------------------------------------------------------------------------------------
 
 

@@ -56,6 +56,61 @@ def in_flight_layers(chunks, pp: int, v: int, m: int, rank: int) -> int:
     return most
 
 
+def backward_peaks(chunks, pp: int, v: int, m: int, rank: int) -> list[tuple[int, bool]]:
+    """At each backward of ``rank``'s schedule: ``(layer-micro-batches of saved activations alive, whether a
+    gradient accumulator exists)`` (it does from the second backward on). The activations peak at the first
+    backward; the accumulator appears only after it, with fewer micro-batches in flight."""
+    size = {c.index: len(c.layers) for c in chunks}
+    live, done, out = 0, 0, []
+    for a in schedule(pp, v, m, rank):
+        if a.kind == "F":
+            live += size[a.chunk]
+        else:
+            out.append((live, done > 0))
+            live -= size[a.chunk]
+            done += 1
+    return out
+
+
+@attrs.frozen
+class _Part:
+    share: float  # of the parameter elements
+    live: int  # layer-micro-batches in flight
+    layers: int  # of the model
+    embed: bool
+    head: bool
+    peaks: tuple = ()  # backward_peaks of the rank
+
+
+def _scaled(items, part: _Part, act_scale: float | None) -> tuple:
+    """One pipeline rank's items from the whole model's on a stage's ranks. Forward/backward phase
+    (``act_scale`` given): the saved activations and the gradient accumulator at the schedule's worst backward
+    (``part.peaks``: the largest of ``live`` layer-micro-batches + the accumulator when one exists)."""
+    out = []
+    if act_scale is not None:
+        by = {it.name: it for it in items}
+        act = by.get("activations (saved)")
+        acc = by.get("gradient accumulator")
+        per_layer = act.bytes / part.layers if act is not None else 0.0
+        acc_bytes = acc.bytes * part.share if acc is not None else 0.0
+        live, with_acc = max(part.peaks, key=lambda p: p[0] * per_layer + (acc_bytes if p[1] else 0.0))
+        part = attrs.evolve(part, live=live)
+        items = [attrs.evolve(it, bytes=live * per_layer) if it.name == "activations (saved)" else it
+                 for it in items if not (it.name == "gradient accumulator" and not with_acc)]
+        act_scale = None
+    for it in items:
+        if it.name == "activations (saved)":
+            it = attrs.evolve(it, note=f"{part.live} layer × micro-batch(es) in flight at the worst backward "
+                                       f"(of {part.layers} layers × 1 micro-batch)")
+        elif it.name in STATE_ITEMS:
+            it = attrs.evolve(it, bytes=it.bytes * part.share, note=f"{it.note}; this stage's {part.share:.1%}")
+        elif (it.name == "loss workspace" and not part.head) or (it.name == "model edges"
+                                                                 and not (part.embed or part.head)):
+            continue
+        out.append(it)
+    return tuple(out)
+
+
 def estimate_pipelined(estimate, cfg, layout, world: int, **kw):
     """The budget of ``layout`` (with ``pp``) on ``world`` ranks: the fullest pipeline rank's, ``pipeline`` listing
     every rank. ``estimate``: ``q38.parallel.budget.estimate`` (the one-stage price)."""
@@ -92,22 +147,8 @@ def estimate_pipelined(estimate, cfg, layout, world: int, **kw):
         cost = sum(per[i] for c in mine for i in c.layers) + (emb if embed else 0.0) + (head if owns_head else 0.0)
         c_share = cost / all_cost
 
-        def scaled(items, act_scale: float | None):
-            out = []
-            for it in items:
-                if it.name in STATE_ITEMS:
-                    it = attrs.evolve(it, bytes=it.bytes * share, note=f"{it.note}; this stage's {share:.1%}")
-                elif it.name == "activations (saved)" and act_scale is not None:
-                    it = attrs.evolve(it, bytes=it.bytes * act_scale,
-                                      note=f"{live} layer × micro-batch(es) in flight of {L} layers × 1")
-                elif it.name == "loss workspace" and not owns_head:
-                    continue
-                elif it.name == "model edges" and not (embed or owns_head):
-                    continue
-                out.append(it)
-            return tuple(out)
-
-        memory = scaled(base.memory, live / L)
+        part = _Part(share, live, L, embed, owns_head, tuple(backward_peaks(chunks, pp, v, m, r)))
+        memory = _scaled(base.memory, part, 1.0)
         memory += (Item("pipeline receive buffer", bundle, "one micro-batch's activations from the previous stage"),)
         boundaries = sum(1 for c in mine if not c.head)
         p2p = 2 * boundaries * m * bundle  # forward activations and backward gradients
@@ -120,8 +161,8 @@ def estimate_pipelined(estimate, cfg, layout, world: int, **kw):
         hw = kw.get("hardware")
         inter = hw.inter_node_bandwidth if hw is not None else None  # stages are nodes apart (pp is the outer dim)
         comm += (CommTerm("send/recv", "pp", p2p, "inter", p2p / inter if inter else 0.0, False, "backward", p2p),)
-        b = attrs.evolve(base, memory=memory, optimizer_phase=scaled(base.optimizer_phase, None), comm=comm,
-                         start_phase=scaled(base.start_phase, None), ops=(),
+        b = attrs.evolve(base, memory=memory, optimizer_phase=_scaled(base.optimizer_phase, part, None), comm=comm,
+                         start_phase=_scaled(base.start_phase, part, None), ops=(),
                          compute_s=compute * (m + (pp - 1) / v) / m, compute_fwd_s=base.compute_fwd_s * c_share,
                          layout=layout.name, mesh=tuple(sizes.items()), world=world)
         rows.append(StageRow(r, tuple((c.first, c.last) for c in mine), share, live, b.peak_bytes, compute, p2p))
@@ -143,8 +184,8 @@ def format_pipeline(b) -> list[str]:
     pp = len(rows)
     v = max(len(r.layers) for r in rows)
     m = b.micro_batches
-    lines = [f"pipeline: pp={pp}, {v} chunk(s) a rank, {m} micro-batches: bubble {bubble_fraction(pp, m, v):.1%} "
-             f"of the step ((p-1)/(m+p-1){f' / v, v={v}' if v > 1 else ''})"]
+    lines = [(f"pipeline: pp={pp}, {v} chunk(s) a rank, {m} micro-batches: bubble {bubble_fraction(pp, m, v):.1%} "
+              f"of the step ((p-1)/(m+p-1){f' / v, v={v}' if v > 1 else ''})")]
     for r in rows:
         ranges = ", ".join(f"{a}-{z}" for a, z in r.layers)
         lines.append(f"  stage {r.rank}: layers {ranges}; {r.param_share:.1%} of the parameters; "
@@ -153,19 +194,3 @@ def format_pipeline(b) -> list[str]:
                      f"{r.p2p_bytes / 2**20:,.1f} MiB sent")
     return lines
 
-
-def fullest_stage(cfg, layout, world: int):
-    """``(stage layout, stage world, owns(path))`` of the pipeline rank holding the most parameter elements per
-    rank: what ``q38 plan``'s placement table shows for a ``pp`` layout (its layout is named ``<name>/stage``)."""
-    from q38.model import abstract_params
-    from q38.parallel.pipeline import owns
-
-    sizes = layout.resolve_mesh(world)
-    pp = sizes["pp"]
-    chunks = check_model(layout, cfg)
-    stage_sizes = {n: s for n, s in sizes.items() if n != "pp"}
-    stage = layout.stage_layout().with_mesh(**stage_sizes)
-    pl = stage.placements(abstract_params(cfg), stage_sizes)
-    local = {p: math.prod(x.shape) / x.shard_factor for p, x in pl.items()}
-    r = max(range(pp), key=lambda r: sum(n for p, n in local.items() if owns(chunks, r, p)))
-    return stage, world // pp, lambda path: owns(chunks, r, path)

@@ -223,8 +223,8 @@ def plan(
 
     t0 = time.perf_counter()
     keep = None
-    if layout.pp > 1:  # a pipeline axis: the placements of the stage holding the most (q38.parallel.pipeline_plan)
-        from q38.parallel.pipeline_plan import fullest_stage
+    if layout.pp > 1:  # a pipeline axis: the placements of the stage holding the most (q38.parallel.pipeline)
+        from q38.parallel.pipeline import fullest_stage
 
         layout, world_size, keep = fullest_stage(model_cfg, layout, world_size)
     mesh = layout.resolve_mesh(world_size)
