@@ -329,3 +329,54 @@ def test_q38_train_refuses_bad_pipeline_input_in_one_line_before_any_process(cap
         assert rc == 2 and err.count("\n") == 0 and "Traceback" not in err, err
         assert needle in err and err.startswith("q38 train [rank 0]: error:"), err
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+# ---- the plan ---------------------------------------------------------------------------------------------------------
+
+
+def test_the_plan_prices_each_stage_by_hand_count():
+    """``q38 plan`` on a pp layout: each stage's share of the parameter elements, the activations the schedule keeps
+    in flight, the bubble and the point-to-point bytes, against counts made here."""
+    from q38.model import abstract_params, count_params
+    from q38.parallel.budget import estimate
+    from q38.parallel.pipeline import owns
+    from q38.parallel.pipeline_plan import backward_peaks, in_flight_layers
+
+    cfg, layout = _cfg(), _layout(PP_EP)
+    chunks = stage_split(layout, cfg)
+    m, rows, seq = 4, 4, 24
+    from q38.parallel.hardware import Hardware
+
+    kw = {"seq_len": seq, "rows_per_rank": rows, "micro_batches": m, "param_dtype": "fp32", "reduce_dtype": "fp32",
+          "adamw_impl": "foreach", "hardware": Hardware.load("h200")}
+    b = estimate(cfg, layout, 4, **kw)
+    one = estimate(cfg, layout.stage_layout().with_mesh(fsdp=1, ep=2), 2, **kw)  # the whole model on one stage
+    numel = {p: i.numel for p, i in named_leaves(abstract_params(cfg), is_leaf=lambda x: hasattr(x, "numel"))
+             if i is not None}
+    assert sum(numel.values()) == count_params(cfg).total_with_mtp
+    # fsdp × ep = 2 shards every dense leaf evenly and splits the experts: a rank holds half of each leaf but the
+    # norms (replicated); shares by hand
+    placements = layout.stage_layout().with_mesh(fsdp=1, ep=2).placements(abstract_params(cfg), {"fsdp": 1, "ep": 2})
+    local = {p: numel[p] / placements[p].shard_factor for p in numel}
+    for r, row in enumerate(b.pipeline):
+        share = sum(n for p, n in local.items() if owns(chunks, r, p)) / sum(local.values())
+        assert abs(row.param_share - share) < 1e-12
+        assert row.layers == ((0, 3),) if r == 0 else row.layers == ((4, 5),)
+    assert abs(sum(row.param_share for row in b.pipeline) - 1) < 1e-12
+    # 1F1B: stage 0 holds p = 2 micro-batches of its 4 layers, stage 1 one of its 2
+    assert [in_flight_layers(chunks, 2, 1, m, r) for r in range(2)] == [8, 2]
+    assert backward_peaks(chunks, 2, 1, m, 0)[0] == (8, False)
+    # p2p: stage 0 sends each micro-batch's residual stream and MTP embedding forward, stage 1 their gradients back
+    bundle = (rows // m) * seq * cfg.hidden_size * (1 + cfg.mtp_num_layers) * 4
+    assert [row.p2p_bytes for row in b.pipeline] == [2 * m * bundle, 0]
+    # the step's compute: the slowest stage's share of the one-stage compute, times the bubble factor (m + p - 1) / m
+    # (the stages' compute adds up to the one-stage compute, which already holds the aux counts' forward)
+    assert one.flops.aux_forward > 0 and one.compute_s > 0
+    assert sum(row.compute_s for row in b.pipeline) == pytest.approx(one.compute_s)
+    assert b.compute_s == pytest.approx(max(row.compute_s for row in b.pipeline) * (m + 1) / m)
+    # state items are the stage's share of the whole model's
+    by_one = {it.name: it.bytes for it in one.memory}
+    worst = max(b.pipeline, key=lambda row: row.peak_bytes)
+    by = {it.name: it.bytes for it in b.memory}
+    assert by["master weights"] == pytest.approx(by_one["master weights"] * worst.param_share)
+    assert abs(bubble_fraction(2, m) - 1 / (m + 1)) < 1e-12 and abs(bubble_fraction(4, 8, 2) - 1.5 / 9.5) < 1e-12
