@@ -82,3 +82,38 @@ def test_pp_checkpoint_resumes_exactly_and_across_pp_and_no_pp(tmp_path):
     w = hf["model.embed_tokens.weight"]
     assert torch.equal(w, dict(named_leaves(params))["embed"])
     assert any(k.startswith("mtp.") for k in hf) and "lm_head.weight" in hf
+
+
+def test_q38_train_with_pp_under_torchrun_matches_one_process_and_resumes_without_pp(tmp_path):
+    """``q38 train`` on 2 processes with ``pp: 2`` (torchrun): the logged losses of one process, and its checkpoint
+    resumes on one process (layout single) with the one-process run's next loss."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.run_utils import REPO, metrics, q38, run_dict, write_config
+
+    layout = tmp_path / "pp2.yaml"
+    layout.write_text("{include: fsdp.yaml, name: pp2, mesh: {pp: 2, fsdp: 1}}")
+    train = {"micro_batches": 2, "aux_loss_scope": "global_batch"}
+
+    def cfg(out, steps, lay):
+        return write_config(tmp_path / f"{out}.yaml", run_dict(tmp_path / out, steps=steps, layout=str(lay),
+                                                                train=train, run={"save_every": 2}))
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+                        "q38.cli", "train", str(cfg("pp", 2, layout))], capture_output=True, text=True, cwd=REPO,
+                       env=env, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-3000:]
+    one = q38("train", str(cfg("one", 3, "single")), timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    pp_losses = [m["loss"] for m in metrics(tmp_path / "pp")]
+    one_losses = [m["loss"] for m in metrics(tmp_path / "one")]
+    assert len(pp_losses) == 2 and all(abs(a - b) <= 1e-5 for a, b in zip(pp_losses, one_losses)), (pp_losses,
+                                                                                                     one_losses)
+    # resume the pp run's checkpoint on one process: its third step is the one-process run's
+    res = q38("train", str(cfg("pp", 3, "single")), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert abs(metrics(tmp_path / "pp")[-1]["loss"] - one_losses[2]) <= 1e-5
