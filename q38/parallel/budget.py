@@ -97,6 +97,11 @@ def estimate(
     executed FLOPs are priced at its kernel's efficiency (``price_ops``); None: every FLOP at the profile's
     ``achievable_fraction``. ``doc_len``: tokens per document in packed rows (what block-sparse and per-document
     attention kernels skip)."""
+    if layout.pp > 1:  # a pipeline axis: priced per stage (q38.parallel.pipeline_plan)
+        args = {n: v for n, v in locals().items() if n not in ("cfg", "layout", "world")} | {"placements": None}
+        from q38.parallel.pipeline_plan import estimate_pipelined
+
+        return estimate_pipelined(estimate, cfg, layout, world, **args)
     from q38.model import abstract_params
 
     if recompute not in RECOMPUTE_MODES:

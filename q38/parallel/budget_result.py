@@ -44,6 +44,7 @@ class Budget:
     # an offloaded optimizer: (host bytes per node, host AdamW seconds, device <-> host copy seconds per device)
     host_optimizer: tuple[float, float, float] | None = None
     optimizer_state: str = ""  # how the optimizer phase was priced (donated or pure step, state dtypes)
+    pipeline: tuple = ()  # a pp layout: one q38.parallel.pipeline_plan.StageRow per pipeline rank (else empty)
 
     def fit_line(self, fixes: str = "try --recompute full, a fused GDN kernel (--gdn-kernel fla keeps 16-bit outputs, "
                                       "not fp32 per-chunk states), more ranks, or q38 plan --search") -> str | None:
@@ -170,6 +171,10 @@ def format_budget(b: Budget) -> str:
         f"{b.global_tokens:,} tokens per step; recompute {b.recompute}",
         "peak memory per rank (fullest rank), forward/backward phase",
     ]
+    if b.pipeline:  # a pp layout (q38.parallel.pipeline_plan): every stage, then the fullest one's items below
+        from q38.parallel.pipeline_plan import format_pipeline
+
+        lines[-1:-1] = format_pipeline(b)
     for it in b.memory:
         tag = f" [transient: {it.transient}]" if it.transient else ""
         lines.append(f"  {it.name:<32}{_fmt_bytes(it.bytes):>14}   {it.note}{tag}")

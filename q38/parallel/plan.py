@@ -222,8 +222,15 @@ def plan(
     from q38.model import abstract_params
 
     t0 = time.perf_counter()
+    keep = None
+    if layout.pp > 1:  # a pipeline axis: the placements of the stage holding the most (q38.parallel.pipeline)
+        from q38.parallel.pipeline import fullest_stage
+
+        layout, world_size, keep = fullest_stage(model_cfg, layout, world_size)
     mesh = layout.resolve_mesh(world_size)
     pl = layout.placements(abstract_params(model_cfg), mesh)
+    if keep is not None:
+        pl = {p: x for p, x in pl.items() if keep(p)}
     mesh_sizes = list(mesh.values())
     pbytes = torch.tensor([], dtype=param_dtype).element_size()  # compute form: gathered layers, all-gathers
     rbytes = torch.tensor([], dtype=reduce_dtype).element_size()  # gradient reductions

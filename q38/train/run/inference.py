@@ -152,7 +152,7 @@ def evaluate(source: str, data_path: str, *, batch_size: int | None = None, max_
     try:
         ds = open_data(str(data_path), tok, cfg.data.seq_len, cfg.model.vocab_size, cfg.data.overlong,
                        cfg.data.train_on)
-        mesh, dp_rank = _make_mesh(plan, world, device)
+        mesh, dp_rank = _make_mesh(plan, world, device, cfg.model)
         state = load_state(src, world, device, plan, mesh)
         evals = EvalRows([ds], rows, dp_rank=dp_rank, dp_size=plan.dp_size, max_batches=max_batches)
         out = eval_losses(state, evals, mesh, device, progress=progress)

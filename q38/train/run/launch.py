@@ -137,6 +137,15 @@ def check_run(cfg: RunConfig, world_size: int = 1, device: str = "cpu") -> RunPl
             f"choose another layout (layout: single runs on one process)"
         ) from None
     layout.placements(abstract_params_of(cfg.model), sizes)  # every parameter placed and divisible (or uneven)
+    if sizes.get("pp", 1) > 1:  # the stage split against the model, the schedule against the micro-batches
+        from q38.parallel.pipeline import check_micro_batches, check_model
+
+        check_model(layout, cfg.model)
+        check_micro_batches(layout, cfg.train.micro_batches)
+        if cfg.data.eval_split or cfg.data.eval_path is not None:
+            from q38.train.run.evaluate import PP_EVAL_REFUSAL
+
+            raise ConfigError(PP_EVAL_REFUSAL)
     ep, cp = sizes.get("ep", 1), sizes.get("cp", 1)
     dp = math.prod(sizes.get(d, 1) for d in layout.batch_mesh_dims)
     kernels = validate_run(cfg.model, cfg.train, device=device, ep_size=ep, kernels=cfg.kernels, cp_size=cp)
