@@ -174,7 +174,8 @@ def estimate(
     ops: tuple[OpTime, ...] = ()
     shared = _shared_expert_flops(cfg, rows_per_rank * st.seq)
     if hw and kernels is not None:
-        ops = price_ops(fl, hw, param_dtype, kernels, packed=packed_rows, seq=st.seq, cp=cp, doc_len=doc_len)
+        ops = price_ops(fl, hw, param_dtype, kernels, packed=packed_rows, seq=st.seq, cp=cp, doc_len=doc_len,
+                        widths={"experts": cfg.moe_intermediate_size, "*": cfg.hidden_size})
         compute_s, compute_fwd_s = sum(o.seconds for o in ops), sum(o.forward_s for o in ops)
         by = {o.op: o for o in ops}
         moe_s = by["experts"].seconds + shared / (peak * by["matmul"].efficiency.value)
@@ -209,18 +210,25 @@ def estimate(
                                                                         else ""),
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
         hbm_bytes=hw.hbm_bytes if hw else None, ops=ops, kernels=kernels if ops else None,
-        doc_len=doc_len if packed_rows else None,
+        doc_len=doc_len if packed_rows else None, compute_spread=_spread(hw) if hw and not ops else (1.0, 1.0),
     )
+
+
+def _spread(hw: Hardware) -> tuple[float, float]:
+    """The compute time's factor at the slow and fast ends of the profile's ``achievable_fraction`` range."""
+    lo, hi = hw.achievable_range or (hw.achievable_fraction, hw.achievable_fraction)
+    return hw.achievable_fraction / lo, hw.achievable_fraction / hi
 
 
 _step_flops = functools.lru_cache(maxsize=512)(step_flops)  # the search prices thousands of budgets of few shapes
 
 
 def price_ops(fl: StepFlops, hw: Hardware, param_dtype: str, kernels, *, packed: bool, seq: int, cp: int,
-              doc_len: int) -> tuple[OpTime, ...]:
+              doc_len: int, widths: Mapping[str, int] | None = None) -> tuple[OpTime, ...]:
     """Each priced op's executed FLOPs (``fl``'s term with its recompute and aux share; attention scaled to what
-    its kernel computes: ``efficiency.attention_factor``) at its kernel's efficiency on ``hw``. Forward: a third
-    of each term (the loss: a quarter, its logits are recomputed in backward)."""
+    its kernel computes: ``efficiency.attention_factor``) at its kernel's efficiency on ``hw``, at the op's width
+    in ``widths`` (op → width, ``*`` for the rest: a profile entry's ``narrow`` range prices narrow shapes).
+    Forward: a third of each term (the loss: a quarter, its logits are recomputed in backward)."""
     peak = hw.peak(param_dtype)
     att = attention_factor(kernels.attention, packed=packed, seq=seq, cp=cp, doc_len=doc_len)
     rows = (  # op, impl, executed, forward, note
@@ -233,7 +241,8 @@ def price_ops(fl: StepFlops, hw: Hardware, param_dtype: str, kernels, *, packed:
     )
     out = []
     for op, impl, flops, fwd, note in rows:
-        e = hw.price(op, impl)
+        w = (widths or {}).get(op, (widths or {}).get("*"))
+        e = hw.price(op, impl, w)
         out.append(OpTime(op=op, impl=impl, flops=flops, efficiency=e, seconds=flops / (peak * e.value),
                           forward_s=fwd / (peak * e.value), note=note))
     return tuple(out)
