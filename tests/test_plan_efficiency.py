@@ -140,7 +140,10 @@ def test_priced_ops_cover_every_executed_flop():
                  kernels=kc, packed_rows=False, micro_batches=2)
     f = b.flops
     assert sum(o.flops for o in b.ops) == pytest.approx(f.executed, rel=1e-12)  # sdpa causal: the model's count
-    assert b.compute_s == pytest.approx(sum(o.flops / (hw.peak_bf16_flops * o.efficiency.value) for o in b.ops))
+    mem = {o.op: o for o in b.ops}["elementwise"]  # the memory-bound ops: bytes at the HBM share, no FLOPs
+    assert mem.flops == 0 and mem.seconds == pytest.approx(mem.bytes / (hw.hbm_bandwidth * mem.efficiency.value))
+    assert b.compute_s == pytest.approx(sum(o.flops / (hw.peak_bf16_flops * o.efficiency.value) for o in b.ops
+                                            if o is not mem) + mem.seconds)
     packed = estimate(cfg, Layout.preset("fsdp"), 2, seq_len=128, rows_per_rank=2, hardware=hw, kernels=kc,
                       doc_len=32)
     att = {o.op: o for o in packed.ops}["attention"]

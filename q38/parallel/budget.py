@@ -16,7 +16,7 @@ from q38.flops import StepFlops, step_flops
 from q38.kernels import GDN_CHUNK
 from q38.layers.kinds import RECOMPUTE_MODES, flagged_regions, layer_kinds, selective_mode
 from q38.parallel.layout import Layout
-from q38.parallel.efficiency import DEFAULT_DOC_LEN, OpTime, attention_factor
+from q38.parallel.efficiency import DEFAULT_DOC_LEN, Efficiency, OpTime, attention_factor
 from q38.parallel.param_stats import Item, ParamStats, param_stats
 from q38.parallel.hardware import GIB, MEMORY_HEADROOM, Hardware, _nbytes
 from q38.parallel.budget_memory import (
@@ -176,6 +176,9 @@ def estimate(
     if hw and kernels is not None:
         ops = price_ops(fl, hw, param_dtype, kernels, packed=packed_rows, seq=st.seq, cp=cp, doc_len=doc_len,
                         widths={"experts": cfg.moe_intermediate_size, "*": cfg.hidden_size})
+        if hw.hbm_efficiency:
+            ops += (memory_op(cfg, hw, rows_per_rank * st.seq, micro_batches, recompute, param_dtype,
+                              kernels.causal_conv1d),)
         compute_s, compute_fwd_s = sum(o.seconds for o in ops), sum(o.forward_s for o in ops)
         by = {o.op: o for o in ops}
         moe_s = by["experts"].seconds + shared / (peak * by["matmul"].efficiency.value)
@@ -246,6 +249,22 @@ def price_ops(fl: StepFlops, hw: Hardware, param_dtype: str, kernels, *, packed:
         out.append(OpTime(op=op, impl=impl, flops=flops, efficiency=e, seconds=flops / (peak * e.value),
                           forward_s=fwd / (peak * e.value), note=note))
     return tuple(out)
+
+
+def memory_op(cfg: ModelConfig, hw: Hardware, tokens: int, micro_batches: int, recompute: str, param_dtype: str,
+              conv: str) -> OpTime:
+    """The step's memory-bound ops (``q38.parallel.traffic``: norms, residuals, gates, casts, the torch causal conv,
+    counted from the layers' code at the model's widths) at the profile's ``hbm_efficiency`` share of its HBM
+    bandwidth, serial with the compute on the same stream."""
+    from q38.parallel.traffic import step_traffic
+
+    nbytes, fwd = step_traffic(cfg, tokens, micro_batches, recompute, param_dtype, conv)
+    lo, hi = hw.hbm_efficiency
+    e = Efficiency(op="elementwise", impl="eager", value=(lo + hi) / 2, low=lo, high=hi, status="assumed",
+                   source=hw.sources.get("hbm_efficiency", "") if isinstance(hw.sources, Mapping) else "")
+    rate = hw.hbm_bandwidth * e.value
+    return OpTime(op="elementwise", impl="eager", flops=0.0, efficiency=e, seconds=nbytes / rate,
+                  forward_s=fwd / rate, bytes=nbytes, note=f"memory-bound ops: {nbytes / 1e12:,.2f} TB through HBM")
 
 
 def _shared_expert_flops(cfg: ModelConfig, tokens: int) -> float:

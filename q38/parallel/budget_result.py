@@ -287,6 +287,7 @@ def format_ops(b: Budget) -> list[str]:
              f"  {'op':<10} {'kernel':<11} {'FLOPs':>9} {'eff':>9} {'time':>10} {'range':>19}  {'what':<44} source"]
     for o in b.ops:
         span = f"{_fmt_s(o.fast_s)}-{_fmt_s(o.slow_s)}"
-        lines.append(f"  {o.op:<10} {o.impl:<11} {o.flops:>9.2e} {o.efficiency.span():>9} {_fmt_s(o.seconds):>10} "
+        work = f"{o.flops:>9.2e}" if o.flops or not o.bytes else f"{'(bytes)':>9}"
+        lines.append(f"  {o.op:<10} {o.impl:<11} {work} {o.efficiency.span():>9} {_fmt_s(o.seconds):>10} "
                      f"{span:>19}  {o.note:<44} {o.efficiency.describe()}")
     return lines

@@ -323,6 +323,7 @@ class OpTime:
     seconds: float
     forward_s: float
     note: str = ""
+    bytes: float = 0.0  # the memory-bound row: HBM bytes per rank and step (its efficiency: a share of HBM bandwidth)
     slow_s: float = attrs.field(default=None)
     fast_s: float = attrs.field(default=None)
 

@@ -55,6 +55,8 @@ class Hardware:
     efficiency: tuple[Efficiency, ...] = ()
     collectives: tuple[Efficiency, ...] = ()
     achievable_range: tuple[float, float] | None = None
+    # the share of hbm_bandwidth eager memory-bound ops reach ([low, high]; None: their traffic is not priced)
+    hbm_efficiency: tuple[float, float] | None = None
     peak_fp8_flops: float | None = None  # dense, per device (None: no FP8 tensor cores)
     # host side, for an offloaded optimizer (train.offload_optimizer); None: not known for this profile
     host_memory_bytes: float | None = None  # per node
@@ -102,6 +104,10 @@ class Hardware:
                               f"(see specs/hardware/h100.yaml)")
         lo, hi = parse_range(raw["achievable_fraction"], f"{path}: achievable_fraction")
         raw["achievable_fraction"], raw["achievable_range"] = (lo + hi) / 2, (lo, hi)
+        if raw.get("hbm_efficiency") is None:
+            raise ConfigError(f"{path}: missing hbm_efficiency: [low, high], the share of hbm_bandwidth eager "
+                              f"memory-bound ops reach (with its source; see specs/hardware/h100.yaml)")
+        raw["hbm_efficiency"] = parse_range(raw["hbm_efficiency"], f"{path}: hbm_efficiency")
         for f, (low, high) in _BOUNDS.items():
             if raw.get(f) is None:
                 continue
@@ -119,7 +125,7 @@ class Hardware:
         if not isinstance(srcs, dict):
             raise ConfigError(f"{path}: sources must map each numeric key to where its figure comes from, got "
                               f"{type(srcs).__name__}")
-        unsourced = [f for f in ("achievable_fraction", *_BOUNDS) if raw.get(f) is not None
+        unsourced = [f for f in ("achievable_fraction", "hbm_efficiency", *_BOUNDS) if raw.get(f) is not None
                      and not str(srcs.get(f) or "").strip()]
         if unsourced:
             raise ConfigError(f"{path}: no source for {unsourced}; add sources.<key>: a datasheet, a published "
