@@ -244,3 +244,54 @@ def test_the_layer_traffic_is_per_token_and_leaves_out_what_other_rows_price():
     assert wider.forward == pytest.approx(t.forward) and wider.backward == pytest.approx(t.backward)
     more = layer_traffic(cfg.replace(num_experts=24))  # only the router's logits, softmax and top-k grow
     assert all(0 < more.forward[k] - t.forward[k] < 0.05 * t.forward[k] for k in t.forward)
+
+
+# ---- measured lines at several widths (benchmarks/gpu.sh measures the 2.4T and the 35B-A3B layer shapes) ------------
+
+
+def test_measured_lines_at_two_widths_price_each_model_at_its_own(tmp_path):
+    """Two lines of experts/grouped_mm, at expert widths 2048 and 512: a model whose experts are 512 wide (the
+    35B-A3B) is priced at the narrow one, a 2048-wide one (the 2.4T preset) at the wide one; a line without a width
+    is the widest."""
+    import json
+
+    from q38.parallel.efficiency import read_measured
+
+    hw = Hardware.load("h100")
+    line = {"op": "experts", "impl": "grouped_mm", "dtype": "bf16", "device": "H100", "command": "c", "date": "d"}
+    p = tmp_path / "eff.jsonl"
+    p.write_text("".join(json.dumps({**line, **extra}) + "\n" for extra in (
+        {"width": 2048, "tflops": 494.7}, {"width": 512, "tflops": 197.9}, {"op": "matmul", "impl": "torch",
+                                                                             "tflops": 600.0})))
+    got = hw.with_measured(read_measured(p, hw.peak))
+    assert got.price("experts", "grouped_mm", 2048).value == pytest.approx(0.5, rel=1e-3)
+    assert got.price("experts", "grouped_mm", 512).value == pytest.approx(0.2, rel=1e-3)
+    assert got.price("experts", "grouped_mm", 768).value == pytest.approx(0.5, rel=1e-3)  # above 512: the wide one
+    assert got.price("matmul", "torch", 2048).status == "measured"  # no width: it serves every width
+    cfg = ModelConfig.preset("qwen3_5_35b_a3b")
+    kc = resolve_kernels(KernelConfig(), device="cuda", dtype="bfloat16", environment=False, packed=True)
+    b = estimate(cfg, Layout.preset("fsdp_ep").with_mesh(ep=8), 16, seq_len=4096, rows_per_rank=1, param_dtype="bf16",
+                 hardware=got, kernels=kc, gdn_kernel=True)
+    assert {o.op: o for o in b.ops}["experts"].efficiency.value == pytest.approx(0.2, rel=1e-3)
+
+
+def test_a_bad_width_is_one_line(tmp_path, capsys):
+    p = tmp_path / "eff.jsonl"
+    p.write_text('{"op": "matmul", "impl": "torch", "tflops": 600, "width": -1, "device": "d", "command": "c"}\n')
+    assert plan_cli(["--model", "tiny", "--layout", "fsdp", "--world", "2", "--hardware", "h100",
+                     "--efficiencies", str(p)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{p}:1: width must be a positive integer" in err[0]
+
+
+def test_the_benchmark_measures_each_model_at_its_layer_shapes():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eff_bench", SPECS_DIR.parent / "benchmarks" / "efficiency.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    s = mod.shapes("qwen3_5_35b_a3b", 16384, 32, 4096)
+    cfg = ModelConfig.preset("qwen3_5_35b_a3b")
+    assert (s["d"], s["f"], s["vocab"], s["head_dim"]) == (cfg.hidden_size, cfg.moe_intermediate_size,
+                                                           cfg.vocab_size, cfg.head_dim)
+    assert s["slots"] // s["experts"] == 16384 * 8 // 32  # rows a local expert receives

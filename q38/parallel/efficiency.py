@@ -68,7 +68,7 @@ class Efficiency:
     def at_width(self, width: int | None) -> "Efficiency":
         """This entry, or its ``narrow`` range when ``width`` is at most the narrow entry's width."""
         if self.narrow is not None and width is not None and width <= self.narrow[0]:
-            return self.narrow[1]
+            return self.narrow[1].at_width(width)
         return self
 
     def __attrs_post_init__(self) -> None:
@@ -201,12 +201,14 @@ def read_measured(path: str | Path, peak: Callable[[str], float]) -> tuple[Effic
     ``"dtype"`` (of the peak ``tflops`` is a share of; default bf16); other keys are the benchmark's own record
     (shape, reference time) and are not read. ``peak(dtype)``: the profile's peak FLOP/s. Skipped: blank lines, lines
     with neither efficiency nor tflops (errors, compile ratios), lines for one document per row (``"layout":
-    "unpacked"``). A missing date is the file's modification date; a later line for the same (op, impl) replaces
-    an earlier one."""
+    "unpacked"``). A missing date is the file's modification date; a later line for the same (op, impl) and
+    ``"width"`` replaces an earlier one. ``"width"`` (optional): the op's width it was measured at (the expert FFN
+    width for ``experts``, the model width otherwise); lines of one (op, impl) at several widths become one entry,
+    the widest, whose ``narrow`` ranges are the narrower ones (each applies to shapes at most its width)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--efficiencies {path}: file not found (a JSON-lines file benchmarks/gpu.sh writes)")
-    out: dict[tuple[str, str], Efficiency] = {}
+    out: dict[tuple[str, str, int | None], Efficiency] = {}
     for n, line in enumerate(p.read_text().splitlines(), 1):
         if not line.strip():
             continue
@@ -245,15 +247,38 @@ def read_measured(path: str | Path, peak: Callable[[str], float]) -> tuple[Effic
             value = _fraction(tf * 1e12 / pk, f"{at} (tflops {tf} of a {pk / 1e12:g} TFLOP/s peak)")
         else:
             value = _fraction(d["efficiency"], at)
-        out[op, impl] = Efficiency(op=op, impl=impl, value=value, status="measured", command=str(d["command"]),
-                                   date=str(d["date"]), device=str(d["device"]))
-    return tuple(out.values())
+        width = d.get("width")
+        if width is not None and (not isinstance(width, int) or isinstance(width, bool) or width < 1):
+            raise ConfigError(f"{at}: width must be a positive integer (the op's width it was measured at), got "
+                              f"{width!r}")
+        out[op, impl, width] = Efficiency(op=op, impl=impl, value=value, status="measured",
+                                          command=str(d["command"]), date=str(d["date"]), device=str(d["device"]))
+    return _by_width(out)
+
+
+def _by_width(lines: dict) -> tuple[Efficiency, ...]:
+    """One entry per (op, impl): the widest line (a line without a width counts as the widest), the narrower ones
+    chained as its ``narrow`` ranges."""
+    groups: dict[tuple[str, str], list] = {}
+    for (op, impl, width), e in lines.items():
+        groups.setdefault((op, impl), []).append((math.inf if width is None else width, e))
+    out = []
+    for entries in groups.values():
+        entries.sort(key=lambda we: we[0])
+        entry, below = entries[0][1], entries[0][0]
+        for width, e in entries[1:]:  # narrowest first: each wider one holds the chain so far as its narrow range
+            entry, below = attrs.evolve(e, narrow=(int(below), entry)), width
+        out.append(entry)
+    return tuple(out)
 
 
 def measured_line(op: str, impl: str, *, device: str, command: str, tflops: float | None = None,
-                  efficiency: float | None = None, dtype: str = "bf16") -> str:
-    """One line of the measured-efficiency file (what a benchmark prints; ``read_measured`` reads it)."""
+                  efficiency: float | None = None, dtype: str = "bf16", width: int | None = None) -> str:
+    """One line of the measured-efficiency file (what a benchmark prints; ``read_measured`` reads it); ``width``:
+    the op's width it was measured at."""
     d: dict[str, Any] = {"op": op, "impl": impl}
+    if width is not None:
+        d["width"] = int(width)
     if tflops is not None:
         d["tflops"] = float(f"{float(tflops):.4g}")
         d["dtype"] = dtype
