@@ -260,8 +260,10 @@ def memory_op(cfg: ModelConfig, hw: Hardware, tokens: int, micro_batches: int, r
 
     nbytes, fwd = step_traffic(cfg, tokens, micro_batches, recompute, param_dtype, conv)
     lo, hi = hw.hbm_efficiency
-    e = Efficiency(op="elementwise", impl="eager", value=(lo + hi) / 2, low=lo, high=hi, status="assumed",
-                   source=hw.sources.get("hbm_efficiency", "") if isinstance(hw.sources, Mapping) else "")
+    src = hw.sources.get("hbm_efficiency", "") if isinstance(hw.sources, Mapping) else ""
+    status = "published" if src.startswith("published") else "assumed"
+    e = Efficiency(op="elementwise", impl="eager", value=(lo + hi) / 2, low=lo, high=hi, status=status,
+                   source=src.removeprefix(f"{status}:").strip() or "the profile's hbm_efficiency")
     rate = hw.hbm_bandwidth * e.value
     return OpTime(op="elementwise", impl="eager", flops=0.0, efficiency=e, seconds=nbytes / rate,
                   forward_s=fwd / rate, bytes=nbytes, note=f"memory-bound ops: {nbytes / 1e12:,.2f} TB through HBM")
