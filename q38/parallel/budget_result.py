@@ -104,7 +104,7 @@ class Budget:
 
     @property
     def comm_sync_s(self) -> float:
-        return sum((t.seconds for t in self.comm if not t.overlapped), 0.0)
+        return sum((t.seconds for t in self.comm if not t.overlapped), 0.0)  # 0.0, not 0, with no collective (world 1)
 
     @property
     def comm_exposed_s(self) -> float:
