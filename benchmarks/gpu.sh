@@ -76,8 +76,10 @@ cpu)
     ;;
 esac
 
-step() { # step NAME LIMIT_S CMD...: run CMD with a time limit, output to OUT_DIR/NAME.txt
+step() { # step NAME LIMIT_S CMD...: run CMD with a time limit (the device's; 4x on the CPU dry run, which measures
+    # nothing and shares a loaded machine), output to OUT_DIR/NAME.txt
     local name="$1" limit="$2"
+    [[ $mode == cpu ]] && limit=$((limit * 4))
     shift 2
     timeout "$limit" "$@" 2>&1 | tee "$out/$name.txt" || echo "step $name failed or timed out (limit ${limit}s)" | tee -a "$out/failures.txt"
 }
