@@ -360,6 +360,10 @@ def plan_cli(args: list[str]) -> int:
                 RunConfig.from_yaml(ns.train, overrides={"model": model}, placeholders="ignore")  # --model: the plan's
         with reading("--model", ns.model):
             cfg = load_model_config(ns.model)
+        if ns.hardware:  # a bad profile is one line before anything is printed or priced
+            from q38.parallel.hardware import Hardware
+
+            Hardware.load(ns.hardware)
         prec = query_precision(query)  # the one dtype story of every section below
         if ns.layout is None and ns.train and not ns.search:  # the run config's own layout
             import attrs
