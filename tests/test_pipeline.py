@@ -380,3 +380,23 @@ def test_the_plan_prices_each_stage_by_hand_count():
     by = {it.name: it.bytes for it in b.memory}
     assert by["master weights"] == pytest.approx(by_one["master weights"] * worst.param_share)
     assert abs(bubble_fraction(2, m) - 1 / (m + 1)) < 1e-12 and abs(bubble_fraction(4, 8, 2) - 1.5 / 9.5) < 1e-12
+
+
+def test_the_plans_range_of_a_pp_step_holds_its_midpoint():
+    """The step's range over the profile's efficiency and bus-bandwidth ranges brackets the midpoint on a pp layout
+    too: a stage's compute keeps the whole model's per-op spread and its collectives their own share at each end
+    (the merged plan priced a pp stage's collectives at the whole model's bytes at both ends, so a 10.3 s step had a
+    range of 13.2-16.8 s)."""
+    from q38.parallel.budget import estimate
+    from q38.parallel.hardware import Hardware
+
+    cfg, layout = _cfg(), _layout(PP_EP)
+    kw = {"seq_len": 24, "rows_per_rank": 4, "micro_batches": 4, "param_dtype": "bf16", "reduce_dtype": "fp32",
+          "adamw_impl": "foreach", "hardware": Hardware.load("h100")}
+    b = estimate(cfg, layout, 4, **kw)
+    fast, slow = b.step_range
+    assert b.pipeline and fast < b.step_s < slow
+    assert all(t.fast_s <= t.seconds <= t.slow_s for t in b.comm)
+    one = estimate(cfg, layout.stage_layout().with_mesh(fsdp=1, ep=2), 2, **kw)
+    ratio = (one.step_at("slow") - one.step_at("fast")) / one.step_s
+    assert 0 < (slow - fast) / b.step_s <= 2 * ratio  # the same order of spread as the one-stage step's

@@ -103,7 +103,8 @@ def _scaled(items, part: _Part, act_scale: float | None) -> tuple:
             it = attrs.evolve(it, note=f"{part.live} layer × micro-batch(es) in flight at the worst backward "
                                        f"(of {part.layers} layers × 1 micro-batch)")
         elif it.name in STATE_ITEMS:
-            it = attrs.evolve(it, bytes=it.bytes * part.share, note=f"{it.note}; this stage's {part.share:.1%}")
+            it = attrs.evolve(it, bytes=it.bytes * part.share,
+                              note=f"{it.note}; this stage holds {part.share:.1%} of that")
         elif (it.name == "loss workspace" and not part.head) or (it.name == "model edges"
                                                                  and not (part.embed or part.head)):
             continue
@@ -138,6 +139,12 @@ def estimate_pipelined(estimate, cfg, layout, world: int, **kw):
     rows_mb = kw["rows_per_rank"] / m
     bundle = rows_mb * seq * cfg.hidden_size * (1 + cfg.mtp_num_layers) * act_bytes  # one boundary, one micro-batch
     has_aux_pass = base.flops.aux_forward > 0
+    # a stage's compute is a share of the whole model's, priced per op: its spread is the whole model's (the ops'
+    # efficiency ranges at their slow and fast ends, over the midpoint)
+    spread = base.compute_spread
+    if base.ops and base.compute_s:
+        spread = tuple(sum(o.at(end)[0] for o in base.ops) / sum(o.at("mid")[0] for o in base.ops)
+                       for end in ("slow", "fast"))
     rows, budgets = [], []
     for r in range(pp):
         mine = [c for c in chunks if c.rank == r]
@@ -154,15 +161,14 @@ def estimate_pipelined(estimate, cfg, layout, world: int, **kw):
         p2p = 2 * boundaries * m * bundle  # forward activations and backward gradients
         aux_pass = 0.0 if has_aux_pass or kw.get("aux_loss_type") == "sequence" else base.compute_fwd_s
         compute = (base.compute_s + aux_pass) * c_share
-        comm = tuple(attrs.evolve(t, bytes=t.bytes * (c_share if t.mesh_dim == "ep" else share),
-                                  seconds=t.seconds * (c_share if t.mesh_dim == "ep" else share),
-                                  inter_bytes=t.inter_bytes * (c_share if t.mesh_dim == "ep" else share))
+        comm = tuple(attrs.evolve(t, **{f: getattr(t, f) * (c_share if t.mesh_dim == "ep" else share)
+                                        for f in ("bytes", "seconds", "inter_bytes", "slow_s", "fast_s")})
                      for t in base.comm)
         hw = kw.get("hardware")
         inter = hw.inter_node_bandwidth if hw is not None else None  # stages are nodes apart (pp is the outer dim)
         comm += (CommTerm("send/recv", "pp", p2p, "inter", p2p / inter if inter else 0.0, False, "backward", p2p),)
         b = attrs.evolve(base, memory=memory, optimizer_phase=_scaled(base.optimizer_phase, part, None), comm=comm,
-                         start_phase=_scaled(base.start_phase, part, None), ops=(),
+                         start_phase=_scaled(base.start_phase, part, None), ops=(), compute_spread=spread,
                          compute_s=compute * (m + (pp - 1) / v) / m, compute_fwd_s=base.compute_fwd_s * c_share,
                          layout=layout.name, mesh=tuple(sizes.items()), world=world)
         rows.append(StageRow(r, tuple((c.first, c.last) for c in mine), share, live, b.peak_bytes, compute, p2p))
