@@ -16,6 +16,16 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture
+def one_thread():
+    """Decoding is hundreds of tiny ops: one intra-op thread (two contend on a loaded 2-core machine, 30x slower).
+    A module takes it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def gen():
     """A fresh, seeded generator per test (Equinox's getkey)."""
     return torch.Generator().manual_seed(0)

@@ -24,13 +24,7 @@ CFG = ModelConfig(
 LENGTHS = (70, 23, 41)  # the first crosses the GDN's 64-token chunk boundary
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Decoding is hundreds of tiny ops: one intra-op thread (two contend on a loaded 2-core machine, 30x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _params(cfg: ModelConfig, dtype=torch.float32):

@@ -23,12 +23,7 @@ CHATS = ["hello there", "what is two plus two?"]
 N = 12
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _refused(capsys, argv, *needles):

@@ -30,13 +30,7 @@ CFG = ModelConfig(
 BYTE_SPECIALS = range(256, 261)  # the byte tokenizer's <|pad|>, <|bos|>, <|eos|>, <|im_start|>, <|im_end|>
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Decoding is hundreds of tiny ops: one intra-op thread (two contend on a loaded 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _params():
