@@ -1,0 +1,108 @@
+"""MTP heads as drafts: the teacher-forced acceptance ``eval_losses`` reports (against a naive loop over full logits),
+prefill through the chunked forward (its cache against the token-by-token cache), and speculative decoding (greedy
+output equal to plain greedy decoding; the acceptance it counts equal to the eval's on the same sequence)."""
+
+import pytest
+import torch
+
+import q38
+from q38.model_config import ModelConfig
+from q38.pytree import tree_map_with_path
+
+# Every dimension differs from the tiny preset (vocab 384, hidden 64, 4/2 heads of 16, GDN 2/4 heads of 16, conv 4,
+# 8 experts top-2 of width 32, 1 MTP depth): a small vocabulary so that random heads agree often enough for the
+# acceptance to be neither 0 nor 1.
+CFG = ModelConfig(
+    model_type="qwen3_5_moe", vocab_size=13, hidden_size=40, num_hidden_layers=4,
+    layer_types=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+    num_attention_heads=6, num_key_value_heads=3, head_dim=8, rope_theta=10_000.0, partial_rotary_factor=0.5,
+    linear_num_key_heads=3, linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=12,
+    linear_conv_kernel_dim=3, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=24,
+    shared_expert_intermediate_size=20, mtp_num_layers=2, initializer_range=0.08, max_position_embeddings=8192,
+)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Decoding is hundreds of tiny ops: one intra-op thread (two contend on a loaded 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _params(cfg: ModelConfig, seed: int = 3):
+    """``init_params`` with every 1-D leaf perturbed (norm weights, dt_bias, A_log are not constants)."""
+    params = q38.init_params(cfg, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    return tree_map_with_path(lambda p, t: t + 0.3 * torch.randn(t.shape, generator=g) if t.ndim == 1 else t, params)
+
+
+# ---- acceptance in eval ----------------------------------------------------------------------------------------
+
+
+def _naive_acceptance(params, cfg, ids, labels, doc_ids):
+    """Per (depth, position) accepted / counted flags and document positions, from full logits and Python loops."""
+    out = q38.forward(params, ids, cfg, doc_ids=doc_ids)
+    w = q38.model.head_weight(params)
+    main = (out.hidden @ w.T).argmax(-1)
+    drafts = [(h @ w.T).argmax(-1) for h in out.mtp_hidden]
+    b, s = ids.shape
+    main, drafts, labels, doc_ids = main.tolist(), [x.tolist() for x in drafts], labels.tolist(), doc_ids.tolist()
+    rows = []
+    for r in range(b):
+        start = 0
+        for t in range(s):
+            if t > 0 and doc_ids[r][t] != doc_ids[r][t - 1]:
+                start = t
+            for d in range(1, cfg.mtp_num_layers + 1):
+                j = t + 1 + d  # depth d's target token
+                if j < s and doc_ids[r][j] == doc_ids[r][t] and labels[r][j] != -100:
+                    rows.append((d, r, t, t - start, drafts[d - 1][r][t] == main[r][t + d]))
+    return rows
+
+
+@pytest.mark.parametrize("s", [300, pytest.param(4200, marks=pytest.mark.slow)], ids=["short", "past_4k"])
+def test_eval_reports_the_teacher_forced_acceptance_of_every_depth(s):
+    """``eval_accept_<d>`` (overall and per position bucket) and ``eval_accept_len_<k>`` equal the rates of a naive
+    loop over full ``[b, s, v]`` logits, on a packed row (long: its first document reaches past 4k positions, every
+    bucket counted) and a row with masked labels and padding."""
+    from q38.train.core.state import state_from_params
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.run.evaluate import eval_losses
+
+    params = _params(CFG)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, CFG.vocab_size, (2, s), generator=g)
+    doc_ids = torch.zeros(2, s, dtype=torch.long)
+    doc_ids[0, s - 50:] = 1
+    doc_ids[1, s // 4:] = 1
+    doc_ids[1, 3 * s // 4:] = -1  # padding
+    labels = ids.clone()
+    labels[1, torch.rand(s, generator=g) < 0.3] = -100
+    labels[doc_ids == -1] = -100
+    state = state_from_params(params, CFG, TrainConfig(loss_chunk_size=512))
+    got = eval_losses(state, [{"input_ids": ids, "labels": labels, "doc_ids": doc_ids}], progress=False)
+    with torch.no_grad():
+        rows = _naive_acceptance(params, CFG, ids, labels, doc_ids)
+    for d in (1, 2):
+        mine = [x for x in rows if x[0] == d]
+        rate = sum(x[4] for x in mine) / len(mine)
+        assert 0.05 < rate < 0.95, f"depth {d}: acceptance {rate} would not tell accepted from rejected"
+        assert got[f"eval_accept_{d}"] == pytest.approx(rate, abs=1e-12)
+        for lo, hi, name in ((0, 1024, "0_1k"), (1024, 4096, "1k_4k"), (4096, 10**9, "4k_up")):
+            part = [x for x in mine if lo <= x[3] < hi]
+            assert bool(part) == (f"eval_accept_{d}_{name}" in got) == (lo < s), name
+            if not part:
+                continue
+            assert got[f"eval_accept_{d}_{name}"] == pytest.approx(sum(x[4] for x in part) / len(part), abs=1e-12)
+    # expected accepted length: 1 + mean leading accepted over positions where both depths are counted
+    by_pos: dict = {}
+    for d, r, t, _, ok in rows:
+        by_pos.setdefault((r, t), {})[d] = ok
+    both = [v for v in by_pos.values() if len(v) == 2]
+    assert got["eval_accept_len_1"] == pytest.approx(1 + sum(x[4] for x in rows if x[0] == 1) /
+                                                     sum(1 for x in rows if x[0] == 1), abs=1e-12)
+    lead = [int(v[1]) + int(v[1] and v[2]) for v in both]
+    assert got["eval_accept_len_2"] == pytest.approx(1 + sum(lead) / len(lead), abs=1e-12)
+    assert 1 < got["eval_accept_len_2"] < got["eval_accept_len_1"] + 1
