@@ -106,3 +106,78 @@ def test_eval_reports_the_teacher_forced_acceptance_of_every_depth(s):
     lead = [int(v[1]) + int(v[1] and v[2]) for v in both]
     assert got["eval_accept_len_2"] == pytest.approx(1 + sum(lead) / len(lead), abs=1e-12)
     assert 1 < got["eval_accept_len_2"] < got["eval_accept_len_1"] + 1
+
+
+# ---- prefill and the multi-token pass --------------------------------------------------------------------------
+
+LENGTHS = (70, 23, 2, 41)  # the first crosses the GDN's 64-token chunk boundary; 2 < conv kernel - 1 + 1
+
+
+def _prompts(cfg: ModelConfig, lengths=LENGTHS, seed: int = 5) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def _real_kv(c, r):
+    """Row ``r``'s real cached keys and values, in order."""
+    return c.k[r, c.valid[r]], c.v[r, c.valid[r]]
+
+
+def _assert_same_cache(a, b, cfg, tol):
+    assert a.pos.tolist() == b.pos.tolist()
+    worst = 0.0
+    for la, lb, kind in zip(a.layers, b.layers, cfg.layer_types):
+        for r in range(len(a.pos)):
+            if kind == "linear_attention":
+                pairs = [(la.conv[r], lb.conv[r]), (la.ssm[r], lb.ssm[r])]
+            else:
+                pairs = list(zip(_real_kv(la, r), _real_kv(lb, r)))
+            for x, y in pairs:
+                assert x.shape == y.shape
+                worst = max(worst, (x - y).abs().max().item())
+    assert worst <= tol, f"max |Δ cache| = {worst:.3e}"
+
+
+def test_prefill_cache_and_logits_equal_the_token_by_token_feed():
+    """One pass of the chunked forward over prompts of four lengths (one batch) gives the cache ``feed`` builds a
+    token at a time (GDN conv windows and recurrent states, attention keys/values, positions) and its logits at
+    every prompt position, within 1e-5 in fp32."""
+    from q38.decode import empty_cache, feed, left_aligned, prefill
+
+    params, prompts = _params(CFG), _prompts(CFG)
+    with torch.no_grad():
+        last, cache, hidden = prefill(params, CFG, prompts)
+        tokens, active = left_aligned(prompts)
+        ref, ref_cache = feed(params, empty_cache(CFG, len(prompts)), tokens, CFG, active=active)
+        logits = hidden @ q38.model.head_weight(params).T
+    assert ref.std() > 0.3
+    _assert_same_cache(cache, ref_cache, CFG, 1e-5)
+    for r, p in enumerate(prompts):
+        assert (logits[r, :len(p)] - ref[r, active[r]]).abs().max() <= 1e-5
+        assert (last[r] - ref[r, -1]).abs().max() <= 1e-5
+    # the states are not trivially equal: another prompt's cache differs by far more
+    assert (cache.layers[0].ssm[1] - ref_cache.layers[0].ssm[3]).abs().max() > 1e-2
+
+
+def test_a_stepwise_pass_keeps_any_prefix_as_feeding_only_that_prefix():
+    """``extend(..., stepwise=True)`` over 5 tokens from a prefilled cache, then ``keep_prefix`` of 0..5 tokens per
+    row, equals the cache of feeding each row only its kept tokens one at a time (1e-5, fp32), and the pass's hidden
+    states give the one-token steps' logits."""
+    from q38.decode import decode_step, extend, keep_prefix, prefill
+
+    params, prompts = _params(CFG), _prompts(CFG)
+    with torch.no_grad():
+        _, cache, _ = prefill(params, CFG, prompts)
+        new = torch.randint(0, CFG.vocab_size, (len(prompts), 5), generator=torch.Generator().manual_seed(9))
+        hidden, ext = extend(params, cache, new, CFG, stepwise=True)
+        keep = torch.tensor([0, 5, 2, 3])
+        got = keep_prefix(ext, keep, CFG)
+        ref, steps = cache, []
+        for t in range(5):
+            logits, ref = decode_step(params, ref, new[:, t], CFG, active=t < keep)
+            steps.append(logits)
+    _assert_same_cache(got, ref, CFG, 1e-5)
+    full = hidden @ q38.model.head_weight(params).T
+    for r in range(len(prompts)):
+        for t in range(int(keep[r])):
+            assert (full[r, t] - steps[t][r]).abs().max() <= 1e-5
