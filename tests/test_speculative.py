@@ -2,6 +2,7 @@
 prefill through the chunked forward (its cache against the token-by-token cache), and speculative decoding (greedy
 output equal to plain greedy decoding; the acceptance it counts equal to the eval's on the same sequence)."""
 
+import attrs
 import pytest
 import torch
 
@@ -181,3 +182,62 @@ def test_a_stepwise_pass_keeps_any_prefix_as_feeding_only_that_prefix():
     for r in range(len(prompts)):
         for t in range(int(keep[r])):
             assert (full[r, t] - steps[t][r]).abs().max() <= 1e-5
+
+
+# ---- speculative decoding ----------------------------------------------------------------------------------------
+
+SPEC = attrs.evolve(CFG, vocab_size=11)  # 2 MTP depths, a small vocabulary: drafts are accepted now and then
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_speculative_greedy_equals_plain_greedy(k):
+    """Greedy speculative decoding with k drafts (k = 1, = the trained depths, and beyond them: the heads reused)
+    gives plain greedy decoding's tokens, token for token, for prompts of four lengths in one batch (one stopping
+    early on a stop token), and both accepts and rejects drafts along the way."""
+    from q38.decode import generate
+    from q38.speculative import speculative_generate
+
+    params, prompts = _params(SPEC), _prompts(SPEC, (19, 3, 1, 8))
+    want = generate(params, SPEC, prompts, max_new_tokens=24)
+    got, stats = speculative_generate(params, SPEC, prompts, k=k, max_new_tokens=24)
+    assert got == want and all(len(w) == 24 for w in want)
+    # with a stop token (the rows stop at different steps)
+    stop = want[2][4]
+    want_stop = generate(params, SPEC, prompts, max_new_tokens=24, stop_ids=(stop,))
+    assert len({len(w) for w in want_stop}) > 1
+    assert speculative_generate(params, SPEC, prompts, k=k, max_new_tokens=24, stop_ids=(stop,))[0] == want_stop
+    acc = [a for _, _, a in stats.rounds]
+    assert 0 in acc and max(acc) >= 1, acc
+    assert stats.passes < 24 and 1 < stats.mean_accepted_length <= k + 1
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_eval_acceptance_equals_the_acceptance_counted_while_decoding(k):
+    """On the sequences speculative decoding produced (prompt + output), ``eval_losses`` counts the same acceptance
+    as the decoding did: one eval row per decoding round, labelled only at that round's ``k`` draft targets, so that
+    the eval counts exactly that round's position; ``eval_accept_len_<k>`` (and for k = 1 ``eval_accept_1``) equals
+    the decoding's mean accepted length (accepted drafts) over the same rounds, exactly."""
+    from q38.speculative import speculative_generate
+    from q38.train.core.state import state_from_params
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.run.evaluate import eval_losses
+
+    params, prompts = _params(SPEC), _prompts(SPEC, (12, 5, 9))
+    outs, stats = speculative_generate(params, SPEC, prompts, k=k, max_new_tokens=30)
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    rounds = [(r, t, a) for r, t, a in stats.rounds if t + 1 + k < len(seqs[r])]  # every target in the sequence
+    assert len(rounds) >= 10 and {a for *_, a in rounds} >= {0, 1}
+    s = max(len(x) for x in seqs)
+    ids = torch.zeros(len(rounds), s, dtype=torch.long)
+    doc_ids = torch.full((len(rounds), s), -1)
+    labels = torch.full((len(rounds), s), -100)
+    for i, (r, t, _) in enumerate(rounds):
+        ids[i, :len(seqs[r])] = torch.tensor(seqs[r])
+        doc_ids[i, :len(seqs[r])] = 0
+        labels[i, t + 2:t + 2 + k] = ids[i, t + 2:t + 2 + k]  # the targets of depths 1..k at position t
+    state = state_from_params(params, SPEC, TrainConfig(loss_chunk_size=64))
+    got = eval_losses(state, [{"input_ids": ids, "labels": labels, "doc_ids": doc_ids}], progress=False)
+    mean_accepted = sum(a for *_, a in rounds) / len(rounds)
+    assert got[f"eval_accept_len_{k}"] == pytest.approx(1 + mean_accepted, abs=1e-12)
+    if k == 1:
+        assert got["eval_accept_1"] == pytest.approx(mean_accepted, abs=1e-12)
