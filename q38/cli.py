@@ -153,6 +153,9 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the draws (sampling only)")
     p.add_argument("--system", default=None, help="--chat: a system message before each user message")
     p.add_argument("--no-eos-stop", action="store_true", help="keep sampling after the end-of-sequence token")
+    p.add_argument("--speculative", type=int, default=None, metavar="K", help="draft K tokens per main-model pass with "
+                   "the checkpoint's MTP heads and verify them in one pass (greedy only; the same tokens as plain "
+                   "greedy decoding); reports the mean accepted length")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a setting of the source's run config, e.g. --set data.tokenizer=DIR")
     p.add_argument("--json", action="store_true", help="print one JSON record per prompt (prompt and output ids, "
@@ -165,9 +168,14 @@ def _generate(argv: list[str]) -> int:
     check_file_args(("--prompts", a.prompts, True))
     recs = generate_from(a.source, text=a.prompt, chat=a.chat, prompts_file=a.prompts, system=a.system,
                          max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-                         stop_at_eos=not a.no_eos_stop, overrides=_overrides(a.set))
+                         stop_at_eos=not a.no_eos_stop, overrides=_overrides(a.set), speculative=a.speculative)
     for r in recs:
         print(json.dumps(r) if a.json else r["text"])
+    if a.speculative is not None:
+        passes = sum(r["speculative"]["passes"] for r in recs)
+        tokens = sum(r["speculative"]["tokens"] for r in recs)
+        print(f"q38 generate: speculative k={a.speculative}: {tokens} tokens from {passes} verification passes, "
+              f"mean accepted length {tokens / max(passes, 1):.3f}", file=sys.stderr)
     return 0
 
 

@@ -47,6 +47,11 @@ class SpecStats:
     rounds: list
     passes: int
 
+    def row(self, r: int) -> dict:
+        """Row ``r``'s ``passes`` (verification passes it took part in) and the ``tokens`` they committed."""
+        mine = [a for row, _, a in self.rounds if row == r]
+        return {"k": self.k, "passes": len(mine), "tokens": len(mine) + sum(mine)}
+
     @property
     def mean_accepted_length(self) -> float:
         """Tokens committed per verification pass and row: ``1 + mean accepted drafts``."""

@@ -241,3 +241,54 @@ def test_eval_acceptance_equals_the_acceptance_counted_while_decoding(k):
     assert got[f"eval_accept_len_{k}"] == pytest.approx(1 + mean_accepted, abs=1e-12)
     if k == 1:
         assert got["eval_accept_1"] == pytest.approx(mean_accepted, abs=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("peft", [None, {"rank": 4, "alpha": 16, "targets": ["w_q", "w_qkv", "we_down"], "mtp": True}],
+                         ids=["full", "lora"])
+def test_speculative_generate_from_a_checkpoint_equals_plain_greedy(tmp_path, peft):
+    """``q38 generate --speculative K`` on a q38 checkpoint (one training step of a model shaped as ``CFG`` with 2
+    MTP depths; a LoRA run's adapters, MTP included, merged) gives the plain greedy tokens for two prompts in one
+    batch, with K = 1 and K = 3 (more drafts than heads), and reports its passes."""
+    from q38.train.run.generate import generate_from
+    from q38.train.run.trainer import train
+    from tests.run_utils import run_config
+
+    model = dict(CFG.to_dict(), vocab_size=300)  # covers the byte tokenizer (261 ids)
+    cfg = run_config(tmp_path / "run", steps=1, model=model, **({"peft": peft} if peft else {}),
+                     train={"lr": 3e-2, "warmup_steps": 0})
+    train(cfg)
+    prompts = ["the cat sat on the mat", "dogs"]
+    plain = generate_from(str(tmp_path / "run"), text=prompts, max_new_tokens=16, stop_at_eos=False)
+    assert len({t for r in plain for t in r["ids"]}) >= 3
+    for k in (1, 3):
+        spec = generate_from(str(tmp_path / "run"), text=prompts, max_new_tokens=16, stop_at_eos=False,
+                             speculative=k)
+        assert [r["ids"] for r in spec] == [r["ids"] for r in plain]
+        for r in spec:
+            assert r["speculative"]["k"] == k and 1 <= r["speculative"]["passes"] <= 15
+            assert r["speculative"]["tokens"] >= r["speculative"]["passes"]
+
+
+def test_speculative_refusals_are_one_line_before_decoding(tmp_path, capsys):
+    """``q38 generate --speculative``: a checkpoint without MTP heads, K < 1, K past what the verification pass keeps
+    and a temperature (the sampled acceptance rule is not implemented) are one-line errors, exit 2."""
+    from q38.cli import main
+    from q38.speculative import MAX_DRAFTS, check_speculative
+    from q38.train.run.trainer import train
+    from tests.run_utils import run_config
+
+    train(run_config(tmp_path / "run", steps=1))  # tiny cut to 2 layers, 1 MTP depth
+    cases = ((["--speculative", "0"], "--speculative K must be an integer in [1, 16]"),
+             (["--speculative", str(MAX_DRAFTS + 1)], "the pass keeps one GDN state per draft"),
+             (["--speculative", "2", "--temperature", "0.7"], "the sampled acceptance rule is not implemented"))
+    for bad, msg in cases:
+        assert main(["generate", str(tmp_path / "run"), "--prompt", "x", *bad]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(ValueError, match="this checkpoint has none"):
+        check_speculative(attrs.evolve(CFG, mtp_num_layers=0), 1)
+    assert main(["generate", str(tmp_path / "run"), "--prompt", "x", "--speculative", "1",
+                 "--set", "model.mtp_num_layers=0"]) == 2
+    err = capsys.readouterr().err
+    assert "this checkpoint has none" in err and len(err.strip().splitlines()) == 1, err

@@ -64,8 +64,10 @@ def inference_params(state):
 def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Sequence[str] | None = None,
                   prompts_file: str | None = None, system: str | None = None, max_new_tokens: int = 64,
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True,
-                  overrides: dict | None = None) -> list[dict[str, Any]]:
-    """One record per prompt: ``prompt_ids``, ``ids`` (sampled) and ``text`` (decoded). One process."""
+                  overrides: dict | None = None, speculative: int | None = None) -> list[dict[str, Any]]:
+    """One record per prompt: ``prompt_ids``, ``ids`` (sampled) and ``text`` (decoded). One process.
+    ``speculative`` K (not None): greedy decoding with K MTP drafts per pass (``q38.speculative``); each record then holds
+    ``speculative``: its verification ``passes`` and the ``tokens`` they committed."""
     from q38.decode import Sampling, generate
     from q38.train.data.tokenizer import load_tokenizer
     from q38.train.run.inference import load_state, open_source
@@ -85,6 +87,10 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
         recs += read_prompts(prompts_file)
     src = open_source(source, dict(overrides or {}, layout="single"))
     cfg = src.cfg if src.checkpoint is not None else _source_precision(src.cfg)
+    if speculative is not None:
+        from q38.speculative import check_speculative
+
+        check_speculative(cfg.model, speculative, temperature)
     tok = load_tokenizer(cfg.data.tokenizer)
     prompts = [prompt_ids(r, tok) for r in recs]
     device = pick_device(cfg.run.device, 0)
@@ -93,8 +99,15 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
 
     state = load_state(attrs.evolve(src, cfg=cfg), world, device, plan, None)
     params = inference_params(state)
+    stop_ids = stop_tokens(tok, any("messages" in r for r in recs)) if stop_at_eos else ()
+    if speculative is not None:
+        from q38.speculative import speculative_generate
+
+        outs, stats = speculative_generate(params, cfg.model, prompts, k=speculative, max_new_tokens=max_new_tokens,
+                                           stop_ids=stop_ids, router_bias=state.router_bias)
+        return [{"prompt_ids": p, "ids": o, "text": tok.decode(o), "speculative": stats.row(r)}
+                for r, (p, o) in enumerate(zip(prompts, outs))]
     with torch.no_grad():
         outs = generate(params, cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                        stop_ids=stop_tokens(tok, any("messages" in r for r in recs)) if stop_at_eos else (),
-                        router_bias=state.router_bias)
+                        stop_ids=stop_ids, router_bias=state.router_bias)
     return [{"prompt_ids": p, "ids": o, "text": tok.decode(o)} for p, o in zip(prompts, outs)]
