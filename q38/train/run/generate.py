@@ -66,8 +66,8 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True,
                   overrides: dict | None = None, speculative: int | None = None) -> list[dict[str, Any]]:
     """One record per prompt: ``prompt_ids``, ``ids`` (sampled) and ``text`` (decoded). One process.
-    ``speculative`` K (not None): greedy decoding with K MTP drafts per pass (``q38.speculative``); each record then holds
-    ``speculative``: its verification ``passes`` and the ``tokens`` they committed."""
+    ``speculative`` K (not None): greedy decoding with K MTP drafts per pass (``q38.speculative``); each record
+    then holds ``speculative``: its verification ``passes`` and the ``tokens`` they committed."""
     from q38.decode import Sampling, generate
     from q38.train.data.tokenizer import load_tokenizer
     from q38.train.run.inference import load_state, open_source
