@@ -292,3 +292,42 @@ def test_speculative_refusals_are_one_line_before_decoding(tmp_path, capsys):
                  "--set", "model.mtp_num_layers=0"]) == 2
     err = capsys.readouterr().err
     assert "this checkpoint has none" in err and len(err.strip().splitlines()) == 1, err
+
+
+def _cp_eval(rank, world, ckpt, data):
+    import os
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank))
+    try:
+        from q38.train.run.inference import evaluate
+
+        return evaluate(ckpt, data, batch_size=2, overrides={"layout": "fsdp_cp"}, progress=False)
+    finally:
+        for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            os.environ.pop(k, None)
+
+
+@pytest.mark.dist
+def test_acceptance_under_context_parallelism_equals_one_process(tmp_path):
+    """On ``fsdp_cp`` (2 ranks splitting each row's sequence, so ``t + d`` of a draft can sit on the other rank) the
+    eval's acceptance equals the one-process eval of the same checkpoint."""
+    from q38.train.run.inference import evaluate
+    from q38.train.run.trainer import train
+    from tests.dist_utils import run_distributed
+    from tests.run_utils import run_config
+    from tests.test_eval import SEQ, _rows_file
+
+    data = _rows_file(tmp_path / "rows.jsonl", 4)
+    model = dict(attrs.evolve(CFG, vocab_size=300).to_dict())
+    train(run_config(tmp_path / "run", steps=1, model=model, data={"path": str(data), "seq_len": SEQ,
+                                                                   "shuffle": False},
+                     train={"lr": 3e-2, "warmup_steps": 0}))
+    ckpt = str(tmp_path / "run" / "checkpoints" / "step_000001")
+    one = evaluate(ckpt, str(data), batch_size=2, progress=False)
+    r0, r1 = run_distributed(_cp_eval, 2, ckpt, str(data))
+    assert r0 == r1
+    keys = [k for k in one if k.startswith("eval_accept")]
+    assert {"eval_accept_1", "eval_accept_2", "eval_accept_len_2"} <= set(keys)
+    assert 0 < one["eval_accept_1"] < 1, one
+    for k in keys:
+        assert r0[k] == pytest.approx(one[k], abs=1e-12), k
