@@ -2,12 +2,14 @@
 (op, implementation), its executed FLOPs counted as the plan counts them, achieved TFLOP/s, one JSON line each.
 
     python benchmarks/efficiency.py --device cuda --dtype bfloat16 --out eff.jsonl [--only matmul,experts]
+    python benchmarks/efficiency.py ... --model qwen3_5_35b_a3b --tokens 16384 --local-experts 32 --seq 4096
     q38 plan --model qwen3_8_2_4t --layout qwen3_8_2_4t --world 1024 --hardware h200 --efficiencies eff.jsonl
 
-Cases (shapes of the 2.4T production layout's per-rank work where they fit one device; ``--small``: toy sizes for
-the CPU dry run of benchmarks/gpu.sh): ``matmul/torch`` (one projection, 8192 × 8192), ``experts/grouped_mm`` and
-``experts/batched`` (16 local experts), ``attention/sdpa`` (packed rows, a boolean document mask: every (q, k)
-pair computed) and ``attention/eager``, ``gdn/torch`` (the torch chunked core, its executed FLOPs from
+Cases (shapes of one rank's work in a layer of ``--model``, default the 2.4T production layout's: 8192 tokens, 16
+local experts, 8192-token rows; ``--small``: toy sizes for the CPU dry run of benchmarks/gpu.sh): ``matmul/torch``
+(one d × d projection), ``experts/grouped_mm`` and ``experts/batched`` (``--local-experts`` experts of the model's
+width, each with tokens × top-k / local experts rows), ``attention/sdpa`` (packed rows, a boolean document mask:
+every (q, k) pair computed; at most 16 heads) and ``attention/eager``, ``gdn/torch`` (the torch chunked core, its executed FLOPs from
 ``q38.layers.kinds``' formula), ``loss/torch`` and ``loss/compiled`` (the chunked LM loss). Other kernels (flex,
 varlen, FLA) append their own lines to the same file (``q38.parallel.efficiency.measured_line``). The JSON-lines
 format: benchmarks/README.md#measured-kernel-efficiencies. A case that cannot run here prints why and writes
@@ -21,9 +23,20 @@ import time
 
 import torch
 
-SMALL = dict(tokens=256, d=64, f=64, experts=4, heads=2, head_dim=16, seq=256, docs=4, vocab=1000, chunk=128)
-FULL = dict(tokens=8192, d=8192, f=2048, experts=16, heads=16, head_dim=256, seq=8192, docs=4, vocab=248320,
-            chunk=4096)
+SMALL = dict(tokens=256, d=64, f=64, experts=4, heads=2, head_dim=16, seq=256, docs=4, vocab=1000, chunk=128,
+             slots=256, model="tiny")
+
+
+def shapes(model: str, tokens: int, local_experts: int, seq: int) -> dict:
+    """One rank's shapes in a layer of ``model``: ``tokens`` tokens, ``local_experts`` experts each receiving
+    tokens × top-k / local_experts rows, attention over rows of ``seq`` (at most 16 heads: the masked kernels'
+    score matrices must fit one device)."""
+    from q38.model_config import ModelConfig
+
+    cfg = ModelConfig.preset(model)
+    return {"tokens": tokens, "d": cfg.hidden_size, "f": cfg.moe_intermediate_size, "experts": local_experts,
+            "heads": min(16, cfg.num_attention_heads), "head_dim": cfg.head_dim, "seq": seq, "docs": 4,
+            "vocab": cfg.vocab_size, "chunk": 4096, "slots": tokens * cfg.num_experts_per_tok, "model": model}
 
 
 def timed(fn, repeats: int, device: str) -> float:
@@ -63,10 +76,11 @@ def cases(s: dict, dev: str, dt: torch.dtype):
     x, w = leaf(n, d), leaf(d, d, scale=d**-0.5)
     yield "matmul", "torch", fwd_bwd(lambda: F.linear(x, w), [x, w]), 3 * 2 * n * d * d
 
-    e = s["experts"]
-    counts = torch.full((e,), n // e, device=dev, dtype=torch.long)
-    xe, wgu, wd = leaf(n, d), leaf(e, 2 * f, d, scale=d**-0.5), leaf(e, d, f, scale=f**-0.5)
-    wm = torch.rand(n, device=dev, dtype=dt)
+    e, m = s["experts"], s["slots"]
+    counts = torch.full((e,), m // e, device=dev, dtype=torch.long)
+    m = m // e * e
+    xe, wgu, wd = leaf(m, d), leaf(e, 2 * f, d, scale=d**-0.5), leaf(e, d, f, scale=f**-0.5)
+    wm = torch.rand(m, device=dev, dtype=dt)
     from q38.kernels import REGISTRY, _unsupported
 
     for impl in ("grouped_mm", "batched"):
@@ -76,7 +90,7 @@ def cases(s: dict, dev: str, dt: torch.dtype):
             print(f"experts/{impl}: skipped ({why})", file=sys.stderr)
             continue
         fn = REGISTRY["experts"][impl].load("experts", impl)
-        yield "experts", impl, fwd_bwd(lambda fn=fn: fn(xe, counts, wgu, wd, wm), [xe, wgu, wd]), 3 * 2 * n * 3 * d * f
+        yield "experts", impl, fwd_bwd(lambda fn=fn: fn(xe, counts, wgu, wd, wm), [xe, wgu, wd]), 3 * 2 * m * 3 * d * f
 
     h, c, sq = s["heads"], s["head_dim"], s["seq"]
     q, k, v = leaf(1, h, sq, c), leaf(1, h, sq, c), leaf(1, h, sq, c)
@@ -90,7 +104,7 @@ def cases(s: dict, dev: str, dt: torch.dtype):
         # both compute every (q, k) pair under a mask: 4·s·t·h·c forward, twice that backward
         yield "attention", impl, fwd_bwd(lambda fn=fn: fn(q, k, v, mask, c**-0.5), [q, k, v]), 3 * 4 * sq * sq * h * c
 
-    cfg = ModelConfig.preset("tiny") if s is SMALL else ModelConfig.preset("qwen3_8_2_4t")
+    cfg = ModelConfig.preset(s["model"])
     H, Hk, a, p = (cfg.linear_num_value_heads, cfg.linear_num_key_heads, cfg.linear_key_head_dim,
                    cfg.linear_value_head_dim)
     gs = sq // 2
@@ -131,6 +145,10 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="toy sizes (the CPU dry run)")
     ap.add_argument("--only", default="", help="comma-separated ops (matmul, experts, attention, gdn, loss)")
     ap.add_argument("--label", default="", help="the device name written with each line (default: torch's)")
+    ap.add_argument("--model", default="qwen3_8_2_4t", help="the model preset whose layer shapes are measured")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens a rank computes in one layer call")
+    ap.add_argument("--local-experts", type=int, default=16, help="routed experts on a rank (num_experts / ep)")
+    ap.add_argument("--seq", type=int, default=8192, help="tokens of one row on a rank (seq_len / cp)")
     args = ap.parse_args()
     from q38.parallel.efficiency import measured_line
 
@@ -141,7 +159,9 @@ def main() -> int:
     short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[args.dtype]
     lines = []
     print(f"{'op':<10} {'kernel':<11} {'fwd+bwd (s)':>12} {'FLOPs':>10} {'TFLOP/s':>9}   on {name}, {args.dtype}")
-    for op, impl, run, flops in cases(SMALL if args.small else FULL, dev, dt):
+    s = SMALL if args.small else shapes(args.model, args.tokens, args.local_experts, args.seq)
+    width = {"experts": s["f"]}
+    for op, impl, run, flops in cases(s, dev, dt):
         if only and op not in only:
             continue
         try:
@@ -151,7 +171,8 @@ def main() -> int:
             continue
         tf = flops / t / 1e12
         print(f"{op:<10} {impl:<11} {t:>12.5f} {flops:>10.3e} {tf:>9.3f}")
-        lines.append(measured_line(op, impl, device=name, command=command, tflops=tf, dtype=short))
+        lines.append(measured_line(op, impl, device=name, command=command, tflops=tf, dtype=short,
+                                   width=width.get(op, s["d"])))
     if args.out:
         with open(args.out, "a") as fh:
             fh.write("".join(line + "\n" for line in lines))

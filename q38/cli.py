@@ -36,6 +36,9 @@ def _int_at_least(lo: int, what: str):
     return parse
 
 
+PLAN_DTYPES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")  # q38.parallel.plan.DTYPES' names
+
+
 positive_int = _int_at_least(1, "a positive integer")  # argparse ``type=``: the error names the option
 nonnegative_int = _int_at_least(0, "an integer >= 0")
 
@@ -134,43 +137,80 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
+class _InOrder(argparse.Action):
+    """Appends ``(kind, value)`` to one shared list, so prompts of different options keep their command-line order."""
+
+    def __init__(self, *args, kind: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.kind = kind
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        items = list(getattr(namespace, self.dest) or [])
+        items.append((self.kind, values))
+        setattr(namespace, self.dest, items)
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if not 0 <= v < 1 << 63:
+        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2**63 - 1, got {v}")
+    return v
+
+
 def _generate(argv: list[str]) -> int:
     p = OneLineParser(prog="q38 generate", description="Sample from a checkpoint: greedy (the default) or with a "
-                      "temperature and top-p, from text prompts or chat messages rendered by the checkpoint's chat "
-                      "template. One process.")
+                      "temperature, top-k and top-p, from text prompts and chat messages (rendered by the "
+                      "checkpoint's chat template) in any mix, run as one batch. One process.")
     p.add_argument("source", help=SOURCE_HELP)
-    g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--prompt", action="append", help="a text prompt, continued as it is (repeatable: one batch)")
-    g.add_argument("--chat", action="append", help="a user message, rendered with the tokenizer's chat template "
-                   "(ChatML without one) and an assistant turn opened (repeatable)")
-    g.add_argument("--prompts", help="a JSONL file: {\"text\": ...} prompts and {\"messages\": [...]} chats (rendered "
-                   "with the chat template, an assistant turn opened)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--prompt", dest="inputs", action=_InOrder, kind="text", metavar="TEXT",
+                   help="a text prompt, continued as it is (repeatable)")
+    p.add_argument("--chat", dest="inputs", action=_InOrder, kind="chat", metavar="MESSAGE",
+                   help="a user message, rendered with the tokenizer's chat template (ChatML without one) and an "
+                   "assistant turn opened (repeatable)")
+    p.add_argument("--prompts", dest="inputs", action=_InOrder, kind="file", metavar="FILE",
+                   help="a JSONL file: {\"text\": ...} prompts and {\"messages\": [...]} chats (rendered with the "
+                   "chat template, an assistant turn opened); repeatable, and mixed with --prompt and --chat in the "
+                   "order given")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="at most this many tokens per answer "
+                   "(default 64); a prompt and its answer must fit the model's max_position_embeddings")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; else sample from "
                    "softmax(logits / temperature)")
+    p.add_argument("--top-k", type=nonnegative_int, default=0, help="sample from the k most likely tokens only "
+                   "(default 0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of most likely tokens "
-                   "whose probability reaches this (default 1: all)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the draws (sampling only)")
+                   "whose probability reaches this (default 1: all); applied after --top-k")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the draws (sampling only)")
     p.add_argument("--system", default=None, help="--chat: a system message before each user message")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING", help="end an answer when its text "
+                   "contains STRING, and cut the answer before it (repeatable)")
+    p.add_argument("--keep-special-tokens", action="store_true", help="show special tokens (end of turn, end of "
+                   "text, ...) in the answers' text (default: left out, as transformers' skip_special_tokens)")
     p.add_argument("--no-eos-stop", action="store_true", help="keep sampling after the end-of-sequence token")
     p.add_argument("--speculative", type=int, default=None, metavar="K", help="draft K tokens per main-model pass with "
                    "the checkpoint's MTP heads and verify them in one pass (greedy only; the same tokens as plain "
                    "greedy decoding); reports the mean accepted length")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a setting of the source's run config, e.g. --set data.tokenizer=DIR")
-    p.add_argument("--json", action="store_true", help="print one JSON record per prompt (prompt and output ids, "
-                   "text) instead of the text")
+    p.add_argument("--json", action="store_true", help="print one JSON record per prompt (its index and origin, the "
+                   "prompt, prompt and output ids, the answer's text, why it stopped) instead of the text")
     a = p.parse_args(argv)
+    if not a.inputs:
+        raise ValueError("give at least one prompt: --prompt TEXT, --chat MESSAGE or --prompts FILE (see `q38 "
+                         "generate --help`)")
     import json
 
     from q38.train.run.generate import generate_from
 
-    check_file_args(("--prompts", a.prompts, True))
-    recs = generate_from(a.source, text=a.prompt, chat=a.chat, prompts_file=a.prompts, system=a.system,
-                         max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed,
-                         stop_at_eos=not a.no_eos_stop, overrides=_overrides(a.set), speculative=a.speculative)
+    check_file_args(*(("--prompts", v, True) for kind, v in a.inputs if kind == "file"))
+    recs = generate_from(a.source, inputs=a.inputs, system=a.system, max_new_tokens=a.max_new_tokens,
+                         temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
+                         stop_at_eos=not a.no_eos_stop, stop=a.stop, skip_special_tokens=not a.keep_special_tokens,
+                         overrides=_overrides(a.set), speculative=a.speculative)
     for r in recs:
-        print(json.dumps(r) if a.json else r["text"])
+        print(json.dumps(r) if a.json else _labelled(r))
     if a.speculative is not None:
         passes = sum(r["speculative"]["passes"] for r in recs)
         tokens = sum(r["speculative"]["tokens"] for r in recs)
@@ -179,17 +219,28 @@ def _generate(argv: list[str]) -> int:
     return 0
 
 
+def _labelled(rec: dict) -> str:
+    """A generate record as text: ``[i] ORIGIN: PROMPT`` (a chat: its last message, after its role), then
+    ``[i] answer: TEXT``, and a blank line."""
+    if "prompt" in rec:
+        shown = rec["prompt"]
+    else:
+        last = rec["messages"][-1]
+        shown = f"{last['role']}: {last.get('content') or ''}"
+    return f"[{rec['index']}] {rec['from']}: {shown}\n[{rec['index']}] answer: {rec['text']}\n"
+
+
 def _add_budget_args(ap) -> None:
     """The ``q38 plan`` options of the budget and the search (``q38.parallel.search.BudgetQuery``)."""
-    from q38.parallel.budget import RECOMPUTE_MODES
-
     ap.add_argument("--hardware", help="hardware profile: a name under specs/hardware (h200, ascend_910b) or a YAML")
     ap.add_argument("--train", help="run config whose data/train settings to plan (default: specs/train/<model>.yaml "
                                     "when it exists)")
     ap.add_argument("--seq-len", type=positive_int, help="tokens per sequence")
     ap.add_argument("--global-batch", type=positive_int, help="sequences per step over all data-parallel ranks")
     ap.add_argument("--micro-batches", type=positive_int, help="micro-batches per step")
-    ap.add_argument("--recompute", choices=RECOMPUTE_MODES, help="activation recompute mode")
+    ap.add_argument("--recompute", type=_recompute_mode, metavar="MODE",
+                    help="activation recompute mode: none, full, or selective_ + the kernel regions whose outputs are "
+                    "kept, joined by + (e.g. selective_attention+gdn)")
     ap.add_argument("--param-dtype", choices=("bf16", "fp16", "fp32", "bfloat16", "float16", "float32"),
                     help="compute/gather dtype (default: the run config's train.param_dtype or run.dtype, else fp32 "
                          "as q38 train)")
@@ -220,10 +271,30 @@ def _add_budget_args(ap) -> None:
                          "train.offload_optimizer)")
     ap.add_argument("--pure-step", action="store_true", help="price the optimizer phase of the pure train_step "
                     "(the library default) instead of the donated step the trainer runs")
-    ap.add_argument("--out", default="plan_out", help="where --search writes the best layout and run config (a new "
-                    "or empty directory, or one it wrote before)")
+    ap.add_argument("--out", help="where --search writes the best layout and its run config, --fewest-ranks each "
+                    "row's in a subdirectory (a new or empty directory, or one it wrote before); without it nothing "
+                    "is written")
     ap.add_argument("--overwrite", action="store_true", help="--search: write into a non-empty --out it did not write "
                     "(never a run or checkpoint directory)")
+    ap.add_argument("--finetune", action="store_true", help="--out writes a full fine-tune (init_from, your data and "
+                    "tokenizer, fine-tune steps and schedule; a LoRA plan is one already; docs/plan.md)")
+    ap.add_argument("--init-from", help="--out: the fine-tune's base model (a Hugging Face directory or q38 "
+                    "checkpoint); implies --finetune; else written as a placeholder to fill")
+    ap.add_argument("--data", help="--out: data.path of the written run (else a fine-tune's is a placeholder to fill)")
+    ap.add_argument("--tokenizer", help="--out: data.tokenizer of the written run (else --init-from's tokenizer when "
+                    "it has one, or a placeholder to fill)")
+    ap.add_argument("--steps", type=positive_int, help="--out: run.steps and train.total_steps of the written run "
+                    "(a fine-tune of a pre-training config: default 1000)")
+
+
+def _recompute_mode(text: str) -> str:
+    """argparse ``type=`` of ``--recompute``: one of the modes the layer kinds define (read when the option is given,
+    not when the parser is built: they import torch, which ``--help`` does not)."""
+    from q38.parallel.budget import RECOMPUTE_MODES
+
+    if text not in RECOMPUTE_MODES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(RECOMPUTE_MODES)})")
+    return text
 
 
 BUDGET_ARGS = ("hardware", "train", "seq_len", "global_batch", "micro_batches", "recompute", "param_dtype",
@@ -236,22 +307,14 @@ def plan_cli(args: list[str]) -> int:
 
     Prints the report; an invalid model, layout or world size prints one line on stderr and returns 2.
     """
-    from q38.hf_config import load_model_config
-    from q38.model_config import ConfigError
-    from q38.parallel.layout import Layout, LayoutError
-    from q38.parallel.plan import DTYPES, format_plan, plan
-    from q38.parallel.precision import format_precision
-    from q38.parallel.search import BudgetQuery, budget_report, query_precision
-    from q38.train.io.dirs import check_output_dir
-
     # argparse errors and the argument checks below: one line through main (exit 2)
     ap = OneLineParser(prog="q38 plan", description="Per-rank memory and traffic of a layout on the meta device; with --hardware also FLOPs, "
                        "step time and MFU; with --search the layouts that fit, ranked.")
     ap.add_argument("--model", required=True, help="model preset name, q38 YAML, HF config.json or checkpoint dir")
     ap.add_argument("--layout", help="parallel layout preset name or YAML path (optional with --search)")
     ap.add_argument("--world", type=positive_int, required=True, help="number of ranks (WORLD_SIZE)")
-    ap.add_argument("--dtype", choices=sorted(DTYPES), help="alias of --param-dtype (masters and moments are fp32; "
-                    "grads in --reduce-dtype)")
+    ap.add_argument("--dtype", choices=sorted(PLAN_DTYPES),
+                    help="alias of --param-dtype (masters and moments are fp32; grads in --reduce-dtype)")
     ap.add_argument("--optimizer-states", type=nonnegative_int, default=2, help="fp32 optimizer values per parameter")
     ap.add_argument("--mesh", default="", help="override mesh sizes, e.g. ep=8,cp=2")
     _add_budget_args(ap)
@@ -259,13 +322,28 @@ def plan_cli(args: list[str]) -> int:
         ns = ap.parse_args(args)
     except SystemExit as e:
         return int(e.code or 0)
+    from q38.hf_config import load_model_config
+    from q38.model_config import ConfigError
+    from q38.parallel.layout import Layout, LayoutError
+    from q38.parallel.plan import DTYPES, format_plan, plan
+    from q38.parallel.precision import format_precision
+    from q38.parallel.plan_out import RunChoices
+    from q38.parallel.search import BudgetQuery, budget_report, query_precision
+    from q38.train.io.dirs import check_output_dir
+
     check_file_args(("--model", ns.model, False), ("--layout", ns.layout, False), ("--train", ns.train, True),
                     ("--hardware", ns.hardware, False), ("--efficiencies", ns.efficiencies, True))
     if not ns.search:  # options only the search reads would be ignored
         for opt, v in (("--memory-cap", ns.memory_cap), ("--overwrite", ns.overwrite),
-                       ("--fewest-ranks", ns.fewest_ranks)):
+                       ("--fewest-ranks", ns.fewest_ranks), ("--out", ns.out)):
             if v:
                 raise ValueError(f"{opt} applies only to q38 plan --search; add --search or drop {opt}")
+    if ns.out is None:  # options only what --out writes reads would be ignored
+        for opt, v in (("--finetune", ns.finetune), ("--init-from", ns.init_from), ("--data", ns.data),
+                       ("--tokenizer", ns.tokenizer), ("--steps", ns.steps)):
+            if v:
+                raise ValueError(f"{opt} sets what q38 plan --search --out writes; add --search --out DIR or drop "
+                                 f"{opt}")
     if ns.dtype and ns.param_dtype and DTYPES[ns.dtype] != DTYPES[ns.param_dtype]:
         raise ValueError(f"--dtype {ns.dtype} and --param-dtype {ns.param_dtype} disagree; --dtype is an alias of "
                          "--param-dtype: give one")
@@ -276,7 +354,9 @@ def plan_cli(args: list[str]) -> int:
                         overwrite=ns.overwrite, lora_rank=ns.lora_rank, lora_base_dtype=ns.lora_base_dtype,
                         fewest_ranks=ns.fewest_ranks, doc_len=ns.doc_len, efficiencies=ns.efficiencies,
                         moment_dtype=ns.moment_dtype, master_dtype=ns.master_dtype,
-                        offload_optimizer=ns.offload_optimizer, pure_step=ns.pure_step)
+                        offload_optimizer=ns.offload_optimizer, pure_step=ns.pure_step,
+                        choices=RunChoices(finetune=ns.finetune, init_from=ns.init_from, data=ns.data,
+                                           tokenizer=ns.tokenizer, steps=ns.steps))
     try:
         if ns.train:  # the whole run config is checked as `q38 train` checks it; the plan reads its data/train settings
             from q38.parallel.search import _train_defaults
@@ -285,17 +365,23 @@ def plan_cli(args: list[str]) -> int:
             _train_defaults(query, str(ns.model))  # the file itself: found, YAML, a mapping
             model = str(Path(ns.model).resolve()) if Path(ns.model).exists() else ns.model
             with reading("--train", ns.train):
-                RunConfig.from_yaml(ns.train, overrides={"model": model})  # --model is the plan's model
+                RunConfig.from_yaml(ns.train, overrides={"model": model}, placeholders="ignore")  # --model: the plan's
         with reading("--model", ns.model):
             cfg = load_model_config(ns.model)
+        if ns.hardware:  # a bad profile is one line before anything is printed or priced
+            from q38.parallel.hardware import Hardware
+
+            Hardware.load(ns.hardware)
         prec = query_precision(query)  # the one dtype story of every section below
         if ns.layout is None and ns.train and not ns.search:  # the run config's own layout
             import attrs
             import yaml
 
+            from q38.parallel.plan_out import layout_beside
+
             raw_layout = (yaml.safe_load(Path(ns.train).read_text()) or {}).get("layout")
             if raw_layout:
-                ns.layout = str(raw_layout)
+                ns.layout = layout_beside(str(raw_layout), Path(ns.train).parent)
                 query = attrs.evolve(query, layout=ns.layout)
         if ns.layout is None:
             if not ns.search:
@@ -314,14 +400,14 @@ def plan_cli(args: list[str]) -> int:
             cfg, layout, ns.world, param_dtype=DTYPES[prec.param], optimizer_state_factor=ns.optimizer_states,
             model_name=str(ns.model), reduce_dtype=DTYPES[prec.reduce],
         )
-        if any(getattr(ns, k) for k in BUDGET_ARGS):
-            print(format_plan(report))
+        if any(getattr(ns, k) for k in BUDGET_ARGS):  # one set of figures: the budget's, for the run as configured
+            print(format_plan(report, precision=prec, budget_follows=True))
             print()
             return budget_report(query, cfg, layout, check_output_dir)
     except (LayoutError, ConfigError) as e:
         print(f"q38 plan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    print(format_plan(report))
+    print(format_plan(report))  # its own figures: a full state, fp32 masters and moments
     return 0
 
 
@@ -372,6 +458,10 @@ def _convert(argv: list[str]) -> int:
                    "base, data or tokenizer, nor one inside or holding any of them)")
     p.add_argument("--max-shard-bytes", type=int, default=None,
                    help="--to-hf: largest safetensors file (default 5e9, as transformers writes)")
+    p.add_argument("--tokenizer", default=None,
+                   help="--to-hf / --to-peft: the tokenizer written into the export (byte, a Hugging Face tokenizer "
+                   "directory, or none); default: the one the run used (data.tokenizer), or the tokenizer of the "
+                   "Hugging Face directory an imported checkpoint came from")
     p.add_argument("--merge-onto", choices=("trained", "original"), default=None,
                    help="--to-hf of a LoRA run with peft.base_dtype: fp8 whose base was not a block-FP8 checkpoint "
                    "(quantized at load): merge the adapters onto the block-FP8 (dequantized) values the run trained "
@@ -399,6 +489,8 @@ def _convert_files(a, *, lead: bool) -> int:
         raise ValueError("--base names the base of a LoRA run for --to-hf / --to-peft; --from-hf takes none")
     if a.merge_onto is not None and not a.to_hf:
         raise ValueError("--merge-onto chooses the base of the merged export of a LoRA run (--to-hf); drop it")
+    if a.from_hf and a.tokenizer is not None:
+        raise ValueError("--tokenizer names the tokenizer an export (--to-hf / --to-peft) holds; --from-hf takes none")
     if a.to_peft and a.max_shard_bytes is not None:
         raise ValueError("--max-shard-bytes: a PEFT adapter is one adapter_model.safetensors (what PEFT reads); drop "
                          "it")
@@ -422,14 +514,19 @@ def _convert_files(a, *, lead: bool) -> int:
         if a.merge_onto is not None and not lora:
             raise ValueError(f"--merge-onto chooses the base of a LoRA run's merged export, but {ck} is not a LoRA "
                              "checkpoint; drop --merge-onto")
-        _check_export_target(Path(a.src), ck, out, a.overwrite, meta, a.base)
+        _check_export_target(Path(a.src), ck, out, a.overwrite, meta, a.base, a.tokenizer)
+        extras = _export_extras(a.tokenizer, meta, ck)
+        bare = (f"{ck} names no tokenizer: the export holds none (pass --tokenizer byte or DIR to add one)"
+                if extras is None and a.tokenizer is None and lead else None)  # said once the export is written
         what = f"step {meta.get('step')} of {ck}"
         if a.to_peft:
             from q38.train.io.peft_export import export_peft
 
-            export_peft(ck, out, dtype=dtype, base=a.base)
+            export_peft(ck, out, dtype=dtype, base=a.base, extras=extras)
             if lead:
                 print(f"q38 convert: wrote {out} (PEFT LoRA adapter, rank {meta['peft'].get('rank')}, {what})")
+            if bare:
+                say(bare)
             return 0
         if dtype is None:  # checkpoints hold fp32 masters: export in the source's dtypes, else the compute dtype
             dtype = SOURCE
@@ -438,13 +535,15 @@ def _convert_files(a, *, lead: bool) -> int:
             from q38.train.io.peft_export import export_merged, merge_description
 
             onto = a.merge_onto or "trained"
-            export_merged(ck, out, dtype=dtype, max_shard_bytes=shard, base=a.base, merge_onto=onto)
+            export_merged(ck, out, dtype=dtype, max_shard_bytes=shard, base=a.base, merge_onto=onto, extras=extras)
             what = f"merged: {merge_description(meta, onto, a.base)} + the adapters of {what}"
         else:
-            export_checkpoint(ck, out, dtype=dtype, max_shard_bytes=shard)
+            export_checkpoint(ck, out, dtype=dtype, max_shard_bytes=shard, extras=extras)
         if lead:
             print(f"q38 convert: wrote {out} (Hugging Face safetensors, {meta['model_config'].get('model_type')}, "
                   f"{what})")
+        if bare:
+            say(bare)
         return 0
     src = Path(a.src)
     if not (src / "config.json").is_file():
@@ -464,15 +563,37 @@ def _convert_files(a, *, lead: bool) -> int:
     return 0
 
 
-def _check_export_target(src, ck, out, overwrite: bool, meta: dict, base) -> None:
+def _export_extras(spec: str | None, meta: dict, ck):
+    """The tokenizer files, ``generation_config.json`` and token ids of an export of the checkpoint ``ck`` (its
+    ``meta``): of ``--tokenizer`` (``none``: no tokenizer), else of the tokenizer the checkpoint recorded; None when
+    it recorded none."""
+    from q38.model_config import ModelConfig
+    from q38.train.data.export_files import export_extras, recorded_tokenizer
+
+    if spec == "none":
+        return None
+    recorded = recorded_tokenizer(meta)
+    if spec is None and recorded is None:
+        return None
+    use = spec or recorded
+    if use != "byte" and not Path(use).exists():
+        raise FileNotFoundError(f"the tokenizer {use} {'the run used ' if spec is None else ''}is not there; pass "
+                                "--tokenizer with where it is now (byte, a tokenizer directory), or --tokenizer none")
+    cfg = ModelConfig.from_dict(meta["model_config"], source=f"{ck}/meta.json")
+    return export_extras(use, cfg.vocab_size, cfg.max_position_embeddings)
+
+
+def _check_export_target(src, ck, out, overwrite: bool, meta: dict, base, tokenizer: str | None = None) -> None:
     """``convert --to-hf`` / ``--to-peft`` never writes into its source nor into anything the run references (its
-    base, also as ``--base``, its model source, data and tokenizer: ``run_inputs``), with or without ``--overwrite``,
-    nor over an existing non-empty OUT_DIR without ``--overwrite`` (the export itself is built in a temporary
-    directory and renamed, see ``save_hf``)."""
+    base, also as ``--base``, its model source, data and tokenizer: ``run_inputs``, and ``--tokenizer``), with or
+    without ``--overwrite``, nor over an existing non-empty OUT_DIR without ``--overwrite`` (the export itself is
+    built in a temporary directory and renamed, see ``save_hf``)."""
     from q38.train.io.dirs import check_output_dir, run_inputs
 
     check_output_dir(out, (src, ck), what="OUT_DIR", overwrite=overwrite, role="source")
     refs = run_inputs(meta.get("run_config"), meta) + ([("base (--base)", Path(base))] if base is not None else [])
+    if tokenizer not in (None, "byte", "none"):
+        refs.append(("tokenizer (--tokenizer)", Path(tokenizer)))
     for role, path in refs:
         check_output_dir(out, (path,), what="OUT_DIR", overwrite=overwrite, role=f"run's {role}")
 
@@ -488,6 +609,9 @@ def _init_hf(argv: list[str]) -> int:
                    "fp32")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing non-empty OUT_DIR (never a run or checkpoint directory)")
+    p.add_argument("--tokenizer", default="byte",
+                   help="the tokenizer written beside the weights (with generation_config.json and the token ids of "
+                   "config.json): byte (default), a Hugging Face tokenizer directory, or none")
     p.add_argument("out")
     a = p.parse_args(argv)
     from q38.hf import save_hf
@@ -501,6 +625,14 @@ def _init_hf(argv: list[str]) -> int:
     cfg = load_model_config(a.model)
     if a.seed < 0 or a.seed >= 1 << 63:
         raise ValueError(f"--seed {a.seed}: a seed is an integer from 0 to 2**63 - 1")
+    extras = None
+    if a.tokenizer != "none":
+        from q38.train.data.export_files import export_extras
+
+        tok = Path(a.tokenizer)
+        if a.tokenizer != "byte":
+            check_output_dir(out, [tok] if tok.exists() else [], what="OUT_DIR", overwrite=a.overwrite)
+        extras = export_extras(a.tokenizer, cfg.vocab_size, cfg.max_position_embeddings)
     from q38.model import check_host_memory
 
     check_host_memory(cfg, bytes_per_param=_dtype(a.dtype).itemsize if a.dtype != "fp8" else 4,  # one process holds all
@@ -518,18 +650,17 @@ def _init_hf(argv: list[str]) -> int:
         from q38.train.core.step_config import TrainConfig
 
         keep = TrainConfig(param_dtype="bfloat16").compute_dtype  # bf16, the fp32_params defaults fp32
-        save_hf(out, cfg, init_params(cfg, seed=a.seed), dtypes=fp8_dtypes(keep))
+        save_hf(out, cfg, init_params(cfg, seed=a.seed), dtypes=fp8_dtypes(keep), extras=extras)
     else:
-        save_hf(out, cfg, init_params(cfg, seed=a.seed, dtype=_dtype(a.dtype)))
+        save_hf(out, cfg, init_params(cfg, seed=a.seed, dtype=_dtype(a.dtype)), extras=extras)
     print(f"q38 init-hf: wrote {out} ({a.model}, seed {a.seed})")
     return 0
 
 
 def _prepare_data(argv: list[str]) -> int:
-    from q38.train.data.chat import TRAIN_ON
+    from q38.files import MAX_LINE_BYTES
     from q38.train.data.formats import FORMATS
-    from q38.train.data.loader import MAX_LINE_BYTES
-    from q38.train.data.prepare import CHUNK_BYTES, prepare_data
+    from q38.train.data.options import CHUNK_BYTES, TRAIN_ON
 
     p = OneLineParser(prog="q38 prepare-data", description="Tokenize JSONL (or Parquet, with pyarrow) text / chat "
                       "records into memory-mapped token shards for `data.path`. A re-run on unchanged inputs does "
@@ -560,6 +691,8 @@ def _prepare_data(argv: list[str]) -> int:
         raise ValueError(f"--workers must be >= 1, got {a.workers}")
     if not a.chunk_mb > 0:
         raise ValueError(f"--chunk-mb must be > 0, got {a.chunk_mb}")
+    from q38.train.data.prepare import prepare_data
+
     prepare_data(a.inputs, a.out, tokenizer=a.tokenizer, workers=a.workers, chunk_bytes=int(a.chunk_mb * (1 << 20)),
                  progress=not a.no_progress, train_on=a.train_on, overwrite=a.overwrite,
                  record_format=a.record_format, split=a.split, max_line_bytes=int(a.max_line_mb * (1 << 20)))
@@ -602,16 +735,23 @@ def _kernels(argv: list[str]) -> int:
     return 0
 
 
-def _launch(argv: list[str]) -> int:
-    from q38.train.run.launch import LAUNCHED, launch
+LAUNCHED = ("train", "eval", "convert")  # the q38 commands that run under torchrun (q38 launch)
 
+
+def _launch(argv: list[str]) -> int:
     if argv in ([], ["-h"], ["--help"]):
         print(f"usage: q38 launch [TORCHRUN OPTIONS] {{{','.join(LAUNCHED)}}} ...\n\n"
               "torchrun for q38 commands, e.g. q38 launch --standalone --nproc-per-node 2 train CONFIG. The first "
               "SIGTERM or Ctrl-C is passed to the workers, which save a checkpoint and exit 0; a second one is "
               "torchrun's own stop. The torchrun options are torchrun's (torchrun --help).")
         return 0
-    return launch(argv)
+    at = next((i for i, a in enumerate(argv) if a in LAUNCHED), None)
+    if at is None:
+        raise ValueError(f"q38 launch expects torchrun options, then a q38 command ({', '.join(LAUNCHED)}) and its "
+                         f"arguments, e.g. q38 launch --standalone --nproc-per-node 2 train CONFIG; got {argv}")
+    from q38.train.run.launch import launch
+
+    return launch(argv, at)
 
 
 COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "plan": plan_cli, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
@@ -680,8 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd not in COMMANDS:
         print(f"q38: unknown command {cmd!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    from q38.model_config import ConfigError
-    from q38.errors import RunError
+    from q38.errors import ConfigError, RunError
 
     world = os.environ.get("WORLD_SIZE", "1")
     who = f"q38 {cmd}" + (f" [rank {os.environ.get('RANK', '?')}]" if world not in ("", "1") else "")

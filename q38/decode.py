@@ -2,14 +2,15 @@
 over a pytree cache of every main layer's decode state (``q38.layers.decode``: GDN conv windows and recurrent
 states, attention keys/values), prompts fed in one pass of the sequence form (``prefill``; or token by token,
 ``feed``), several tokens per row over the cache (``extend``, ``keep_prefix``: speculative decoding's verification,
-``q38.speculative``), and sampling (``generate``: greedy, temperature, top-p, a seed). MoE layers run ``moe_apply``,
-the function training runs; the MTP block drafts tokens only in ``q38.speculative``.
+``q38.speculative``), and sampling (``generate``: greedy, temperature, top-k, top-p, a seed; rows stop at stop tokens
+or by a caller's rule, e.g. a stop string). MoE layers run ``moe_apply``, the function training runs; the MTP block
+drafts tokens only in ``q38.speculative``.
 
 A batch holds one sequence per row. Rows may skip steps (``active`` False: the row's cache and position stay as they
 were), which is how prompts of different lengths are fed as one batch: left-aligned to end together (``feed``).
 """
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 import torch
@@ -47,6 +48,17 @@ def empty_cache(cfg: ModelConfig, batch: int, *, dtype: torch.dtype = torch.floa
                                   "q38/layers/decode.py")
     return DecodeCache(layers=[make[t](cfg, batch, dtype, device) for t in cfg.layer_types],
                        pos=torch.zeros(batch, dtype=torch.long, device=device))
+
+
+def cache_bytes(cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype) -> int:
+    """Bytes of the decode cache of ``rows`` rows that have taken ``length`` steps: each GDN layer's conv window and
+    fp32 state (whatever the length), each attention layer's keys and values (``dtype``) and their valid flags per
+    step."""
+    one = empty_cache(cfg, 1, dtype=dtype, device="meta")
+    fixed = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(one))
+    n_attn = sum(kind == "full_attention" for kind in cfg.layer_types)
+    per_step = n_attn * (2 * cfg.num_key_value_heads * cfg.head_dim * dtype.itemsize + 1)
+    return rows * (fixed + length * per_step)
 
 
 def _keep(active: Tensor, new: Tensor, old: Tensor) -> Tensor:
@@ -118,44 +130,67 @@ def left_aligned(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None)
 
 @attrs.frozen(kw_only=True)
 class Sampling:
-    """``temperature`` 0: greedy (argmax); else softmax(logits / temperature) restricted to the smallest set of most
-    likely tokens whose probability reaches ``top_p``; ``seed``: the draws' generator."""
+    """``temperature`` 0: greedy (argmax); else softmax(logits / temperature) restricted to the ``top_k`` most likely
+    tokens (0: all; tokens tied with the k-th stay), then to the smallest set of most likely tokens whose probability
+    reaches ``top_p``, renormalised: transformers' order of its temperature, top-k and top-p warpers. ``seed``: the
+    draws' generator."""
 
     temperature: float = 0.0
+    top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
 
     def __attrs_post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < float("inf")):
             raise ValueError(f"temperature must be a number >= 0 (0: greedy), got {self.temperature!r}")
+        if not (isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0: every token), got {self.top_k!r}")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (isinstance(self.seed, int) and 0 <= self.seed < 1 << 63):
+            raise ValueError(f"seed must be an integer from 0 to 2**63 - 1, got {self.seed!r}")
 
 
-def sample(logits: Float[Tensor, "b v"], s: Sampling, gen: torch.Generator | None) -> Int[Tensor, " b"]:
-    """One token per row from ``logits`` under ``s`` (``gen``: the generator of the draws; unused when greedy)."""
-    if s.temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / s.temperature, dim=-1)
+def sampling_probs(logits: Float[Tensor, "b v"], s: Sampling) -> Float[Tensor, "b v"]:
+    """The distribution a sampled token is drawn from (``s.temperature`` > 0), fp32, each row summing to 1."""
+    scaled = logits.float() / s.temperature
+    if 0 < s.top_k < scaled.shape[-1]:
+        kth = scaled.topk(s.top_k, dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     if s.top_p < 1:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ranked above each one
         sorted_p = sorted_p.masked_fill(before >= s.top_p, 0.0)  # the top-ranked token always stays
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs.cpu(), 1, generator=gen).view(-1).to(logits.device)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: Float[Tensor, "b v"], s: Sampling, gen: torch.Generator | None) -> Int[Tensor, " b"]:
+    """One token per row from ``logits`` under ``s`` (``gen``: the generator of the draws, one draw per row in row
+    order; unused when greedy)."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    return torch.multinomial(sampling_probs(logits, s).cpu(), 1, generator=gen).view(-1).to(logits.device)
 
 
 @torch.no_grad()
 def generate(
     params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (), router_bias: Tensor | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, stop_when: Callable[[int, list[int]], bool] | None = None,
 ) -> list[list[int]]:
     """The tokens sampled after each prompt (at most ``max_new_tokens``; a row stops after a token of ``stop_ids``,
-    which it keeps). The prompts (of any lengths, one batch) go through ``prefill``; rows that stopped skip later
-    steps."""
+    or when ``stop_when(row, its tokens so far)`` is true, and keeps that token). The prompts (of any lengths, one
+    batch) go through ``prefill``; rows that stopped skip later steps. A prompt and its new tokens must fit the
+    model's ``max_position_embeddings``."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(f"a prompt of {longest} tokens and {max_new_tokens} new tokens pass the model's "
+                         f"max_position_embeddings ({config.max_position_embeddings})")
     dev = params.embed.device
     dtype = dtype or params.embed.dtype
     gen = torch.Generator().manual_seed(int(sampling.seed))
@@ -167,7 +202,7 @@ def generate(
         for r, t in enumerate(nxt.tolist()):
             if running[r]:
                 out[r].append(t)
-                if t in stop_ids:
+                if t in stop_ids or (stop_when is not None and stop_when(r, out[r])):
                     running[r] = False
         if not bool(running.any()) or step + 1 == max_new_tokens:
             break

@@ -102,3 +102,42 @@ def reading(option: str, value) -> Iterator[None]:
         if "not valid YAML" in str(e) or "nested too deeply" in str(e):
             raise type(e)(f"{option}: {e}") from None
         raise
+
+
+# ---- required placeholders (what `q38 plan --out` leaves for the user to fill) ----------------------------------
+
+PLACEHOLDER = "<fill in: "  # a run-config value that starts so is a required key not yet filled (docs/plan.md)
+
+
+def placeholder(what: str) -> str:
+    """The value ``q38 plan --out`` writes for a required key it cannot know: ``<fill in: WHAT>``."""
+    return f"{PLACEHOLDER}{what}>"
+
+
+def unfilled(raw) -> list[tuple[str, str]]:
+    """``(key, what)`` of every placeholder left in a run-config mapping: top-level values and the values of its
+    sections (``init_from``, ``data.path``, ...), in file order."""
+    out: list[tuple[str, str]] = []
+
+    def look(key: str, v) -> None:
+        if isinstance(v, str) and v.startswith(PLACEHOLDER):
+            out.append((key, v[len(PLACEHOLDER):].rstrip(">").strip()))
+
+    for k, v in (raw or {}).items():
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                look(f"{k}.{kk}", vv)
+        else:
+            look(str(k), v)
+    return out
+
+
+def check_filled(raw, source: str) -> None:
+    """One ``ConfigError`` naming every placeholder left in ``raw`` and how to fill it (edit the file, or
+    ``--set KEY=VALUE`` on the command line)."""
+    left = unfilled(raw)
+    if left:
+        keys = "; ".join(f"{k} ({what})" for k, what in left)
+        sets = " ".join(f"--set {k}=..." for k, _ in left)
+        raise ConfigError(f"{source}: fill in the required key(s) q38 plan left as placeholders: {keys}; edit them in "
+                          f"the file, or pass {sets}")

@@ -26,6 +26,8 @@ from typing import Any
 from q38.errors import ConfigError
 
 MAX_JSON_BYTES = 64 << 20  # meta.json, manifest.json, config.json, a safetensors header
+MAX_LINE_BYTES = 16 << 20  # a JSONL line longer than this is refused before it is parsed (prepare-data --max-line-mb,
+# a generate prompts file); the same bound holds for one record of every other data source (Arrow, Parquet, CSV)
 
 
 class CheckpointMismatch(ConfigError):

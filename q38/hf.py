@@ -32,7 +32,8 @@ from q38.model import ModelParams, abstract_params, is_param_info
 from q38.pytree import named_leaves, tree_map_with_path
 
 __all__ = [
-    "CheckpointError", "HFReader", "HFSource", "load_hf", "open_hf", "save_hf", "fp8_dtypes", "DEFAULT_MAX_SHARD_BYTES",
+    "CheckpointError", "ExportExtras", "HFReader", "HFSource", "load_hf", "open_hf", "save_hf", "fp8_dtypes",
+    "DEFAULT_MAX_SHARD_BYTES",
 ]
 
 DEFAULT_MAX_SHARD_BYTES = 5_000_000_000  # transformers' "5GB"
@@ -538,6 +539,34 @@ def _write_safetensors(file: Path, entries: list[_Entry], tensor: Callable[[_Ent
         os.fsync(fh.fileno())
 
 
+_EXTRA_NAME = re.compile(r"^(?:[A-Za-z0-9_][A-Za-z0-9_.-]*/)?[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+@attrs.frozen
+class ExportExtras:
+    """What an export holds beside its weights (docs/hf_checkpoints.md#what-an-export-holds): ``files`` (name →
+    bytes: the tokenizer's files, ``generation_config.json``; a name is a file, or one folder and a file) and
+    ``config`` (keys set in ``config.json``: ``bos_token_id``, ``eos_token_id``, ``pad_token_id``). Built by the
+    caller from the run's tokenizer (``q38.train.data.export_files``); written into the export's temporary directory
+    with the weights, so they appear together or not at all."""
+
+    files: dict = attrs.field(factory=dict)
+    config: dict = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self):
+        bad = [n for n in self.files if not _EXTRA_NAME.match(n) or n in (SINGLE_FILE, INDEX_FILE, "config.json")
+               or n.endswith(".safetensors")]
+        if bad:
+            raise ValueError(f"ExportExtras: {bad[0]!r} is not a name an export's extra file may have")
+
+    def write(self, tmp: Path) -> None:
+        """The extra files into ``tmp`` (the export's temporary directory)."""
+        for name, data in self.files.items():
+            f = tmp / name
+            f.parent.mkdir(exist_ok=True)
+            f.write_bytes(data)
+
+
 @attrs.frozen
 class HFExport:
     """What a HF export writes, known before any tensor is produced: the rules, the output files (``files[i]``: its
@@ -581,10 +610,13 @@ class HFExport:
         name, entries = self.files[i]
         _write_safetensors(tmp / name, entries, tensor)
 
-    def write_metadata(self, tmp: Path) -> None:
-        """``config.json`` and, for a sharded export, ``model.safetensors.index.json``."""
+    def write_metadata(self, tmp: Path, extras: ExportExtras | None = None) -> None:
+        """``config.json`` (with ``extras.config``'s keys), for a sharded export ``model.safetensors.index.json``,
+        and ``extras``' files."""
         with open(tmp / "config.json", "w") as fh:
-            json.dump(self.hf_config, fh, indent=2, sort_keys=True)
+            json.dump({**self.hf_config, **(extras.config if extras else {})}, fh, indent=2, sort_keys=True)
+        if extras is not None:
+            extras.write(tmp)
         if len(self.files) > 1:
             entries = [en for _, ens in self.files for en in ens]
             weight_map = {en.key: name for name, ens in self.files for en in ens}
@@ -683,12 +715,14 @@ def save_hf(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtypes: Callable[[str], torch.dtype] | None = None,
     fp8: Fp8Format | None = None,
+    extras: ExportExtras | None = None,
 ) -> Path:
     """Write ``params`` as a HF checkpoint directory (``config.json`` + safetensors, with ``mtp.*``).
 
     ``dtypes(q)``: the dtype q38 leaf ``q`` is written in (default: its tensor's dtype); ``torch.float8_e4m3fn``
     writes it block-FP8 in ``fp8``'s blocks (default 128 x 128; see ``plan_export``, and ``fp8_dtypes`` for the
-    leaves the format quantizes).
+    leaves the format quantizes). ``extras``: tokenizer files, ``generation_config.json`` and the token ids of
+    ``config.json`` (``ExportExtras``).
 
     Qwen3.5-family configs are written as ``qwen3_5_moe_text`` (``model.`` prefix, loadable by
     ``Qwen3_5MoeForCausalLM``) with fused main-layer experts and per-expert MTP experts; ``qwen3_next`` configs in the
@@ -705,7 +739,7 @@ def save_hf(
     tmp = export_tmp_dir(path)
     tmp.mkdir()
     try:
-        export.write_metadata(tmp)
+        export.write_metadata(tmp, extras)
         for i in range(len(export.files)):
             export.write_file(tmp, i, lambda names: tuple(leaves[q] for q in names))
         publish_export(tmp, path)

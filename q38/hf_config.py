@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+import q38.layers.kinds  # noqa: F401 (the layer-kind table registers itself: a ModelConfig checks layer_types on it)
 from q38.errors import ConfigError
 from q38.model_config import MODEL_FAMILIES, MTP_DEPTH_FIELDS, ModelConfig, _default_layer_types, model_family
 

@@ -225,29 +225,102 @@ def forward(
 
     mtp_hidden = []
     if params.mtp is not None:
-        mp = params.mtp
-        norm_emb, norm_hidden, fc, norm = hooks.gather((mp.norm_emb, mp.norm_hidden, mp.fc, mp.norm))
-        h_prev = hidden
-        for depth in range(1, config.mtp_num_layers + 1):
-            lp = mp.layers[mtp_layer_index(config, depth)]
+
+        def mtp_embedding(depth: int) -> Tensor:
             ids_d = (
                 mtp_input_ids[depth - 1]
                 if mtp_input_ids is not None
                 else shift_tokens(input_ids, info.doc_ids if info.packed else None, depth, fill=0)
             )
-            e = F.embedding(ids_d, embed)
-            h = F.linear(
-                torch.cat([rms_norm(e, norm_emb, config.rms_norm_eps), rms_norm(h_prev, norm_hidden, config.rms_norm_eps)], -1),
-                fc,
-            )
-            bias = None if router_bias is None else router_bias[len(params.layers) + depth - 1]
-            # backward recomputes it next
-            before = mp.layers[mtp_layer_index(config, depth - 1)] if depth > 1 else params.layers[-1]
-            h, rl = _run_layer(hooks, lp, h, config, info, bias, before, MTP_LAYER_TYPE)
-            router_logits.append(rl)
-            h_prev = rms_norm(h, norm, config.rms_norm_eps)
-            mtp_hidden.append(h_prev)
+            return F.embedding(ids_d, embed)
+
+        mtp_hidden = _mtp_block(params, hidden, config, info, hooks, router_bias, mtp_embedding, router_logits)
     return ModelOutput(hidden=hidden, router_logits=tuple(router_logits), mtp_hidden=tuple(mtp_hidden))
+
+
+def _mtp_block(params: ModelParams, hidden: Tensor, config: ModelConfig, info: SeqInfo, hooks: LayerHooks,
+               router_bias: Tensor | None, mtp_embedding: Callable[[int], Tensor], router_logits: list,
+               before_first=None) -> list[Tensor]:
+    """The MTP depths after the main stack's ``hidden``: depth ``d`` takes ``mtp_embedding(d)`` (the embedding of
+    its input tokens) and the previous depth's state; appends each depth's router logits to ``router_logits`` and
+    returns the post-norm states. ``before_first``: the layer backward recomputes after depth 1 (default the last
+    main layer)."""
+    mp = params.mtp
+    norm_emb, norm_hidden, fc, norm = hooks.gather((mp.norm_emb, mp.norm_hidden, mp.fc, mp.norm))
+    h_prev = hidden
+    out = []
+    num_layers = config.num_hidden_layers
+    for depth in range(1, config.mtp_num_layers + 1):
+        lp = mp.layers[mtp_layer_index(config, depth)]
+        e = mtp_embedding(depth)
+        h = F.linear(
+            torch.cat([rms_norm(e, norm_emb, config.rms_norm_eps), rms_norm(h_prev, norm_hidden, config.rms_norm_eps)], -1),
+            fc,
+        )
+        bias = None if router_bias is None else router_bias[num_layers + depth - 1]
+        # backward recomputes it next
+        if depth > 1:
+            before = mp.layers[mtp_layer_index(config, depth - 1)]
+        else:
+            before = params.layers[-1] if before_first is None else before_first
+        h, rl = _run_layer(hooks, lp, h, config, info, bias, before, MTP_LAYER_TYPE)
+        router_logits.append(rl)
+        h_prev = rms_norm(h, norm, config.rms_norm_eps)
+        out.append(h_prev)
+    return out
+
+
+@attrs.frozen
+class ChunkOutput:
+    """What one pipeline chunk computed: ``x`` (the residual stream after its last layer; for the last chunk the
+    post-final-norm ``hidden``), ``mtp_embeds`` (the MTP depths' input embeddings, made by the first chunk and
+    carried to the last), ``router_logits`` (its layers', then the MTP depths' on the last chunk), ``mtp_hidden``."""
+
+    x: Tensor
+    mtp_embeds: tuple[Tensor, ...]
+    router_logits: tuple[Tensor, ...]
+    mtp_hidden: tuple[Tensor, ...] = ()
+
+
+def forward_chunk(
+    params: ModelParams,
+    layers: range,
+    config: ModelConfig,
+    *,
+    input_ids: Tensor | None = None,
+    mtp_input_ids: tuple[Tensor, ...] | None = None,
+    x: Tensor | None = None,
+    mtp_embeds: tuple[Tensor, ...] = (),
+    info: SeqInfo,
+    hooks: LayerHooks,
+    router_bias: Tensor | None = None,
+) -> ChunkOutput:
+    """Layers ``layers`` of the stack (a pipeline stage chunk), the same ops as :func:`forward` on them: the first
+    chunk (``layers.start == 0``) embeds ``input_ids`` and the MTP inputs ``mtp_input_ids``; the others continue from
+    ``x`` and carry ``mtp_embeds``; the last (``layers.stop == num_hidden_layers``) applies the final norm and the MTP
+    block. ``params`` needs only the leaves of these layers (and the embedding / head side they own)."""
+    first, last = layers.start == 0, layers.stop == config.num_hidden_layers
+    if first:
+        embed = hooks.gather(params.embed)
+        x = F.embedding(input_ids, embed)
+        mtp_embeds = tuple(F.embedding(mtp_input_ids[d], embed) for d in range(config.mtp_num_layers))
+    router_logits = []
+    for i in layers:
+        if hooks.prefetch is not None and torch.is_grad_enabled():
+            nxt = params.layers[i + 1] if i + 1 < layers.stop else (params.mtp if last else None)
+            if nxt is not None:
+                hooks.prefetch(nxt)
+        x, rl = _run_layer(hooks, params.layers[i], x, config, info, None if router_bias is None else router_bias[i],
+                           params.layers[i - 1] if i > layers.start else None, config.layer_types[i])
+        router_logits.append(rl)
+    if not last:
+        return ChunkOutput(x, tuple(mtp_embeds), tuple(router_logits))
+    hidden = rms_norm(x, hooks.gather(params.final_norm), config.rms_norm_eps)
+    mtp_hidden = []
+    if params.mtp is not None:
+        mtp_hidden = _mtp_block(params, hidden, config, info, hooks, router_bias, lambda d: mtp_embeds[d - 1],
+                                router_logits, before_first=params.layers[layers.stop - 1])
+    return ChunkOutput(hidden, (), tuple(router_logits), tuple(mtp_hidden))
 
 
 def logits(

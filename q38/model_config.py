@@ -40,7 +40,8 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
 MTP_DEPTH_FIELDS = ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp_num_layers")
 
 # The layer-kind table (q38.layers.kinds.MIXER_KINDS) whose names ``layer_types`` entries may take. The table
-# registers itself here when it is imported, which importing q38 does; this module cannot import it (the layers
+# registers itself here when it is imported, which importing q38.model, q38.hf_config or the name q38.ModelConfig does
+# (not ``import q38`` alone: the command line's help answers without torch); this module cannot import it (the layers
 # import this module).
 _layer_kinds: Mapping[str, Any] | None = None
 
@@ -210,8 +211,8 @@ class ModelConfig:
             "give one entry per layer or drop layer_types to use the 3:1 default",
         )
         if _layer_kinds is None:
-            raise RuntimeError("the layer-kind table is not loaded: import q38 (it loads q38.layers.kinds) before "
-                               "building a ModelConfig")
+            raise RuntimeError("the layer-kind table is not loaded: import q38.model (or q38.layers.kinds, "
+                               "q38.hf_config) before building a ModelConfig")
         bad = [t for t in self.layer_types if t not in _layer_kinds]
         need(not bad, f"layer_types entries must be one of {tuple(_layer_kinds)}; got {sorted(set(bad))} (a new "
                       "kind is a record in q38/layers/kinds.py: docs/extending.md#add-a-layer-kind)")

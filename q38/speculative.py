@@ -20,7 +20,7 @@ Greedy only: the committed tokens are the main model's greedy tokens whatever th
 plain greedy decoding token for token.
 """
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import attrs
 import torch
@@ -122,9 +122,11 @@ def _argmax(hidden: Tensor, w_head: Tensor) -> Tensor:
 def speculative_generate(
     params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *, k: int, max_new_tokens: int,
     stop_ids: Sequence[int] = (), router_bias: Tensor | None = None, dtype: torch.dtype | None = None,
+    stop_when: Callable[[int, list[int]], bool] | None = None,
 ) -> tuple[list[list[int]], SpecStats]:
     """Greedy decoding with ``k`` MTP drafts per main-model pass (module docstring): the tokens after each prompt
-    (as ``q38.decode.generate`` greedy: at most ``max_new_tokens``, a row stops after a token of ``stop_ids``) and
+    (as ``q38.decode.generate`` greedy: at most ``max_new_tokens``, a row stops after a token of ``stop_ids`` or when
+    ``stop_when(row, its tokens so far)`` is true) and
     the acceptance it counted."""
     k = check_speculative(config, k)
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -152,7 +154,7 @@ def speculative_generate(
 
     def emit(r: int, t: int) -> None:
         out[r].append(t)
-        if t in stop_ids or len(out[r]) >= max_new_tokens:
+        if t in stop_ids or len(out[r]) >= max_new_tokens or (stop_when is not None and stop_when(r, out[r])):
             running[r] = False
 
     if max_new_tokens < 1:

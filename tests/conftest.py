@@ -9,6 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_default_dtype(torch.float32)
+
+import q38.model  # noqa: E402,F401 (registers the layer kinds every ModelConfig checks; `import q38` alone does not)
 torch.use_deterministic_algorithms(True, warn_only=True)
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -7,6 +7,7 @@ fp32, so every tensor read from them passes through a cast the mode sees). It kn
 own test shows it flags the whole-model paths."""
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -400,7 +401,8 @@ def _save_hf_run(rank, world, out):
 @pytest.mark.parametrize("world", [1, 2])
 def test_run_save_hf_exports_each_checkpoint_from_every_rank(tmp_path, world):
     """``run.save_hf`` with ``save_hf_every: 1``: ``out_dir/hf/step_<n>`` for every checkpoint, holding that
-    checkpoint's parameters (in the run's compute dtype: fp32 here), loadable by ``load_hf``."""
+    checkpoint's parameters (in the run's compute dtype: fp32 here), loadable by ``load_hf``, and the run's
+    tokenizer files with ``generation_config.json``."""
     from q38.train.io.checkpoint import load_params
     from q38.train.run.trainer import train
     from tests.run_utils import run_config
@@ -416,6 +418,11 @@ def test_run_save_hf_exports_each_checkpoint_from_every_rank(tmp_path, world):
         assert meta["step"] == step
         w, g = dict(named_leaves(want)), dict(named_leaves(got))
         assert set(w) == set(g) and all(torch.equal(w[n], g[n]) for n in w)
+        # the run's byte tokenizer and where generation stops (<|eos|> 258, <|im_end|> 260), written once
+        d = out / "hf" / f"step_{step:06d}"
+        assert json.loads((d / "config.json").read_text())["eos_token_id"] == 258
+        assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == [258, 260]
+        assert (d / "tokenizer.json").is_file()
     with pytest.raises(Exception, match="save_hf_every is set but run.save_hf is false"):
         train(run_config(tmp_path / "bad", steps=1, run={"save_hf_every": 1}))
 

@@ -109,6 +109,10 @@ def test_train_config_rules(kw, message):
 
 def test_cross_config_rules():
     tiny = ModelConfig.preset("tiny")
+    # refused when the run is checked, before any weight (the layer refused it at the first step)
+    with pytest.raises(ConfigError, match="kernels.block: compiled runs without expert parallelism for now.*ep size is "
+                                          "2"):
+        validate_run(tiny, TrainConfig(), ep_size=2, kernels=KernelConfig(block="compiled", experts="batched"))
     with pytest.raises(ConfigError, match="enable_ep_balance: true needs expert parallelism"):
         validate_run(tiny, TrainConfig(enable_ep_balance=True), ep_size=1)
     with pytest.raises(ConfigError, match="kernels.gdn: fla runs on cuda only, not on 'cpu'"):
@@ -139,3 +143,18 @@ def test_eager_attention_matches_sdpa(tiny_cfg):
     a = q38.logits(p, ids, tiny_cfg, doc_ids=doc)
     b = q38.logits(p, ids, tiny_cfg, doc_ids=doc, kernels=DEFAULT_KERNELS.replace(attention="eager"))
     assert (a - b).abs().max() <= 1e-5
+
+
+def test_the_loader_refuses_what_a_lora_run_would_refuse_at_its_first_step():
+    """EP balance and a compiled block with a ``peft`` section (either base dtype): one ``ConfigError`` when the run
+    config is read, naming the setting and the fix."""
+    from q38.train.run.run_config import RunConfig
+
+    for peft in ({"rank": 4}, {"rank": 4, "base_dtype": "fp8"}):
+        with pytest.raises(ConfigError, match=f"train.enable_ep_balance with a peft section \\(LoRA, base_dtype "
+                                              f"{peft.get('base_dtype', 'compute')}\\) is not implemented.*set "
+                                              "train.enable_ep_balance: false"):
+            RunConfig.from_dict({"model": "tiny", "peft": peft, "train": {"enable_ep_balance": True}})
+        with pytest.raises(ConfigError, match="kernels.block: compiled with a peft section .* set kernels.block: eager"):
+            RunConfig.from_dict({"model": "tiny", "peft": peft, "kernels": {"block": "compiled"}})
+    assert RunConfig.from_dict({"model": "tiny", "train": {"enable_ep_balance": True}}).peft is None  # full: allowed

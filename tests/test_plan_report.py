@@ -52,9 +52,9 @@ def test_one_dtype_line_per_role_from_the_run_config(tmp_path, capsys):
     assert _dtypes(outs["--dtype"]) == _dtypes(outs["default"]) == dict.fromkeys(ROLES, "fp32")
     for out in outs.values():
         assert out.count("dtypes (") == 1 and "budget · tiny" in out  # one block, before both sections
-    # printed with 2 decimals
-    assert _gib(outs["--dtype"], "all-gather forward") == pytest.approx(2 * _gib(outs["bf16"], "all-gather forward"),
-                                                                        rel=1e-2)
+    # printed with 2 decimals; the one set of figures is the budget's (its communication table)
+    gather = r"all-gather backward \(reshard\) +\S+ +\S+"
+    assert _gib(outs["--dtype"], gather) == pytest.approx(2 * _gib(outs["bf16"], gather), rel=1e-2)
     assert "compute-dtype copy of shards" in outs["bf16"] and "compute-dtype copy of shards" not in outs["--dtype"]
     reduced = _run(capsys, "--train", str(bf16), "--reduce-dtype", "bf16")
     assert _dtypes(reduced)["gradients"] == "bf16"

@@ -26,7 +26,10 @@ def test_search_writes_a_layout_q38_train_accepts(tmp_path, capsys, monkeypatch)
     assert "layouts fit" in out and "best:" in out
     written = sorted(p.name for p in (tmp_path / "best").iterdir())
     assert "train.yaml" in written and len(written) == 2
-    cfg = RunConfig.from_yaml(tmp_path / "best" / "train.yaml")
+    written = yaml.safe_load((tmp_path / "best" / "train.yaml").read_text())
+    assert written["kernels"]["gdn"] == "fla" and written["kernels"]["attention"] == "flex"  # what the h200 plan priced
+    # on this CPU, the kernels this machine has (the written ones are refused up front here, in one line)
+    cfg = RunConfig.from_yaml(tmp_path / "best" / "train.yaml", {"kernels.gdn": "auto", "kernels.attention": "auto"})
     plan = check_run(cfg, world_size=4)  # the layout loads, fills 4 ranks and places every parameter
     assert plan.dp_size * cfg.data.batch_size == 8
 
@@ -176,7 +179,8 @@ def test_the_search_tries_mesh_orders_and_both_dispatches_and_the_run_config_nam
     crosses fewer inter-node bytes than the flat one. The written run config carries the chosen dispatch."""
     from q38.parallel.budget import estimate
     from q38.parallel.layout import Layout
-    from q38.parallel.search import candidate_layout, candidate_run_config, mesh_orders
+    from q38.parallel.plan_out import candidate_run_config
+    from q38.parallel.search import candidate_layout, mesh_orders
 
     cfg = ModelConfig.preset("tiny")
     hw = Hardware.load("h200")

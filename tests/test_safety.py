@@ -68,7 +68,8 @@ def test_convert_onto_its_own_run_is_refused_and_the_run_is_intact(tmp_path, cap
     assert main(["convert", "--to-hf", str(out), str(other)]) == 2
     assert (other / "old.txt").read_text() == "x"
     assert main(["convert", "--to-hf", str(out), str(other), "--overwrite"]) == 0
-    assert sorted(p.name for p in other.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in other.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                       "tokenizer.json", "tokenizer_config.json"]  # old.txt gone
     assert _snapshot(out) == before
 
 

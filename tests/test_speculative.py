@@ -268,6 +268,13 @@ def test_speculative_generate_from_a_checkpoint_equals_plain_greedy(tmp_path, pe
         for r in spec:
             assert r["speculative"]["k"] == k and 1 <= r["speculative"]["passes"] <= 15
             assert r["speculative"]["tokens"] >= r["speculative"]["passes"]
+    # a stop string (q38 generate --stop) ends the rows where plain decoding ends them
+    stop = plain[0]["text"][4:6]
+    want = generate_from(str(tmp_path / "run"), text=prompts, max_new_tokens=16, stop_at_eos=False, stop=[stop])
+    got = generate_from(str(tmp_path / "run"), text=prompts, max_new_tokens=16, stop_at_eos=False, stop=[stop],
+                        speculative=2)
+    assert want[0]["stopped"] == "stop_string" and len(want[0]["ids"]) < 16
+    assert [(r["ids"], r["text"], r["stopped"]) for r in got] == [(r["ids"], r["text"], r["stopped"]) for r in want]
 
 
 def test_speculative_refusals_are_one_line_before_decoding(tmp_path, capsys):

@@ -16,7 +16,7 @@ from q38.flops import StepFlops, step_flops
 from q38.kernels import GDN_CHUNK
 from q38.layers.kinds import RECOMPUTE_MODES, flagged_regions, layer_kinds, selective_mode
 from q38.parallel.layout import Layout
-from q38.parallel.efficiency import DEFAULT_DOC_LEN, OpTime, attention_factor
+from q38.parallel.efficiency import DEFAULT_DOC_LEN, Efficiency, OpTime, attention_factor
 from q38.parallel.param_stats import Item, ParamStats, param_stats
 from q38.parallel.hardware import GIB, MEMORY_HEADROOM, Hardware, _nbytes
 from q38.parallel.budget_memory import (
@@ -97,6 +97,11 @@ def estimate(
     executed FLOPs are priced at its kernel's efficiency (``price_ops``); None: every FLOP at the profile's
     ``achievable_fraction``. ``doc_len``: tokens per document in packed rows (what block-sparse and per-document
     attention kernels skip)."""
+    if layout.pp > 1:  # a pipeline axis: priced per stage (q38.parallel.pipeline_plan)
+        args = {n: v for n, v in locals().items() if n not in ("cfg", "layout", "world")} | {"placements": None}
+        from q38.parallel.pipeline_plan import estimate_pipelined
+
+        return estimate_pipelined(estimate, cfg, layout, world, **args)
     from q38.model import abstract_params
 
     if recompute not in RECOMPUTE_MODES:
@@ -174,7 +179,11 @@ def estimate(
     ops: tuple[OpTime, ...] = ()
     shared = _shared_expert_flops(cfg, rows_per_rank * st.seq)
     if hw and kernels is not None:
-        ops = price_ops(fl, hw, param_dtype, kernels, packed=packed_rows, seq=st.seq, cp=cp, doc_len=doc_len)
+        ops = price_ops(fl, hw, param_dtype, kernels, packed=packed_rows, seq=st.seq, cp=cp, doc_len=doc_len,
+                        widths={"experts": cfg.moe_intermediate_size, "*": cfg.hidden_size})
+        if hw.hbm_efficiency:
+            ops += (memory_op(cfg, hw, rows_per_rank * st.seq, micro_batches, recompute, param_dtype,
+                              kernels.causal_conv1d),)
         compute_s, compute_fwd_s = sum(o.seconds for o in ops), sum(o.forward_s for o in ops)
         by = {o.op: o for o in ops}
         moe_s = by["experts"].seconds + shared / (peak * by["matmul"].efficiency.value)
@@ -209,18 +218,25 @@ def estimate(
                                                                         else ""),
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
         hbm_bytes=hw.hbm_bytes if hw else None, ops=ops, kernels=kernels if ops else None,
-        doc_len=doc_len if packed_rows else None,
+        doc_len=doc_len if packed_rows else None, compute_spread=_spread(hw) if hw and not ops else (1.0, 1.0),
     )
+
+
+def _spread(hw: Hardware) -> tuple[float, float]:
+    """The compute time's factor at the slow and fast ends of the profile's ``achievable_fraction`` range."""
+    lo, hi = hw.achievable_range or (hw.achievable_fraction, hw.achievable_fraction)
+    return hw.achievable_fraction / lo, hw.achievable_fraction / hi
 
 
 _step_flops = functools.lru_cache(maxsize=512)(step_flops)  # the search prices thousands of budgets of few shapes
 
 
 def price_ops(fl: StepFlops, hw: Hardware, param_dtype: str, kernels, *, packed: bool, seq: int, cp: int,
-              doc_len: int) -> tuple[OpTime, ...]:
+              doc_len: int, widths: Mapping[str, int] | None = None) -> tuple[OpTime, ...]:
     """Each priced op's executed FLOPs (``fl``'s term with its recompute and aux share; attention scaled to what
-    its kernel computes: ``efficiency.attention_factor``) at its kernel's efficiency on ``hw``. Forward: a third
-    of each term (the loss: a quarter, its logits are recomputed in backward)."""
+    its kernel computes: ``efficiency.attention_factor``) at its kernel's efficiency on ``hw``, at the op's width
+    in ``widths`` (op → width, ``*`` for the rest: a profile entry's ``narrow`` range prices narrow shapes).
+    Forward: a third of each term (the loss: a quarter, its logits are recomputed in backward)."""
     peak = hw.peak(param_dtype)
     att = attention_factor(kernels.attention, packed=packed, seq=seq, cp=cp, doc_len=doc_len)
     rows = (  # op, impl, executed, forward, note
@@ -233,10 +249,29 @@ def price_ops(fl: StepFlops, hw: Hardware, param_dtype: str, kernels, *, packed:
     )
     out = []
     for op, impl, flops, fwd, note in rows:
-        e = hw.price(op, impl)
+        w = (widths or {}).get(op, (widths or {}).get("*"))
+        e = hw.price(op, impl, w)
         out.append(OpTime(op=op, impl=impl, flops=flops, efficiency=e, seconds=flops / (peak * e.value),
                           forward_s=fwd / (peak * e.value), note=note))
     return tuple(out)
+
+
+def memory_op(cfg: ModelConfig, hw: Hardware, tokens: int, micro_batches: int, recompute: str, param_dtype: str,
+              conv: str) -> OpTime:
+    """The step's memory-bound ops (``q38.parallel.traffic``: norms, residuals, gates, casts, the torch causal conv,
+    counted from the layers' code at the model's widths) at the profile's ``hbm_efficiency`` share of its HBM
+    bandwidth, serial with the compute on the same stream."""
+    from q38.parallel.traffic import step_traffic
+
+    nbytes, fwd = step_traffic(cfg, tokens, micro_batches, recompute, param_dtype, conv)
+    lo, hi = hw.hbm_efficiency
+    src = hw.sources.get("hbm_efficiency", "") if isinstance(hw.sources, Mapping) else ""
+    status = "published" if src.startswith("published") else "assumed"
+    e = Efficiency(op="elementwise", impl="eager", value=(lo + hi) / 2, low=lo, high=hi, status=status,
+                   source=src.removeprefix(f"{status}:").strip() or "the profile's hbm_efficiency")
+    rate = hw.hbm_bandwidth * e.value
+    return OpTime(op="elementwise", impl="eager", flops=0.0, efficiency=e, seconds=nbytes / rate,
+                  forward_s=fwd / rate, bytes=nbytes, note=f"memory-bound ops: {nbytes / 1e12:,.2f} TB through HBM")
 
 
 def _shared_expert_flops(cfg: ModelConfig, tokens: int) -> float:

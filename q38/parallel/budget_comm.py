@@ -26,6 +26,16 @@ class CommTerm:
     overlapped: bool  # issued async by the runtime, hidden behind the compute of its phase as far as that lasts
     phase: str = "forward"  # forward | backward (recompute and gradient reductions run in backward)
     inter_bytes: float = 0.0
+    slow_s: float = attrs.field(default=None)  # at the low end of the profile's bus-bandwidth range
+    fast_s: float = attrs.field(default=None)  # at its high end
+
+    def __attrs_post_init__(self) -> None:
+        for f in ("slow_s", "fast_s"):
+            if getattr(self, f) is None:
+                object.__setattr__(self, f, self.seconds)
+
+    def at(self, end: str) -> float:
+        return {"mid": self.seconds, "slow": self.slow_s, "fast": self.fast_s}[end]
 
 
 
@@ -72,9 +82,10 @@ def _comm_terms(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: list, hw: Ha
         n, nodes, per_node = shape(dims)
         if inter is None:  # ring collectives: all through the NIC once the group spans nodes; all-to-all: per peer
             inter = (nbytes if nodes > 1 else 0.0) if kind != "all_to_all" else nbytes * (n - per_node) / max(n - 1, 1)
-        secs = model.seconds(kind, nbytes - inter, inter, per_node) if model else 0.0
-        comm.append(CommTerm(coll, "·".join(dims), nbytes, "inter" if inter > 0 else "intra", secs, overlapped,
-                             phase, inter))
+        secs = {end: model.seconds(kind, nbytes - inter, inter, per_node, end) if model else 0.0
+                for end in ("mid", "slow", "fast")}
+        comm.append(CommTerm(coll, "·".join(dims), nbytes, "inter" if inter > 0 else "intra", secs["mid"],
+                             overlapped, phase, inter, slow_s=secs["slow"], fast_s=secs["fast"]))
 
     re_gather = recompute != "none" or st.resharded
     groups = list(dict.fromkeys([*ps.gather_group, *ps.layer_gather]))

@@ -44,6 +44,9 @@ class Budget:
     # an offloaded optimizer: (host bytes per node, host AdamW seconds, device <-> host copy seconds per device)
     host_optimizer: tuple[float, float, float] | None = None
     optimizer_state: str = ""  # how the optimizer phase was priced (donated or pure step, state dtypes)
+    pipeline: tuple = ()  # a pp layout: one q38.parallel.pipeline_plan.StageRow per pipeline rank (else empty)
+    # without per-op pricing: the compute time's factor at the slow and fast ends of achievable_fraction's range
+    compute_spread: tuple[float, float] = (1.0, 1.0)
 
     def fit_line(self, fixes: str = "try --recompute full, a fused GDN kernel (--gdn-kernel fla keeps 16-bit outputs, "
                                       "not fp32 per-chunk states), more ranks, or q38 plan --search") -> str | None:
@@ -102,7 +105,7 @@ class Budget:
 
     @property
     def comm_sync_s(self) -> float:
-        return sum(t.seconds for t in self.comm if not t.overlapped)
+        return sum((t.seconds for t in self.comm if not t.overlapped), 0.0)  # 0.0, not 0, with no collective (world 1)
 
     @property
     def comm_exposed_s(self) -> float:
@@ -132,6 +135,55 @@ class Budget:
         if not self.peak_flops or not self.step_s:
             return None
         return self.flops.model / (self.step_s * self.peak_flops)
+
+    # ---- ranges: every efficiency at the low end of its range (slow) or at the high end (fast) -------------------
+
+    def factors(self) -> list[str]:
+        """What the step's spread comes from: each priced op's efficiency range (or the one ``compute`` range),
+        and the collectives' bus-bandwidth ranges."""
+        return ([o.op for o in self.ops] or ["compute"]) + (["collectives"] if self.comm else [])
+
+    def step_at(self, end: str = "mid", **over: str) -> float:
+        """The step time with every factor at ``end`` (``mid``, ``slow``, ``fast``) but those named in ``over``
+        (factor → end), by the same rule as ``step_s``: compute, plus each phase's ``sync + max(compute, async)``,
+        plus the optimizer and dequantization."""
+        if self.ops:
+            times = [o.at(over.get(o.op, end)) for o in self.ops]
+            compute, fwd = sum(t[0] for t in times), sum(t[1] for t in times)
+        else:
+            k = {"mid": 1.0, "slow": self.compute_spread[0], "fast": self.compute_spread[1]}[over.get("compute", end)]
+            compute, fwd = self.compute_s * k, self.compute_fwd_s * k
+        ce = over.get("collectives", end)
+        exposed = sum(t.at(ce) for t in self.comm if not t.overlapped)
+        for phase, c in (("forward", fwd), ("backward", compute - fwd)):
+            hidden = sum(t.at(ce) for t in self.comm if t.overlapped and t.phase == phase)
+            exposed += max(0.0, hidden - c)
+        return compute + exposed + self.optimizer_s + self.dequant_s
+
+    @property
+    def step_range(self) -> tuple[float, float]:
+        """(fastest, slowest) step time over the efficiency and bus-bandwidth ranges."""
+        return self.step_at("fast"), self.step_at("slow")
+
+    @property
+    def tokens_per_s_range(self) -> tuple[float, float]:
+        fast, slow = self.step_range
+        return self.global_tokens / slow, self.global_tokens / fast
+
+    @property
+    def mfu_range(self) -> tuple[float, float] | None:
+        if not self.peak_flops:
+            return None
+        fast, slow = self.step_range
+        return self.flops.model / (slow * self.peak_flops), self.flops.model / (fast * self.peak_flops)
+
+    @property
+    def spread_driver(self) -> tuple[str, float]:
+        """The factor whose range alone moves the step most (the others at their fast end), and by how much."""
+        fast = self.step_at("fast")
+        moves = {f: self.step_at("fast", **{f: "slow"}) - fast for f in self.factors()}
+        name = max(moves, key=moves.get)
+        return name, moves[name]
 
     @property
     def bound(self) -> str:
@@ -170,6 +222,10 @@ def format_budget(b: Budget) -> str:
         f"{b.global_tokens:,} tokens per step; recompute {b.recompute}",
         "peak memory per rank (fullest rank), forward/backward phase",
     ]
+    if b.pipeline:  # a pp layout (q38.parallel.pipeline_plan): every stage, then the fullest one's items below
+        from q38.parallel.pipeline_plan import format_pipeline
+
+        lines[-1:-1] = format_pipeline(b)
     for it in b.memory:
         tag = f" [transient: {it.transient}]" if it.transient else ""
         lines.append(f"  {it.name:<32}{_fmt_bytes(it.bytes):>14}   {it.note}{tag}")
@@ -211,7 +267,21 @@ def format_budget(b: Budget) -> str:
             + (f" + FP8 dequantization {_fmt_s(b.dequant_s)}" if b.dequant_s else "") + f"; bound by {b.bound}")
         mfu = b.mfu
         lines.append(f"  {b.tokens_per_s:,.0f} tokens/s; MFU {100 * mfu:.1f}%" if mfu is not None else "")
+        lines.append(format_range(b))
     return "\n".join(lines)
+
+
+def format_range(b: Budget) -> str:
+    """The step time, tokens/s (all ranks, and per rank) and MFU as ranges over the profile's efficiency and
+    bus-bandwidth ranges, and the factor that moves the step most."""
+    fast, slow = b.step_range
+    tlo, thi = b.tokens_per_s_range
+    mr = b.mfu_range
+    name, move = b.spread_driver
+    mfu = f"; MFU {100 * mr[0]:.1f}-{100 * mr[1]:.1f}%" if mr else ""
+    return (f"  range over the profile's efficiency ranges: step {_fmt_s(fast)}-{_fmt_s(slow)}; {tlo:,.0f}-{thi:,.0f} "
+            f"tokens/s ({tlo / b.world:,.0f}-{thi / b.world:,.0f} a rank){mfu}; the spread is dominated by {name} "
+            f"({_fmt_s(move)} of the {_fmt_s(slow - fast)})")
 
 
 def format_ops(b: Budget) -> list[str]:
@@ -219,8 +289,10 @@ def format_ops(b: Budget) -> list[str]:
     efficiency, where that number comes from, and time."""
     lines = [f"compute per op on {b.hardware} (per rank and step; the kernels the run resolves, executed FLOPs at each "
              f"kernel's efficiency)",
-             f"  {'op':<10} {'kernel':<11} {'FLOPs':>9} {'eff':>5} {'time':>10}  {'what':<44} source"]
+             f"  {'op':<10} {'kernel':<11} {'FLOPs':>9} {'eff':>9} {'time':>10} {'range':>19}  {'what':<44} source"]
     for o in b.ops:
-        lines.append(f"  {o.op:<10} {o.impl:<11} {o.flops:>9.2e} {o.efficiency.value:>5.2f} {_fmt_s(o.seconds):>10}"
-                     f"  {o.note:<44} {o.efficiency.describe()}")
+        span = f"{_fmt_s(o.fast_s)}-{_fmt_s(o.slow_s)}"
+        work = f"{o.flops:>9.2e}" if o.flops or not o.bytes else f"{'(bytes)':>9}"
+        lines.append(f"  {o.op:<10} {o.impl:<11} {work} {o.efficiency.span():>9} {_fmt_s(o.seconds):>10} "
+                     f"{span:>19}  {o.note:<44} {o.efficiency.describe()}")
     return lines

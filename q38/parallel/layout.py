@@ -25,10 +25,16 @@ from q38.model_config import SPECS_DIR, ModelConfig
 MESH_DIM_ROLES = {
     "ep": "expert parallel: routed tokens travel to the experts' ranks by all-to-all; experts stay local",
     "cp": "context parallel: the sequence is split; attention gathers K/V, the conv takes a halo, GDN carries state",
+    "pp": "pipeline parallel: each stage owns a range of layers; micro-batches flow through the stages point to point",
 }
+PIPELINE_DIM = "pp"
+PIPELINE_KEYS = ("schedule", "virtual_stages", "stages")
+# Schedules the runtime runs (q38.parallel.pipeline); zero-bubble / DualPipeV are named so the refusal can say so.
+PIPELINE_SCHEDULES = ("1f1b", "interleaved_1f1b")
+UNSUPPORTED_SCHEDULES = ("gpipe", "zero_bubble", "zbv", "dualpipev", "interleaved_zero_bubble")
 _MESH_DIM_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 ACTIVATION_AXES = ("batch", "sequence")
-LAYOUT_KEYS = ("name", "include", "mesh", "fsdp", "rules", "compute", "activations", "uneven")
+LAYOUT_KEYS = ("name", "include", "mesh", "fsdp", "rules", "compute", "activations", "uneven", "pipeline")
 LAYOUTS_DIR = SPECS_DIR / "parallel"
 
 MeshItems = tuple[tuple[str, int], ...]
@@ -257,6 +263,69 @@ class ParamPlacement:
         }
 
 
+# ---- the pipeline section ------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class PipelineSpec:
+    """A layout's ``pipeline:`` section (docs/parallel.md#the-pipeline-axis): the ``schedule`` (``1f1b`` or
+    ``interleaved_1f1b``), ``virtual_stages`` (model chunks per ``pp`` rank: 1 for 1F1B, >= 2 interleaved) and the
+    split of the layers into ``pp × virtual_stages`` chunks in pipeline order: ``"auto"`` (balanced by per-layer
+    cost, ``q38.parallel.pipeline.stage_split``) or explicit inclusive ``(first, last)`` layer ranges."""
+
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    stages: str | tuple[tuple[int, int], ...] = "auto"
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "PipelineSpec":
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise LayoutError(f"{where}: 'pipeline' must be a mapping with keys {', '.join(PIPELINE_KEYS)}, "
+                              f"got {type(d).__name__}")
+        unknown = [k for k in d if k not in PIPELINE_KEYS]
+        if unknown:
+            raise LayoutError(f"{where}: unknown pipeline key(s) "
+                              f"{', '.join(repr(k) + _suggest(str(k), PIPELINE_KEYS) for k in unknown)}; "
+                              f"known: {', '.join(PIPELINE_KEYS)}")
+        schedule = str(d.get("schedule", "1f1b")).lower()
+        v = d.get("virtual_stages", 2 if schedule == "interleaved_1f1b" else 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise LayoutError(f"{where}: pipeline.virtual_stages must be an integer >= 1, got {v!r}")
+        stages = d.get("stages", "auto")
+        if stages != "auto":
+            ok = isinstance(stages, (list, tuple)) and all(
+                isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                     for i in r) for r in stages)
+            if not ok:
+                raise LayoutError(f"{where}: pipeline.stages must be 'auto' or a list of [first, last] layer ranges "
+                                  f"(inclusive, one per stage chunk in pipeline order), got {stages!r}")
+            stages = tuple((int(a), int(b)) for a, b in stages)
+        return cls(schedule=schedule, virtual_stages=v, stages=stages)
+
+    def check(self, where: str, pp: int) -> None:
+        """Static checks against the ``pp`` size (no model): schedule, virtual stages, the number of ranges."""
+        if self.schedule in UNSUPPORTED_SCHEDULES or self.schedule not in PIPELINE_SCHEDULES:
+            what = "is not run by q38" if self.schedule in UNSUPPORTED_SCHEDULES else "is unknown"
+            raise LayoutError(f"{where}: pipeline.schedule {self.schedule!r} {what}; use one of "
+                              f"{', '.join(PIPELINE_SCHEDULES)}")
+        if self.schedule == "1f1b" and self.virtual_stages != 1:
+            raise LayoutError(f"{where}: pipeline.schedule 1f1b runs one chunk per rank, but virtual_stages="
+                              f"{self.virtual_stages}; set schedule: interleaved_1f1b or virtual_stages: 1")
+        if self.schedule == "interleaved_1f1b" and self.virtual_stages < 2:
+            raise LayoutError(f"{where}: pipeline.schedule interleaved_1f1b needs virtual_stages >= 2 (chunks per "
+                              f"rank), got {self.virtual_stages}; set virtual_stages: 2 or use schedule: 1f1b")
+        if self.stages != "auto" and len(self.stages) != pp * self.virtual_stages:
+            raise LayoutError(f"{where}: pipeline.stages lists {len(self.stages)} layer ranges, but pp={pp} × "
+                              f"virtual_stages={self.virtual_stages} = {pp * self.virtual_stages} stage chunks need one "
+                              f"each; list {pp * self.virtual_stages} ranges or write stages: auto")
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return self.virtual_stages
+
+
 # ---- the layout ---------------------------------------------------------------------------------------------------
 
 
@@ -275,6 +344,7 @@ class Layout:
     compute: AxisMap = ()
     activations: AxisMap = ()
     uneven: tuple[str, ...] = ()
+    pipeline: PipelineSpec | None = None  # the ``pipeline:`` section (set whenever the mesh has ``pp``)
     source: str | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -324,9 +394,12 @@ class Layout:
         uneven = d.get("uneven") or []
         if isinstance(uneven, str) or not all(isinstance(u, str) for u in uneven):
             raise LayoutError(f"layout {name!r}: 'uneven' must be a list of parameter patterns, got {uneven!r}")
+        pipeline = None
+        if "pipeline" in d or any(k == PIPELINE_DIM for k, _ in mesh):
+            pipeline = PipelineSpec.from_dict(d.get("pipeline"), f"layout {name!r}")
         return cls(
             name=str(name), mesh=tuple(mesh), fsdp=fsdp, rules=rules, compute=compute,
-            activations=activations, uneven=tuple(uneven), source=source,
+            activations=activations, uneven=tuple(uneven), pipeline=pipeline, source=source,
         )
 
     @classmethod
@@ -466,12 +539,48 @@ class Layout:
                 f"layout {name!r}: activations.sequence names {seq_roles}; the runtime splits the sequence only over "
                 f"the mesh dim named 'cp' ({MESH_DIM_ROLES['cp']}); rename the mesh dim to cp"
             )
-        idle = [m for m in mesh_names if m not in act]
+        self._check_pipeline()
+        idle = [m for m in mesh_names if m not in act and m != PIPELINE_DIM]
         if idle:
             raise LayoutError(
                 f"layout {name!r}: mesh dim(s) {idle} carry no activations (every rank of a mesh dim must see "
                 f"different tokens); add them to activations.batch or activations.sequence"
             )
+
+    def _check_pipeline(self) -> None:
+        name, sizes = self.name, dict(self.mesh)
+        if PIPELINE_DIM not in sizes:
+            if self.pipeline is not None:
+                raise LayoutError(f"layout {name!r}: a pipeline section needs a {PIPELINE_DIM!r} mesh dim; add "
+                                  f"{PIPELINE_DIM}: <stages> to mesh or remove the pipeline section")
+            return
+        where = f"layout {name!r}"
+        if sizes[PIPELINE_DIM] == -1:
+            raise LayoutError(f"{where}: mesh size {PIPELINE_DIM}=-1; the number of pipeline stages must be stated "
+                              f"(e.g. {PIPELINE_DIM}: 2), let another mesh dim take the rest")
+        for key, table in (("fsdp", (("fsdp", self.fsdp),)), ("rules", self.rules), ("compute", self.compute),
+                           ("activations", self.activations)):
+            for axis, dims in table:
+                if PIPELINE_DIM in dims:
+                    what = key if key == "fsdp" else f"{key}[{axis!r}]"
+                    raise LayoutError(f"{where}: {what} names {PIPELINE_DIM!r}; the pipeline axis splits the layers "
+                                      f"(pipeline.stages), never a tensor or the batch: remove it there")
+        if len(self.mesh) == 1:
+            raise LayoutError(f"{where}: the mesh has only {PIPELINE_DIM!r}; add a data dim for the stage's ranks "
+                              f"(e.g. fsdp: -1 with activations.batch: [fsdp])")
+        (self.pipeline or PipelineSpec()).check(where, sizes[PIPELINE_DIM])
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages (the ``pp`` mesh size; 1 without a pipeline axis)."""
+        return dict(self.mesh).get(PIPELINE_DIM, 1)
+
+    def stage_layout(self) -> "Layout":
+        """This layout without its pipeline axis: how a stage places its parameters on its own ranks."""
+        if PIPELINE_DIM not in self.mesh_dim_names:
+            return self
+        return attrs.evolve(self, mesh=tuple((n, s) for n, s in self.mesh if n != PIPELINE_DIM), pipeline=None,
+                            name=f"{self.name}/stage")
 
     # ---- mesh --------------------------------------------------------------------------------------------------
     def resolve_mesh(self, world_size: int) -> dict[str, int]:

@@ -61,24 +61,40 @@ RING = ("all_gather", "reduce_scatter", "all_reduce")
 
 @attrs.frozen
 class LinkModel:
-    """Bandwidths (bytes/s per rank, one direction) and latencies (s) of the two link classes."""
+    """Bandwidths (bytes/s per rank, one direction) and latencies (s) of the two link classes; ``shares``: per
+    (collective kind, link class) the (midpoint, low, high) share of the link's bandwidth the collective reaches
+    (a hardware profile's ``collectives`` table; absent: the full bandwidth)."""
 
     intra_bandwidth: float
     inter_bandwidth: float
     intra_latency: float = 0.0
     inter_latency: float = 0.0
+    shares: tuple = ()
 
     @classmethod
     def from_hardware(cls, hw) -> "LinkModel":
+        shares = tuple(((e.op, e.impl), (e.value, e.low, e.high)) for e in getattr(hw, "collectives", ()))
         return cls(hw.intra_node_bandwidth, hw.inter_node_bandwidth, getattr(hw, "intra_node_latency", 0.0),
-                   getattr(hw, "inter_node_latency", 0.0))
+                   getattr(hw, "inter_node_latency", 0.0), shares)
 
-    def seconds(self, kind: str, intra_bytes: float | int, inter_bytes: float | int, ranks_per_node: int = 1) -> float:
+    def share(self, kind: str, link: str, end: str = "mid") -> float:
+        """The share of ``link``'s bandwidth ``kind`` reaches at ``end`` (``mid``, ``slow``: the range's low end,
+        ``fast``: its high end)."""
+        for key, (mid, lo, hi) in self.shares:
+            if key == (kind, link):
+                return {"mid": mid, "slow": lo, "fast": hi}[end]
+        return 1.0
+
+    def seconds(self, kind: str, intra_bytes: float | int, inter_bytes: float | int, ranks_per_node: int = 1,
+                end: str = "mid") -> float:
         """Time of one collective of ``kind`` receiving these bytes per rank; ``ranks_per_node``: the group's ranks
-        in each node (the NICs a ring collective drives)."""
+        in each node (the NICs a ring collective drives); ``end``: which end of the bus-bandwidth range."""
         nics = max(1, ranks_per_node) if kind in RING else 1
         lat = self.inter_latency if inter_bytes else self.intra_latency
-        return lat + max(intra_bytes / self.intra_bandwidth, inter_bytes / (self.inter_bandwidth * nics))
+        intra = intra_bytes / (self.intra_bandwidth * self.share(kind, "intra", end)) if intra_bytes else 0.0
+        inter = (inter_bytes / (self.inter_bandwidth * nics * self.share(kind, "inter", end))
+                 if inter_bytes else 0.0)
+        return lat + max(intra, inter)
 
 
 # ---- what this process sent, and the host's wait ------------------------------------------------------------------

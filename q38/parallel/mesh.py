@@ -26,7 +26,37 @@ class Mesh:
     layout: Layout
     sizes: dict
     topology: Topology = attrs.field(factory=current_topology)  # which ranks share a node
+    # pp: the stage chunks (q38.parallel.pipeline.Chunk), from make_mesh(..., model=cfg); () without a pipeline axis
+    chunks: tuple = ()
     _groups: dict = attrs.field(factory=dict, init=False, eq=False, repr=False)  # group_of's cache
+
+    @property
+    def pp(self) -> int:
+        return self.size("pp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.local_rank("pp")
+
+    @property
+    def stage(self) -> "Mesh":
+        """The mesh of this rank's pipeline stage: the mesh dims other than ``pp`` (the ranks that share this
+        rank's ``pp`` coordinate), with the layout's stage placements. ``self`` without a pipeline axis."""
+        if "pp" not in self.sizes:
+            return self
+        if "stage" not in self._groups:
+            names = tuple(n for n in self.sizes if n != "pp")
+            self._groups["stage"] = Mesh(self.device_mesh[names], self.layout.stage_layout(),
+                                         {n: self.sizes[n] for n in names}, self.topology)
+        return self._groups["stage"]
+
+    def owns(self, path: str) -> bool:
+        """Whether this rank holds parameter ``path`` (always, without a pipeline axis)."""
+        if self.pp <= 1:
+            return True
+        from q38.parallel.pipeline import owns
+
+        return owns(self.chunks, self.pp_rank, path)
 
     def spans(self, names) -> tuple[int, int]:
         """(nodes, ranks per node) of the groups over mesh dims ``names`` (every group has the shape of this
@@ -78,14 +108,38 @@ class Mesh:
 
 
 def make_mesh(layout: Layout, world_size: int | None = None, device_type: str = "cpu",
-              topology: Topology | None = None) -> Mesh:
+              topology: Topology | None = None, *, model=None) -> Mesh:
     """``init_device_mesh`` over the layout's mesh dims (sizes resolved against ``world_size``); ``topology``: the
-    ranks per node (default: the launcher's, ``links.launcher_topology``, or a simulation's)."""
+    ranks per node (default: the launcher's, ``links.launcher_topology``, or a simulation's). ``model``: the
+    ``ModelConfig``, needed by a layout with ``pp`` (its stage split depends on the layers)."""
     world_size = world_size if world_size is not None else dist.get_world_size()
     sizes = layout.resolve_mesh(world_size)
+    chunks = ()
+    if sizes.get("pp", 1) > 1:
+        from q38.parallel.pipeline import check_model
+
+        if model is None:
+            raise ValueError(f"layout {layout.name!r} has a pipeline axis: make_mesh(layout, world, model=cfg) "
+                             "needs the model config (the stage split depends on its layers)")
+        chunks = check_model(layout, model)
     names = tuple(sizes)
     dm = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
-    return Mesh(dm, layout, dict(sizes), topology or current_topology())
+    return Mesh(dm, layout, dict(sizes), topology or current_topology(), chunks)
+
+
+def prune(tree, mesh: Mesh):
+    """``tree`` (parameters, a train state, any tree keyed by parameter path) with the leaves this rank's pipeline
+    stage does not own set to None; ``tree`` itself without a pipeline axis."""
+    if mesh.pp <= 1:
+        return tree
+    from q38 import qmoment
+    from q38.pytree import tree_map_with_path
+
+    def keep(path, t):
+        q = _param_suffix(path)
+        return t if q is None or mesh.owns(q) else None
+
+    return tree_map_with_path(keep, tree, is_leaf=qmoment.is_int8_moment)
 
 
 def _placements(mesh: Mesh, params) -> dict:
@@ -112,6 +166,11 @@ def shard(tree, mesh: Mesh, layout: Layout | None = None):
     count, the router bias: identical on every rank) are left as they are."""
     import torch.utils._pytree as pytree
 
+    if mesh.pp > 1:  # a pipeline stage holds its own layers only, placed on its stage's ranks
+        if layout is not None and layout != mesh.layout:
+            raise ValueError("shard(tree, mesh, layout): a pipelined mesh places by its own layout; build the mesh "
+                             "from the layout you want (make_mesh(layout, world, model=cfg))")
+        return shard(prune(tree, mesh), mesh.stage)
     if layout is not None and layout != mesh.layout:
         mesh = Mesh(mesh.device_mesh, layout, dict(layout.resolve_mesh(mesh.device_mesh.size())), mesh.topology)
         if tuple(mesh.sizes) != tuple(mesh.device_mesh.mesh_dim_names or ()):
@@ -175,7 +234,8 @@ def build_sharded(model_config, mesh: Mesh, make_local):
     from q38.model import abstract_params, is_param_info
     from q38.pytree import tree_map_with_path
 
-    abstract = abstract_params(model_config)
+    abstract = prune(abstract_params(model_config), mesh)
+    mesh = mesh.stage
     pl = mesh.layout.placements(abstract, mesh.sizes)
 
     def make(path, info):

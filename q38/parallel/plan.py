@@ -222,8 +222,15 @@ def plan(
     from q38.model import abstract_params
 
     t0 = time.perf_counter()
+    keep = None
+    if layout.pp > 1:  # a pipeline axis: the placements of the stage holding the most (q38.parallel.pipeline)
+        from q38.parallel.pipeline import fullest_stage
+
+        layout, world_size, keep = fullest_stage(model_cfg, layout, world_size)
     mesh = layout.resolve_mesh(world_size)
     pl = layout.placements(abstract_params(model_cfg), mesh)
+    if keep is not None:
+        pl = {p: x for p, x in pl.items() if keep(p)}
     mesh_sizes = list(mesh.values())
     pbytes = torch.tensor([], dtype=param_dtype).element_size()  # compute form: gathered layers, all-gathers
     rbytes = torch.tensor([], dtype=reduce_dtype).element_size()  # gradient reductions
@@ -304,28 +311,43 @@ def _spec_str(spec: tuple[tuple[str, ...], ...]) -> str:
     return "(" + ", ".join("·".join(d) if d else "-" for d in spec) + ")"
 
 
-def format_plan(r: PlanReport) -> str:
-    """The report as a table (per pattern) plus per-rank totals, expert placement and traffic."""
+def format_plan(r: PlanReport, *, precision: Precision | None = None, budget_follows: bool = False) -> str:
+    """The report as a table (per pattern) plus per-rank totals, expert placement and traffic. ``precision``: the
+    dtype block to print (default: the report's own, a full fine-tune's). ``budget_follows``: the budget of the run
+    as configured is printed next (``q38 plan --train / --hardware / ...``), which holds the one set of memory and
+    traffic figures; the report gives only the placements then (no per-rank bytes, totals or FSDP traffic priced
+    as a full fp32 state)."""
     head = ["pattern", "n", "global shape", "spec (tensor dims)", "local shape (rank 0)", "per rank (max)"]
     body = [
         [row.pattern, str(row.count), "×".join(map(str, row.shape)), _spec_str(row.spec),
          "×".join(map(str, row.local_shape)), _gib(row.bytes_per_rank)]
         for row in r.rows
     ]
+    if budget_follows:
+        head, body = head[:-1], [row[:-1] for row in body]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in (1, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.rjust(w) if i in (1, 5) else c.ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     lines = [
         f"q38 plan · model {r.model} ({_count(r.total_params)} params, {_count(r.expert_params)} in routed experts)"
         f" · layout {r.layout} · world {r.world_size} = {format_mesh(r.mesh)}",
-        format_precision(r.precision),
+        format_precision(precision or r.precision),
         "",
         fmt(head),
         fmt(["-" * w for w in widths]),
         *map(fmt, body),
         "",
+    ]
+    e = r.experts
+    if budget_follows:
+        if e is not None:
+            lines.append(_experts_line(r, e))
+        lines.append("per-rank memory, traffic and step: the budget below, for the run as configured")
+        return "\n".join(lines)
+    lines += [
         "per rank                      fullest rank      rank 0",
         f"  master weights        {_gib(r.param_bytes_max):>16}  {_gib(r.param_bytes_rank0):>12}"
         f"   ({_count(r.numel_max)} params; emptiest rank {_count(r.numel_min)})",
@@ -337,20 +359,8 @@ def format_plan(r: PlanReport) -> str:
         "(compute form: FSDP-gathered, experts EP-local)",
         f"largest gathered tensor   {r.largest_tensor}: {_gib(r.largest_tensor_bytes)}",
     ]
-    e = r.experts
     if e is not None:
-        if e.mesh_dims:
-            n = len(e.ranges)
-            shown = ", ".join(f"{c}: {a}-{b - 1}" for c, (a, b) in enumerate(e.ranges[:2]))
-            last = e.ranges[-1]
-            lines.append(
-                f"experts                   {e.num_experts} over {'·'.join(e.mesh_dims)} ({n} EP ranks): "
-                f"{e.per_rank} per rank; EP coordinate {shown}, ..., {n - 1}: {last[0]}-{last[1] - 1}; "
-                f"rank {r.world_size - 1} holds {e.experts_of_rank(r.world_size - 1).start}-"
-                f"{e.experts_of_rank(r.world_size - 1).stop - 1}"
-            )
-        else:
-            lines.append(f"experts                   all {e.num_experts} gathered on every rank in compute (no EP)")
+        lines.append(_experts_line(r, e))
     lines += [
         "FSDP traffic per step (bytes received by the fullest rank, one micro-batch)",
         f"  all-gather forward    {_gib(r.allgather_fwd_bytes):>16}",
@@ -361,3 +371,15 @@ def format_plan(r: PlanReport) -> str:
         f"planned in {r.seconds:.2f} s",
     ]
     return "\n".join(lines)
+
+
+def _experts_line(r: PlanReport, e: ExpertPlacement) -> str:
+    if not e.mesh_dims:
+        return f"experts                   all {e.num_experts} gathered on every rank in compute (no EP)"
+    n = len(e.ranges)
+    shown = ", ".join(f"{c}: {a}-{b - 1}" for c, (a, b) in enumerate(e.ranges[:2]))
+    last = e.ranges[-1]
+    return (f"experts                   {e.num_experts} over {'·'.join(e.mesh_dims)} ({n} EP ranks): "
+            f"{e.per_rank} per rank; EP coordinate {shown}, ..., {n - 1}: {last[0]}-{last[1] - 1}; "
+            f"rank {r.world_size - 1} holds {e.experts_of_rank(r.world_size - 1).start}-"
+            f"{e.experts_of_rank(r.world_size - 1).stop - 1}")

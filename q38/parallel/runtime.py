@@ -49,6 +49,8 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
                  *, param_dtype=torch.float32, reduce_dtype=torch.float32, reshard_after_forward: bool = True,
                  overlap: bool = True, ep_dispatch: str = "flat", ep_overlap: bool = True, compute_dtype=None):
         self.mesh = mesh
+        # the ranks all_reduce_sum and grad_sq_norm sum over: every rank (None), or a pipeline stage's ranks
+        self.group = None
         # compute_dtype(path): a leaf's compute dtype (train.fp32_params keeps some fp32); None: param_dtype for all
         self._compute_dtype = compute_dtype
         self._dtype_of: dict[int, torch.dtype] = {}
@@ -228,14 +230,15 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
             self._by_storage[y.untyped_storage().data_ptr()] = entry
         return y
 
-    def grad(self, loss: Tensor, leaves: list) -> tuple:
-        """``autograd.grad(loss, leaves)`` (None for a leaf without gradient). With deferred reductions, backward
+    def grad(self, loss: Tensor | list, leaves: list, grad_outputs: list | None = None) -> tuple:
+        """``autograd.grad(loss, leaves)`` (None for a leaf without gradient); ``loss`` may be a list of outputs
+        with their ``grad_outputs`` (a pipeline chunk: its losses and the gradients of the activations it sent on). With deferred reductions, backward
         has only issued each gathered leaf's reduction: they are waited here, after the whole backward, in issue
         order, and added to their leaf's gradient (a leaf gathered twice, e.g. a tied embedding, sums its
         contributions in that order)."""
         if self._anchor is None:
-            return tuple(torch.autograd.grad(loss, leaves, allow_unused=True))
-        *g, _ = torch.autograd.grad(loss, [*leaves, self._anchor], allow_unused=True)
+            return tuple(torch.autograd.grad(loss, leaves, grad_outputs, allow_unused=True))
+        *g, _ = torch.autograd.grad(loss, [*leaves, self._anchor], grad_outputs, allow_unused=True)
         at = {id(t): j for j, t in enumerate(leaves)}
         sums: dict[int, Tensor] = {}
         for key, local in self._reductions.drain():
@@ -306,7 +309,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
         t = torch.as_tensor(t, device=self.device).detach().clone()
-        links.all_reduce(t)
+        links.all_reduce(t, self.group)
         return t
 
     def seq_all_reduce_sum(self, t: Tensor) -> Tensor:
@@ -328,7 +331,7 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
                         reps *= size
                 total = total + local / reps
             else:
-                total = total + g.float().pow(2).sum() / dist.get_world_size()
+                total = total + g.float().pow(2).sum() / dist.get_world_size(self.group)
         return self.all_reduce_sum(total)
 
 
@@ -336,6 +339,10 @@ def mesh_runtime(mesh: Mesh, train_config=None) -> MeshRuntime:
     """The runtime of one step on ``mesh``; EP balance, dispatch and overlap, communication overlap
     (``overlap_comm``, ``fsdp_prefetch``) and the mixed-precision policy come from the train config (None: the
     defaults, fp32 throughout)."""
+    if mesh.pp > 1:  # a pipeline stage: the runtime of its own ranks, whose sums stay inside the stage
+        rt = mesh_runtime(mesh.stage, train_config)
+        rt.group = mesh.stage.group_of(tuple(mesh.stage.sizes))
+        return rt
     if train_config is None:
         return MeshRuntime(mesh)
     tc = train_config

@@ -18,11 +18,12 @@ import yaml
 from q38.model_config import ConfigError, ModelConfig
 from q38.errors import reading
 from q38.kernels import KernelConfig, auto_gdn_chunk, resolve_kernels
-from q38.layers.kinds import MIXER_KINDS, kept_regions
 from q38.parallel.efficiency import DEFAULT_DOC_LEN, read_measured
 from q38.parallel.budget import GIB, MEMORY_HEADROOM, RECOMPUTE_MODES, Budget, Hardware, estimate, recompute_mode
 from q38.parallel.budget_result import _fmt_bytes, _fmt_s
 from q38.parallel.layout import Layout, LayoutError
+from q38.parallel.plan_out import (RunChoices, is_finetune, layout_beside, planned_run_config, write_best,
+                                   written_by_plan)
 from q38.parallel.precision import Precision, run_precision
 
 TEMPLATES = {(False, False): "fsdp", (True, False): "fsdp_cp", (False, True): "fsdp_ep", (True, True): "fsdp_ep_cp"}
@@ -213,53 +214,6 @@ def search(
     return fits, cap
 
 
-def candidate_run_config(c: Candidate, model: str, layout_path: str, seq_len: int, base: dict | None = None) -> dict:
-    """The run config (``q38 train`` YAML) matching a candidate: ``base`` (the planned run config, if any) with the
-    layout, data shape, micro-batches and recompute flags of the candidate."""
-    b = c.budget
-    rc = b.recompute
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (base or {}).items()}
-    out.setdefault("model", model)
-    out["layout"] = layout_path
-    out["data"] = dict(out.get("data") or {}, seq_len=seq_len, batch_size=b.rows_per_rank)
-    train = dict(out.get("train") or {}, micro_batches=b.micro_batches, recompute=rc != "none")
-    train.update({k.keep_flag: k.region in kept_regions(rc) for k in MIXER_KINDS.values()})
-    if train.get("enable_ep_balance") and dict(b.mesh).get("ep", 1) <= 1:
-        train["enable_ep_balance"] = False
-    if dict(b.mesh).get("ep", 1) > 1:
-        train["ep_dispatch"] = c.ep_dispatch
-    out["train"] = train
-    out["run"] = dict(out.get("run") or {}, dtype={"bf16": "bfloat16", "fp16": "float16"}.get(b.param_dtype,
-                                                                                                "float32"))
-    return out
-
-
-WRITTEN_BY = "# Written by `q38 plan --search`"  # first line of each file write_best writes
-
-
-def _written_by_search(d: Path) -> bool:
-    """``d`` holds only YAML files that ``write_best`` wrote (an earlier search's output)."""
-    def ours(f: Path) -> bool:
-        with open(f, errors="replace") as fh:
-            return fh.readline().startswith(WRITTEN_BY)
-    return all(f.is_file() and f.suffix == ".yaml" and ours(f) for f in d.iterdir())
-
-
-def write_best(c: Candidate, out_dir: str | Path, model: str, seq_len: int,
-               base: dict | None = None) -> tuple[Path, Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    lp = out / f"{c.layout_dict['name']}.yaml"
-    b = c.budget
-    head = (f"{WRITTEN_BY}: predicted {_fmt_s(b.step_s)} a step ({b.step_s!r} s), MFU {100 * (b.mfu or 0):.1f}% on "
-            f"{b.hardware}, peak {_fmt_bytes(b.peak_bytes)} ({b.peak_bytes:.0f} B) a rank, global batch "
-            f"{b.global_tokens // b.seq_len} sequences.\n")
-    lp.write_text(head + yaml.safe_dump(c.layout_dict, sort_keys=False))
-    tp = out / "train.yaml"
-    tp.write_text(head + yaml.safe_dump(candidate_run_config(c, model, str(lp), seq_len, base), sort_keys=False))
-    return lp, tp
-
-
 def format_search(cands: list[Candidate], cap: float | int, shipped: Budget | None, top: int = 10) -> str:
     gb = cands[0].budget.global_tokens // cands[0].budget.seq_len
     lines = [f"{len(cands)} layouts fit {cap / GIB:,.1f} GiB per device at a global batch of {gb} sequences; "
@@ -346,7 +300,7 @@ class BudgetQuery:
     lora_rank: int | None = None  # plan a LoRA run of this rank (else the run config's peft section, if any)
     lora_base_dtype: str | None = None  # compute | fp8: how the LoRA run's frozen base is stored
     fewest_ranks: bool = False  # print the fewest ranks of --hardware that fit (up to --world), LoRA and full
-    out: str = "plan_out"  # where the search writes its best layout and run config
+    out: str | None = None  # where the search writes its best layout and run config (None: nowhere)
     overwrite: bool = False
     doc_len: int | None = None  # tokens per document in packed rows (default: efficiency.DEFAULT_DOC_LEN)
     efficiencies: str | None = None  # a JSON-lines file of measured efficiencies over the profile's
@@ -354,6 +308,7 @@ class BudgetQuery:
     master_dtype: str | None = None  # float32 | bfloat16_remainder
     offload_optimizer: bool | None = None  # masters and moments in host memory, AdamW on the host
     pure_step: bool = False  # price the optimizer phase of the pure train_step (the library default), not the donated
+    choices: RunChoices = RunChoices()  # --finetune, --init-from, --data, --tokenizer, --steps: what --out writes
 
 
 def _train_defaults(q, model_arg: str) -> tuple[dict, str | None]:
@@ -377,8 +332,11 @@ def _train_defaults(q, model_arg: str) -> tuple[dict, str | None]:
 def query_precision(q: BudgetQuery) -> Precision:
     """The dtypes ``q38 plan`` reports and prices: the run config's (``--train``, or the shipped one named like the
     model) with ``--dtype`` / ``--reduce-dtype`` applied, as the trainer would resolve them."""
-    raw, _ = _train_defaults(q, str(q.model))
-    return run_precision(raw, param_dtype=q.param_dtype, reduce_dtype=q.reduce_dtype)
+    raw, src = _train_defaults(q, str(q.model))
+    peft = planned_peft(raw.get("peft"), q.lora_rank, q.lora_base_dtype, src)
+    return run_precision(raw, param_dtype=q.param_dtype, reduce_dtype=q.reduce_dtype, moment_dtype=q.moment_dtype,
+                         master_dtype=q.master_dtype, offload=q.offload_optimizer,
+                         lora_base=None if peft is None else peft.base_dtype)
 
 
 def _dtype_name(x: str) -> str:
@@ -424,14 +382,14 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     from q38.parallel.budget import format_budget
 
     raw, src = _train_defaults(q, str(q.model))
-    if q.search and check_output_dir is not None:  # before anything is printed or searched
+    if q.search and q.out is not None and check_output_dir is not None:  # before anything is printed or searched
         inputs = [p for p in (src, q.layout, q.hardware, q.model) if p and Path(p).exists()]
-        check_output_dir(q.out, inputs, what="--out", own=_written_by_search, overwrite=q.overwrite)
+        check_output_dir(q.out, inputs, what="--out", own=written_by_plan, overwrite=q.overwrite)
     data, train = raw.get("data") or {}, raw.get("train") or {}
     seq_len = q.seq_len or int(data.get("seq_len", 4096))
     if layout is None and src is not None and raw.get("layout"):
         try:  # the run config's layout, when it fits this world size: shown next to the search's best
-            layout = Layout.load(str(raw["layout"]))
+            layout = Layout.load(layout_beside(str(raw["layout"]), Path(src).parent))
             layout.resolve_mesh(q.world)
         except LayoutError:
             layout = None
@@ -461,6 +419,11 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     kw = budget_kwargs({**train, "param_dtype": prec.param, "reduce_dtype": prec.reduce, **lean}, gdn=gdn,
                        chunk=chunk)
     kw["peft"] = planned_peft(raw.get("peft"), q.lora_rank, q.lora_base_dtype, src)
+    full_ep_balance = kw["ep_balance"]  # what a full fine-tune row of --fewest-ranks runs
+    if kw["peft"] is not None and kw["ep_balance"]:  # q38 train refuses it: priced off, written off
+        kw["ep_balance"] = False
+        print(f"train.enable_ep_balance from {src}: off (priced and written off): q38 train does not run EP balance "
+              "with a LoRA run (peft)", file=sys.stderr)
     kw["doc_len"] = q.doc_len or DEFAULT_DOC_LEN
     kw["donated"] = not q.pure_step
     shipped = fallback = None
@@ -509,10 +472,29 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
         return 0
     if hw is None:
         raise ConfigError("q38 plan --search needs --hardware (one of the profiles under specs/hardware, e.g. h200)")
+    # a fine-tune plan writes every row as a fine-tune (a LoRA plan's full fine-tune row too)
+    choices = attrs.evolve(q.choices, finetune=is_finetune(raw, kw["peft"] is not None, q.choices))
+
+    def run_config(row_kw: Mapping[str, Any]) -> dict:  # the run config a row (or the search's best) writes
+        return planned_run_config(raw, row_kw, kernels, model=str(q.model), choices=choices, own=q.train is not None)
+
     if q.fewest_ranks:
-        print(format_fewest(cfg, hw, q.world, seq_len=seq_len, global_batch=global_batch, model_name=str(q.model),
-                            batch_source=batch_source, kernels=kernels,
-                            memory_cap=q.memory_cap * GIB if q.memory_cap is not None else None, **kw))
+        rows = fewest_rows(cfg, hw, q.world, seq_len=seq_len, global_batch=global_batch, model_name=str(q.model),
+                           kernels=kernels, full_ep_balance=full_ep_balance,
+                           memory_cap=q.memory_cap * GIB if q.memory_cap is not None else None, **kw)
+        print(format_fewest(rows, hw, q.world, seq_len=seq_len, global_batch=global_batch,
+                            batch_source=batch_source, memory_cap=q.memory_cap * GIB if q.memory_cap else None))
+        if q.out is None:
+            print("not written: add --out DIR to write each row's layout and run config (one subdirectory a row)")
+            return 0
+        for r in rows:
+            if r.found is None or r.unwritten:
+                why = r.unwritten or f"nothing fits up to {q.world} devices"
+                print(f"{r.slug}: not written ({why})")
+                continue
+            world, c = r.found
+            lp, tp = write_best(c, Path(q.out) / r.slug, str(q.model), seq_len, run_config(r.kw))
+            print(f"{r.slug}: wrote {lp} and {tp} (run on {world} devices: torchrun ... q38 train {tp})")
         return 0
     cap = q.memory_cap * GIB if q.memory_cap is not None else None
     cands, cap = search(cfg, q.world, hw, seq_len=seq_len, global_batch=global_batch, memory_cap=cap,
@@ -520,34 +502,12 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
     print(format_search(cands, cap, shipped))
     if fallback is not None:
         print(f"shipped layout's {format_fallback(shipped, fallback)}")
-    lp, tp = write_best(cands[0], q.out, str(q.model), seq_len, planned_run_config(raw, prec, kw, kernels))
+    if q.out is None:
+        print("not written: add --out DIR to write the best layout and its run config")
+        return 0
+    lp, tp = write_best(cands[0], q.out, str(q.model), seq_len, run_config(kw))
     print(f"wrote {lp} and {tp} (run: torchrun --nproc_per_node ... q38 train {tp})")
     return 0
-
-
-def planned_run_config(raw: Mapping[str, Any], prec: Precision, kw: Mapping[str, Any], kernels: KernelConfig) -> dict:
-    """The run config the search prices: ``raw`` (the planned run config) with every setting ``q38 plan`` took from
-    its own flags written in (dtypes, optimizer state, LoRA's ``peft`` section, the kernels), so that ``q38 train``
-    runs and ``q38 plan --train`` prices the run the search priced. The layout, data shape, micro-batches and
-    recompute are the candidate's (``candidate_run_config``)."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
-    train = dict(out.get("train") or {})
-    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-    train["param_dtype"] = names.get(_dtype_name(prec.param))
-    train["reduce_dtype"] = names.get(_dtype_name(prec.reduce))
-    for key, arg in _WRITTEN_TRAIN.items():
-        default = {"moment_dtype": "float32", "master_dtype": "float32", "offload_optimizer": False}[key]
-        v = kw.get(arg, default)
-        if v != default or key in train:
-            train[key] = {"fp32": "float32"}.get(v, v) if isinstance(v, str) else v
-    out["train"] = train
-    if kw.get("peft") is not None:
-        out["peft"] = kw["peft"].to_dict()
-    else:
-        out.pop("peft", None)
-    if kernels.to_dict() != KernelConfig().to_dict() or out.get("kernels"):
-        out["kernels"] = kernels.to_dict()
-    return out
 
 
 # ---- LoRA and the fewest ranks that fit ----------------------------------------------------------------------------
@@ -649,58 +609,95 @@ def _state_name(kw: Mapping[str, Any]) -> str:
     return ", ".join(bits)
 
 
-def format_fewest(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_len: int,
-                  global_batch: int | None = None, batch_source: str | None = None, **kw) -> str:
-    """The fewest devices of ``hardware`` that fit, one line per setting, all at one global batch: for a LoRA run
-    (``kw['peft']``) the planned base and the other base, then the full fine-tune and the LoRA run priced on the full
-    fine-tune's devices (step time side by side); for a full fine-tune the planned optimizer state and each of
-    ``LEAN_OPTIONS``. Each line: devices, layout, peak, step time, MFU."""
-    peft = kw.pop("peft", None)
+@attrs.frozen
+class FewestRow:
+    """One line of ``--fewest-ranks``: its name, the subdirectory ``--out`` writes it to (``slug``), the budget
+    settings it was priced with (``kw``: ``estimate``'s, ``peft`` included), what it found (``(world, best
+    candidate)``, None: nothing fits) and why it is not written (``unwritten``, when no run config runs it)."""
+
+    name: str
+    slug: str
+    kw: dict = attrs.field(eq=False)
+    found: tuple[int, Candidate] | None
+    suffix: str = ""  # printed after the row's figures
+    unwritten: str | None = None
+
+
+def fewest_rows(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_len: int,
+                global_batch: int | None = None, full_ep_balance: bool | None = None, **kw) -> list[FewestRow]:
+    """The fewest devices of ``hardware`` that fit, one row per setting, all at one global batch: for a LoRA run
+    (``kw['peft']``) the planned base and the other base, then the full fine-tune (with ``full_ep_balance``, the run
+    config's EP balance, which LoRA rows price off) and the LoRA run priced on the full fine-tune's devices (step
+    time side by side); for a full fine-tune the planned optimizer state and each of ``LEAN_OPTIONS``."""
+    peft = kw.get("peft")
+    run = dict(seq_len=seq_len, global_batch=global_batch)
+    rows: list[FewestRow] = []
+    if peft is not None:
+        other = attrs.evolve(peft, base_dtype="compute" if peft.base_dtype == "fp8" else "fp8")
+        for p in (peft, other):
+            base = "FP8 base" if p.base_dtype == "fp8" else "base in the compute dtype"
+            pkw = {**kw, "peft": p}
+            rows.append(FewestRow(f"LoRA rank {p.rank} ({p.experts} experts, {base})", f"lora_{p.base_dtype}", pkw,
+                                  fewest_ranks(cfg, hardware, max_world, **run, **pkw)))
+        fkw = {**kw, "peft": None}
+        if full_ep_balance is not None:
+            fkw["ep_balance"] = full_ep_balance
+        full = fewest_ranks(cfg, hardware, max_world, **run, **fkw)
+        rows.append(FewestRow(f"full fine-tune ({_state_name(fkw)})", "full_finetune", fkw, full))
+        if full is not None:  # the planned LoRA run on the full fine-tune's devices: the step times side by side
+            same = fewest_ranks(cfg, hardware, full[0], min_world=full[0], **run, **kw)
+            if same is not None:
+                ratio = same[1].budget.step_s / full[1].budget.step_s
+                base = "FP8 base" if peft.base_dtype == "fp8" else "base in the compute dtype"
+                rows.append(FewestRow(f"LoRA rank {peft.rank} ({base}) on the full fine-tune's {full[0]}",
+                                      f"lora_{peft.base_dtype}_on_{full[0]}", dict(kw), same,
+                                      suffix=f"; LoRA / full step time {ratio:.2f}"))
+        return rows
+    rows.append(FewestRow(f"full fine-tune, planned state ({_state_name(kw)})", "planned", dict(kw),
+                          fewest_ranks(cfg, hardware, max_world, **run, **kw)))
+    for name, opt in LEAN_OPTIONS:
+        okw = {**kw, **opt}
+        slug = LEAN_SLUGS[name]
+        if opt.get("offload_optimizer") and not (hardware.host_memory_bandwidth and hardware.host_link_bandwidth):
+            rows.append(FewestRow(name, slug, okw, None, unwritten=f"not priced ({hardware.name} profile has no "
+                                                                   "host side)"))
+            continue
+        found = fewest_ranks(cfg, hardware, max_world, **run, **okw)
+        suffix = (f"; host memory {_fmt_bytes(found[1].budget.host_optimizer[0])} per node"
+                  if found is not None and found[1].budget.host_optimizer else "")
+        rows.append(FewestRow(f"{name} ({_state_name(okw)})", slug, okw, found, suffix=suffix,
+                              unwritten="q38 train runs the donated step; the planned row is its run"
+                              if opt.get("donated") is False else None))
+    return rows
+
+
+# the subdirectory ``--fewest-ranks --out`` writes each of ``LEAN_OPTIONS`` to
+LEAN_SLUGS = {"pure train_step (fp32 state)": "pure_step", "bf16 moments": "bf16_moments",
+              "bf16 moments + bf16 gradients": "bf16_moments_bf16_grads",
+              "int8 moments + bf16 gradients": "int8_moments_bf16_grads",
+              "fp32 masters and moments offloaded to host memory": "offloaded",
+              "offloaded + bf16 gradients": "offloaded_bf16_grads"}
+
+
+def format_fewest(rows: list[FewestRow], hardware: Hardware, max_world: int, *, seq_len: int,
+                  global_batch: int | None = None, batch_source: str | None = None,
+                  memory_cap: float | None = None) -> str:
+    """The rows of :func:`fewest_rows` under one header (the global batch, the memory cap). Each line: devices,
+    layout, peak, step time, MFU."""
     gb = "one sequence per rank" if global_batch is None else f"global batch {global_batch} sequences"
     lines = [f"fewest {hardware.name} devices that fit ({seq_len} tokens a sequence, {gb}"
              + (f" = {batch_source}" if batch_source and global_batch is not None else "")
              + ", the same at every world; memory cap "
-             + (f"{_fmt_bytes(kw['memory_cap'])}" if kw.get("memory_cap") is not None
+             + (f"{_fmt_bytes(memory_cap)}" if memory_cap is not None
                 else f"{MEMORY_HEADROOM:.0%} of {hardware.hbm_bytes / GIB:.0f} GiB") + "):"]
-
-    def row(name: str, found) -> str:
-        if found is None:
-            return f"  {name}: none up to {max_world}"
-        world, c = found
-        b = c.budget
-        return (f"  {name}: {world} ({c.mesh}{' hier' if c.ep_dispatch == 'hierarchical' else ''}, recompute "
-                f"{b.recompute}, {b.micro_batches} micro-batch(es); peak {_fmt_bytes(b.peak_bytes)} per device, "
-                f"step {_fmt_s(b.step_s)}, MFU {100 * (b.mfu or 0):.1f}%)")
-
-    run = dict(seq_len=seq_len, global_batch=global_batch)
-    if peft is not None:
-        other = attrs.evolve(peft, base_dtype="compute" if peft.base_dtype == "fp8" else "fp8")
-        found = {}
-        for p in (peft, other):
-            base = "FP8 base" if p.base_dtype == "fp8" else "base in the compute dtype"
-            found[p] = fewest_ranks(cfg, hardware, max_world, peft=p, **run, **kw)
-            lines.append(row(f"LoRA rank {p.rank} ({p.experts} experts, {base})", found[p]))
-        full = fewest_ranks(cfg, hardware, max_world, **run, **kw)
-        lines.append(row(f"full fine-tune ({_state_name(kw)})", full))
-        if full is not None:  # the planned LoRA run on the full fine-tune's devices: the step times side by side
-            same = fewest_ranks(cfg, hardware, full[0], min_world=full[0], peft=peft, **run, **kw)
-            if same is not None:
-                ratio = same[1].budget.step_s / full[1].budget.step_s
-                base = "FP8 base" if peft.base_dtype == "fp8" else "base in the compute dtype"
-                lines.append(row(f"LoRA rank {peft.rank} ({base}) on the full fine-tune's {full[0]}", same)
-                             + f"; LoRA / full step time {ratio:.2f}")
-        return "\n".join(lines)
-    lines.append(row(f"full fine-tune, planned state ({_state_name(kw)})", fewest_ranks(cfg, hardware, max_world,
-                                                                                        **run, **kw)))
-    for name, opt in LEAN_OPTIONS:
-        okw = {**kw, **opt}
-        if opt.get("offload_optimizer") and not (hardware.host_memory_bandwidth and hardware.host_link_bandwidth):
-            lines.append(f"  {name}: not priced ({hardware.name} profile has no host side)")
+    for r in rows:
+        if r.found is None:
+            lines.append(f"  {r.name}: {r.unwritten}" if r.unwritten and "not priced" in r.unwritten
+                         else f"  {r.name}: none up to {max_world}")
             continue
-        found = fewest_ranks(cfg, hardware, max_world, **run, **okw)
-        line = row(f"{name} ({_state_name(okw)})", found)
-        if found is not None and found[1].budget.host_optimizer:
-            held = found[1].budget.host_optimizer[0]
-            line += f"; host memory {_fmt_bytes(held)} per node"
-        lines.append(line)
+        world, c = r.found
+        b = c.budget
+        lines.append(f"  {r.name}: {world} ({c.mesh}{' hier' if c.ep_dispatch == 'hierarchical' else ''}, recompute "
+                     f"{b.recompute}, {b.micro_batches} micro-batch(es); peak {_fmt_bytes(b.peak_bytes)} per device, "
+                     f"step {_fmt_s(b.step_s)}, MFU {100 * (b.mfu or 0):.1f}%){r.suffix}")
     return "\n".join(lines)

@@ -21,6 +21,7 @@ from q38.train.core.optim import adamw_step, adamw_step_
 from q38.qmoment import is_int8_moment
 from q38.batch import StepBatch, prepare_batch, split_micro_batches
 from q38.train.core.objective import TermInput, aux_mask, default_terms, expert_counts, routing, step_context, total
+from q38.train.core.pipeline_step import accumulate
 from q38.train.core.remat import KernelRegions, layer_wrapper
 from q38.train.core.state import TrainState, decay_mask, learning_rate
 
@@ -147,12 +148,7 @@ class Gradients(_Terms):
     cp_early: int = 0  # CP exchanges started async, before the compute that does not need them (overlap_comm)
 
 
-def _accumulate(acc: list, g: tuple, reduce_dtype) -> list:
-    """Micro-batch gradient accumulation in ``reduce_dtype`` (the mixed-precision policy; fp32 by default)."""
-    return [
-        gi if a is None else (a if gi is None else a.to(reduce_dtype) + gi.to(reduce_dtype))
-        for a, gi in zip(acc, g)
-    ]
+_accumulate = accumulate
 
 
 def make_layer_hooks(runtime, tc, regions: KernelRegions | None = None, lora: bool = False) -> LayerHooks:
@@ -200,6 +196,16 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     trained = [t for t, m in zip(leaves, trains) if m]
     p = pytree.tree_unflatten(leaves, spec)
     runtime.bind(p, defer_reductions=True)  # gradients come from runtime.grad, which waits the reductions
+    if mesh is not None and mesh.pp > 1:  # a pipeline axis: the same objective, chunk by chunk in its schedule
+        from q38.train.core.pipeline_step import pipelined_grads
+
+        pr = pipelined_grads(state, mbs, mesh, runtime, hooks, regions, terms, p, trained)
+        loads, copies = runtime.ep_stats()
+        ctx = pr.ctx
+        return Gradients(pr.grads, pr.sums, total(pr.sums, terms), pr.grad_norm, ctx.n_main, pr.router_load, loads,
+                         prefetched=runtime.prefetched, prefetched_backward=runtime.prefetched_backward,
+                         async_reductions=runtime.async_reductions, async_reduce_bytes=runtime.async_reduce_bytes,
+                         ep_copies=copies, mtp_tokens=tuple(ctx.n_mtp), cp_early=runtime.cp_early)
 
     def run(mb: StepBatch):
         info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels, region=regions.enter)

@@ -217,6 +217,12 @@ def validate_run(
             "enable_ep_balance: true needs expert parallelism (a layout with an `ep` mesh dim > 1); "
             f"the layout's ep size is {ep_size}. Use an EP layout (e.g. fsdp_ep) or set enable_ep_balance: false"
         )
+    if resolved.block == "compiled" and ep_size > 1:  # the layer would refuse it at the first step
+        raise ConfigError(
+            f"kernels.block: compiled runs without expert parallelism for now (the EP dispatch's collectives cannot "
+            f"be in the compiled graph); the layout's ep size is {ep_size}. Set kernels.block: eager, or use a "
+            "layout without an `ep` mesh dim"
+        )
     if train.skip_flash_attn_recompute and resolved.attention == "eager":
         raise ConfigError(
             "skip_flash_attn_recompute: true needs a fused attention kernel (kernels.attention: sdpa); "

@@ -23,9 +23,9 @@ import attrs
 
 from q38.batch import IGNORE_INDEX
 from q38.errors import DataError
+from q38.train.data.options import TRAIN_ON
 from q38.train.data.tokenizer import IM_END, IM_START, HFTokenizer, Tokenizer, read_json_object
 
-TRAIN_ON = ("assistant", "all", "last_assistant")
 ROLES = ("system", "user", "assistant", "tool")
 # Keys a message may carry (transformers reads reasoning under any of the last three names).
 MESSAGE_KEYS = ("role", "content", "tool_calls", "name", "tool_call_id", "reasoning_content", "thinking",

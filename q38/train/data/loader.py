@@ -22,6 +22,7 @@ import torch
 
 from q38.batch import IGNORE_INDEX, PAD_DOC_ID  # one ignore index and pad doc id for data, batch and losses
 from q38.errors import DataError
+from q38.files import MAX_LINE_BYTES
 from q38.train.data.chat import encode_chat_record, validate_chat_record
 from q38.train.data.formats import to_record
 from q38.train.data.tokenizer import Tokenizer
@@ -73,8 +74,6 @@ def validate_record(record: Any, where: str) -> None:
     validate_chat_record(record, where)
 
 
-MAX_LINE_BYTES = 16 << 20  # a JSONL line longer than this is refused before it is parsed (prepare-data --max-line-mb);
-# the same bound holds for one record of every other source (Arrow, Parquet, CSV, a JSON array)
 
 
 def line_too_long(where: str, limit: int) -> DataError:

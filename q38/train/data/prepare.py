@@ -26,10 +26,10 @@ from q38.train.data.loader import (
     validate_record,
 )
 from q38.train.data.formats import FORMATS, to_record
+from q38.train.data.options import CHUNK_BYTES
 from q38.train.data.tokenizer import load_tokenizer
 from q38.train.data.shards import FORMAT, MANIFEST, VERSION, sha256_file, shard_files, token_dtype, tokenizer_identity
 
-CHUNK_BYTES = 64 << 20
 PARQUET_ROWS = 64  # rows of a Parquet row group decoded at once (each then bounded by --max-line-mb)
 SUFFIXES = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 OWN_PREFIXES = ("shard_", ".shard_", f".{MANIFEST}.tmp-")  # the files this command writes besides the manifest

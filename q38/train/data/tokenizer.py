@@ -275,6 +275,17 @@ class HFTokenizer:
         return f"HFTokenizer({str(self.path)!r})"
 
 
+def stop_token_ids(tok: Tokenizer) -> tuple[int, ...]:
+    """Where generation stops, for every prompt: the end-of-sequence token and the end of a chat turn
+    (``<|im_end|>``) when the vocabulary has it. ``q38 generate`` stops there, and an export's
+    ``generation_config.json`` names the same ids, so transformers' ``generate`` stops at the same token."""
+    ids = [tok.eos_id]
+    end = tok.token_to_id(IM_END)
+    if end is not None and end not in ids:
+        ids.append(end)
+    return tuple(ids)
+
+
 def load_tokenizer(spec: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
     """``"byte"`` -> ``ByteTokenizer``; a directory holding ``tokenizer.json`` -> ``HFTokenizer``."""
     if isinstance(spec, str) and spec == "byte":

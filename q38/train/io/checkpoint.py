@@ -232,10 +232,15 @@ def read_meta(path: str | os.PathLike) -> dict:
 # ---- model-config checks --------------------------------------------------------------------------------------------
 
 
+# Fields of a model config that describe its tokenizer, not its weights: an export writes the tokenizer's ids there
+# (docs/hf_checkpoints.md#what-an-export-holds), so a checkpoint and a config that differ only in them hold one model.
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def config_diff(expected: Mapping[str, Any], got: Mapping[str, Any]) -> list[str]:
-    """``["hidden_size: checkpoint 64, config 128", ...]`` over the union of keys."""
+    """``["hidden_size: checkpoint 64, config 128", ...]`` over the union of keys (``TOKEN_ID_FIELDS`` aside)."""
     out = []
-    for k in sorted(set(expected) | set(got)):
+    for k in sorted((set(expected) | set(got)) - set(TOKEN_ID_FIELDS)):
         a, b = expected.get(k, "<absent>"), got.get(k, "<absent>")
         if a != b:
             out.append(f"{k}: checkpoint {a!r}, config {b!r}")

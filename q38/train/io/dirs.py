@@ -146,26 +146,97 @@ def _run_like(d: Path) -> str | None:
     return None
 
 
+def _identity(p: Path) -> tuple[int, int] | None:
+    """What ``p`` is (``st_dev``, ``st_ino``, symlinks followed), or None when nothing is there."""
+    try:
+        st = os.stat(p)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _chain(p: Path) -> list[tuple[Path, tuple[int, int]]]:
+    """``(path, identity)`` of ``p`` (resolved) and of each of its existing ancestors, nearest first."""
+    r = p.resolve()
+    return [(q, i) for q in (r, *r.parents) if (i := _identity(q)) is not None]
+
+
+MAX_SHARED_FILES = 100_000  # entries of a directory compared file by file (a HF export holds a few dozen)
+
+
+def _files(p: Path) -> dict[tuple[int, int], Path]:
+    """The regular files ``p`` is (a file) or holds directly (a directory), by identity; at most
+    ``MAX_SHARED_FILES`` entries are looked at."""
+    if p.is_file():
+        i = _identity(p)
+        return {i: p} if i is not None else {}
+    out: dict[tuple[int, int], Path] = {}
+    try:
+        with os.scandir(p) as it:
+            for n, e in enumerate(it):
+                if n >= MAX_SHARED_FILES:
+                    break
+                if e.is_file():
+                    st = e.stat()
+                    out[(st.st_dev, st.st_ino)] = Path(e.path)
+    except OSError:
+        pass
+    return out
+
+
+def same_or_inside(out: Path, src: Path) -> tuple[str, Path] | None:
+    """How ``out`` overlaps ``src``, compared by what the directories and files are (device and inode), not by their
+    names, so a second name (a symlink, a bind mount, a hard link) cannot hide it: ``("inside", q)`` when ``out``
+    is ``src`` or lies inside it (``q``: the directory of ``out``'s path that is ``src``), ``("contains", q)`` when
+    ``src`` lies inside ``out`` (``q``: the directory of ``src``'s path that is ``out``), ``("shares", f)`` when a file
+    ``f`` of ``out`` is a file of ``src`` (or ``src`` itself) under another name; None otherwise."""
+    s = _identity(src)
+    if s is None:
+        return None
+    o_chain = _chain(out)
+    hit = next((q for q, i in o_chain if i == s), None)
+    if hit is not None:
+        return "inside", hit
+    o = _identity(out)
+    if o is None:
+        return None
+    hit = next((q for q, i in _chain(src) if i == o), None)
+    if hit is not None:
+        return "contains", hit
+    if out.is_dir():
+        shared = _files(src).keys() & _files(out).keys()
+        if shared:
+            return "shares", _files(out)[next(iter(sorted(shared)))]
+    return None
+
+
 def check_output_dir(out: str | os.PathLike, inputs: Sequence[str | os.PathLike] = (), *, what: str,
                      own: Callable[[Path], bool] | None = None, overwrite: bool = False, role: str = "input") -> None:
     """The one rule of every command that writes a directory (``prepare-data --out``, ``convert``, ``init-hf``,
     ``plan --search --out``): ``out`` may be new, empty, a non-empty directory for which ``own(out)`` says it is this
     command's earlier output, or any other non-empty directory (or a file) with ``overwrite``. Refused always, also
-    with ``overwrite``: ``out`` is, contains or lies inside one of ``inputs``; it is a run directory (checkpoints/,
-    metrics.jsonl or a run lock), a checkpoint directory or inside one, or a directory of checkpoints. ``what`` names
-    the argument in the one-line ``ConfigError`` (e.g. ``--out``); ``role`` names the inputs (``input``, ``source``).
-    Nothing is created or changed."""
+    with ``overwrite``: ``out`` is, contains or lies inside one of ``inputs``, or holds one of their files under
+    another name (compared by device and inode: ``same_or_inside``, so a symlink, bind mount or hard link is seen);
+    it is a run directory (checkpoints/, metrics.jsonl or a run lock), a checkpoint directory or inside one, or a
+    directory of checkpoints. ``what`` names the argument in the one-line ``ConfigError`` (e.g. ``--out``); ``role``
+    names the inputs (``input``, ``source``). Nothing is created or changed."""
     out = Path(out)
     o = out.resolve()
     always = "(--overwrite does not change this)"
     for src in inputs:
-        s = Path(src).resolve()
-        if o == s or s in o.parents:
-            raise ConfigError(f"{what} {out} is the {role} {src} or inside it; writing there would change the {role}; "
-                              f"point {what} outside it {always}")
-        if o in s.parents:
-            raise ConfigError(f"{what} {out} contains the {role} {src}; writing there could replace it; point {what} "
-                              f"outside it {always}")
+        overlap = same_or_inside(out, Path(src))
+        if overlap is None:
+            continue
+        how, where = overlap
+        alias = "" if where in (o, Path(src).resolve()) else f" (as {where})"
+        if how == "inside":
+            raise ConfigError(f"{what} {out} is the {role} {src} or inside it{alias}; writing there would change the "
+                              f"{role}; point {what} outside it {always}")
+        if how == "contains":
+            raise ConfigError(f"{what} {out} contains the {role} {src}{alias}; writing there could replace it; point "
+                              f"{what} outside it {always}")
+        raise ConfigError(f"{what} {out} holds {where.name}, a second name (hard link) of a file of the {role} {src}; "
+                          f"writing there could change it; point {what} elsewhere {always}")
     always = f"choose another directory {always}"
     ck = next((p for p in (o, *o.parents) if p.is_dir() and _checkpoint_like(p)), None)
     if ck is not None:
@@ -197,10 +268,13 @@ def run_inputs(run_config: dict | None, meta: dict | None = None) -> list[tuple[
     Megatron prefix's ``.bin`` / ``.idx``), ``data.eval_path`` and the tokenizer, from a run config's ``to_dict()``
     (or a checkpoint's ``meta["run_config"]``); ``meta``: a checkpoint's, whose recorded LoRA base is one too. Builtin
     names and missing entries are skipped. No q38 command writes into any of them (``check_output_dir``)."""
-    rc = run_config or {}
-    data = rc.get("data") or {}
+    def table(x) -> dict:  # a checkpoint's meta.json is read as untrusted: a key of the wrong type names nothing
+        return x if isinstance(x, dict) else {}
+
+    rc = table(run_config)
+    data = table(rc.get("data"))
     out: list[tuple[str, str]] = [("base (init_from)", rc.get("init_from")), ("model source", rc.get("model"))]
-    base = ((meta or {}).get("peft") or {}).get("base") or {}
+    base = table(table(table(meta).get("peft")).get("base"))
     out.append(("base (init_from)", base.get("init_from")))
     paths = data.get("path")
     for e in paths if isinstance(paths, list) else [paths]:
@@ -234,14 +308,16 @@ def _real(p: Path, what: str) -> Path:
 def check_run_out_dir(out_dir: str | os.PathLike, inputs: Sequence[tuple[str, Path]]) -> None:
     """``q38 train``'s ``run.out_dir`` never is nor lies inside a path the run reads (``run_inputs``), and none of
     them lies where the run writes (``out_dir/checkpoints``, ``out_dir/hf``, ``metrics.jsonl``, the run lock), real
-    paths compared (symlinks resolved); checked before anything is created."""
+    paths compared (symlinks resolved), and ``run.out_dir`` is none of them under a second name (a bind mount:
+    ``same_or_inside``); checked before anything is created."""
     from q38.train.io.checkpoint import CHECKPOINTS
 
     o = _real(Path(out_dir), "run.out_dir")
     written = [o / CHECKPOINTS, o / "hf", o / METRICS_FILE, o / LOCK_FILE]
     for role, src in inputs:
         s = _real(src, f"the run's {role}")
-        if o == s or s in o.parents:
+        overlap = same_or_inside(Path(out_dir), src)
+        if o == s or s in o.parents or (overlap is not None and overlap[0] == "inside"):
             raise ConfigError(f"run.out_dir {out_dir} is the run's {role} {src} or inside it; the run would write "
                               "into what it reads; choose a run.out_dir outside it")
         w = next((w for w in written if s == w or w in s.parents), None)

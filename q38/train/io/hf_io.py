@@ -30,7 +30,9 @@ import torch
 
 from q38.model_config import ConfigError, ModelConfig
 from q38.fp8 import FP8_DTYPE, Fp8Format, default_quantized
-from q38.hf import DEFAULT_MAX_SHARD_BYTES, HFReader, export_tmp_dir, fp8_dtypes, open_hf, plan_export, publish_export
+from q38.hf import (
+    DEFAULT_MAX_SHARD_BYTES, ExportExtras, HFReader, export_tmp_dir, fp8_dtypes, open_hf, plan_export, publish_export,
+)
 from q38.train.io.checkpoint import (
     _barrier, _broadcast, _dcp_load, _dist, _fsync_dir, _rank, check_saved_params, checkpoint_reader, master_dtypes,
     read_meta,
@@ -206,12 +208,13 @@ def _is_fp32_leaf(q: str, tc: dict) -> bool:
 
 
 def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=None,
-                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, extras: ExportExtras | None = None) -> Path:
     """Write the parameters of the q38 checkpoint ``ck`` as a HF directory ``out`` (atomic: built in a temporary
     sibling, renamed when every rank's files are complete). Collective under a process group (each rank writes its
     share of the files); at most one conversion rule's tensors in memory per rank. ``dtype``: a torch dtype (cast
     every tensor), ``None`` (the saved dtype), ``"source"`` (each tensor in the dtype of the Hugging Face checkpoint
-    the run started from, block-FP8 included) or ``"fp8"`` (block-FP8): see ``export_dtypes``. (A LoRA checkpoint
+    the run started from, block-FP8 included) or ``"fp8"`` (block-FP8): see ``export_dtypes``. ``extras``: the
+    tokenizer files, ``generation_config.json`` and token ids written with the weights. (A LoRA checkpoint
     holds adapters, not a model: ``q38.train.io.peft_export.export_merged`` writes its merged model.)"""
     ck, out = Path(ck), Path(out)
 
@@ -234,14 +237,16 @@ def export_checkpoint(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=No
         return reader, saved, export
 
     reader, saved, export = all_ranks_ok(prepare, f"reading checkpoint {ck}")
-    return write_export(export, out, lambda: _leaf_loader(ck, reader, saved), f"exporting {ck} to {out}")
+    return write_export(export, out, lambda: _leaf_loader(ck, reader, saved), f"exporting {ck} to {out}", extras)
 
 
-def write_export(export, out: Path, make_load: Callable[[], Callable[[tuple[str, ...]], tuple]], what: str) -> Path:
+def write_export(export, out: Path, make_load: Callable[[], Callable[[tuple[str, ...]], tuple]], what: str,
+                 extras: ExportExtras | None = None) -> Path:
     """The collective half of an export: every rank writes output files ``rank, rank + W, ...`` of ``export`` (a
     ``q38.hf.HFExport``) into a shared temporary sibling of ``out``, reading the q38 leaves of each conversion rule
-    through ``make_load()(names)`` (called once per rank); rank 0 then writes ``config.json`` (and the index) and
-    renames the directory over ``out``. A failure on any rank is one error on every rank (``all_ranks_ok``)."""
+    through ``make_load()(names)`` (called once per rank); rank 0 then writes ``config.json`` (and the index, and
+    ``extras``) and renames the directory over ``out``. A failure on any rank is one error on every rank
+    (``all_ranks_ok``)."""
     rank, world = _rank(), _world()
     with shared_tmp_dir(export_tmp_dir(out, _broadcast(os.urandom(4).hex()))) as tmp:
         def write():
@@ -251,7 +256,7 @@ def write_export(export, out: Path, make_load: Callable[[], Callable[[tuple[str,
 
         all_ranks_ok(write, what)
         if rank == 0:
-            export.write_metadata(tmp)
+            export.write_metadata(tmp, extras)
             _fsync_dir(tmp)
             publish_export(tmp, out)
             _fsync_dir(out.parent)

@@ -30,6 +30,7 @@ class BaseMismatch(ConfigError):
 
 # ---- the base reference ----------------------------------------------------------------------------------------------
 
+EDITED = "(meta.json edited?)"  # ends base_difference's answer when the record, not the base, disagrees
 REFERENCE_FORMAT = "tensor-sha256"  # a Hugging Face base known by the bytes of its tensors (the format key of a ref)
 CHUNK_BYTES = 64 << 20  # the unit of work of the hash: a tensor's bytes in pieces of this size, dealt over ranks
 SHORT = 16  # hex digits kept per tensor in meta.json (enough to name the one that changed; ``sha256`` covers all)
@@ -213,9 +214,10 @@ def base_reference(init_from: str | None, seed: int) -> dict:
 def base_difference(saved: dict, ref: dict) -> tuple[str | None, str | None]:
     """``(what differs, note)`` between the base a checkpoint recorded (``saved``) and the one at hand (``ref``, of
     ``base_reference``): ``what`` names the first tensor (in key order) that changed, is missing or is new, or None
-    when they are the same base. A checkpoint written before ``REFERENCE_FORMAT`` recorded the hash of the base's
-    safetensors index or headers only: it is checked that way and accepted with ``note`` saying that the weights
-    themselves could not be compared."""
+    when they are the same base. Both records are checked: the whole-base digest and every per-tensor digest must
+    match (an edited entry of either is refused, never outvoted by the other). A checkpoint written before
+    ``REFERENCE_FORMAT`` recorded the hash of the base's safetensors index or headers only: it is checked that way
+    and accepted with ``note`` saying that the weights themselves could not be compared."""
     if saved.get("init_from") is None or ref.get("init_from") is None:
         if saved.get("init_from") is None and ref.get("init_from") is None and saved.get("seed") == ref.get("seed"):
             return None, None
@@ -228,27 +230,44 @@ def base_difference(saved: dict, ref: dict) -> tuple[str | None, str | None]:
                           f"weights hashing): the weights of {ref['init_from']} cannot be compared with those it was "
                           "trained on; a checkpoint saved from now on records them")
         return "one is a Hugging Face directory, the other a q38 checkpoint", None
-    if saved.get("sha256") == ref.get("sha256"):
-        return None, None
     old, new = saved.get("tensors") or {}, ref.get("tensors") or {}
-    for k in sorted(set(old) | set(new)):
-        if k not in new:
-            return f"tensor {k} is missing", None
-        if k not in old:
-            return f"tensor {k} is new", None
-        if old[k] != new[k]:
-            return f"tensor {k} differs", None
-    return ("its manifest differs" if ref.get("format") is None else "its weights differ"), None
+    if not isinstance(old, dict):
+        return f"its recorded per-tensor digests are not a table {EDITED}", None
+    same_whole = saved.get("sha256") == ref.get("sha256")
+    for k in sorted(set(old) | set(new), key=str):
+        what = ("is missing" if k not in new else "is new" if k not in old else "differs" if old[k] != new[k]
+                else None)
+        if what is None:
+            continue
+        if same_whole:  # the weights hash as recorded: the per-tensor record was changed
+            return f"its whole-base digest matches but the recorded digest of tensor {str(k)[:80]} {what} {EDITED}", \
+                None
+        return f"tensor {str(k)[:80]} {what}", None
+    if same_whole:
+        return None, None
+    if ref.get("format") is None:
+        return "its manifest differs", None
+    if old:  # every tensor matches its recorded digest: the recorded whole-base digest was changed
+        return f"every tensor matches its recorded digest but the whole-base digest does not {EDITED}", None
+    return "its weights differ", None
 
 
 def check_base(meta: dict, ref: dict, where: str) -> str | None:
     """Refuse to resume the LoRA checkpoint ``where`` (its ``meta``) on another base than ``ref``; the note of
     ``base_difference`` (or None) when it is the same base."""
-    saved = (meta.get("peft") or {}).get("base")
+    peft = meta.get("peft")
+    saved = peft.get("base") if isinstance(peft, dict) else None
+    if saved is not None and not isinstance(saved, dict):
+        raise BaseMismatch(f"{where}/meta.json: peft.base is {type(saved).__name__}, not the table q38 records (its "
+                           "init_from, sha256 and tensors); the checkpoint's metadata was edited: resume from another "
+                           "checkpoint or start in a new run.out_dir")
     if saved is None:
         raise BaseMismatch(f"{where} is not a LoRA checkpoint (its meta.json has no peft.base) but the run config has "
                            "a peft section; resume it without peft, or start the LoRA run in a new run.out_dir")
     what, note = base_difference(saved, ref)
+    if what is not None and what.endswith(EDITED):
+        raise BaseMismatch(f"{where}/meta.json: its record of the base contradicts itself ({what}); resume from a "
+                           "checkpoint whose meta.json is as the run wrote it")
     if what is not None:
         raise BaseMismatch(f"{where} trained its adapters on another base than {ref.get('init_from') or 'the seed'} "
                            f"({what}; recorded base {saved.get('init_from') or 'seed ' + str(saved.get('seed'))}); "

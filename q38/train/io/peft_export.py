@@ -21,7 +21,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from q38.hf import _Entry, _abstract_shapes, _plan, _write_safetensors, export_tmp_dir, plan_export, publish_export
+from q38.hf import (
+    ExportExtras, _Entry, _abstract_shapes, _plan, _write_safetensors, export_tmp_dir, plan_export, publish_export,
+)
 from q38.fp8 import default_quantized
 from q38.layers.hf_keys import CheckpointLayout
 from q38.lora import EXPERT_TARGETS, Lora, PeftConfig, SharedLora, add_adapters, merge_weight, split_path
@@ -211,11 +213,13 @@ def _base_name(lc: LoraCheckpoint, base: str | os.PathLike | None) -> str | None
 
 
 def export_peft(ck: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.dtype | None = None,
-                base: str | os.PathLike | None = None) -> Path:
+                base: str | os.PathLike | None = None, extras: ExportExtras | None = None) -> Path:
     """Write the adapters of the LoRA checkpoint ``ck`` as a PEFT adapter directory ``out`` (``adapter_config.json``
     + ``adapter_model.safetensors``; atomic: built in a temporary sibling and renamed). ``dtype``: cast the adapters
     (default: as saved, the fp32 masters). ``base``: where the base is now (default: the path the checkpoint names;
-    checked against its recorded hash), written as ``base_model_name_or_path``. Streamed: one adapter matrix in
+    checked against its recorded hash), written as ``base_model_name_or_path``. ``extras``: the tokenizer files and
+    ``generation_config.json`` written beside the adapter (its ``config`` keys are ignored: an adapter has no
+    ``config.json``). Streamed: one adapter matrix in
     memory at a time; under a process group rank 0 writes the one file PEFT reads (the adapters are a small part of
     the model) while the others wait."""
     ck, out = Path(ck), Path(out)
@@ -243,6 +247,8 @@ def export_peft(ck: str | os.PathLike, out: str | os.PathLike, *, dtype: torch.d
             _write_safetensors(tmp / ADAPTER_FILE, entries, tensor)
             with open(tmp / ADAPTER_CONFIG, "w") as fh:
                 json.dump(config, fh, indent=2, sort_keys=True)
+            if extras is not None:
+                extras.write(tmp)
             _fsync_dir(tmp)
             publish_export(tmp, out)
             _fsync_dir(out.parent)
@@ -267,7 +273,7 @@ def check_base_path(lc: LoraCheckpoint, path: str | os.PathLike | None) -> dict:
     base_difference``: the refusal names the first tensor that differs). Collective under a process group (each rank
     hashes its share of the base): every rank calls it, outside ``all_ranks_ok``. A note about a checkpoint written
     before q38 hashed the base's weights is printed once."""
-    from q38.train.io.peft import base_difference, base_reference
+    from q38.train.io.peft import EDITED, base_difference, base_reference
 
     if lc.base.get("init_from") is None:
         if path is not None:
@@ -280,6 +286,9 @@ def check_base_path(lc: LoraCheckpoint, path: str | os.PathLike | None) -> dict:
                               "that base is now")
     ref = base_reference(str(path), 0)
     what, note = base_difference(lc.base, ref)
+    if what is not None and what.endswith(EDITED):
+        raise PeftExportError(f"{lc.path}/meta.json: its record of the base {path} contradicts itself ({what}); "
+                              "export a checkpoint whose meta.json is as the run wrote it")
     if what is not None:
         raise PeftExportError(f"{path} is not the base the adapters of {lc.path} were trained on ({what}; recorded "
                               f"base {lc.base.get('init_from')}, sha256 {str(lc.base.get('sha256'))[:12]}...); pass "
@@ -409,7 +418,7 @@ def merge_description(meta: dict, merge_onto: str, base: str | os.PathLike | Non
 
 def export_merged(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=SOURCE,
                   max_shard_bytes: int | None = None, base: str | os.PathLike | None = None,
-                  merge_onto: str = "trained") -> Path:
+                  merge_onto: str = "trained", extras: ExportExtras | None = None) -> Path:
     """Write the merged model of the LoRA checkpoint ``ck`` (its base + ``scale · B @ A`` on every adapted weight) as
     a Hugging Face directory ``out``, streamed and sharded as ``q38.train.io.hf_io.export_checkpoint`` writes a
     checkpoint (each rank its share of the files, one conversion rule's tensors in memory). The base is the one the
@@ -418,7 +427,7 @@ def export_merged(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=SOURCE
     whose base was quantized at load): ``"trained"``, the dequantized block-FP8 values the run trained on
     (``trained_loader``), or ``"original"``, the stored base; the same for any other run. ``dtype``: as
     ``export_checkpoint`` (``"source"``: each tensor in the dtype of the Hugging Face base, block-FP8 again for an
-    FP8 one; ``None``: the base's stored dtypes)."""
+    FP8 one; ``None``: the base's stored dtypes). ``extras``: as ``export_checkpoint``'s."""
     from q38.hf import DEFAULT_MAX_SHARD_BYTES
 
     if merge_onto not in MERGE_ONTO:
@@ -442,7 +451,8 @@ def export_merged(ck: str | os.PathLike, out: str | os.PathLike, *, dtype=SOURCE
             return base_load, export
 
         base_load, export = all_ranks_ok(prepare, f"reading the base of LoRA checkpoint {ck}")
-        return write_export(export, out, lambda: merged_loader(lc, base_load), f"exporting the merged {ck} to {out}")
+        return write_export(export, out, lambda: merged_loader(lc, base_load), f"exporting the merged {ck} to {out}",
+                            extras)
 
 
 __all__ = ["FP8", "SOURCE", "export_merged", "export_peft", "open_lora_checkpoint", "plan_peft"]

@@ -39,6 +39,10 @@ def top1_correct(hidden: torch.Tensor, w_head: torch.Tensor, targets: torch.Tens
     return n
 
 
+PP_EVAL_REFUSAL = ("evaluation on a layout with a pipeline axis (pp) is not implemented; evaluate the checkpoint on a "
+                   "layout without pp (q38 eval --set layout=...), and train without data.eval_split / data.eval_path")
+
+
 @typing.no_type_check
 @torch.no_grad()
 def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: bool = True) -> dict[str, float]:
@@ -55,6 +59,10 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
     from q38.train.core.objective import TermInput, aux_term, lm_loss, routing, step_context
     from q38.train.core.step import _as_step_batch, step_runtime
 
+    if mesh is not None and mesh.pp > 1:
+        from q38.errors import ConfigError
+
+        raise ConfigError(PP_EVAL_REFUSAL)
     mc, tc = state.model_config, state.train_config
     runtime = step_runtime(mesh, tc)
     depths = mc.mtp_num_layers

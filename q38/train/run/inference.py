@@ -79,6 +79,48 @@ def load_state(src: Source, world, device: str, plan, mesh):
     return state
 
 
+def device_room(device: str) -> tuple[str, int | None]:
+    """What ``device`` can still allocate, in words and bytes (None: unknown): the host's memory for ``cpu``, a CUDA
+    device's free memory."""
+    if device.startswith("cuda"):
+        import torch
+
+        return f"free memory of {device}", torch.cuda.mem_get_info(torch.device(device))[0]
+    if device == "cpu":
+        from q38.model import host_memory_available
+
+        return "host memory", host_memory_available()
+    return device, None
+
+
+EVAL_BYTES_PER_TOKEN = 3 * 8  # a batch's input ids, labels and document ids: int64 on the host
+
+
+def check_eval_batch(rows: int, cfg: RunConfig, device: str, what: str) -> None:
+    """Refuse, before any data or weight is read, eval batches of ``rows`` rows (per data-parallel rank) that cannot
+    fit: a batch holds ``rows × data.seq_len`` tokens as three int64 tensors on the host, and at least one hidden
+    state (``[rows, seq_len, hidden_size]``, 2 bytes an element at the least) on the device. That lower bound is
+    held against what this process can still allocate (the host's memory; a CUDA device's free memory); ``what``
+    names the setting (``--batch-size``, ``data.eval_batch_size``) in the one-line error, with the largest value that
+    passes the bound."""
+    from q38.model import host_memory_available
+
+    tokens = rows * cfg.data.seq_len
+    hidden = 2 * cfg.model.hidden_size
+    on_host = EVAL_BYTES_PER_TOKEN + (hidden if device == "cpu" else 0)
+    checks = [("host memory", on_host, host_memory_available())]
+    if device != "cpu":
+        where, room = device_room(device)
+        checks.append((where, hidden, room))
+    for where, per_token, room in checks:
+        if room is not None and tokens * per_token > room:
+            most = max(room // (per_token * cfg.data.seq_len), 0)
+            raise ConfigError(f"{what} {rows:,}: one eval batch of {rows:,} rows of {cfg.data.seq_len:,} tokens needs "
+                              f"at least {tokens * per_token / 2**30:,.1f} GiB of {where} (its token ids and one "
+                              f"hidden state), more than the {room / 2**30:,.1f} GiB this process can still allocate; "
+                              f"give {what} {most:,} or less")
+
+
 def evaluate(source: str, data_path: str, *, batch_size: int | None = None, max_batches: int = 0,
              overrides: dict | None = None, progress: bool = True) -> dict:
     """``q38 eval``: the terms and statistics of ``source`` (``open_source``) on the held-out
@@ -101,6 +143,8 @@ def evaluate(source: str, data_path: str, *, batch_size: int | None = None, max_
     src = attrs.evolve(src, cfg=cfg)
     rows = batch_size or cfg.data.eval_batch_size or cfg.data.batch_size
     device = pick_device(cfg.run.device, world.local_rank)
+    check_eval_batch(rows, cfg, device, "--batch-size" if batch_size else
+                     "data.eval_batch_size" if cfg.data.eval_batch_size else "data.batch_size")
     plan = check_run(cfg, world.world_size, device)
     tok = load_tokenizer(cfg.data.tokenizer)
     created = world.world_size > 1 and _init_process_group(device, pick_backend(device, cfg.run.backend), world,
@@ -108,7 +152,7 @@ def evaluate(source: str, data_path: str, *, batch_size: int | None = None, max_
     try:
         ds = open_data(str(data_path), tok, cfg.data.seq_len, cfg.model.vocab_size, cfg.data.overlong,
                        cfg.data.train_on)
-        mesh, dp_rank = _make_mesh(plan, world, device)
+        mesh, dp_rank = _make_mesh(plan, world, device, cfg.model)
         state = load_state(src, world, device, plan, mesh)
         evals = EvalRows([ds], rows, dp_rank=dp_rank, dp_size=plan.dp_size, max_batches=max_batches)
         out = eval_losses(state, evals, mesh, device, progress=progress)

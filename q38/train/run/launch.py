@@ -137,6 +137,15 @@ def check_run(cfg: RunConfig, world_size: int = 1, device: str = "cpu") -> RunPl
             f"choose another layout (layout: single runs on one process)"
         ) from None
     layout.placements(abstract_params_of(cfg.model), sizes)  # every parameter placed and divisible (or uneven)
+    if sizes.get("pp", 1) > 1:  # the stage split against the model, the schedule against the micro-batches
+        from q38.parallel.pipeline import check_micro_batches, check_model
+
+        check_model(layout, cfg.model)
+        check_micro_batches(layout, cfg.train.micro_batches)
+        if cfg.data.eval_split or cfg.data.eval_path is not None:
+            from q38.train.run.evaluate import PP_EVAL_REFUSAL
+
+            raise ConfigError(PP_EVAL_REFUSAL)
     ep, cp = sizes.get("ep", 1), sizes.get("cp", 1)
     dp = math.prod(sizes.get(d, 1) for d in layout.batch_mesh_dims)
     kernels = validate_run(cfg.model, cfg.train, device=device, ep_size=ep, kernels=cfg.kernels, cp_size=cp)
@@ -299,12 +308,10 @@ def die_with_launcher(env: Mapping[str, str] | None = None) -> bool:
 # ---- q38 launch: torchrun with the documented stop ------------------------------------------------------------------
 
 
-LAUNCHED = ("train", "eval", "convert")  # the q38 commands that run under torchrun
-
-
-def launch(argv: list[str]) -> int:
-    """``q38 launch [torchrun options] COMMAND [ARGS]``: ``torchrun [torchrun options] -m q38.cli COMMAND [ARGS]``
-    (torch's own launcher, in this process), except for how it stops.
+def launch(argv: list[str], at: int) -> int:
+    """``q38 launch [torchrun options] COMMAND [ARGS]`` (``argv[at]``: the q38 command, which ``q38.cli`` checked):
+    ``torchrun [torchrun options] -m q38.cli COMMAND [ARGS]`` (torch's own launcher, in this process), except for how
+    it stops.
 
     torchrun's agent turns SIGTERM / SIGINT into an exception: it signals the workers, waits ``--shutdown-timeout``
     (30 s) for them, SIGKILLs the rest and exits 1 with its traceback, whatever the workers did. Here the first
@@ -318,10 +325,6 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    at = next((i for i, a in enumerate(argv) if a in LAUNCHED), None)
-    if at is None:
-        raise ConfigError(f"q38 launch expects torchrun options, then a q38 command ({', '.join(LAUNCHED)}) and its "
-                          f"arguments, e.g. q38 launch --standalone --nproc-per-node 2 train CONFIG; got {argv}")
     args = parse_args([*argv[:at], "-m", "q38.cli", *argv[at:]])
     contexts: list = []
     signals: list[int] = []

@@ -9,7 +9,7 @@ import attrs
 
 from q38.hf_config import load_model_config
 from q38.model_config import SPECS_DIR, ModelConfig
-from q38.errors import ConfigError, check_keys, need
+from q38.errors import ConfigError, check_filled, check_keys, need, unfilled
 from q38.kernels import KernelConfig
 from q38.lora import PeftConfig
 from q38.train.core.step_config import TrainConfig
@@ -213,7 +213,8 @@ class RunConfig:
              + (f" or eval_mtp_1..eval_mtp_{self.model.mtp_num_layers}" if self.model.mtp_num_layers else ""))
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None) -> "RunConfig":
+    def from_yaml(cls, path: str | os.PathLike | None = None, overrides: Mapping[str, Any] | None = None, *,
+                  placeholders: str = "refuse") -> "RunConfig":
         from q38.errors import read_yaml_file
 
         path = Path(path) if path is not None else DEFAULT_CONFIG
@@ -226,10 +227,15 @@ class RunConfig:
         if bad is not None:
             raise ConfigError(f"{path}: top-level key {bad!r} is not a section name; valid sections: model, "
                               "init_from, layout, data, train, run, kernels")
-        return cls.from_dict(raw, source=str(path), overrides=overrides, base_dir=path.parent)
+        return cls.from_dict(raw, source=str(path), overrides=overrides, base_dir=path.parent,
+                             placeholders=placeholders)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any], *, source: str = "config", overrides=None, base_dir=None) -> "RunConfig":
+    def from_dict(cls, raw: Mapping[str, Any], *, source: str = "config", overrides=None, base_dir=None,
+                  placeholders: str = "refuse") -> "RunConfig":
+        """The checked run config of ``raw`` with ``overrides`` (``--set``) applied. ``placeholders``: ``refuse``
+        (one ``ConfigError`` naming every required key ``q38 plan --out`` left unfilled) or ``ignore`` (those keys
+        are dropped: ``q38 plan --train`` prices a written run before it is filled)."""
         import difflib
 
         raw = dict(raw)
@@ -256,6 +262,10 @@ class RunConfig:
         for sec in ("data", "train", "run", "kernels", "peft"):
             if raw.get(sec) is not None and not isinstance(raw[sec], dict):
                 raise ConfigError(f"{source}: section {sec!r} must be a mapping, got {type(raw[sec]).__name__}")
+        if placeholders == "ignore":
+            raw = _drop_keys(raw, [k for k, _ in unfilled(raw)])
+        else:  # before any path is resolved or read
+            check_filled(raw, source)
         init_from = raw.get("init_from")
         if init_from is not None:
             init_from = _resolve(str(init_from), base_dir)
@@ -287,13 +297,17 @@ class RunConfig:
             data["eval_path"] = _resolve(str(data["eval_path"]), base_dir)
         run = dict(raw.get("run") or {})
         _check_keys("run", run, RunOptions)
+        from q38.parallel.plan_out import layout_beside
+
         train = TrainConfig.from_dict(_train_with_run_dtype(raw.get("train") or {}, run, source),
                                       source=f"{source}: train")
+        peft = None if raw.get("peft") is None else PeftConfig.from_dict(dict(raw["peft"]), source=source)
+        check_peft_combinations(peft, train, kernels, source)
         return cls(
-            model=model, model_source=str(model_src), init_from=init_from, layout=str(raw.get("layout", "single")),
+            model=model, model_source=str(model_src), init_from=init_from,
+            layout=layout_beside(str(raw.get("layout", "single")), base_dir),
             data=structure(DataConfig, data, "data"), train=train, run=structure(RunOptions, run, "run"),
-            source=source, kernels=kernels,
-            peft=None if raw.get("peft") is None else PeftConfig.from_dict(dict(raw["peft"]), source=source),
+            source=source, kernels=kernels, peft=peft,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -303,6 +317,32 @@ class RunConfig:
             "source": self.source, "kernels": self.kernels.to_dict(),
             **({"peft": self.peft.to_dict()} if self.peft is not None else {}),
         }
+
+
+def check_peft_combinations(peft: PeftConfig | None, train: TrainConfig, kernels: KernelConfig, source: str) -> None:
+    """What a LoRA run (a ``peft`` section, either base dtype) does not run, refused when the config is read, before
+    any weight: the trainer would otherwise meet each at its first step, after every rank has loaded its base."""
+    if peft is None:
+        return
+    need(not train.enable_ep_balance,
+         f"{source}: train.enable_ep_balance with a peft section (LoRA, base_dtype {peft.base_dtype}) is not "
+         "implemented (the expert copies would have to carry the adapters and the FP8 scales); set "
+         "train.enable_ep_balance: false")
+    need(kernels.block != "compiled",
+         f"{source}: kernels.block: compiled with a peft section (LoRA) is not implemented (adapters beside their "
+         "frozen weights); set kernels.block: eager (or auto)")
+
+
+def _drop_keys(raw: Mapping[str, Any], keys: list[str]) -> dict:
+    """``raw`` without the dotted ``keys`` (``init_from``, ``data.path``)."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for k in keys:
+        sec, _, key = k.partition(".")
+        if key:
+            out[sec].pop(key, None)
+        else:
+            out.pop(sec, None)
+    return out
 
 
 def _train_with_run_dtype(train: Mapping[str, Any], run: Mapping[str, Any], source: str) -> dict:

@@ -276,7 +276,7 @@ def _train(cfg: RunConfig, world: WorldInfo, device: str, plan: RunPlan, on_step
     torch.manual_seed(cfg.run.seed)
     data = _open_data(cfg)
     resume = _find_resume(cfg, lead)
-    mesh, dp_rank = _make_mesh(plan, world, device)
+    mesh, dp_rank = _make_mesh(plan, world, device, cfg.model)
     batches, evals = data.iterators(cfg.data.batch_size, dp_rank=dp_rank, dp_size=plan.dp_size, seed=cfg.run.seed,
                                     shuffle=cfg.data.shuffle, eval_batches=cfg.run.eval_batches,
                                     eval_batch_size=cfg.data.eval_batch_size)
@@ -379,14 +379,14 @@ def _find_resume(cfg: RunConfig, lead: bool) -> _Resume:
     return _Resume(latest, meta, metrics_path, old_metrics, torn)
 
 
-def _make_mesh(plan: RunPlan, world: WorldInfo, device: str):
+def _make_mesh(plan: RunPlan, world: WorldInfo, device: str, model=None):
     """The layout's mesh (None on one process) and this rank's data-parallel row rank: each rank reads only its
     own rows of every global batch (``batch_size`` rows per data-parallel rank)."""
     if world.world_size == 1:
         return None, 0
     from q38.parallel.mesh import batch_row_rank, make_mesh
 
-    mesh = make_mesh(plan.layout, world.world_size, device.split(":")[0])
+    mesh = make_mesh(plan.layout, world.world_size, device.split(":")[0], model=model)
     if world.rank == 0:
         print(f"q38 train: mesh {mesh.describe_links()}", file=sys.stderr)
     return mesh, batch_row_rank(mesh)[0]
@@ -760,13 +760,17 @@ class _Saver:
 def _export_hf(cfg: RunConfig, ck: Path, step: int, log) -> None:
     """``run.save_hf``: the checkpoint just saved, exported as ``out_dir/hf/step_<n>`` by every rank at once (each
     writes its share of the files, reading only those tensors back from the checkpoint) at the last step and at
-    multiples of ``run.save_hf_every``."""
+    multiples of ``run.save_hf_every``, with the run's tokenizer files and ``generation_config.json``."""
     every = cfg.run.save_hf_every
     if not cfg.run.save_hf or not (step == cfg.run.steps or (every and step % every == 0)):
         return
     from q38.train.io.checkpoint import step_dir_name
     from q38.train.io.hf_io import export_checkpoint
 
+    from q38.train.data.export_files import export_extras
+
     out = Path(cfg.run.out_dir) / "hf" / step_dir_name(step)
-    export_checkpoint(ck, out, dtype="source")  # the init_from checkpoint's dtypes, else the compute dtype
+    extras = export_extras(cfg.data.tokenizer, cfg.model.vocab_size, cfg.model.max_position_embeddings)
+    # the init_from checkpoint's dtypes, else the compute dtype; the run's tokenizer and where generation stops
+    export_checkpoint(ck, out, dtype="source", extras=extras)
     log(f"step {step}: Hugging Face export written to {out}")
