@@ -189,6 +189,9 @@ def _generate(argv: list[str]) -> int:
     p.add_argument("--keep-special-tokens", action="store_true", help="show special tokens (end of turn, end of "
                    "text, ...) in the answers' text (default: left out, as transformers' skip_special_tokens)")
     p.add_argument("--no-eos-stop", action="store_true", help="keep sampling after the end-of-sequence token")
+    p.add_argument("--speculative", type=int, default=None, metavar="K", help="draft K tokens per main-model pass with "
+                   "the checkpoint's MTP heads and verify them in one pass (greedy only; the same tokens as plain "
+                   "greedy decoding); reports the mean accepted length")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a setting of the source's run config, e.g. --set data.tokenizer=DIR")
     p.add_argument("--json", action="store_true", help="print one JSON record per prompt (its index and origin, the "
@@ -205,9 +208,14 @@ def _generate(argv: list[str]) -> int:
     recs = generate_from(a.source, inputs=a.inputs, system=a.system, max_new_tokens=a.max_new_tokens,
                          temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed,
                          stop_at_eos=not a.no_eos_stop, stop=a.stop, skip_special_tokens=not a.keep_special_tokens,
-                         overrides=_overrides(a.set))
+                         overrides=_overrides(a.set), speculative=a.speculative)
     for r in recs:
         print(json.dumps(r) if a.json else _labelled(r))
+    if a.speculative is not None:
+        passes = sum(r["speculative"]["passes"] for r in recs)
+        tokens = sum(r["speculative"]["tokens"] for r in recs)
+        print(f"q38 generate: speculative k={a.speculative}: {tokens} tokens from {passes} verification passes, "
+              f"mean accepted length {tokens / max(passes, 1):.3f}", file=sys.stderr)
     return 0
 
 

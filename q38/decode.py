@@ -1,8 +1,10 @@
 """Functional decoding (docs/evaluate.md#how-decoding-works): ``decode_step(params, cache, token) -> (logits, cache)``
 over a pytree cache of every main layer's decode state (``q38.layers.decode``: GDN conv windows and recurrent
-states, attention keys/values), prompts fed token by token (``feed``), and sampling (``generate``: greedy,
-temperature, top-k, top-p, a seed; rows stop at stop tokens or by a caller's rule, e.g. a stop string). MoE layers
-run ``moe_apply``, the function training runs; the MTP block is not used.
+states, attention keys/values), prompts fed in one pass of the sequence form (``prefill``; or token by token,
+``feed``), several tokens per row over the cache (``extend``, ``keep_prefix``: speculative decoding's verification,
+``q38.speculative``), and sampling (``generate``: greedy, temperature, top-k, top-p, a seed; rows stop at stop tokens
+or by a caller's rule, e.g. a stop string). MoE layers run ``moe_apply``, the function training runs; the MTP block
+drafts tokens only in ``q38.speculative``.
 
 A batch holds one sequence per row. Rows may skip steps (``active`` False: the row's cache and position stay as they
 were), which is how prompts of different lengths are fed as one batch: left-aligned to end together (``feed``).
@@ -17,7 +19,8 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from q38.layers.decode import (
-    GDNCache, attention_decode, empty_gdn_cache, empty_kv_cache, gdn_decode,
+    GDNCache, attention_decode, attention_extend, empty_gdn_cache, empty_kv_cache, gdn_decode, gdn_extend, gdn_keep,
+    kv_keep,
 )
 from q38.layers.moe import moe_apply
 from q38.layers.norm import rms_norm
@@ -179,8 +182,8 @@ def generate(
     dtype: torch.dtype | None = None, stop_when: Callable[[int, list[int]], bool] | None = None,
 ) -> list[list[int]]:
     """The tokens sampled after each prompt (at most ``max_new_tokens``; a row stops after a token of ``stop_ids``,
-    or when ``stop_when(row, its tokens so far)`` is true, and keeps that token). Prompts of different lengths run as
-    one batch (``left_aligned``); rows that stopped skip later steps. A prompt and its new tokens must fit the
+    or when ``stop_when(row, its tokens so far)`` is true, and keeps that token). The prompts (of any lengths, one
+    batch) go through ``prefill``; rows that stopped skip later steps. A prompt and its new tokens must fit the
     model's ``max_position_embeddings``."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
@@ -191,10 +194,7 @@ def generate(
     dev = params.embed.device
     dtype = dtype or params.embed.dtype
     gen = torch.Generator().manual_seed(int(sampling.seed))
-    tokens, active = left_aligned(prompts, device=dev)
-    cache = empty_cache(config, len(prompts), dtype=dtype, device=dev)
-    for t in range(tokens.shape[1]):  # the prefill (``feed``), keeping only the last step's logits
-        logits, cache = decode_step(params, cache, tokens[:, t], config, active=active[:, t], router_bias=router_bias)
+    logits, cache, _ = prefill(params, config, prompts, dtype=dtype, router_bias=router_bias)
     out: list[list[int]] = [[] for _ in prompts]
     running = torch.ones(len(prompts), dtype=torch.bool, device=dev)
     for step in range(max_new_tokens):
@@ -208,3 +208,96 @@ def generate(
             break
         logits, cache = decode_step(params, cache, nxt, config, active=running.clone(), router_bias=router_bias)
     return out
+
+
+# ---- several tokens per row in one pass: prefill, and the verification pass of speculative decoding ----------------
+
+
+@attrs.frozen
+class Extension:
+    """What ``extend`` leaves for ``keep_prefix``: the cache before it, after it, its new-token count and each GDN
+    layer's per-token states (``GDNSteps``; None for attention layers or a chunked pass)."""
+
+    before: DecodeCache
+    after: DecodeCache
+    new: int
+    steps: list
+
+
+def extend(
+    params: ModelParams, cache: DecodeCache, tokens: Int[Tensor, "b n"], config: ModelConfig, *,
+    lengths: Int[Tensor, " b"] | None = None, router_bias: Float[Tensor, "l e"] | None = None,
+    stepwise: bool = False,
+) -> tuple[Float[Tensor, "b n d"], Extension]:
+    """Feed ``n`` tokens per row in one pass over the cache (row ``r``: its first ``lengths[r]`` columns; None: all
+    ``n``), each layer running its sequence form from the row's cache (``gdn_extend``, ``attention_extend``, the
+    MoE over the ``[b, n]`` tokens). Returns the post-final-norm hidden states of every column (the logits are
+    ``hidden @ headᵀ``) and an ``Extension`` whose ``after`` is the cache after each row's tokens.
+
+    ``stepwise``: the GDN layers keep every token's state, so that ``keep_prefix`` can keep a shorter prefix of each
+    row (speculative decoding's rollback); otherwise the rule runs its chunked form (prefill)."""
+    b, n = tokens.shape
+    dev = tokens.device
+    if lengths is None:
+        lengths = torch.full((b,), n, dtype=torch.long, device=dev)
+    positions = cache.pos[:, None] + torch.arange(n, device=dev)[None]
+    active = torch.arange(n, device=dev)[None] < lengths[:, None]
+    x = F.embedding(tokens, params.embed)  # [b n d]
+    caches, steps = [], []
+    for i, (lp, lc, kind) in enumerate(zip(params.layers, cache.layers, config.layer_types)):
+        h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
+        if kind == "linear_attention":
+            y, new, st = gdn_extend(lp.mixer, h, lc, lengths, config, stepwise=stepwise)
+        else:
+            y, new = attention_extend(lp.mixer, h, lc, positions, active, config)
+            st = None
+        caches.append(new)
+        steps.append(st)
+        x = x + y
+        bias = None if router_bias is None else router_bias[i]
+        y, _ = moe_apply(lp.moe, rms_norm(x, lp.mlp_norm, config.rms_norm_eps), config, None, bias)
+        x = x + y
+    hidden = rms_norm(x, params.final_norm, config.rms_norm_eps)
+    after = DecodeCache(layers=caches, pos=cache.pos + lengths)
+    return hidden, Extension(before=cache, after=after, new=n, steps=steps)
+
+
+def keep_prefix(ext: Extension, keep: Int[Tensor, " b"], config: ModelConfig) -> DecodeCache:
+    """The cache after only each row's first ``keep[r]`` tokens of a stepwise ``extend`` (0: as before it): the GDN
+    state and conv window of that token, the attention keys after it dropped (docs/evaluate.md#speculative-decoding)."""
+    layers = []
+    for lc, st, kind in zip(ext.after.layers, ext.steps, config.layer_types):
+        if kind == "linear_attention":
+            if st is None:
+                raise ValueError("keep_prefix needs an extend(..., stepwise=True) pass (the GDN states of every token)")
+            layers.append(gdn_keep(st, keep, config.linear_conv_kernel_dim))
+        else:
+            layers.append(kv_keep(lc, ext.new, keep))
+    return DecodeCache(layers=layers, pos=ext.before.pos + keep)
+
+
+def right_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None) -> tuple[Tensor, Tensor]:
+    """Prompts as ``[b, max_len]`` tokens, each at the left end of its row, and their lengths ``[b]``."""
+    n = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), n), pad_id, dtype=torch.long, device=device)
+    for r, p in enumerate(prompts):
+        tokens[r, :len(p)] = torch.tensor(list(p), dtype=torch.long, device=device)
+    return tokens, torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+
+
+def prefill(
+    params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
+    dtype: torch.dtype | None = None, router_bias: Tensor | None = None,
+) -> tuple[Float[Tensor, "b v"], DecodeCache, Float[Tensor, "b n d"]]:
+    """The prompts (of any lengths, one batch) through the model's sequence form once, from an empty cache
+    (``extend``, chunked GDN): returns the next-token logits after each prompt's last token, the decode cache after
+    it (what ``feed`` builds one token at a time, within float rounding) and the hidden states of every prompt
+    position (row ``r``'s first ``len(prompts[r])`` columns)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prefill needs at least one prompt, each of at least one token")
+    dev = params.embed.device
+    tokens, lengths = right_padded(prompts, device=dev)
+    cache = empty_cache(config, len(prompts), dtype=dtype or params.embed.dtype, device=dev)
+    hidden, ext = extend(params, cache, tokens, config, lengths=lengths, router_bias=router_bias)
+    last = hidden[torch.arange(len(prompts), device=dev), lengths - 1]
+    return F.linear(last, head_weight(params)), ext.after, hidden

@@ -104,7 +104,8 @@ def test_eval_on_two_ranks_equals_the_logged_loss(tmp_path, peft):
     _assert_matches(ev0, recs0[1])
     # the same checkpoint on one process (resharded), one batch of 4 rows: the same terms
     one = evaluate(str(tmp_path / "run" / "checkpoints" / "step_000001"), str(data), batch_size=4, progress=False)
-    for k in ("eval_loss", "eval_mtp_1", "eval_aux", "eval_accuracy"):
+    for k in ("eval_loss", "eval_mtp_1", "eval_aux", "eval_accuracy", "eval_accept_1", "eval_accept_1_0_1k",
+              "eval_accept_len_1"):
         assert one[k] == pytest.approx(ev0[k], rel=1e-6, abs=1e-9), k
 
 

@@ -17,6 +17,7 @@ import typing
 import attrs
 import torch
 
+from q38.acceptance import acceptance_counts, acceptance_metrics, n_counts
 from q38.lora import compute_form
 from q38.model import LayerHooks, forward, head_weight
 from q38.batch import IGNORE_INDEX, count_targets
@@ -47,9 +48,11 @@ PP_EVAL_REFUSAL = ("evaluation on a layout with a pipeline axis (pp) is not impl
 def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: bool = True) -> dict[str, float]:
     """``batches``: this rank's eval batches (dicts of ``input_ids``, ``labels``, ``doc_ids``; on a mesh, this rank's
     rows as from ``EvalRows.batch``; an ``EvalRows`` itself gives the bar its total). Returns ``{"eval_loss",
-    "eval_mtp_1", ..., "eval_aux", "eval_tokens", "eval_accuracy", "eval_ppl"}``; the layers and the loss run
-    ``state.kernels``, routing uses the state's router bias (aux-loss-free runs) as the step does. With
-    ``progress``, an eval longer than ``PROGRESS_AFTER_S`` seconds shows a bar on rank 0 (only on a terminal)."""
+    "eval_mtp_1", ..., "eval_aux", "eval_tokens", "eval_accuracy", "eval_ppl"}`` and, with MTP depths, the
+    heads' acceptance (``eval_accept_<d>``, by position bucket, ``eval_accept_len_<k>``: ``q38.acceptance``); the
+    layers and the loss run ``state.kernels``, routing uses the state's router bias (aux-loss-free runs) as the step
+    does. With ``progress``, an eval longer than ``PROGRESS_AFTER_S`` seconds shows a bar on rank 0 (only on a
+    terminal)."""
     import torch.distributed as dist
     from tqdm import tqdm
 
@@ -71,7 +74,8 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
     runtime.bind(p)
     one = torch.ones(())
     # per batch, this rank's partials: [main CE sum, main targets, correct top-1, aux, (mtp CE sum, mtp targets)...]
-    sums = torch.zeros(4 + 2 * depths, dtype=torch.float64)
+    # then the MTP heads' acceptance sums (q38.acceptance)
+    sums = torch.zeros(4 + 2 * depths + n_counts(depths), dtype=torch.float64)
     n_batches = 0
     lead = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
     bar = tqdm(batches, desc="eval", unit="batch", leave=False, delay=PROGRESS_AFTER_S, file=sys.stdout,
@@ -94,7 +98,8 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
                 top1_correct(out.hidden, w_head, sb.targets), aux_term(ti)]
         for d, h in enumerate(out.mtp_hidden):
             part += [lm_loss(h, w_head, sb.mtp_targets[d], one, tc, state.kernels), count_targets(sb.mtp_targets[d])]
-        sums += torch.stack([t.detach().double().cpu() for t in part])
+        acc = acceptance_counts(out.hidden, out.mtp_hidden, w_head, sb.mtp_targets, info)
+        sums += torch.cat([torch.stack([t.detach().double().cpu() for t in part]), acc])
         n_batches += 1
     if mesh is not None:  # sums over ranks (the step's runtime reduces on the device)
         sums = runtime.all_reduce_sum(sums.to(device)).cpu()
@@ -104,5 +109,6 @@ def eval_losses(state, batches, mesh=None, device: str = "cpu", *, progress: boo
            "eval_ppl": math.exp(min(loss, 700.0)), "eval_aux": s[3] / max(n_batches, 1)}
     for d in range(depths):
         out[f"eval_mtp_{d + 1}"] = s[4 + 2 * d] / max(s[5 + 2 * d], 1.0)
+    out.update(acceptance_metrics(s[4 + 2 * depths:], depths))
     return out
 

@@ -167,13 +167,16 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
                   prompts_file: str | None = None, inputs: Sequence[tuple[str, str]] = (), system: str | None = None,
                   max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   seed: int = 0, stop_at_eos: bool = True, stop: Sequence[str] = (),
-                  skip_special_tokens: bool = True, overrides: dict | None = None) -> list[dict[str, Any]]:
+                  skip_special_tokens: bool = True, overrides: dict | None = None,
+                  speculative: int | None = None) -> list[dict[str, Any]]:
     """One record per prompt, in order: ``inputs`` (``prompt_records``), then ``text``, ``chat`` and the records of
     ``prompts_file``. Each record: ``index`` (from 1), ``from`` (``--prompt``, ``--chat`` or ``FILE:LINE``), the
     prompt (``prompt``: a text prompt; ``messages`` and ``tools``: a chat), ``prompt_ids``, ``ids`` (every sampled
     token, the stop token or the tokens of a stop string included), ``text`` (the answer: the text of ``ids``, special
     tokens left out unless not ``skip_special_tokens``, cut before the first ``stop`` string) and ``stopped``
-    (``eos``, ``stop_string`` or ``length``). One process."""
+    (``eos``, ``stop_string`` or ``length``). One process. ``speculative`` K (not None): greedy decoding with K MTP
+    drafts per pass (``q38.speculative``); each record then holds ``speculative``: its verification ``passes`` and
+    the ``tokens`` they committed."""
     from q38.decode import Sampling, generate
     from q38.train.data.tokenizer import load_tokenizer
     from q38.train.run.inference import load_state, open_source
@@ -191,6 +194,10 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
     recs = prompt_records(ordered, system)
     src = open_source(source, dict(overrides or {}, layout="single"))
     cfg = src.cfg if src.checkpoint is not None else _source_precision(src.cfg)
+    if speculative is not None:
+        from q38.speculative import check_speculative
+
+        check_speculative(cfg.model, speculative, temperature)
     tok = load_tokenizer(cfg.data.tokenizer)
     prompts = [prompt_ids(r, tok) for r in recs]
     check_lengths(prompts, recs, max_new_tokens, cfg.model.max_position_embeddings)
@@ -204,14 +211,21 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
     state = load_state(attrs.evolve(src, cfg=cfg), world, device, plan, None)
     params = inference_params(state)
     stop_when = (lambda r, ids: answer_text(tok, ids, skip=skip, stop=stop)[1] is not None) if stop else None
-    with torch.no_grad():
-        outs = generate(params, cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                        stop_ids=stop_ids, router_bias=state.router_bias, stop_when=stop_when)
+    stats = None
+    if speculative is not None:
+        from q38.speculative import speculative_generate
+
+        outs, stats = speculative_generate(params, cfg.model, prompts, k=speculative, max_new_tokens=max_new_tokens,
+                                           stop_ids=stop_ids, router_bias=state.router_bias, stop_when=stop_when)
+    else:
+        with torch.no_grad():
+            outs = generate(params, cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                            stop_ids=stop_ids, router_bias=state.router_bias, stop_when=stop_when)
     out = []
     for i, (rec, p, o) in enumerate(zip(recs, prompts, outs), start=1):
         answer, hit = answer_text(tok, o, skip=skip, stop=stop)
         why = "stop_string" if hit is not None else "eos" if o and o[-1] in stop_ids else "length"
         prompt = {"prompt": rec["text"]} if "text" in rec else {k: rec[k] for k in ("messages", "tools") if k in rec}
         out.append({"index": i, "from": rec["from"], **prompt, "prompt_ids": p, "ids": o, "text": answer,
-                    "stopped": why})
+                    "stopped": why, **({"speculative": stats.row(i - 1)} if stats is not None else {})})
     return out
