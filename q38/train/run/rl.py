@@ -1,0 +1,205 @@
+"""Post-training with rewards, the loop's pieces (docs/rl.md): reward functions (built in: ``numeric_answer``,
+``answer_format``; a user's by ``module:function``), group-normalised advantages, packing completions into a
+policy-gradient batch, the trainer's log-probs of that batch (for the train–rollout mismatch), and ``rl_iteration``:
+rollout → rewards → advantages → one ``train_step`` with the policy-gradient terms.
+
+A reward function is ``fn(prompt: str, completion: str, answer: str | None) -> float``; the texts come from the
+caller's ``detokenize(ids) -> str``. A reward that raises or returns anything but a finite number stops the
+iteration before it trains, with one line naming the prompt and the function (``RewardError``).
+"""
+
+import importlib
+import math
+import re
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from q38.batch import IGNORE_INDEX
+from q38.errors import ConfigError
+from q38.rollout import Completion, rollout
+from q38.train.core.policy import PolicyLossConfig, policy_terms, token_logprobs
+from q38.train.core.step import _as_step_batch, train_step
+
+
+class RewardError(ValueError):
+    """A reward function failed on a prompt or returned a value that is not a finite number."""
+
+
+_NUMBER = r"-?\d+(?:\.\d+)?"
+_ANSWER_LINE = re.compile(rf"(?:^|\n)Answer:[ \t]*({_NUMBER})[ \t]*$")
+
+
+def numeric_answer(prompt: str, completion: str, answer: str | None) -> float:
+    """1.0 when the last number in the completion equals the reference answer (as numbers, to 1e-6), else 0.0."""
+    if answer is None:
+        raise ValueError("this prompt has no reference answer; numeric_answer needs one (an `answer` per prompt)")
+    found = re.findall(_NUMBER, completion)
+    return float(bool(found) and math.isclose(float(found[-1]), float(answer), abs_tol=1e-6))
+
+
+def answer_format(prompt: str, completion: str, answer: str | None) -> float:
+    """1.0 when the completion ends with a line ``Answer: <number>``, else 0.0 (reference answer not needed)."""
+    return float(_ANSWER_LINE.search(completion.rstrip("\n")) is not None)
+
+
+BUILTIN = {"numeric_answer": numeric_answer, "answer_format": answer_format}
+
+
+def load_reward(spec: str) -> Callable:
+    """A built-in reward by name or a user's by ``module:function`` (imported)."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    mod, sep, name = spec.partition(":")
+    if not sep or not mod or not name:
+        raise ConfigError(f"reward {spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor module:function")
+    try:
+        fn = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"reward {spec!r} cannot be loaded ({type(e).__name__}: {e}); check the module is "
+                          "importable and defines the function") from None
+    if not callable(fn):
+        raise ConfigError(f"reward {spec!r} is not a function")
+    return fn
+
+
+def score(rewards: Sequence[str], prompts: Sequence[str], answers: Sequence[str | None],
+          completions: Sequence[Completion], texts: Sequence[str]) -> list[float]:
+    """Each completion's reward: the sum of the reward functions' values (``rewards``: specs for ``load_reward``).
+    ``prompts`` / ``answers`` by prompt index, ``texts`` by completion."""
+    fns = [(spec, load_reward(spec)) for spec in rewards]
+    out = []
+    for c, text in zip(completions, texts):
+        total = 0.0
+        for spec, fn in fns:
+            where = f"reward {spec} on prompt {c.prompt_index} ({prompts[c.prompt_index][:40]!r})"
+            try:
+                v = fn(prompts[c.prompt_index], text, answers[c.prompt_index])
+            except Exception as e:  # noqa: BLE001 - a user's function: any failure is reported in one line
+                msg = str(e).splitlines()[0] if str(e) else ""
+                raise RewardError(f"{where} raised {type(e).__name__}: {msg}; the iteration was not trained on") \
+                    from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise RewardError(f"{where} returned {v!r}, not a finite number; the iteration was not trained on")
+            total += float(v)
+        out.append(total)
+    return out
+
+
+def group_advantages(rewards: Sequence[float], group_size: int, *, scale: bool = True, eps: float = 1e-6
+                     ) -> list[float]:
+    """GRPO advantages: each reward minus its group's mean, divided by the group's standard deviation (Bessel's,
+    as TRL) plus ``eps`` when ``scale`` (``scale=False``: Dr. GRPO's unscaled form). Groups are consecutive
+    ``group_size`` rewards; a group of equal rewards gets advantage 0."""
+    if not (isinstance(group_size, int) and group_size >= 2):
+        raise ConfigError(f"rl.group_size must be an integer >= 2 (a group of one sample has no advantage), got "
+                          f"{group_size!r}")
+    if len(rewards) % group_size:
+        raise ConfigError(f"{len(rewards)} rewards do not form groups of {group_size}")
+    r = torch.tensor(list(rewards), dtype=torch.float64).view(-1, group_size)
+    a = r - r.mean(1, keepdim=True)
+    if scale:
+        a = a / (r.std(1, keepdim=True) + eps)
+    return a.reshape(-1).tolist()
+
+
+def pack_rollouts(completions: Sequence[Completion], advantages: Sequence[float], row_len: int, *,
+                  ref_logprobs: Sequence[Sequence[float]] | None = None, pad_id: int = 0) -> dict[str, Tensor]:
+    """A policy-gradient batch: each completion with its prompt one document (first fit into rows of
+    ``row_len``), prompts labelled -100, each completion token labelled with itself and carrying its recorded
+    log-prob, its sequence's advantage and (optionally) the reference policy's log-prob. Completions without a
+    token are left out."""
+    seqs = [(c, a, None if ref_logprobs is None else ref_logprobs[i])
+            for i, (c, a) in enumerate(zip(completions, advantages)) if c.tokens]
+    if not seqs:
+        raise ConfigError("no rollout produced a token; nothing to train on (check stop ids and max_new_tokens)")
+    rows: list[list] = []
+    used: list[int] = []
+    for s in seqs:
+        n = len(s[0].prompt) + len(s[0].tokens)
+        if n > row_len:
+            raise ConfigError(f"a prompt and its completion hold {n} tokens, more than the row length {row_len}; "
+                              "raise the row length or lower max_new_tokens")
+        for i, u in enumerate(used):
+            if u + n <= row_len:
+                rows[i].append(s)
+                used[i] += n
+                break
+        else:
+            rows.append([s])
+            used.append(n)
+    b = len(rows)
+    ids = torch.full((b, row_len), pad_id, dtype=torch.long)
+    labels = torch.full((b, row_len), IGNORE_INDEX, dtype=torch.long)
+    docs = torch.full((b, row_len), -1, dtype=torch.long)
+    old, adv, ref = (torch.zeros(b, row_len) for _ in range(3))
+    doc = 0
+    for r, members in enumerate(rows):
+        at = 0
+        for c, a, rl in members:
+            p, n = len(c.prompt), len(c.prompt) + len(c.tokens)
+            ids[r, at: at + n] = torch.tensor(c.prompt + c.tokens)
+            labels[r, at + p: at + n] = torch.tensor(c.tokens)
+            docs[r, at: at + n] = doc
+            old[r, at + p: at + n] = torch.tensor(c.logprobs)
+            adv[r, at: at + n] = a
+            if rl is not None:
+                ref[r, at + p: at + n] = torch.tensor(list(rl), dtype=torch.float32)
+            at, doc = at + n, doc + 1
+    batch = {"input_ids": ids, "labels": labels, "doc_ids": docs, "old_logprobs": old, "advantages": adv}
+    if ref_logprobs is not None:
+        batch["ref_logprobs"] = ref
+    return batch
+
+
+@torch.no_grad()
+def trainer_logprobs(state, batch: dict, temperature: float = 1.0) -> Tensor:
+    """The training forward's log-prob of every labelled token of a packed batch, HF-aligned like ``labels``
+    (``out[r, t]``: the log-prob of token ``t``; 0 where ``labels`` is -100). One process, plain parameters."""
+    from q38.model import forward, head_weight
+
+    if state.peft is not None:
+        raise NotImplementedError("trainer_logprobs runs full-parameter states; merge a LoRA state first")
+    mc = state.model_config
+    sb = _as_step_batch(batch, mc.mtp_num_layers)
+    out = forward(state.params, sb.input_ids, mc, doc_ids=sb.doc_ids, router_bias=state.router_bias)
+    t = sb.targets.reshape(-1)
+    valid = torch.nonzero(t != IGNORE_INDEX).flatten()
+    h = out.hidden.reshape(-1, out.hidden.shape[-1]).index_select(0, valid)
+    lp, _ = token_logprobs(h, head_weight(state.params), t.index_select(0, valid), temperature=temperature)
+    at_target = torch.zeros(t.numel(), dtype=torch.float32).index_copy(0, valid, lp).view_as(sb.targets)
+    shifted = torch.zeros_like(at_target)  # target position t holds token t + 1: move it back
+    shifted[:, 1:] = at_target[:, :-1]
+    return torch.where(torch.as_tensor(batch["labels"]) != IGNORE_INDEX, shifted, torch.zeros_like(shifted))
+
+
+def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Sequence[str],
+                 answers: Sequence[str | None], detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str],
+                 group_size: int, max_new_tokens: int, sampling, row_len: int, stop_ids: Sequence[int] = (),
+                 loss: PolicyLossConfig | None = None):
+    """One iteration on one process: rollout from ``state`` → rewards → group advantages → one ``train_step`` with
+    the policy-gradient terms. Returns ``(new state, metrics dict)``: the step's metrics plus ``reward_mean``,
+    ``reward_std``, ``response_length``, ``mismatch_max`` (max |rollout − trainer log-prob| over the trained
+    tokens, measured before the update)."""
+    loss = loss or PolicyLossConfig(temperature=sampling.temperature)
+    if not math.isclose(loss.temperature, sampling.temperature):
+        raise ConfigError(f"rl.temperature of the loss ({loss.temperature}) and of sampling "
+                          f"({sampling.temperature}) differ; the ratio needs the policy the rollout sampled from")
+    if state.peft is not None:
+        raise NotImplementedError("rl_iteration runs full-parameter states for now (LoRA rollouts: not built)")
+    mc, tc = state.model_config, state.train_config
+    comps = rollout(state.params, mc, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
+                    sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias)
+    rew = score(rewards, prompt_texts, answers, comps, [detokenize(c.tokens) for c in comps])
+    adv = group_advantages(rew, group_size)
+    batch = pack_rollouts(comps, adv, row_len)
+    lp = trainer_logprobs(state, batch, loss.temperature)
+    mask = batch["labels"] != IGNORE_INDEX
+    mismatch = float((lp - batch["old_logprobs"]).abs()[mask].max())
+    new, m = train_step(state, batch, terms=policy_terms(mc, tc, loss))
+    r = torch.tensor(rew)
+    d = m.as_dict()
+    d.update(reward_mean=float(r.mean()), reward_std=float(r.std()), mismatch_max=mismatch,
+             response_length=sum(len(c.tokens) for c in comps) / len(comps))
+    return new, d

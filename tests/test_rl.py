@@ -1,0 +1,115 @@
+"""Rollouts, rewards and advantages (``q38.rollout``, ``q38.train.run.rl``): the log-probs recorded at sampling equal
+the training forward's on the packed rows (max |Δ| ≤ 1e-5, fp32, one process); rewards built in and by
+``module:function``; group advantages against hand values; bad rewards and groups of one are one line; one
+rollout → reward → advantage → step iteration runs and reports its metrics."""
+
+import math
+
+import pytest
+import torch
+
+from q38.decode import Sampling
+from q38.errors import ConfigError
+from q38.rollout import Completion, rollout
+from q38.train.core.state import init_state
+from q38.train.core.step_config import TrainConfig
+from q38.train.run.rl import (
+    RewardError, answer_format, group_advantages, numeric_answer, pack_rollouts, rl_iteration, score,
+    trainer_logprobs,
+)
+from tests.test_policy_loss import CFG
+
+MISMATCH_TOL = 1e-5
+PROMPTS = [[5, 17, 3, 90, 41], [7, 2], [150, 33, 8]]  # different lengths: left-aligned feeding exercised
+
+
+def _state(seed=4):
+    return init_state(CFG, TrainConfig(lr=1e-3, warmup_steps=1), seed=seed)
+
+
+def test_rollout_logprobs_equal_the_trainers_on_packed_rows():
+    state = _state()
+    s = Sampling(temperature=0.8, top_p=0.95, seed=11)
+    comps = rollout(state.params, CFG, PROMPTS, group_size=3, max_new_tokens=7, sampling=s, stop_ids=(4,))
+    assert len(comps) == 9 and [c.prompt_index for c in comps] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert all(len(c.tokens) == len(c.logprobs) >= 1 for c in comps)
+    assert len({c.tokens for c in comps}) > 3  # sampled, not one greedy completion repeated
+    batch = pack_rollouts(comps, [0.0] * len(comps), row_len=32)
+    assert batch["input_ids"].shape[0] < len(comps)  # several documents per row
+    lp = trainer_logprobs(state, batch, temperature=0.8)
+    mask = batch["labels"] != -100
+    assert int(mask.sum()) == sum(len(c.tokens) for c in comps)
+    diff = float((lp - batch["old_logprobs"]).abs()[mask].max())
+    assert diff <= MISMATCH_TOL, f"max |rollout - trainer log-prob| = {diff:.2e}"
+    assert float(batch["old_logprobs"][mask].abs().min()) > 0  # real log-probs, not the zeros of the padding
+
+
+def test_the_rollout_is_refused_for_a_group_of_one_greedy_or_no_tokens():
+    p = _state().params
+    for kw, words in (({"group_size": 1}, "group of one"), ({"max_new_tokens": 0}, "max_new_tokens"),
+                      ({"sampling": Sampling(temperature=0.0)}, "greedy")):
+        args = {"group_size": 2, "max_new_tokens": 3, "sampling": Sampling(temperature=1.0), **kw}
+        with pytest.raises(ConfigError, match=words) as e:
+            rollout(p, CFG, PROMPTS, **args)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="group of one"):
+        group_advantages([1.0, 0.0], 1)
+
+
+def test_group_advantages_equal_hand_values():
+    # group 1: rewards 1, 0, 0 → mean 1/3, std (Bessel) sqrt(1/3) → (2/3)/0.57735 = 1.1547, -0.57735 twice
+    a = group_advantages([1.0, 0.0, 0.0, 2.0, 2.0, 2.0], 3, eps=0.0)
+    assert a[:3] == pytest.approx([2 / math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3)], abs=1e-9)
+    assert group_advantages([2.0, 2.0, 2.0], 3) == [0.0, 0.0, 0.0]  # equal rewards: no signal
+    assert group_advantages([1.0, 0.0], 2, scale=False) == [0.5, -0.5]
+
+
+def user_reward(prompt, completion, answer):
+    return float(len(completion))
+
+
+def raising_reward(prompt, completion, answer):
+    raise KeyError("boom")
+
+
+def nan_reward(prompt, completion, answer):
+    return float("nan")
+
+
+def text_reward(prompt, completion, answer):
+    return "1"
+
+
+def test_rewards_built_in_user_and_bad_ones():
+    assert numeric_answer("", "so 3 + 4 = 7", "7") == 1.0 and numeric_answer("", "7 or 8", "7") == 0.0
+    assert numeric_answer("", "no number", "7") == 0.0 and numeric_answer("", "x = 2.50", "2.5") == 1.0
+    assert answer_format("", "work\nAnswer: 12\n", None) == 1.0 and answer_format("", "Answer is 12", None) == 0.0
+    comps = [Completion(0, (1,), (2, 3), (-1.0, -1.0), True), Completion(1, (1,), (2,), (-1.0,), True)]
+    texts = ["Answer: 5", "6"]
+    got = score(["numeric_answer", "answer_format", "tests.test_rl:user_reward"], ["p0", "p1"], ["5", "5"],
+                comps, texts)
+    assert got == [1.0 + 1.0 + 9.0, 0.0 + 0.0 + 1.0]
+    for spec, words in (("tests.test_rl:raising_reward", "raised KeyError"), ("tests.test_rl:nan_reward", "nan"),
+                        ("tests.test_rl:text_reward", "'1', not a finite number")):
+        with pytest.raises(RewardError, match=words) as e:
+            score([spec], ["p0", "p1"], ["5", "5"], comps, texts)
+        assert "\n" not in str(e.value) and "prompt 0 ('p0')" in str(e.value) and spec in str(e.value)
+    with pytest.raises(RewardError, match="no reference answer"):
+        score(["numeric_answer"], ["p0", "p1"], [None, "5"], comps, texts)
+    with pytest.raises(ConfigError, match="module:function"):
+        score(["nonsense"], ["p0"], ["5"], comps[:1], texts[:1])
+    with pytest.raises(ConfigError, match="cannot be loaded"):
+        score(["tests.test_rl:missing"], ["p0"], ["5"], comps[:1], texts[:1])
+
+
+def test_one_rl_iteration_trains_and_reports():
+    state = _state()
+    before = state.params.embed.clone()
+    texts = ["a", "b", "c"]
+    new, d = rl_iteration(state, PROMPTS, prompt_texts=texts, answers=[None] * 3,
+                          detokenize=lambda ids: " ".join(map(str, ids)), rewards=["tests.test_rl:user_reward"],
+                          group_size=3, max_new_tokens=5, sampling=Sampling(temperature=1.0, seed=3), row_len=32)
+    assert int(new.step) == 1 and not torch.equal(new.params.embed, before)
+    assert d["mismatch_max"] <= MISMATCH_TOL and d["logprob_diff"] <= MISMATCH_TOL
+    assert d["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and d["reward_std"] > 0 and d["response_length"] >= 1
+    assert {"loss", "kl", "clip_frac", "entropy", "reward_mean"} <= set(d)
