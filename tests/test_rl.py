@@ -113,3 +113,44 @@ def test_one_rl_iteration_trains_and_reports():
     assert d["mismatch_max"] <= MISMATCH_TOL and d["logprob_diff"] <= MISMATCH_TOL
     assert d["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and d["reward_std"] > 0 and d["response_length"] >= 1
     assert {"loss", "kl", "clip_frac", "entropy", "reward_mean"} <= set(d)
+
+
+def _lora_state(seed=4):
+    from q38.lora import PeftConfig, add_adapters
+    from q38.model import init_params
+    from q38.train.core.state import state_from_params
+
+    peft = PeftConfig(rank=4, alpha=8)
+    p = add_adapters(init_params(CFG, seed=seed), peft, seed=1)
+    return state_from_params(p, CFG, TrainConfig(lr=1e-2, warmup_steps=1), peft=peft)
+
+
+def test_lora_rollouts_match_and_the_base_is_the_reference_policy():
+    """A LoRA run: rollouts from the merged adapters equal the step's unmerged forward; its reference log-probs
+    (adapters off) equal a plain model of the same base weights; KL is 0 before the adapters move, > 0 after."""
+    from q38.train.core.policy import PolicyLossConfig
+    from q38.train.run.rl import policy_params, reference_logprobs
+
+    state = _lora_state()
+    comps = rollout(policy_params(state), CFG, PROMPTS, group_size=2, max_new_tokens=5,
+                    sampling=Sampling(temperature=1.0, seed=5))
+    batch = pack_rollouts(comps, [0.0] * len(comps), row_len=32)
+    mask = batch["labels"] != -100
+    plain = trainer_logprobs(_state(), batch)  # the same base weights (seed 4), no adapters: an independent path
+    assert float((reference_logprobs(state, batch) - plain).abs()[mask].max()) <= 1e-6
+    kw = dict(prompt_texts=["a", "b", "c"], answers=[None] * 3, detokenize=lambda ids: " ".join(map(str, ids)),
+              rewards=["tests.test_rl:user_reward"], group_size=3, max_new_tokens=5, row_len=32,
+              loss=PolicyLossConfig(kl_coef=0.1))
+    new, d1 = rl_iteration(state, PROMPTS, sampling=Sampling(temperature=1.0, seed=3), **kw)
+    assert d1["mismatch_max"] <= MISMATCH_TOL and d1["kl"] == pytest.approx(0.0, abs=1e-6)
+    _, d2 = rl_iteration(new, PROMPTS, sampling=Sampling(temperature=1.0, seed=4), **kw)
+    assert d2["mismatch_max"] <= MISMATCH_TOL and d2["kl"] > 1e-9
+
+
+def test_a_kl_term_without_a_reference_is_refused_for_a_full_fine_tune():
+    from q38.train.core.policy import PolicyLossConfig
+
+    with pytest.raises(ConfigError, match="reference parameters"):
+        rl_iteration(_state(), PROMPTS, prompt_texts=["a", "b", "c"], answers=[None] * 3, detokenize=str,
+                     rewards=["tests.test_rl:user_reward"], group_size=2, max_new_tokens=2, row_len=32,
+                     sampling=Sampling(temperature=1.0), loss=PolicyLossConfig(kl_coef=0.1))

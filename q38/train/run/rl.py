@@ -153,47 +153,76 @@ def pack_rollouts(completions: Sequence[Completion], advantages: Sequence[float]
     return batch
 
 
-@torch.no_grad()
-def trainer_logprobs(state, batch: dict, temperature: float = 1.0) -> Tensor:
-    """The training forward's log-prob of every labelled token of a packed batch, HF-aligned like ``labels``
-    (``out[r, t]``: the log-prob of token ``t``; 0 where ``labels`` is -100). One process, plain parameters."""
-    from q38.model import forward, head_weight
+def _forward_logprobs(params, mc, batch: dict, temperature: float, router_bias, lora: bool) -> Tensor:
+    """The training forward's log-prob of every labelled token, HF-aligned like ``labels`` (0 where -100)."""
+    from q38.lora import compute_form, merge_adapters
+    from q38.model import LayerHooks, forward, head_weight
 
-    if state.peft is not None:
-        raise NotImplementedError("trainer_logprobs runs full-parameter states; merge a LoRA state first")
-    mc = state.model_config
     sb = _as_step_batch(batch, mc.mtp_num_layers)
-    out = forward(state.params, sb.input_ids, mc, doc_ids=sb.doc_ids, router_bias=state.router_bias)
+    hooks = LayerHooks(gather=compute_form) if lora else None  # the step's unmerged LoRA products
+    out = forward(params, sb.input_ids, mc, doc_ids=sb.doc_ids, router_bias=router_bias, hooks=hooks)
     t = sb.targets.reshape(-1)
     valid = torch.nonzero(t != IGNORE_INDEX).flatten()
     h = out.hidden.reshape(-1, out.hidden.shape[-1]).index_select(0, valid)
-    lp, _ = token_logprobs(h, head_weight(state.params), t.index_select(0, valid), temperature=temperature)
+    w = merge_adapters(compute_form(head_weight(params)))
+    lp, _ = token_logprobs(h, w, t.index_select(0, valid), temperature=temperature)
     at_target = torch.zeros(t.numel(), dtype=torch.float32).index_copy(0, valid, lp).view_as(sb.targets)
     shifted = torch.zeros_like(at_target)  # target position t holds token t + 1: move it back
     shifted[:, 1:] = at_target[:, :-1]
     return torch.where(torch.as_tensor(batch["labels"]) != IGNORE_INDEX, shifted, torch.zeros_like(shifted))
 
 
+@torch.no_grad()
+def trainer_logprobs(state, batch: dict, temperature: float = 1.0) -> Tensor:
+    """The training forward's log-prob of every labelled token of a packed batch, HF-aligned like ``labels``
+    (``out[r, t]``: the log-prob of token ``t``; 0 where ``labels`` is -100). One process; a LoRA state runs its
+    adapters unmerged, as the step does."""
+    return _forward_logprobs(state.params, state.model_config, batch, temperature, state.router_bias,
+                             state.peft is not None)
+
+
+@torch.no_grad()
+def reference_logprobs(state, batch: dict, temperature: float = 1.0, ref_params=None) -> Tensor:
+    """The reference policy's log-probs of a packed batch (as ``trainer_logprobs``): ``ref_params`` (a frozen copy,
+    plain tensors) when given, else a LoRA state's base with its adapters off (no second copy of the model)."""
+    from q38.lora import base_params
+
+    if ref_params is None:
+        if state.peft is None:
+            raise ConfigError("a KL term to a reference policy needs reference parameters for a full fine-tune "
+                              "(ref_params=, a frozen copy) or a LoRA run (its base is the reference)")
+        ref_params = base_params(state.params)
+    return _forward_logprobs(ref_params, state.model_config, batch, temperature, state.router_bias, False)
+
+
+def policy_params(state):
+    """The parameters a rollout samples from: plain tensors (a LoRA state's adapters merged, fp32)."""
+    from q38.lora import merged_params
+
+    return merged_params(state.params) if state.peft is not None else state.params
+
+
 def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Sequence[str],
                  answers: Sequence[str | None], detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str],
                  group_size: int, max_new_tokens: int, sampling, row_len: int, stop_ids: Sequence[int] = (),
-                 loss: PolicyLossConfig | None = None):
+                 loss: PolicyLossConfig | None = None, ref_params=None):
     """One iteration on one process: rollout from ``state`` → rewards → group advantages → one ``train_step`` with
     the policy-gradient terms. Returns ``(new state, metrics dict)``: the step's metrics plus ``reward_mean``,
     ``reward_std``, ``response_length``, ``mismatch_max`` (max |rollout − trainer log-prob| over the trained
-    tokens, measured before the update)."""
+    tokens, measured before the update). With ``loss.kl_coef`` > 0 the batch carries reference log-probs
+    (``reference_logprobs``: ``ref_params``, or a LoRA state's base)."""
     loss = loss or PolicyLossConfig(temperature=sampling.temperature)
     if not math.isclose(loss.temperature, sampling.temperature):
         raise ConfigError(f"rl.temperature of the loss ({loss.temperature}) and of sampling "
                           f"({sampling.temperature}) differ; the ratio needs the policy the rollout sampled from")
-    if state.peft is not None:
-        raise NotImplementedError("rl_iteration runs full-parameter states for now (LoRA rollouts: not built)")
     mc, tc = state.model_config, state.train_config
-    comps = rollout(state.params, mc, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
+    comps = rollout(policy_params(state), mc, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
                     sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias)
     rew = score(rewards, prompt_texts, answers, comps, [detokenize(c.tokens) for c in comps])
     adv = group_advantages(rew, group_size)
     batch = pack_rollouts(comps, adv, row_len)
+    if loss.kl_coef > 0:
+        batch["ref_logprobs"] = reference_logprobs(state, batch, loss.temperature, ref_params)
     lp = trainer_logprobs(state, batch, loss.temperature)
     mask = batch["labels"] != IGNORE_INDEX
     mismatch = float((lp - batch["old_logprobs"]).abs()[mask].max())
