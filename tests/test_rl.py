@@ -154,3 +154,36 @@ def test_a_kl_term_without_a_reference_is_refused_for_a_full_fine_tune():
         rl_iteration(_state(), PROMPTS, prompt_texts=["a", "b", "c"], answers=[None] * 3, detokenize=str,
                      rewards=["tests.test_rl:user_reward"], group_size=2, max_new_tokens=2, row_len=32,
                      sampling=Sampling(temperature=1.0), loss=PolicyLossConfig(kl_coef=0.1))
+
+
+def _encode(text):
+    return [(ord(ch) * 7) % CFG.vocab_size for ch in text]
+
+
+def test_prompts_file_and_a_loop_that_resumes_exactly(tmp_path):
+    """Two iterations in one go equal one, a stop, and one more from the returned state (iteration cursor and
+    sampling seed follow from the iteration index)."""
+    from q38.errors import DataError
+    from q38.train.run.rl import load_prompts, rl_loop
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "1+2=", "answer": 3}\n\n{"prompt": "4+4=", "answer": "8"}\n{"prompt": "9-3="}\n')
+    recs = load_prompts(f)
+    assert [r.answer for r in recs] == ["3", "8", None]
+    with pytest.raises(DataError, match="line 4 has no `answer`") as e:
+        load_prompts(f, rewards=["numeric_answer"])
+    assert "\n" not in str(e.value)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{"text": "y"}\n')
+    with pytest.raises(DataError, match="line 2"):
+        load_prompts(bad)
+    kw = dict(encode=_encode, detokenize=lambda ids: " ".join(map(str, ids)),
+              rewards=["tests.test_rl:user_reward"], prompts_per_iteration=2, group_size=2, max_new_tokens=4,
+              sampling=Sampling(temperature=1.0, seed=9), row_len=32)
+    both = list(rl_loop(_state(), recs, iterations=2, **kw))
+    first = list(rl_loop(_state(), recs, iterations=1, **kw))
+    (state1, m1, nxt), = first
+    (state2, m2, _), = rl_loop(state1, recs, iterations=1, start_iteration=nxt, **kw)
+    assert [m["iteration"] for _, m, _ in both] == [0, 1] and m1["iteration"] == 0 and m2["iteration"] == 1
+    assert m2["reward_mean"] == both[1][1]["reward_mean"] and m2["loss"] == both[1][1]["loss"]
+    assert torch.equal(state2.params.embed, both[1][0].params.embed) and int(state2.step) == 2

@@ -11,13 +11,14 @@ iteration before it trains, with one line naming the prompt and the function (``
 import importlib
 import math
 import re
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
+import attrs
 import torch
 from torch import Tensor
 
 from q38.batch import IGNORE_INDEX
-from q38.errors import ConfigError
+from q38.errors import ConfigError, DataError
 from q38.rollout import Completion, rollout
 from q38.train.core.policy import PolicyLossConfig, policy_terms, token_logprobs
 from q38.train.core.step import _as_step_batch, train_step
@@ -232,3 +233,66 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
     d.update(reward_mean=float(r.mean()), reward_std=float(r.std()), mismatch_max=mismatch,
              response_length=sum(len(c.tokens) for c in comps) / len(comps))
     return new, d
+
+
+# ---- prompts and the loop ----------------------------------------------------------------------------------------
+
+MAX_PROMPTS_BYTES = 1 << 30
+
+
+@attrs.frozen
+class PromptRecord:
+    """One line of a prompts file: the ``prompt`` text and its reference ``answer`` (None when the line has none)."""
+
+    prompt: str
+    answer: str | None = None
+
+
+def load_prompts(path, rewards: Sequence[str] = ()) -> list[PromptRecord]:
+    """A JSON-lines prompts file, one ``{"prompt": str, "answer": str | number}`` object a line (``answer``
+    optional unless a reward in ``rewards`` needs it: ``numeric_answer``). Bad lines are one ``DataError`` naming
+    the file and line."""
+    from q38.files import parse_json, read_bounded
+
+    data = read_bounded(path, MAX_PROMPTS_BYTES, f"prompts file {path}", follow=True)
+    out = []
+    for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        rec = parse_json(line, f"prompts file {path} line {n}", DataError)
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
+            raise DataError(f"prompts file {path} line {n}: each line must be an object with a non-empty string "
+                            "`prompt` (and an `answer` where a reward needs one)")
+        ans = rec.get("answer")
+        if ans is not None and (isinstance(ans, bool) or not isinstance(ans, (str, int, float))):
+            raise DataError(f"prompts file {path} line {n}: `answer` must be a string or a number, got {ans!r}")
+        if ans is None and "numeric_answer" in rewards:
+            raise DataError(f"prompts file {path} line {n} has no `answer`, which the reward numeric_answer needs; "
+                            "add one to every line or drop that reward")
+        out.append(PromptRecord(rec["prompt"], None if ans is None else str(ans)))
+    if not out:
+        raise DataError(f"prompts file {path} holds no prompt")
+    return out
+
+
+def rl_loop(state, records: Sequence[PromptRecord], *, encode: Callable[[str], Sequence[int]],
+            detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str], iterations: int,
+            prompts_per_iteration: int, group_size: int, max_new_tokens: int, sampling, row_len: int,
+            stop_ids: Sequence[int] = (), loss: PolicyLossConfig | None = None, ref_params=None,
+            start_iteration: int = 0) -> Iterator[tuple]:
+    """``rl_iteration`` ``iterations`` times over ``records`` in order (wrapping around), yielding ``(state,
+    metrics, next_iteration)`` after each. Iteration ``i`` takes prompts ``i·P … i·P + P − 1`` (mod the count) and
+    samples with seed ``sampling.seed + i``: the prompt cursor and the sampling RNG follow from ``i`` alone, so a
+    run stopped after iteration ``i`` and started again from its state with ``start_iteration=i + 1`` goes on as
+    if it had not stopped."""
+    if not (isinstance(prompts_per_iteration, int) and prompts_per_iteration >= 1):
+        raise ConfigError(f"rl.prompts_per_iteration must be an integer >= 1, got {prompts_per_iteration!r}")
+    for it in range(start_iteration, start_iteration + iterations):
+        picked = [records[(it * prompts_per_iteration + j) % len(records)] for j in range(prompts_per_iteration)]
+        state, metrics = rl_iteration(
+            state, [list(encode(r.prompt)) for r in picked], prompt_texts=[r.prompt for r in picked],
+            answers=[r.answer for r in picked], detokenize=detokenize, rewards=rewards, group_size=group_size,
+            max_new_tokens=max_new_tokens, sampling=attrs.evolve(sampling, seed=int(sampling.seed) + it),
+            row_len=row_len, stop_ids=stop_ids, loss=loss, ref_params=ref_params)
+        metrics["iteration"] = it
+        yield state, metrics, it + 1
