@@ -187,3 +187,35 @@ def test_prompts_file_and_a_loop_that_resumes_exactly(tmp_path):
     assert [m["iteration"] for _, m, _ in both] == [0, 1] and m1["iteration"] == 0 and m2["iteration"] == 1
     assert m2["reward_mean"] == both[1][1]["reward_mean"] and m2["loss"] == both[1][1]["loss"]
     assert torch.equal(state2.params.embed, both[1][0].params.embed) and int(state2.step) == 2
+
+
+def test_streamed_weights_load_into_transformers_and_give_q38s_logits():
+    """After one LoRA RL step (adapters non-zero), ``hf_weights`` of the merged policy, loaded into transformers'
+    model by name (strict: every key, nothing extra), gives q38's logits."""
+    pytest.importorskip("transformers")
+    from q38.hf import hf_weights
+    from q38.hf_config import hf_config_dict
+    from q38.model import forward, head_weight
+    from q38.train.run.rl import policy_params
+    from tests.test_hf_parity import LOGIT_TOL, _hf_classes
+
+    state, _ = rl_iteration(_lora_state(), PROMPTS, prompt_texts=["a", "b", "c"], answers=[None] * 3,
+                            detokenize=lambda ids: " ".join(map(str, ids)), rewards=["tests.test_rl:user_reward"],
+                            group_size=2, max_new_tokens=4, sampling=Sampling(temperature=1.0, seed=1), row_len=32)
+    from q38.pytree import named_leaves
+
+    assert any(float(x.abs().max()) > 0 for n, x in named_leaves(state.params) if n.endswith(".lora_b"))
+    params = policy_params(state)
+    config_cls, model_cls = _hf_classes(CFG)
+    d = {k: v for k, v in hf_config_dict(CFG).items() if k not in ("model_type", "architectures", "q38_model_type")}
+    hf = model_cls(config_cls(**d)).eval()
+    pairs = list(hf_weights(CFG, params))
+    assert len({n for n, _ in pairs}) == len(pairs)
+    missing, unexpected = hf.load_state_dict(dict(pairs), strict=False)
+    assert not unexpected and not [k for k in missing if not k.startswith("mtp.")]
+    ids = torch.randint(0, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = forward(params, ids, CFG).hidden @ head_weight(params).T
+        got = hf(input_ids=ids).logits
+    assert float((got - want).abs().max()) <= LOGIT_TOL
+
