@@ -13,7 +13,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from q38.decode import Sampling, decode_step, empty_cache, left_aligned, sample
+from q38.decode import Sampling, cache_bytes, decode_step, empty_cache, left_aligned, sample
 from q38.errors import ConfigError
 from q38.model import ModelParams
 from q38.model_config import ModelConfig
@@ -52,6 +52,16 @@ def check_rollout(prompts: Sequence[Sequence[int]], group_size: int, max_new_tok
                           f"max_position_embeddings ({config.max_position_embeddings}); shorten either")
 
 
+def rollout_bytes(config: ModelConfig, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int,
+                  dtype: torch.dtype) -> int:
+    """What a rollout's decode batch holds beyond the weights: ``len(prompts) · group_size`` rows, each a decode
+    cache (``q38.decode.cache_bytes``: GDN states, attention keys and values in ``dtype``) for the longest prompt
+    plus ``max_new_tokens`` steps, and the fp32 logits and sampling probabilities over the vocabulary."""
+    rows = len(prompts) * group_size
+    longest = max(len(p) for p in prompts)
+    return rows * (cache_bytes(config, 1, longest + max_new_tokens, dtype) + 2 * 4 * config.vocab_size)
+
+
 def sampled_logprobs(logits, token: Tensor, temperature: float) -> Tensor:
     """``log softmax(logits / temperature)[token]`` per row, fp32 (the division as the trainer does it: times
     ``1 / temperature``)."""
@@ -62,17 +72,28 @@ def sampled_logprobs(logits, token: Tensor, temperature: float) -> Tensor:
 def rollout(
     params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *, group_size: int,
     max_new_tokens: int, sampling: Sampling, stop_ids: Sequence[int] = (), router_bias: Tensor | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, max_bytes: int | None = None,
 ) -> list[Completion]:
     """``group_size`` completions of every prompt (prompt ``i``'s group: results ``i·G … i·G + G − 1``), all rows in
     one decode batch. A row stops after a token of ``stop_ids`` (kept) or at ``max_new_tokens``. ``params``: plain
-    tensors (a LoRA tree merged first); ``sampling.seed`` fixes the draws."""
+    tensors (a LoRA tree merged first); ``sampling.seed`` fixes the draws. ``max_bytes``: refuse up front, before
+    any step, a rollout whose ``rollout_bytes`` pass it."""
     check_rollout(prompts, group_size, max_new_tokens, sampling, config)
+    dtype = dtype or params.embed.dtype
+    if max_bytes is not None:
+        need = rollout_bytes(config, prompts, group_size, max_new_tokens, dtype)
+        if need > max_bytes:
+            rows = len(prompts) * group_size
+            raise ConfigError(f"a rollout of {len(prompts)} prompts x group_size {group_size} with max_new_tokens "
+                              f"{max_new_tokens} needs {need / 2**20:,.1f} MiB of decode cache and logits, more than "
+                              f"the {max_bytes / 2**20:,.1f} MiB allowed; take at most "
+                              f"{max(0, max_bytes * rows // need // group_size)} prompts per iteration or fewer new "
+                              "tokens")
     rows = [list(p) for p in prompts for _ in range(group_size)]
     dev = params.embed.device
     gen = torch.Generator().manual_seed(int(sampling.seed))
     tokens, active = left_aligned(rows, device=dev)
-    cache = empty_cache(config, len(rows), dtype=dtype or params.embed.dtype, device=dev)
+    cache = empty_cache(config, len(rows), dtype=dtype, device=dev)
     for t in range(tokens.shape[1]):  # the prompts, fed to end together; the last step's logits draw token 1
         logits, cache = decode_step(params, cache, tokens[:, t], config, active=active[:, t], router_bias=router_bias)
     out: list[list[int]] = [[] for _ in rows]

@@ -219,3 +219,24 @@ def test_streamed_weights_load_into_transformers_and_give_q38s_logits():
         got = hf(input_ids=ids).logits
     assert float((got - want).abs().max()) <= LOGIT_TOL
 
+
+
+def test_a_rollout_past_its_memory_is_priced_and_refused_up_front():
+    """The price bounds the cache a decode of that length really holds (summed here from the cache's tensors), and
+    a budget below it is one line before any step."""
+    from q38.decode import decode_step, empty_cache
+    from q38.rollout import rollout_bytes
+
+    state = _state()
+    price = rollout_bytes(CFG, PROMPTS, 2, 6, torch.float32)
+    cache = empty_cache(CFG, 6, dtype=torch.float32)
+    for _ in range(max(len(p) for p in PROMPTS) + 6):
+        _, cache = decode_step(state.params, cache, torch.zeros(6, dtype=torch.long), CFG)
+    held = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(cache))
+    assert held <= price <= held + 6 * (2 * 4 * CFG.vocab_size + 64)
+    with pytest.raises(ConfigError, match="more than the") as e:
+        rollout(state.params, CFG, PROMPTS, group_size=2, max_new_tokens=6, sampling=Sampling(temperature=1.0),
+                max_bytes=price - 1)
+    assert "\n" not in str(e.value) and "prompts per iteration" in str(e.value)
+    assert len(rollout(state.params, CFG, PROMPTS, group_size=2, max_new_tokens=6,
+                       sampling=Sampling(temperature=1.0), max_bytes=price)) == 6

@@ -206,19 +206,20 @@ def policy_params(state):
 def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Sequence[str],
                  answers: Sequence[str | None], detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str],
                  group_size: int, max_new_tokens: int, sampling, row_len: int, stop_ids: Sequence[int] = (),
-                 loss: PolicyLossConfig | None = None, ref_params=None):
+                 loss: PolicyLossConfig | None = None, ref_params=None, max_rollout_bytes: int | None = None):
     """One iteration on one process: rollout from ``state`` → rewards → group advantages → one ``train_step`` with
     the policy-gradient terms. Returns ``(new state, metrics dict)``: the step's metrics plus ``reward_mean``,
     ``reward_std``, ``response_length``, ``mismatch_max`` (max |rollout − trainer log-prob| over the trained
     tokens, measured before the update). With ``loss.kl_coef`` > 0 the batch carries reference log-probs
-    (``reference_logprobs``: ``ref_params``, or a LoRA state's base)."""
+    (``reference_logprobs``: ``ref_params``, or a LoRA state's base). ``max_rollout_bytes``: the rollout's decode
+    batch is priced and refused up front past it (``q38.rollout.rollout_bytes``)."""
     loss = loss or PolicyLossConfig(temperature=sampling.temperature)
     if not math.isclose(loss.temperature, sampling.temperature):
         raise ConfigError(f"rl.temperature of the loss ({loss.temperature}) and of sampling "
                           f"({sampling.temperature}) differ; the ratio needs the policy the rollout sampled from")
     mc, tc = state.model_config, state.train_config
     comps = rollout(policy_params(state), mc, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
-                    sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias)
+                    sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias, max_bytes=max_rollout_bytes)
     rew = score(rewards, prompt_texts, answers, comps, [detokenize(c.tokens) for c in comps])
     adv = group_advantages(rew, group_size)
     batch = pack_rollouts(comps, adv, row_len)
@@ -279,7 +280,7 @@ def rl_loop(state, records: Sequence[PromptRecord], *, encode: Callable[[str], S
             detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str], iterations: int,
             prompts_per_iteration: int, group_size: int, max_new_tokens: int, sampling, row_len: int,
             stop_ids: Sequence[int] = (), loss: PolicyLossConfig | None = None, ref_params=None,
-            start_iteration: int = 0) -> Iterator[tuple]:
+            start_iteration: int = 0, max_rollout_bytes: int | None = None) -> Iterator[tuple]:
     """``rl_iteration`` ``iterations`` times over ``records`` in order (wrapping around), yielding ``(state,
     metrics, next_iteration)`` after each. Iteration ``i`` takes prompts ``i·P … i·P + P − 1`` (mod the count) and
     samples with seed ``sampling.seed + i``: the prompt cursor and the sampling RNG follow from ``i`` alone, so a
@@ -293,6 +294,7 @@ def rl_loop(state, records: Sequence[PromptRecord], *, encode: Callable[[str], S
             state, [list(encode(r.prompt)) for r in picked], prompt_texts=[r.prompt for r in picked],
             answers=[r.answer for r in picked], detokenize=detokenize, rewards=rewards, group_size=group_size,
             max_new_tokens=max_new_tokens, sampling=attrs.evolve(sampling, seed=int(sampling.seed) + it),
-            row_len=row_len, stop_ids=stop_ids, loss=loss, ref_params=ref_params)
+            row_len=row_len, stop_ids=stop_ids, loss=loss, ref_params=ref_params,
+            max_rollout_bytes=max_rollout_bytes)
         metrics["iteration"] = it
         yield state, metrics, it + 1
