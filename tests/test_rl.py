@@ -240,3 +240,22 @@ def test_a_rollout_past_its_memory_is_priced_and_refused_up_front():
     assert "\n" not in str(e.value) and "prompts per iteration" in str(e.value)
     assert len(rollout(state.params, CFG, PROMPTS, group_size=2, max_new_tokens=6,
                        sampling=Sampling(temperature=1.0), max_bytes=price)) == 6
+
+
+def test_several_updates_per_rollout_batch_move_the_ratio_and_print_a_progress_line():
+    from q38.train.core.policy import PolicyLossConfig
+    from q38.train.run.rl import progress_line
+
+    kw = dict(prompt_texts=["a", "b", "c"], answers=[None] * 3, detokenize=lambda ids: " ".join(map(str, ids)),
+              rewards=["tests.test_rl:user_reward"], group_size=3, max_new_tokens=5, row_len=32,
+              sampling=Sampling(temperature=1.0, seed=3), loss=PolicyLossConfig(clip_low=0.01, clip_high=0.01))
+    s = _state()
+    one, d1 = rl_iteration(s, PROMPTS, **kw)
+    three, d3 = rl_iteration(_state(), PROMPTS, updates=3, **kw)
+    assert int(one.step) == 1 and int(three.step) == 3
+    assert d1["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and d1["clip_frac"] == 0
+    assert abs(d3["ratio_mean"] - 1.0) > 1e-4 and d3["clip_frac"] > 0 and d3["logprob_diff"] > 1e-4
+    line = progress_line(d3)
+    assert "\n" not in line and "reward" in line and "mismatch max" in line and "kl" in line
+    with pytest.raises(ConfigError, match="rl.updates"):
+        rl_iteration(_state(), PROMPTS, updates=0, **kw)

@@ -206,14 +206,19 @@ def policy_params(state):
 def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Sequence[str],
                  answers: Sequence[str | None], detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str],
                  group_size: int, max_new_tokens: int, sampling, row_len: int, stop_ids: Sequence[int] = (),
-                 loss: PolicyLossConfig | None = None, ref_params=None, max_rollout_bytes: int | None = None):
-    """One iteration on one process: rollout from ``state`` → rewards → group advantages → one ``train_step`` with
-    the policy-gradient terms. Returns ``(new state, metrics dict)``: the step's metrics plus ``reward_mean``,
+                 loss: PolicyLossConfig | None = None, ref_params=None, max_rollout_bytes: int | None = None,
+                 updates: int = 1):
+    """One iteration on one process: rollout from ``state`` → rewards → group advantages → ``updates`` calls of
+    ``train_step`` with the policy-gradient terms on that one batch (after the first, the ratio to the rollout's
+    log-probs leaves 1 and the clip acts). Returns ``(new state, metrics dict)``: the last step's metrics plus
+    ``reward_mean``,
     ``reward_std``, ``response_length``, ``mismatch_max`` (max |rollout − trainer log-prob| over the trained
     tokens, measured before the update). With ``loss.kl_coef`` > 0 the batch carries reference log-probs
     (``reference_logprobs``: ``ref_params``, or a LoRA state's base). ``max_rollout_bytes``: the rollout's decode
     batch is priced and refused up front past it (``q38.rollout.rollout_bytes``)."""
     loss = loss or PolicyLossConfig(temperature=sampling.temperature)
+    if not (isinstance(updates, int) and updates >= 1):
+        raise ConfigError(f"rl.updates (optimizer steps per rollout batch) must be an integer >= 1, got {updates!r}")
     if not math.isclose(loss.temperature, sampling.temperature):
         raise ConfigError(f"rl.temperature of the loss ({loss.temperature}) and of sampling "
                           f"({sampling.temperature}) differ; the ratio needs the policy the rollout sampled from")
@@ -228,7 +233,10 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
     lp = trainer_logprobs(state, batch, loss.temperature)
     mask = batch["labels"] != IGNORE_INDEX
     mismatch = float((lp - batch["old_logprobs"]).abs()[mask].max())
-    new, m = train_step(state, batch, terms=policy_terms(mc, tc, loss))
+    terms = policy_terms(mc, tc, loss)
+    new = state
+    for _ in range(updates):
+        new, m = train_step(new, batch, terms=terms)
     r = torch.tensor(rew)
     d = m.as_dict()
     d.update(reward_mean=float(r.mean()), reward_std=float(r.std()), mismatch_max=mismatch,
@@ -276,11 +284,20 @@ def load_prompts(path, rewards: Sequence[str] = ()) -> list[PromptRecord]:
     return out
 
 
+def progress_line(m: dict) -> str:
+    """One iteration's progress line: reward mean / std, mean response length, mismatch (max, and the step's mean),
+    KL, clip fraction, entropy, loss."""
+    return (f"iter {m.get('iteration', 0)} | reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} | "
+            f"len {m['response_length']:.1f} | mismatch max {m['mismatch_max']:.2e} | kl {m['kl']:.2e} | "
+            f"clip {m['clip_frac']:.3f} | entropy {m['entropy']:.3f} | loss {m['loss']:.4f}")
+
+
 def rl_loop(state, records: Sequence[PromptRecord], *, encode: Callable[[str], Sequence[int]],
             detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str], iterations: int,
             prompts_per_iteration: int, group_size: int, max_new_tokens: int, sampling, row_len: int,
             stop_ids: Sequence[int] = (), loss: PolicyLossConfig | None = None, ref_params=None,
-            start_iteration: int = 0, max_rollout_bytes: int | None = None) -> Iterator[tuple]:
+            start_iteration: int = 0, max_rollout_bytes: int | None = None, updates: int = 1
+            ) -> Iterator[tuple]:
     """``rl_iteration`` ``iterations`` times over ``records`` in order (wrapping around), yielding ``(state,
     metrics, next_iteration)`` after each. Iteration ``i`` takes prompts ``i·P … i·P + P − 1`` (mod the count) and
     samples with seed ``sampling.seed + i``: the prompt cursor and the sampling RNG follow from ``i`` alone, so a
@@ -295,6 +312,6 @@ def rl_loop(state, records: Sequence[PromptRecord], *, encode: Callable[[str], S
             answers=[r.answer for r in picked], detokenize=detokenize, rewards=rewards, group_size=group_size,
             max_new_tokens=max_new_tokens, sampling=attrs.evolve(sampling, seed=int(sampling.seed) + it),
             row_len=row_len, stop_ids=stop_ids, loss=loss, ref_params=ref_params,
-            max_rollout_bytes=max_rollout_bytes)
+            max_rollout_bytes=max_rollout_bytes, updates=updates)
         metrics["iteration"] = it
         yield state, metrics, it + 1
