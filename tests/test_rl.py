@@ -187,6 +187,17 @@ def test_prompts_file_and_a_loop_that_resumes_exactly(tmp_path):
     assert [m["iteration"] for _, m, _ in both] == [0, 1] and m1["iteration"] == 0 and m2["iteration"] == 1
     assert m2["reward_mean"] == both[1][1]["reward_mean"] and m2["loss"] == both[1][1]["loss"]
     assert torch.equal(state2.params.embed, both[1][0].params.embed) and int(state2.step) == 2
+    # the same through a checkpoint on disk, loaded into a state of other weights
+    from q38.pytree import named_leaves
+    from q38.train.run.rl import load_rl_checkpoint, save_rl_checkpoint
+
+    path = save_rl_checkpoint(tmp_path / "ck", state1, nxt)
+    loaded, it = load_rl_checkpoint(path, _state(seed=9))
+    assert it == 1
+    (state3, m3, _), = rl_loop(loaded, recs, iterations=1, start_iteration=it, **kw)
+    assert m3["loss"] == both[1][1]["loss"] and m3["reward_mean"] == both[1][1]["reward_mean"]
+    for (n, a), (_, b) in zip(named_leaves(state3), named_leaves(both[1][0])):
+        assert torch.equal(a, b), n
 
 
 def test_streamed_weights_load_into_transformers_and_give_q38s_logits():

@@ -315,3 +315,28 @@ def rl_loop(state, records: Sequence[PromptRecord], *, encode: Callable[[str], S
             max_rollout_bytes=max_rollout_bytes, updates=updates)
         metrics["iteration"] = it
         yield state, metrics, it + 1
+
+
+def save_rl_checkpoint(root, state, next_iteration: int, *, keep_last: int = 0):
+    """``state`` as ``root/step_<step>`` (``q38.train.io.checkpoint.save_checkpoint``) with the loop's position:
+    ``next_iteration`` fixes the prompt cursor and the sampling seed of what follows (``rl_loop``)."""
+    from q38.train.io.checkpoint import save_checkpoint
+
+    meta = {"step": int(state.step), "model_config": state.model_config.to_dict(),
+            "train_config": state.train_config.to_dict(),
+            "param_dtype": str(state.train_config.torch_param_dtype).removeprefix("torch."),
+            "rl": {"next_iteration": int(next_iteration)}}
+    return save_checkpoint(root, state, meta, keep_last=keep_last)
+
+
+def load_rl_checkpoint(path, template) -> tuple:
+    """``(state, next_iteration)`` from a checkpoint ``save_rl_checkpoint`` wrote, into ``template``'s shapes and
+    placements; pass ``start_iteration=next_iteration`` to ``rl_loop`` to go on exactly."""
+    from q38.train.io.checkpoint import load_checkpoint
+
+    state, meta = load_checkpoint(path, template)
+    it = (meta.get("rl") or {}).get("next_iteration")
+    if type(it) is not int or it < 0:
+        raise ConfigError(f"{path} holds no RL loop position (meta.json rl.next_iteration); it was not written by "
+                          "save_rl_checkpoint: start the loop with start_iteration= by hand")
+    return state, it
