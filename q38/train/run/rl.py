@@ -167,10 +167,11 @@ def _forward_logprobs(params, mc, batch: dict, temperature: float, router_bias, 
     h = out.hidden.reshape(-1, out.hidden.shape[-1]).index_select(0, valid)
     w = merge_adapters(compute_form(head_weight(params)))
     lp, _ = token_logprobs(h, w, t.index_select(0, valid), temperature=temperature)
-    at_target = torch.zeros(t.numel(), dtype=torch.float32).index_copy(0, valid, lp).view_as(sb.targets)
+    at_target = torch.zeros(t.numel(), dtype=torch.float32, device=t.device).index_copy(0, valid, lp)
+    at_target = at_target.view_as(sb.targets)
     shifted = torch.zeros_like(at_target)  # target position t holds token t + 1: move it back
     shifted[:, 1:] = at_target[:, :-1]
-    return torch.where(torch.as_tensor(batch["labels"]) != IGNORE_INDEX, shifted, torch.zeros_like(shifted))
+    return torch.where(batch["labels"].to(t.device) != IGNORE_INDEX, shifted, torch.zeros_like(shifted))
 
 
 @torch.no_grad()
@@ -227,7 +228,8 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
                     sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias, max_bytes=max_rollout_bytes)
     rew = score(rewards, prompt_texts, answers, comps, [detokenize(c.tokens) for c in comps])
     adv = group_advantages(rew, group_size)
-    batch = pack_rollouts(comps, adv, row_len)
+    dev = state.params.embed.device if state.peft is None else policy_params(state).embed.device
+    batch = {k: v.to(dev) for k, v in pack_rollouts(comps, adv, row_len).items()}
     if loss.kl_coef > 0:
         batch["ref_logprobs"] = reference_logprobs(state, batch, loss.temperature, ref_params)
     lp = trainer_logprobs(state, batch, loss.temperature)
@@ -340,3 +342,66 @@ def load_rl_checkpoint(path, template) -> tuple:
         raise ConfigError(f"{path} holds no RL loop position (meta.json rl.next_iteration); it was not written by "
                           "save_rl_checkpoint: start the loop with start_iteration= by hand")
     return state, it
+
+
+def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str], iterations: int,
+            prompts_per_iteration: int = 8, group_size: int = 8, max_new_tokens: int = 128, temperature: float = 1.0,
+            top_p: float = 1.0, seed: int = 0, loss: PolicyLossConfig | None = None, updates: int = 1,
+            save_every: int = 0, overrides: dict | None = None, log: Callable[[str], None] = print):
+    """``q38 rl``: ``rl_loop`` from a q38 run / checkpoint or a Hugging Face directory (its tokenizer, its run
+    config's train settings: ``--set train.lr=…``), one process. Prompts: ``load_prompts``; a progress line per
+    iteration; checkpoints (``save_rl_checkpoint``) in ``out`` every ``save_every`` iterations and at the end. A
+    second call with the same ``out`` resumes from its newest checkpoint, exactly. Returns the last checkpoint."""
+    from pathlib import Path
+
+    from q38.train.data.tokenizer import load_tokenizer
+    from q38.train.io.checkpoint import latest_checkpoint
+    from q38.train.run.generate import answer_text, prompt_ids, special_ids, stop_tokens
+    from q38.train.run.inference import load_state, open_source
+    from q38.train.run.launch import WorldInfo, check_run, pick_device
+    from q38.train.run.trainer import _source_precision
+    from q38.decode import Sampling
+
+    world = WorldInfo.from_env()
+    if world.world_size > 1:
+        raise NotImplementedError("q38 rl runs on one process (rollouts decode one process's parameters); run it "
+                                  "without torchrun")
+    records = load_prompts(prompts_file, rewards)
+    for spec in rewards:
+        load_reward(spec)
+    src = open_source(source, dict(overrides or {}, layout="single"))
+    cfg = src.cfg if src.checkpoint is not None else _source_precision(src.cfg)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    ids = [prompt_ids({"text": r.prompt, "from": f"{prompts_file}:{i + 1}"}, tok) for i, r in enumerate(records)]
+    row_len = max(len(p) for p in ids) + max_new_tokens
+    if row_len > cfg.model.max_position_embeddings:
+        raise ConfigError(f"the longest prompt ({row_len - max_new_tokens} tokens) plus --max-new-tokens "
+                          f"{max_new_tokens} pass the model's max_position_embeddings "
+                          f"({cfg.model.max_position_embeddings}); lower --max-new-tokens")
+    device = pick_device(cfg.run.device, 0)
+    import attrs as _attrs
+
+    state = load_state(_attrs.evolve(src, cfg=cfg), world, device, check_run(cfg, 1, device), None)
+    root = Path(out) / "checkpoints"
+    start = 0
+    last = latest_checkpoint(root) if root.is_dir() else None
+    if last is not None:
+        state, start = load_rl_checkpoint(last, state)
+        log(f"q38 rl: resuming from {last} at iteration {start}")
+    by_text = {r.prompt: p for r, p in zip(records, ids)}
+    skip = special_ids(tok)
+    loss = loss or PolicyLossConfig(temperature=temperature)
+    done = start
+    for state, m, nxt in rl_loop(state, records, encode=lambda t: by_text[t],
+                                 detokenize=lambda o: answer_text(tok, o, skip=skip)[0], rewards=rewards,
+                                 iterations=iterations, prompts_per_iteration=prompts_per_iteration,
+                                 group_size=group_size, max_new_tokens=max_new_tokens,
+                                 sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed), row_len=row_len,
+                                 stop_ids=stop_tokens(tok), loss=loss, start_iteration=start, updates=updates):
+        log(progress_line(m))
+        done = nxt
+        if save_every and (nxt - start) % save_every == 0 and nxt < start + iterations:
+            last = save_rl_checkpoint(root, state, nxt)
+    if done > start or last is None:
+        last = save_rl_checkpoint(root, state, done)
+    return last
