@@ -63,13 +63,16 @@ def _rank_fn(rank, world, layout_name, mesh_sizes, batch):
 
     mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)
     state = shard(init_state(CFG, TC, seed=5), mesh)
+    from tests.device_check import FactoryDeviceMode
+
     store: list = []
-    r = loss_and_grads(state, shard_batch(batch, mesh, CFG.mtp_num_layers), mesh,
-                       terms=(*policy_terms(CFG, TC, PC), _mismatch_term(store)))
+    sb = shard_batch(batch, mesh, CFG.mtp_num_layers)
+    with FactoryDeviceMode() as mode:  # every tensor the step and the policy terms make names its device
+        r = loss_and_grads(state, sb, mesh, terms=(*policy_terms(CFG, TC, PC), _mismatch_term(store)))
     names = [n for n, _ in named_leaves(state.params)]
     grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in zip(names, r.grads)}
     return {"terms": {k: float(v) for k, v in r.terms.items()}, "objective": float(r.objective),
-            "grads": grads if rank == 0 else None, "mismatch": store}
+            "grads": grads if rank == 0 else None, "mismatch": store, "device_calls": mode.calls}
 
 
 CASES = [("fsdp", {"fsdp": 2}), ("fsdp_ep", {"fsdp": 1, "ep": 2}), ("fsdp_cp", {"fsdp": 1, "cp": 2})]
@@ -82,6 +85,7 @@ def test_policy_objective_and_rollout_logprobs_on_two_ranks(layout, mesh_sizes):
     ref = loss_and_grads(state, batch, terms=policy_terms(CFG, TC, PC))
     outs = run_distributed(_rank_fn, 2, layout, mesh_sizes, batch)
     for o in outs:
+        assert o["device_calls"] == [], o["device_calls"]
         for k in ("loss", "kl", "aux", "logprob_diff", "clip_frac", "ratio_mean", "entropy"):
             assert abs(o["terms"][k] - float(ref.terms[k])) <= TOL, k
         assert abs(o["objective"] - float(ref.objective)) <= TOL
