@@ -228,7 +228,7 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
                     sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias, max_bytes=max_rollout_bytes)
     rew = score(rewards, prompt_texts, answers, comps, [detokenize(c.tokens) for c in comps])
     adv = group_advantages(rew, group_size)
-    dev = state.params.embed.device if state.peft is None else policy_params(state).embed.device
+    dev = torch.utils._pytree.tree_leaves(state.params)[0].device
     batch = {k: v.to(dev) for k, v in pack_rollouts(comps, adv, row_len).items()}
     if loss.kl_coef > 0:
         batch["ref_logprobs"] = reference_logprobs(state, batch, loss.temperature, ref_params)
