@@ -17,6 +17,9 @@ from q38.pytree import pytree_node
 
 IGNORE_INDEX = -100
 PAD_DOC_ID = -1
+# Per-token values a policy-gradient batch may carry beside its labels (docs/rl.md#the-batch): HF-aligned like
+# ``labels`` (index ``t`` describes token ``t``), float ``[b, s]``. ``prepare_batch`` moves them to target positions.
+TOKEN_VALUE_KEYS = ("old_logprobs", "ref_logprobs", "advantages")
 
 
 @pytree_node
@@ -41,6 +44,7 @@ class StepBatch:
     segments: Tensor
     mtp_inputs: tuple
     mtp_targets: tuple
+    extra: dict | None = None  # per-token values of a policy-gradient batch, at target positions (TOKEN_VALUE_KEYS)
 
 
 def prepare_batch(
@@ -49,10 +53,13 @@ def prepare_batch(
     doc_ids: Int[Tensor, "b s"] | None,
     mtp_depths: int,
     attention_mask: Int[Tensor, "b s"] | None = None,
+    token_values: dict | None = None,
 ) -> StepBatch:
     """Shift labels and MTP inputs per document on whole rows (labels are HF-style: ``labels[t]`` is token ``t``).
 
-    Real (non-padding) tokens: ``attention_mask != 0`` when given, else ``doc_ids != -1``, else every token."""
+    Real (non-padding) tokens: ``attention_mask != 0`` when given, else ``doc_ids != -1``, else every token.
+    ``token_values``: a policy-gradient batch's per-token values (``TOKEN_VALUE_KEYS``, HF-aligned float ``[b, s]``);
+    they become ``extra`` at target positions, with ``seq_weight`` (1 / the valid targets of the token's document)."""
     b, s = input_ids.shape
     packed_docs = doc_ids
     if doc_ids is None:
@@ -63,18 +70,51 @@ def prepare_batch(
         real = doc_ids != PAD_DOC_ID
     change = torch.zeros_like(doc_ids)
     change[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]).to(change.dtype)
+    targets = shift_tokens(labels, packed_docs, 1, IGNORE_INDEX)
+    segments = change.cumsum(1)
+    extra = None if not token_values else _target_values(token_values, targets, packed_docs, segments)
     return StepBatch(
         input_ids=input_ids,
-        targets=shift_tokens(labels, packed_docs, 1, IGNORE_INDEX),
+        targets=targets,
         doc_ids=doc_ids,
         seq_idx=torch.arange(s, device=input_ids.device).expand(b, s).contiguous(),
         positions=positions_from_docs(doc_ids),
         real_mask=real,
         label_mask=(labels != IGNORE_INDEX),
-        segments=change.cumsum(1),
+        segments=segments,
         mtp_inputs=tuple(shift_tokens(input_ids, packed_docs, d, 0) for d in range(1, mtp_depths + 1)),
         mtp_targets=tuple(shift_tokens(labels, packed_docs, 1 + d, IGNORE_INDEX) for d in range(1, mtp_depths + 1)),
+        extra=extra,
     )
+
+
+def _shift_values(x: Tensor, doc_ids: Tensor | None) -> Tensor:
+    """``out[t] = x[t + 1]`` when that position is in the same document as ``t``, else 0 (float ``[b, s]``)."""
+    out = torch.zeros_like(x)
+    keep = torch.ones_like(x[:, 1:], dtype=torch.bool) if doc_ids is None else doc_ids[:, 1:] == doc_ids[:, :-1]
+    out[:, :-1] = torch.where(keep, x[:, 1:], torch.zeros_like(x[:, 1:]))
+    return out
+
+
+def _target_values(values: dict, targets: Tensor, doc_ids: Tensor | None, segments: Tensor) -> dict:
+    """The per-token values at target positions, plus ``seq_weight``: 1 / (valid targets of the document) on valid
+    targets, else 0 (computed on whole rows, so a document split by CP keeps its count)."""
+    unknown = sorted(set(values) - set(TOKEN_VALUE_KEYS))
+    if unknown:
+        raise ValueError(f"unknown per-token batch values {unknown}; the known ones are {list(TOKEN_VALUE_KEYS)}")
+    out = {}
+    for k, v in values.items():
+        if v.shape != targets.shape:
+            raise ValueError(f"batch value {k!r} has shape {tuple(v.shape)}; it must match labels "
+                             f"{tuple(targets.shape)}")
+        out[k] = _shift_values(v.float(), doc_ids)
+    valid = (targets != IGNORE_INDEX).float()
+    b, s = targets.shape
+    width = int(segments.max()) + 1 if segments.numel() else 1
+    key = (torch.arange(b, device=targets.device)[:, None] * width + segments).reshape(-1)
+    per_doc = torch.zeros(b * width, device=targets.device).index_add(0, key, valid.reshape(-1))
+    out["seq_weight"] = valid / per_doc[key].clamp(min=1).view(b, s)
+    return out
 
 
 def split_micro_batches(batch: StepBatch, n: int) -> list[StepBatch]:

@@ -1,4 +1,4 @@
-"""``q38`` command line: ``train``, ``eval``, ``generate``, ``plan``, ``convert``, ``init-hf``, ``prepare-data``,
+"""``q38`` command line: ``train``, ``eval``, ``generate``, ``rl``, ``plan``, ``convert``, ``init-hf``, ``prepare-data``,
 ``kernels``.
 
 Bad input ends with a one-line error naming the problem and the fix (exit code 2), never a traceback.
@@ -216,6 +216,47 @@ def _generate(argv: list[str]) -> int:
         tokens = sum(r["speculative"]["tokens"] for r in recs)
         print(f"q38 generate: speculative k={a.speculative}: {tokens} tokens from {passes} verification passes, "
               f"mean accepted length {tokens / max(passes, 1):.3f}", file=sys.stderr)
+    return 0
+
+
+def _rl(argv: list[str]) -> int:
+    p = OneLineParser(prog="q38 rl", description="Post-train with rewards (GRPO / DAPO, docs/rl.md): sample groups "
+                      "of completions of a prompts file, reward them, take policy-gradient steps, checkpoint. One "
+                      "process; running it again with the same --out resumes exactly.")
+    p.add_argument("source", help=SOURCE_HELP)
+    p.add_argument("--prompts", required=True, metavar="FILE", help="JSONL: {\"prompt\": TEXT, \"answer\": ...} "
+                   "per line (answer needed by numeric_answer)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where checkpoints go (DIR/checkpoints)")
+    p.add_argument("--reward", action="append", required=True, metavar="NAME",
+                   help="numeric_answer, answer_format or module:function; repeatable (rewards add)")
+    p.add_argument("--iterations", type=positive_int, default=10, help="rollout + update rounds (default 10)")
+    p.add_argument("--prompts-per-iteration", type=positive_int, default=8, help="prompts per round (default 8)")
+    p.add_argument("--group-size", type=positive_int, default=8, help="samples per prompt, >= 2 (default 8)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="per completion (default 128)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0 (default 1)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the draws (iteration i uses seed + i)")
+    p.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below 1 (default 0.2)")
+    p.add_argument("--clip-high", type=float, default=0.2, help="ratio clip above 1 (default 0.2; DAPO 0.28)")
+    p.add_argument("--norm", default="token", help="token (DAPO, default) or sequence (GRPO) normalisation")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the reference (a LoRA run's base; "
+                   "default 0)")
+    p.add_argument("--updates", type=positive_int, default=1, help="optimizer steps per rollout batch (default 1)")
+    p.add_argument("--save-every", type=nonnegative_int, default=0, help="checkpoint every N iterations (default "
+                   "0: at the end only)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a setting of the source's run config, e.g. --set train.lr=1e-6")
+    a = p.parse_args(argv)
+    from q38.train.core.policy import PolicyLossConfig
+    from q38.train.run.rl import rl_from
+
+    check_file_args(("--prompts", a.prompts, True))
+    loss = PolicyLossConfig(clip_low=a.clip_low, clip_high=a.clip_high, norm=a.norm, kl_coef=a.kl_coef,
+                            temperature=a.temperature)
+    rl_from(a.source, a.prompts, a.out, rewards=a.reward, iterations=a.iterations,
+            prompts_per_iteration=a.prompts_per_iteration, group_size=a.group_size, max_new_tokens=a.max_new_tokens,
+            temperature=a.temperature, top_p=a.top_p, seed=a.seed, loss=loss, updates=a.updates,
+            save_every=a.save_every, overrides=_overrides(a.set), log=lambda line: print(line, flush=True))
     return 0
 
 
@@ -754,7 +795,7 @@ def _launch(argv: list[str]) -> int:
     return launch(argv, at)
 
 
-COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "plan": plan_cli, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
+COMMANDS = {"train": _train, "eval": _eval, "generate": _generate, "rl": _rl, "plan": plan_cli, "convert": _convert, "init-hf": _init_hf, "prepare-data": _prepare_data,
             "kernels": _kernels, "launch": _launch}
 
 

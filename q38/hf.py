@@ -707,6 +707,24 @@ def publish_export(tmp: Path, path: Path) -> None:
         tmp.rename(path)
 
 
+def hf_weights(config: ModelConfig, params: ModelParams, *, dtype: torch.dtype | None = None):
+    """``(Hugging Face name, tensor)`` pairs of ``params``, one converted rule in flight at a time: the names and
+    layout ``save_hf`` writes (``model.`` prefix, fused main-layer experts, ``mtp.*``), the form vLLM's and SGLang's
+    ``load_weights`` take. ``params``: plain tensors (a LoRA tree merged first: ``q38.lora.merged_params``);
+    ``dtype``: every tensor cast to it (default: each leaf's own)."""
+    leaves = _check_params(config, params)
+    export = plan_export(config, lambda q: dtype or leaves[q].dtype)
+    for _, entries in export.files:
+        rule, out = None, ()
+        for en in entries:
+            if en.rule != rule:
+                r = export.rules[en.rule]
+                with torch.no_grad():
+                    out = r.to_hf(*(leaves[q] for q in r.q38))
+                rule = en.rule
+            yield en.key, out[en.out].to(en.dtype)
+
+
 def save_hf(
     path: str | os.PathLike,
     config: ModelConfig,

@@ -321,10 +321,11 @@ def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int, *, local_rows: bool = 
     ``local_rows``: ``batch`` already holds only this rank's rows (``batch_row_rank``); only the sequence is split."""
     import torch.utils._pytree as pytree
 
-    from q38.batch import prepare_batch
+    from q38.batch import TOKEN_VALUE_KEYS, prepare_batch
 
+    values = {k: batch[k] for k in TOKEN_VALUE_KEYS if batch.get(k) is not None}
     full = prepare_batch(batch["input_ids"], batch["labels"], batch.get("doc_ids"), mtp_depths,
-                         batch.get("attention_mask"))
+                         batch.get("attention_mask"), values)
     b, s = full.input_ids.shape
     row_dims = [d for d in mesh.layout.batch_mesh_dims if mesh.size(d) > 1]
     n_rows, r = 1, 0

@@ -145,6 +145,7 @@ class StepContext:
     aux_counts: Tensor | None = None  # [l, e] step counts when the scope is the whole step
     aux_mb: tuple = ()  # micro_batch scope: per micro-batch (global counted tokens,)
     seq: tuple = ()  # sequence aux: per micro-batch (D, T [b·D], S)
+    n_seq: Tensor | None = None  # policy-gradient batches: sequences with a valid target in the whole step
 
 
 @attrs.frozen
@@ -237,9 +238,12 @@ def step_context(mbs: list[StepBatch], runtime, mc, tc,
     depths = mc.mtp_num_layers
     n_mb = len(mbs)
     dev = mbs[0].input_ids.device
+    pg = mbs[0].extra is not None  # a policy-gradient batch: also count its sequences (Σ seq_weight)
     per_mb = [torch.stack([count_targets(mb.targets), *(count_targets(t) for t in mb.mtp_targets),
                            aux_mask(mb, tc).sum()]) for mb in mbs]
-    counts = runtime.all_reduce_sum(torch.stack(per_mb))  # [n_mb, 2 + depths]: one collective
+    if pg:  # float64 holds the counts exactly
+        per_mb = [torch.cat([c.double(), mb.extra["seq_weight"].double().sum()[None]]) for c, mb in zip(per_mb, mbs)]
+    counts = runtime.all_reduce_sum(torch.stack(per_mb))  # [n_mb, 2 + depths (+1)]: one collective
     step_counts = counts.sum(0)
     n_main, n_mtp, n_aux = step_counts[0], tuple(step_counts[1 : 1 + depths]), step_counts[1 + depths]
     aux_mb = tuple(counts[:, 1 + depths])
@@ -251,8 +255,9 @@ def step_context(mbs: list[StepBatch], runtime, mc, tc,
             with torch.no_grad():
                 aux_counts = runtime.all_reduce_sum(sum(count_routing(mb) for mb in mbs))
         # one micro-batch: its own counts are the step's (computed in the aux term, no extra forward)
+    n_seq = step_counts[2 + depths].round() if pg else None
     return StepContext(n_main=n_main, n_mtp=n_mtp, n_aux=n_aux, n_mb=n_mb, aux_counts=aux_counts, aux_mb=aux_mb,
-                       seq=seq)
+                       seq=seq, n_seq=n_seq)
 
 
 def _sequence_tables(mbs: list[StepBatch], runtime, tc, dev) -> tuple:

@@ -19,7 +19,7 @@ from q38.model import LayerHooks, forward, head_weight
 from q38.pytree import named_leaves, pytree_node, tree_leaves, tree_map_with_path
 from q38.train.core.optim import adamw_step, adamw_step_
 from q38.qmoment import is_int8_moment
-from q38.batch import StepBatch, prepare_batch, split_micro_batches
+from q38.batch import TOKEN_VALUE_KEYS, StepBatch, prepare_batch, split_micro_batches
 from q38.train.core.objective import TermInput, aux_mask, default_terms, expert_counts, routing, step_context, total
 from q38.train.core.pipeline_step import accumulate
 from q38.train.core.remat import KernelRegions, layer_wrapper
@@ -122,7 +122,8 @@ def _as_step_batch(batch, depths: int) -> StepBatch:
         raise ValueError("a batch needs input_ids and labels ([batch, seq] int64; labels -100 = ignored)")
     if input_ids.shape != labels.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must have one shape")
-    return prepare_batch(input_ids, labels, get("doc_ids"), depths, get("attention_mask"))
+    values = {k: get(k) for k in TOKEN_VALUE_KEYS if get(k) is not None}
+    return prepare_batch(input_ids, labels, get("doc_ids"), depths, get("attention_mask"), values)
 
 
 @attrs.frozen

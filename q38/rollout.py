@@ -1,0 +1,117 @@
+"""Rollouts for post-training with rewards (docs/rl.md#rollouts): ``group_size`` sampled completions per prompt from
+q38's own decode (``q38.decode``: the layer code training runs), each sampled token's log-prob recorded at sampling.
+
+The recorded log-prob is ``log softmax(logits / temperature)[token]``: the tempered policy the policy-gradient
+objective recomputes (``q38.train.core.policy``, same temperature). Top-k / top-p restrict which tokens can be drawn
+but not the recorded log-prob (the policy being trained is the tempered distribution, as in verl and vLLM's
+``logprobs``); with ``top_p`` < 1 the draws come from a truncated distribution, which the docs say.
+"""
+
+from typing import Sequence
+
+import attrs
+import torch
+from torch import Tensor
+
+from q38.decode import Sampling, cache_bytes, decode_step, empty_cache, left_aligned, sample
+from q38.errors import ConfigError
+from q38.model import ModelParams
+from q38.model_config import ModelConfig
+
+
+@attrs.frozen
+class Completion:
+    """One sampled completion: ``prompt_index`` into the prompts, the ``prompt`` and sampled ``tokens`` (ids),
+    ``logprobs[j]`` the log-prob of ``tokens[j]`` when it was drawn, ``stopped``: it ended at a stop id (else at
+    ``max_new_tokens``)."""
+
+    prompt_index: int
+    prompt: tuple
+    tokens: tuple
+    logprobs: tuple
+    stopped: bool
+
+
+def check_rollout(prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int, sampling: Sampling,
+                  config: ModelConfig) -> None:
+    """Refuse a rollout that cannot train (one ``ConfigError`` line each)."""
+    if not (isinstance(group_size, int) and group_size >= 2):
+        raise ConfigError(f"rl.group_size must be an integer >= 2 (a group of one sample has no advantage: its reward "
+                          f"minus the group mean is 0), got {group_size!r}")
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ConfigError(f"rl.max_new_tokens must be an integer >= 1 (a rollout must produce tokens), got "
+                          f"{max_new_tokens!r}")
+    if sampling.temperature <= 0:
+        raise ConfigError("rl.temperature must be > 0: greedy decoding gives every sample of a group the same "
+                          "completion (no advantage) and no sampling distribution to take log-probs from")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("a rollout needs at least one prompt, each of at least one token")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > config.max_position_embeddings:
+        raise ConfigError(f"a prompt of {longest} tokens plus max_new_tokens {max_new_tokens} passes the model's "
+                          f"max_position_embeddings ({config.max_position_embeddings}); shorten either")
+
+
+def rollout_bytes(config: ModelConfig, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int,
+                  dtype: torch.dtype) -> int:
+    """What a rollout's decode batch holds beyond the weights: ``len(prompts) · group_size`` rows, each a decode
+    cache (``q38.decode.cache_bytes``: GDN states, attention keys and values in ``dtype``) for the longest prompt
+    plus ``max_new_tokens`` steps, and the fp32 logits and sampling probabilities over the vocabulary."""
+    rows = len(prompts) * group_size
+    longest = max(len(p) for p in prompts)
+    return rows * (cache_bytes(config, 1, longest + max_new_tokens, dtype) + 2 * 4 * config.vocab_size)
+
+
+def sampled_logprobs(logits, token: Tensor, temperature: float) -> Tensor:
+    """``log softmax(logits / temperature)[token]`` per row, fp32 (the division as the trainer does it: times
+    ``1 / temperature``)."""
+    return torch.log_softmax(logits.float() * (1.0 / temperature), dim=-1).gather(1, token[:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def rollout(
+    params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *, group_size: int,
+    max_new_tokens: int, sampling: Sampling, stop_ids: Sequence[int] = (), router_bias: Tensor | None = None,
+    dtype: torch.dtype | None = None, max_bytes: int | None = None,
+) -> list[Completion]:
+    """``group_size`` completions of every prompt (prompt ``i``'s group: results ``i·G … i·G + G − 1``), all rows in
+    one decode batch. A row stops after a token of ``stop_ids`` (kept) or at ``max_new_tokens``. ``params``: plain
+    tensors (a LoRA tree merged first); ``sampling.seed`` fixes the draws. ``max_bytes``: refuse up front, before
+    any step, a rollout whose ``rollout_bytes`` pass it."""
+    check_rollout(prompts, group_size, max_new_tokens, sampling, config)
+    dtype = dtype or params.embed.dtype
+    if max_bytes is not None:
+        need = rollout_bytes(config, prompts, group_size, max_new_tokens, dtype)
+        if need > max_bytes:
+            rows = len(prompts) * group_size
+            raise ConfigError(f"a rollout of {len(prompts)} prompts x group_size {group_size} with max_new_tokens "
+                              f"{max_new_tokens} needs {need / 2**20:,.1f} MiB of decode cache and logits, more than "
+                              f"the {max_bytes / 2**20:,.1f} MiB allowed; take at most "
+                              f"{max(0, max_bytes * rows // need // group_size)} prompts per iteration or fewer new "
+                              "tokens")
+    rows = [list(p) for p in prompts for _ in range(group_size)]
+    dev = params.embed.device
+    gen = torch.Generator().manual_seed(int(sampling.seed))
+    tokens, active = left_aligned(rows, device=dev)
+    cache = empty_cache(config, len(rows), dtype=dtype, device=dev)
+    for t in range(tokens.shape[1]):  # the prompts, fed to end together; the last step's logits draw token 1
+        logits, cache = decode_step(params, cache, tokens[:, t], config, active=active[:, t], router_bias=router_bias)
+    out: list[list[int]] = [[] for _ in rows]
+    lps: list[list[float]] = [[] for _ in rows]
+    stopped = [False] * len(rows)
+    running = torch.ones(len(rows), dtype=torch.bool, device=dev)
+    stops = set(int(s) for s in stop_ids)
+    for step in range(max_new_tokens):
+        nxt = sample(logits, sampling, gen)
+        lp = sampled_logprobs(logits, nxt, sampling.temperature).tolist()
+        for r, tok in enumerate(nxt.tolist()):
+            if running[r]:
+                out[r].append(tok)
+                lps[r].append(lp[r])
+                if tok in stops:
+                    running[r], stopped[r] = False, True
+        if not bool(running.any()) or step + 1 == max_new_tokens:
+            break
+        logits, cache = decode_step(params, cache, nxt, config, active=running.clone(), router_bias=router_bias)
+    return [Completion(r // group_size, tuple(rows[r]), tuple(out[r]), tuple(lps[r]), stopped[r])
+            for r in range(len(rows))]

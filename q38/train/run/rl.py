@@ -1,0 +1,407 @@
+"""Post-training with rewards, the loop's pieces (docs/rl.md): reward functions (built in: ``numeric_answer``,
+``answer_format``; a user's by ``module:function``), group-normalised advantages, packing completions into a
+policy-gradient batch, the trainer's log-probs of that batch (for the train–rollout mismatch), and ``rl_iteration``:
+rollout → rewards → advantages → one ``train_step`` with the policy-gradient terms.
+
+A reward function is ``fn(prompt: str, completion: str, answer: str | None) -> float``; the texts come from the
+caller's ``detokenize(ids) -> str``. A reward that raises or returns anything but a finite number stops the
+iteration before it trains, with one line naming the prompt and the function (``RewardError``).
+"""
+
+import importlib
+import math
+import re
+from typing import Callable, Iterator, Sequence
+
+import attrs
+import torch
+from torch import Tensor
+
+from q38.batch import IGNORE_INDEX
+from q38.errors import ConfigError, DataError
+from q38.rollout import Completion, rollout
+from q38.train.core.policy import PolicyLossConfig, policy_terms, token_logprobs
+from q38.train.core.step import _as_step_batch, train_step
+
+
+class RewardError(ValueError):
+    """A reward function failed on a prompt or returned a value that is not a finite number."""
+
+
+_NUMBER = r"-?\d+(?:\.\d+)?"
+_ANSWER_LINE = re.compile(rf"(?:^|\n)Answer:[ \t]*({_NUMBER})[ \t]*$")
+
+
+def numeric_answer(prompt: str, completion: str, answer: str | None) -> float:
+    """1.0 when the last number in the completion equals the reference answer (as numbers, to 1e-6), else 0.0."""
+    if answer is None:
+        raise ValueError("this prompt has no reference answer; numeric_answer needs one (an `answer` per prompt)")
+    found = re.findall(_NUMBER, completion)
+    return float(bool(found) and math.isclose(float(found[-1]), float(answer), abs_tol=1e-6))
+
+
+def answer_format(prompt: str, completion: str, answer: str | None) -> float:
+    """1.0 when the completion ends with a line ``Answer: <number>``, else 0.0 (reference answer not needed)."""
+    return float(_ANSWER_LINE.search(completion.rstrip("\n")) is not None)
+
+
+BUILTIN = {"numeric_answer": numeric_answer, "answer_format": answer_format}
+
+
+def load_reward(spec: str) -> Callable:
+    """A built-in reward by name or a user's by ``module:function`` (imported)."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    mod, sep, name = spec.partition(":")
+    if not sep or not mod or not name:
+        raise ConfigError(f"reward {spec!r} is neither a built-in ({', '.join(BUILTIN)}) nor module:function")
+    try:
+        fn = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"reward {spec!r} cannot be loaded ({type(e).__name__}: {e}); check the module is "
+                          "importable and defines the function") from None
+    if not callable(fn):
+        raise ConfigError(f"reward {spec!r} is not a function")
+    return fn
+
+
+def score(rewards: Sequence[str], prompts: Sequence[str], answers: Sequence[str | None],
+          completions: Sequence[Completion], texts: Sequence[str]) -> list[float]:
+    """Each completion's reward: the sum of the reward functions' values (``rewards``: specs for ``load_reward``).
+    ``prompts`` / ``answers`` by prompt index, ``texts`` by completion."""
+    fns = [(spec, load_reward(spec)) for spec in rewards]
+    out = []
+    for c, text in zip(completions, texts):
+        total = 0.0
+        for spec, fn in fns:
+            where = f"reward {spec} on prompt {c.prompt_index} ({prompts[c.prompt_index][:40]!r})"
+            try:
+                v = fn(prompts[c.prompt_index], text, answers[c.prompt_index])
+            except Exception as e:  # noqa: BLE001 - a user's function: any failure is reported in one line
+                msg = str(e).splitlines()[0] if str(e) else ""
+                raise RewardError(f"{where} raised {type(e).__name__}: {msg}; the iteration was not trained on") \
+                    from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise RewardError(f"{where} returned {v!r}, not a finite number; the iteration was not trained on")
+            total += float(v)
+        out.append(total)
+    return out
+
+
+def group_advantages(rewards: Sequence[float], group_size: int, *, scale: bool = True, eps: float = 1e-6
+                     ) -> list[float]:
+    """GRPO advantages: each reward minus its group's mean, divided by the group's standard deviation (Bessel's,
+    as TRL) plus ``eps`` when ``scale`` (``scale=False``: Dr. GRPO's unscaled form). Groups are consecutive
+    ``group_size`` rewards; a group of equal rewards gets advantage 0."""
+    if not (isinstance(group_size, int) and group_size >= 2):
+        raise ConfigError(f"rl.group_size must be an integer >= 2 (a group of one sample has no advantage), got "
+                          f"{group_size!r}")
+    if len(rewards) % group_size:
+        raise ConfigError(f"{len(rewards)} rewards do not form groups of {group_size}")
+    r = torch.tensor(list(rewards), dtype=torch.float64).view(-1, group_size)
+    a = r - r.mean(1, keepdim=True)
+    if scale:
+        a = a / (r.std(1, keepdim=True) + eps)
+    return a.reshape(-1).tolist()
+
+
+def pack_rollouts(completions: Sequence[Completion], advantages: Sequence[float], row_len: int, *,
+                  ref_logprobs: Sequence[Sequence[float]] | None = None, pad_id: int = 0) -> dict[str, Tensor]:
+    """A policy-gradient batch: each completion with its prompt one document (first fit into rows of
+    ``row_len``), prompts labelled -100, each completion token labelled with itself and carrying its recorded
+    log-prob, its sequence's advantage and (optionally) the reference policy's log-prob. Completions without a
+    token are left out."""
+    seqs = [(c, a, None if ref_logprobs is None else ref_logprobs[i])
+            for i, (c, a) in enumerate(zip(completions, advantages)) if c.tokens]
+    if not seqs:
+        raise ConfigError("no rollout produced a token; nothing to train on (check stop ids and max_new_tokens)")
+    rows: list[list] = []
+    used: list[int] = []
+    for s in seqs:
+        n = len(s[0].prompt) + len(s[0].tokens)
+        if n > row_len:
+            raise ConfigError(f"a prompt and its completion hold {n} tokens, more than the row length {row_len}; "
+                              "raise the row length or lower max_new_tokens")
+        for i, u in enumerate(used):
+            if u + n <= row_len:
+                rows[i].append(s)
+                used[i] += n
+                break
+        else:
+            rows.append([s])
+            used.append(n)
+    b = len(rows)
+    ids = torch.full((b, row_len), pad_id, dtype=torch.long)
+    labels = torch.full((b, row_len), IGNORE_INDEX, dtype=torch.long)
+    docs = torch.full((b, row_len), -1, dtype=torch.long)
+    old, adv, ref = (torch.zeros(b, row_len) for _ in range(3))
+    doc = 0
+    for r, members in enumerate(rows):
+        at = 0
+        for c, a, rl in members:
+            p, n = len(c.prompt), len(c.prompt) + len(c.tokens)
+            ids[r, at: at + n] = torch.tensor(c.prompt + c.tokens)
+            labels[r, at + p: at + n] = torch.tensor(c.tokens)
+            docs[r, at: at + n] = doc
+            old[r, at + p: at + n] = torch.tensor(c.logprobs)
+            adv[r, at: at + n] = a
+            if rl is not None:
+                ref[r, at + p: at + n] = torch.tensor(list(rl), dtype=torch.float32)
+            at, doc = at + n, doc + 1
+    batch = {"input_ids": ids, "labels": labels, "doc_ids": docs, "old_logprobs": old, "advantages": adv}
+    if ref_logprobs is not None:
+        batch["ref_logprobs"] = ref
+    return batch
+
+
+def _forward_logprobs(params, mc, batch: dict, temperature: float, router_bias, lora: bool) -> Tensor:
+    """The training forward's log-prob of every labelled token, HF-aligned like ``labels`` (0 where -100)."""
+    from q38.lora import compute_form, merge_adapters
+    from q38.model import LayerHooks, forward, head_weight
+
+    sb = _as_step_batch(batch, mc.mtp_num_layers)
+    hooks = LayerHooks(gather=compute_form) if lora else None  # the step's unmerged LoRA products
+    out = forward(params, sb.input_ids, mc, doc_ids=sb.doc_ids, router_bias=router_bias, hooks=hooks)
+    t = sb.targets.reshape(-1)
+    valid = torch.nonzero(t != IGNORE_INDEX).flatten()
+    h = out.hidden.reshape(-1, out.hidden.shape[-1]).index_select(0, valid)
+    w = merge_adapters(compute_form(head_weight(params)))
+    lp, _ = token_logprobs(h, w, t.index_select(0, valid), temperature=temperature)
+    at_target = torch.zeros(t.numel(), dtype=torch.float32, device=t.device).index_copy(0, valid, lp)
+    at_target = at_target.view_as(sb.targets)
+    shifted = torch.zeros_like(at_target)  # target position t holds token t + 1: move it back
+    shifted[:, 1:] = at_target[:, :-1]
+    return torch.where(batch["labels"].to(t.device) != IGNORE_INDEX, shifted, torch.zeros_like(shifted))
+
+
+@torch.no_grad()
+def trainer_logprobs(state, batch: dict, temperature: float = 1.0) -> Tensor:
+    """The training forward's log-prob of every labelled token of a packed batch, HF-aligned like ``labels``
+    (``out[r, t]``: the log-prob of token ``t``; 0 where ``labels`` is -100). One process; a LoRA state runs its
+    adapters unmerged, as the step does."""
+    return _forward_logprobs(state.params, state.model_config, batch, temperature, state.router_bias,
+                             state.peft is not None)
+
+
+@torch.no_grad()
+def reference_logprobs(state, batch: dict, temperature: float = 1.0, ref_params=None) -> Tensor:
+    """The reference policy's log-probs of a packed batch (as ``trainer_logprobs``): ``ref_params`` (a frozen copy,
+    plain tensors) when given, else a LoRA state's base with its adapters off (no second copy of the model)."""
+    from q38.lora import base_params
+
+    if ref_params is None:
+        if state.peft is None:
+            raise ConfigError("a KL term to a reference policy needs reference parameters for a full fine-tune "
+                              "(ref_params=, a frozen copy) or a LoRA run (its base is the reference)")
+        ref_params = base_params(state.params)
+    return _forward_logprobs(ref_params, state.model_config, batch, temperature, state.router_bias, False)
+
+
+def policy_params(state):
+    """The parameters a rollout samples from: plain tensors (a LoRA state's adapters merged, fp32)."""
+    from q38.lora import merged_params
+
+    return merged_params(state.params) if state.peft is not None else state.params
+
+
+def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Sequence[str],
+                 answers: Sequence[str | None], detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str],
+                 group_size: int, max_new_tokens: int, sampling, row_len: int, stop_ids: Sequence[int] = (),
+                 loss: PolicyLossConfig | None = None, ref_params=None, max_rollout_bytes: int | None = None,
+                 updates: int = 1):
+    """One iteration on one process: rollout from ``state`` → rewards → group advantages → ``updates`` calls of
+    ``train_step`` with the policy-gradient terms on that one batch (after the first, the ratio to the rollout's
+    log-probs leaves 1 and the clip acts). Returns ``(new state, metrics dict)``: the last step's metrics plus
+    ``reward_mean``,
+    ``reward_std``, ``response_length``, ``mismatch_max`` (max |rollout − trainer log-prob| over the trained
+    tokens, measured before the update). With ``loss.kl_coef`` > 0 the batch carries reference log-probs
+    (``reference_logprobs``: ``ref_params``, or a LoRA state's base). ``max_rollout_bytes``: the rollout's decode
+    batch is priced and refused up front past it (``q38.rollout.rollout_bytes``)."""
+    loss = loss or PolicyLossConfig(temperature=sampling.temperature)
+    if not (isinstance(updates, int) and updates >= 1):
+        raise ConfigError(f"rl.updates (optimizer steps per rollout batch) must be an integer >= 1, got {updates!r}")
+    if not math.isclose(loss.temperature, sampling.temperature):
+        raise ConfigError(f"rl.temperature of the loss ({loss.temperature}) and of sampling "
+                          f"({sampling.temperature}) differ; the ratio needs the policy the rollout sampled from")
+    mc, tc = state.model_config, state.train_config
+    comps = rollout(policy_params(state), mc, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
+                    sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias, max_bytes=max_rollout_bytes)
+    rew = score(rewards, prompt_texts, answers, comps, [detokenize(c.tokens) for c in comps])
+    adv = group_advantages(rew, group_size)
+    dev = torch.utils._pytree.tree_leaves(state.params)[0].device
+    batch = {k: v.to(dev) for k, v in pack_rollouts(comps, adv, row_len).items()}
+    if loss.kl_coef > 0:
+        batch["ref_logprobs"] = reference_logprobs(state, batch, loss.temperature, ref_params)
+    lp = trainer_logprobs(state, batch, loss.temperature)
+    mask = batch["labels"] != IGNORE_INDEX
+    mismatch = float((lp - batch["old_logprobs"]).abs()[mask].max())
+    terms = policy_terms(mc, tc, loss)
+    new = state
+    for _ in range(updates):
+        new, m = train_step(new, batch, terms=terms)
+    r = torch.tensor(rew)
+    d = m.as_dict()
+    d.update(reward_mean=float(r.mean()), reward_std=float(r.std()), mismatch_max=mismatch,
+             response_length=sum(len(c.tokens) for c in comps) / len(comps))
+    return new, d
+
+
+# ---- prompts and the loop ----------------------------------------------------------------------------------------
+
+MAX_PROMPTS_BYTES = 1 << 30
+
+
+@attrs.frozen
+class PromptRecord:
+    """One line of a prompts file: the ``prompt`` text and its reference ``answer`` (None when the line has none)."""
+
+    prompt: str
+    answer: str | None = None
+
+
+def load_prompts(path, rewards: Sequence[str] = ()) -> list[PromptRecord]:
+    """A JSON-lines prompts file, one ``{"prompt": str, "answer": str | number}`` object a line (``answer``
+    optional unless a reward in ``rewards`` needs it: ``numeric_answer``). Bad lines are one ``DataError`` naming
+    the file and line."""
+    from q38.files import parse_json, read_bounded
+
+    data = read_bounded(path, MAX_PROMPTS_BYTES, f"prompts file {path}", follow=True)
+    out = []
+    for n, line in enumerate(data.decode("utf-8", errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        rec = parse_json(line, f"prompts file {path} line {n}", DataError)
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
+            raise DataError(f"prompts file {path} line {n}: each line must be an object with a non-empty string "
+                            "`prompt` (and an `answer` where a reward needs one)")
+        ans = rec.get("answer")
+        if ans is not None and (isinstance(ans, bool) or not isinstance(ans, (str, int, float))):
+            raise DataError(f"prompts file {path} line {n}: `answer` must be a string or a number, got {ans!r}")
+        if ans is None and "numeric_answer" in rewards:
+            raise DataError(f"prompts file {path} line {n} has no `answer`, which the reward numeric_answer needs; "
+                            "add one to every line or drop that reward")
+        out.append(PromptRecord(rec["prompt"], None if ans is None else str(ans)))
+    if not out:
+        raise DataError(f"prompts file {path} holds no prompt")
+    return out
+
+
+def progress_line(m: dict) -> str:
+    """One iteration's progress line: reward mean / std, mean response length, mismatch (max, and the step's mean),
+    KL, clip fraction, entropy, loss."""
+    return (f"iter {m.get('iteration', 0)} | reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} | "
+            f"len {m['response_length']:.1f} | mismatch max {m['mismatch_max']:.2e} | kl {m['kl']:.2e} | "
+            f"clip {m['clip_frac']:.3f} | entropy {m['entropy']:.3f} | loss {m['loss']:.4f}")
+
+
+def rl_loop(state, records: Sequence[PromptRecord], *, encode: Callable[[str], Sequence[int]],
+            detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str], iterations: int,
+            prompts_per_iteration: int, group_size: int, max_new_tokens: int, sampling, row_len: int,
+            stop_ids: Sequence[int] = (), loss: PolicyLossConfig | None = None, ref_params=None,
+            start_iteration: int = 0, max_rollout_bytes: int | None = None, updates: int = 1
+            ) -> Iterator[tuple]:
+    """``rl_iteration`` ``iterations`` times over ``records`` in order (wrapping around), yielding ``(state,
+    metrics, next_iteration)`` after each. Iteration ``i`` takes prompts ``i·P … i·P + P − 1`` (mod the count) and
+    samples with seed ``sampling.seed + i``: the prompt cursor and the sampling RNG follow from ``i`` alone, so a
+    run stopped after iteration ``i`` and started again from its state with ``start_iteration=i + 1`` goes on as
+    if it had not stopped."""
+    if not (isinstance(prompts_per_iteration, int) and prompts_per_iteration >= 1):
+        raise ConfigError(f"rl.prompts_per_iteration must be an integer >= 1, got {prompts_per_iteration!r}")
+    for it in range(start_iteration, start_iteration + iterations):
+        picked = [records[(it * prompts_per_iteration + j) % len(records)] for j in range(prompts_per_iteration)]
+        state, metrics = rl_iteration(
+            state, [list(encode(r.prompt)) for r in picked], prompt_texts=[r.prompt for r in picked],
+            answers=[r.answer for r in picked], detokenize=detokenize, rewards=rewards, group_size=group_size,
+            max_new_tokens=max_new_tokens, sampling=attrs.evolve(sampling, seed=int(sampling.seed) + it),
+            row_len=row_len, stop_ids=stop_ids, loss=loss, ref_params=ref_params,
+            max_rollout_bytes=max_rollout_bytes, updates=updates)
+        metrics["iteration"] = it
+        yield state, metrics, it + 1
+
+
+def save_rl_checkpoint(root, state, next_iteration: int, *, keep_last: int = 0):
+    """``state`` as ``root/step_<step>`` (``q38.train.io.checkpoint.save_checkpoint``) with the loop's position:
+    ``next_iteration`` fixes the prompt cursor and the sampling seed of what follows (``rl_loop``)."""
+    from q38.train.io.checkpoint import save_checkpoint
+
+    meta = {"step": int(state.step), "model_config": state.model_config.to_dict(),
+            "train_config": state.train_config.to_dict(),
+            "param_dtype": str(state.train_config.torch_param_dtype).removeprefix("torch."),
+            "rl": {"next_iteration": int(next_iteration)}}
+    return save_checkpoint(root, state, meta, keep_last=keep_last)
+
+
+def load_rl_checkpoint(path, template) -> tuple:
+    """``(state, next_iteration)`` from a checkpoint ``save_rl_checkpoint`` wrote, into ``template``'s shapes and
+    placements; pass ``start_iteration=next_iteration`` to ``rl_loop`` to go on exactly."""
+    from q38.train.io.checkpoint import load_checkpoint
+
+    state, meta = load_checkpoint(path, template)
+    it = (meta.get("rl") or {}).get("next_iteration")
+    if type(it) is not int or it < 0:
+        raise ConfigError(f"{path} holds no RL loop position (meta.json rl.next_iteration); it was not written by "
+                          "save_rl_checkpoint: start the loop with start_iteration= by hand")
+    return state, it
+
+
+def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str], iterations: int,
+            prompts_per_iteration: int = 8, group_size: int = 8, max_new_tokens: int = 128, temperature: float = 1.0,
+            top_p: float = 1.0, seed: int = 0, loss: PolicyLossConfig | None = None, updates: int = 1,
+            save_every: int = 0, overrides: dict | None = None, log: Callable[[str], None] = print):
+    """``q38 rl``: ``rl_loop`` from a q38 run / checkpoint or a Hugging Face directory (its tokenizer, its run
+    config's train settings: ``--set train.lr=…``), one process. Prompts: ``load_prompts``; a progress line per
+    iteration; checkpoints (``save_rl_checkpoint``) in ``out`` every ``save_every`` iterations and at the end. A
+    second call with the same ``out`` resumes from its newest checkpoint, exactly. Returns the last checkpoint."""
+    from pathlib import Path
+
+    from q38.train.data.tokenizer import load_tokenizer
+    from q38.train.io.checkpoint import latest_checkpoint
+    from q38.train.run.generate import answer_text, prompt_ids, special_ids, stop_tokens
+    from q38.train.run.inference import load_state, open_source
+    from q38.train.run.launch import WorldInfo, check_run, pick_device
+    from q38.train.run.trainer import _source_precision
+    from q38.decode import Sampling
+
+    world = WorldInfo.from_env()
+    if world.world_size > 1:
+        raise NotImplementedError("q38 rl runs on one process (rollouts decode one process's parameters); run it "
+                                  "without torchrun")
+    records = load_prompts(prompts_file, rewards)
+    for spec in rewards:
+        load_reward(spec)
+    src = open_source(source, dict(overrides or {}, layout="single"))
+    cfg = src.cfg if src.checkpoint is not None else _source_precision(src.cfg)
+    tok = load_tokenizer(cfg.data.tokenizer)
+    ids = [prompt_ids({"text": r.prompt, "from": f"{prompts_file}:{i + 1}"}, tok) for i, r in enumerate(records)]
+    row_len = max(len(p) for p in ids) + max_new_tokens
+    if row_len > cfg.model.max_position_embeddings:
+        raise ConfigError(f"the longest prompt ({row_len - max_new_tokens} tokens) plus --max-new-tokens "
+                          f"{max_new_tokens} pass the model's max_position_embeddings "
+                          f"({cfg.model.max_position_embeddings}); lower --max-new-tokens")
+    device = pick_device(cfg.run.device, 0)
+    import attrs as _attrs
+
+    state = load_state(_attrs.evolve(src, cfg=cfg), world, device, check_run(cfg, 1, device), None)
+    root = Path(out) / "checkpoints"
+    start = 0
+    last = latest_checkpoint(root) if root.is_dir() else None
+    if last is not None:
+        state, start = load_rl_checkpoint(last, state)
+        log(f"q38 rl: resuming from {last} at iteration {start}")
+    by_text = {r.prompt: p for r, p in zip(records, ids)}
+    skip = special_ids(tok)
+    loss = loss or PolicyLossConfig(temperature=temperature)
+    done = start
+    for state, m, nxt in rl_loop(state, records, encode=lambda t: by_text[t],
+                                 detokenize=lambda o: answer_text(tok, o, skip=skip)[0], rewards=rewards,
+                                 iterations=iterations, prompts_per_iteration=prompts_per_iteration,
+                                 group_size=group_size, max_new_tokens=max_new_tokens,
+                                 sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed), row_len=row_len,
+                                 stop_ids=stop_tokens(tok), loss=loss, start_iteration=start, updates=updates):
+        log(progress_line(m))
+        done = nxt
+        if save_every and (nxt - start) % save_every == 0 and nxt < start + iterations:
+            last = save_rl_checkpoint(root, state, nxt)
+    if done > start or last is None:
+        last = save_rl_checkpoint(root, state, done)
+    return last

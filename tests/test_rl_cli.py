@@ -1,0 +1,71 @@
+"""``q38 rl``: from a Hugging Face directory (byte tokenizer), a prompts file and built-in rewards, progress lines
+per iteration and a checkpoint; a second call resumes at the next iteration and gives the state a single longer run
+gives; bad input is one line (exit 2)."""
+
+import pytest
+import torch
+
+import q38
+from q38.cli import main
+from q38.pytree import named_leaves
+from tests.test_generate import CFG as _GEN_CFG
+
+# test_generate's model (unlike tiny; vocab 300 holds the byte tokenizer's 261) with expert widths whose rows are a
+# multiple of 16 bytes (the grouped matmul the training forward resolves to refuses others: 18 x 4 bytes fails).
+CFG = _GEN_CFG.replace(moe_intermediate_size=20, shared_expert_intermediate_size=24)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("rl") / "hf"
+    q38.save_hf(d, CFG, q38.init_params(CFG, seed=13))
+    return d
+
+
+def _prompts(tmp_path):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text('{"prompt": "1+2=", "answer": 3}\n{"prompt": "2+2=", "answer": 4}\n{"prompt": "5-1=", "answer": 4}\n')
+    return f
+
+
+def _args(hf_dir, prompts, out, iterations):
+    return ["rl", str(hf_dir), "--prompts", str(prompts), "--out", str(out), "--reward", "numeric_answer",
+            "--reward", "tests.test_rl:user_reward", "--iterations", str(iterations), "--prompts-per-iteration", "2",
+            "--group-size", "2", "--max-new-tokens", "3", "--set", "train.lr=1e-3"]
+
+
+@pytest.mark.slow
+def test_q38_rl_runs_checkpoints_and_resumes_exactly(hf_dir, tmp_path, capsys):
+    from q38.train.core.state import init_state
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.io.checkpoint import latest_checkpoint, load_checkpoint, read_meta
+
+    prompts = _prompts(tmp_path)
+    assert main(_args(hf_dir, prompts, tmp_path / "a", 2)) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("iter ")]
+    assert [ln.split()[1] for ln in lines] == ["0", "1"] and all("mismatch max" in ln for ln in lines)
+    assert main(_args(hf_dir, prompts, tmp_path / "b", 1)) == 0
+    assert main(_args(hf_dir, prompts, tmp_path / "b", 1)) == 0
+    out = capsys.readouterr().out
+    assert "resuming" in out and [ln.split()[1] for ln in out.splitlines() if ln.startswith("iter ")] == ["0", "1"]
+    a, b = latest_checkpoint(tmp_path / "a" / "checkpoints"), latest_checkpoint(tmp_path / "b" / "checkpoints")
+    assert read_meta(a)["rl"]["next_iteration"] == read_meta(b)["rl"]["next_iteration"] == 2
+    template = init_state(CFG, TrainConfig(), seed=0)
+    sa, _ = load_checkpoint(a, template)
+    sb, _ = load_checkpoint(b, template)
+    assert int(sa.step) == 2
+    for (n, x), (_, y) in zip(named_leaves(sa.params), named_leaves(sb.params)):
+        assert torch.equal(x, y), n
+
+
+def test_q38_rl_bad_input_is_one_line(hf_dir, tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "1+2="}\n')
+    assert main(_args(hf_dir, f, tmp_path / "c", 1)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no `answer`" in err
+    args = _args(hf_dir, _prompts(tmp_path), tmp_path / "d", 1)
+    args[args.index("--group-size") + 1] = "1"
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "group of one" in err
