@@ -412,7 +412,8 @@ def plan_cli(args: list[str]) -> int:
         if ns.hardware:  # a bad profile is one line before anything is printed or priced
             from q38.parallel.hardware import Hardware
 
-            Hardware.load(ns.hardware)
+            with reading("--hardware", ns.hardware):
+                Hardware.load(ns.hardware)
         prec = query_precision(query)  # the one dtype story of every section below
         if ns.layout is None and ns.train and not ns.search:  # the run config's own layout
             import attrs
