@@ -85,9 +85,27 @@ def test_early_stopping_ends_the_run_and_a_rerun_trains_nothing(tmp_path, capsys
     ({"early_stop_patience": 3}, "run.keep_best is not set"),
     ({"keep_best": "eval_loss", "early_stop_min_delta": -1}, "run.early_stop_min_delta must be a number >= 0"),
     ({"keep_best": "eval_mtp_3"}, "the model has 1 MTP depth(s)"),
+    ({"keep_best": "eval_accept_len_2"}, "the model has 1 MTP depth(s)"),
+    ({"keep_best": "eval_accept_0"}, "run.keep_best must be null, true (eval_loss) or an evaluation metric"),
 ])
 def test_bad_settings_are_one_line(tmp_path, run, says):
     with pytest.raises(ConfigError) as e:
         _run(tmp_path, 2, **{"eval_every": 2, **run})
     assert says in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("metric, values, news", [
+    ("eval_loss", [3.0, 2.0, 2.5], [True, True, False]),  # lower is better
+    ("eval_accuracy", [0.2, 0.5, 0.4], [True, True, False]),  # higher is better
+    ("eval_accept_1", [0.3, 0.6, 0.61], [True, True, True]),  # the MTP head's acceptance: higher is better
+    ("eval_accept_len_1", [1.4, 1.3, float("nan")], [True, False, False]),  # non-finite: never the best
+])
+def test_which_evaluation_is_the_best(metric, values, news, tmp_path):
+    """The watched metric's direction: losses shrink, accuracy and acceptance grow."""
+    from q38.train.run.trainer import _Best
+
+    cfg = run_config(tmp_path, model=MODEL, data=DATA, run={"eval_every": 1, "keep_best": metric})
+    b = _Best.resumed(cfg, None)
+    assert [b.update({metric: v}, step, cfg) for step, v in enumerate(values, start=1)] == news
+    assert b.step == max(i for i, new in enumerate(news, start=1) if new)

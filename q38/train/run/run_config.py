@@ -2,6 +2,7 @@
 ``kernels``, ``peft``), read from YAML with ``--set`` overrides and checked up front."""
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -100,7 +101,8 @@ class RunOptions:
     # global batches per evaluation (at most: fewer when the eval split is smaller); 0: the whole eval split
     eval_batches: int = EVAL_BATCHES
     # keep the checkpoint of the best evaluation so far in out_dir/best (null: none; true: eval_loss): an evaluation
-    # metric (eval_loss, eval_ppl, eval_mtp_<k>, eval_aux: lower is better; eval_accuracy: higher is better)
+    # metric (eval_loss, eval_ppl, eval_mtp_<k>, eval_aux: lower is better; eval_accuracy, the MTP heads'
+    # acceptance eval_accept_<d> and eval_accept_len_<k>: higher is better)
     keep_best: Any = None
     # stop the run after this many evaluations in a row that do not improve run.keep_best's metric by more than
     # run.early_stop_min_delta (0: never stop early)
@@ -129,7 +131,7 @@ class RunOptions:
             need(_is_int(v) and v >= 0, f"run.{k} must be an integer >= 0, got {v!r}")
         need(self.keep_best in (None, False, True) or isinstance(self.keep_best, str) and best_metric_known(
             self.keep_best), f"run.keep_best must be null, true (eval_loss) or an evaluation metric "
-             f"({', '.join(BEST_METRICS)}, eval_mtp_<k>), got {self.keep_best!r}")
+             f"({', '.join(BEST_METRICS)}, eval_mtp_<k>, eval_accept_<d>, eval_accept_len_<k>), got {self.keep_best!r}")
         need(isinstance(self.early_stop_min_delta, (int, float)) and not isinstance(self.early_stop_min_delta, bool)
              and 0 <= self.early_stop_min_delta < float("inf"),
              f"run.early_stop_min_delta must be a number >= 0, got {self.early_stop_min_delta!r}")
@@ -181,12 +183,24 @@ class RunOptions:
         return "eval_loss" if self.keep_best is True else self.keep_best
 
 
-BEST_METRICS = ("eval_loss", "eval_ppl", "eval_accuracy", "eval_aux")  # and eval_mtp_<k>
+BEST_METRICS = ("eval_loss", "eval_ppl", "eval_accuracy", "eval_aux")  # and eval_mtp_<k>, eval_accept[_len]_<k>
+_DEPTH_METRIC = re.compile(r"eval_(mtp|accept|accept_len)_([1-9][0-9]{0,3})")
 
 
 def best_metric_known(name: str) -> bool:
     """Whether ``name`` is an evaluation metric ``run.keep_best`` can watch."""
-    return name in BEST_METRICS or (name.startswith("eval_mtp_") and name[9:].isdigit() and int(name[9:]) > 0)
+    return name in BEST_METRICS or _DEPTH_METRIC.fullmatch(name) is not None
+
+
+def best_metric_depth(name: str) -> int:
+    """The MTP depth a metric needs (``eval_mtp_2``, ``eval_accept_2``, ``eval_accept_len_2``: 2), else 0."""
+    m = _DEPTH_METRIC.fullmatch(name)
+    return int(m.group(2)) if m else 0
+
+
+def higher_is_better(name: str) -> bool:
+    """Accuracy and the MTP heads' acceptance grow as the model improves; the losses shrink."""
+    return name == "eval_accuracy" or name.startswith("eval_accept")
 
 
 def _is_seconds(v) -> bool:
@@ -208,7 +222,7 @@ class RunConfig:
 
     def __attrs_post_init__(self) -> None:
         metric = self.run.best_metric
-        need(metric is None or not metric.startswith("eval_mtp_") or int(metric[9:]) <= self.model.mtp_num_layers,
+        need(metric is None or best_metric_depth(metric) <= self.model.mtp_num_layers,
              f"run.keep_best is {metric} but the model has {self.model.mtp_num_layers} MTP depth(s); watch eval_loss"
              + (f" or eval_mtp_1..eval_mtp_{self.model.mtp_num_layers}" if self.model.mtp_num_layers else ""))
 

@@ -25,7 +25,7 @@ from q38.kernels import describe_kernels
 from q38.train.run.launch import RunPlan, WorldInfo, _init_process_group, check_run, pick_backend, pick_device, \
     tune_cpu_allocator
 from q38.train.run.metrics import PROGRESS_LEGEND, Throughput, _truncate_metrics, flops_per_token, format_metrics, known_peak_flops
-from q38.train.run.run_config import RunConfig
+from q38.train.run.run_config import RunConfig, higher_is_better
 
 
 # ---- signals --------------------------------------------------------------------------------------------------------
@@ -568,7 +568,7 @@ class _Best:
             return False
         if self.value is None:
             return True
-        return v > self.value + by if self.metric == "eval_accuracy" else v < self.value - by
+        return v > self.value + by if higher_is_better(self.metric) else v < self.value - by
 
     def update(self, m: Mapping[str, float], step: int, cfg: RunConfig) -> bool:
         """Take this step's evaluation; True when it is the best so far (its checkpoint is then kept)."""
