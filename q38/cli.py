@@ -190,8 +190,9 @@ def _generate(argv: list[str]) -> int:
                    "text, ...) in the answers' text (default: left out, as transformers' skip_special_tokens)")
     p.add_argument("--no-eos-stop", action="store_true", help="keep sampling after the end-of-sequence token")
     p.add_argument("--speculative", type=int, default=None, metavar="K", help="draft K tokens per main-model pass with "
-                   "the checkpoint's MTP heads and verify them in one pass (greedy only; the same tokens as plain "
-                   "greedy decoding); reports the mean accepted length")
+                   "the checkpoint's MTP heads and verify them in one pass (greedy: the same tokens as plain greedy "
+                   "decoding; sampled: the speculative-sampling rule, distributed as plain sampling); reports the "
+                   "mean accepted length")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a setting of the source's run config, e.g. --set data.tokenizer=DIR")
     p.add_argument("--json", action="store_true", help="print one JSON record per prompt (its index and origin, the "

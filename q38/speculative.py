@@ -16,8 +16,13 @@ Each round, for every row whose main cache holds positions ``0..P-1`` and whose 
 3. **Roll back**: the main cache keeps the ``a + 1`` fed tokens (``keep_prefix``: the GDN state and conv window
    of that token, the attention keys after it dropped).
 
-Greedy only: the committed tokens are the main model's greedy tokens whatever the drafts, so the output equals
-plain greedy decoding token for token.
+Greedy (temperature 0): the committed tokens are the main model's greedy tokens whatever the drafts, so the output
+equals plain greedy decoding token for token. Sampled (temperature > 0, with top-k / top-p): each draft is drawn
+from the head's distribution ``q`` (the same warpers), and the standard speculative-sampling rule decides: draft
+``x`` at a step whose main-model distribution is ``p`` is accepted with probability ``min(1, p(x) / q(x))``; the first
+rejected one is replaced by a draw from ``max(0, p - q)`` renormalised, and when all ``k`` are accepted the bonus is
+drawn from the main model's distribution after them. The committed tokens are then distributed exactly as plain
+sampling's (not the same draws: the generator is consumed in another order).
 """
 
 from typing import Callable, Sequence
@@ -28,7 +33,7 @@ import torch.nn.functional as F
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from q38.decode import extend, keep_prefix, prefill
+from q38.decode import Sampling, extend, keep_prefix, prefill, sampling_probs
 from q38.layers.decode import KVCache, attention_extend, empty_kv_cache, kv_keep
 from q38.layers.moe import moe_apply
 from q38.layers.norm import rms_norm
@@ -58,7 +63,7 @@ class SpecStats:
         return 1.0 + sum(a for _, _, a in self.rounds) / max(len(self.rounds), 1)
 
 
-def check_speculative(config: ModelConfig, k: object, temperature: float = 0.0) -> int:
+def check_speculative(config: ModelConfig, k: object) -> int:
     """``k`` as a draft count for ``config``, or a ``ValueError`` naming the problem and the fix."""
     if config.mtp_num_layers < 1:
         raise ValueError("speculative decoding drafts with the MTP heads, and this checkpoint has none "
@@ -66,9 +71,6 @@ def check_speculative(config: ModelConfig, k: object, temperature: float = 0.0) 
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFTS:
         raise ValueError(f"--speculative K must be an integer in [1, {MAX_DRAFTS}] (drafts per verification pass; "
                          f"the pass keeps one GDN state per draft for the rollback), got {k!r}")
-    if temperature != 0:
-        raise ValueError("--speculative decodes greedily (its output equals plain greedy decoding); the sampled "
-                         "acceptance rule is not implemented: use --temperature 0, or drop --speculative")
     return k
 
 
@@ -118,16 +120,64 @@ def _argmax(hidden: Tensor, w_head: Tensor) -> Tensor:
     return F.linear(hidden, w_head).argmax(-1)
 
 
+class _Draws:
+    """Tokens from logits under ``sampling``: the argmax when greedy, else one draw per row (in row order) from
+    ``sampling_probs`` with ``gen``; ``draw`` also returns the distribution (None when greedy)."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.s = sampling
+        self.greedy = sampling.temperature == 0
+        self.gen = torch.Generator().manual_seed(int(sampling.seed))
+
+    def draw(self, logits: Float[Tensor, "b v"]) -> tuple[Tensor, Tensor | None]:
+        if self.greedy:
+            return logits.argmax(-1), None
+        p = sampling_probs(logits, self.s)
+        return self.pick(p), p
+
+    def pick(self, p: Float[Tensor, "b v"]) -> Int[Tensor, " b"]:
+        return torch.multinomial(p.cpu(), 1, generator=self.gen).view(-1).to(p.device)
+
+    def uniform(self) -> float:
+        return float(torch.rand((), generator=self.gen))
+
+
+def _accept_sampled(draws: _Draws, fed: Tensor, q: list, logits: Tensor, running: Tensor) -> tuple[Tensor, Tensor]:
+    """The speculative-sampling rule over one verification pass: ``fed[:, 1:]`` are the drafts, ``q[d]`` their
+    distributions, ``logits[:, j]`` the main model's after ``j + 1`` fed tokens. Returns the accepted draft counts and
+    the token committed after them (a residual draw where a draft was rejected, the bonus draw where none was)."""
+    b, k = fed.shape[0], fed.shape[1] - 1
+    p = torch.stack([sampling_probs(logits[:, j], draws.s) for j in range(k + 1)], 1)  # [b k+1 v]
+    accepted = torch.zeros(b, dtype=torch.long, device=fed.device)
+    nxt = torch.zeros(b, dtype=torch.long, device=fed.device)
+    for r in running.nonzero().flatten().tolist():
+        a = 0
+        while a < k:
+            x = int(fed[r, a + 1])
+            px, qx = float(p[r, a, x]), float(q[a][r, x])
+            if draws.uniform() < min(1.0, px / qx):  # qx > 0: x was drawn from q
+                a += 1
+                continue
+            residual = (p[r, a] - q[a][r]).clamp(min=0)
+            total = float(residual.sum())
+            nxt[r] = draws.pick((residual / total if total > 0 else p[r, a])[None])[0]
+            break
+        else:
+            nxt[r] = draws.pick(p[r, k][None])[0]
+        accepted[r] = a
+    return accepted, nxt
+
+
 @torch.no_grad()
 def speculative_generate(
     params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *, k: int, max_new_tokens: int,
     stop_ids: Sequence[int] = (), router_bias: Tensor | None = None, dtype: torch.dtype | None = None,
-    stop_when: Callable[[int, list[int]], bool] | None = None,
+    stop_when: Callable[[int, list[int]], bool] | None = None, sampling: Sampling = Sampling(),
 ) -> tuple[list[list[int]], SpecStats]:
-    """Greedy decoding with ``k`` MTP drafts per main-model pass (module docstring): the tokens after each prompt
-    (as ``q38.decode.generate`` greedy: at most ``max_new_tokens``, a row stops after a token of ``stop_ids`` or when
-    ``stop_when(row, its tokens so far)`` is true) and
-    the acceptance it counted."""
+    """Decoding with ``k`` MTP drafts per main-model pass (module docstring): the tokens after each prompt (as
+    ``q38.decode.generate``: at most ``max_new_tokens``, a row stops after a token of ``stop_ids`` or when
+    ``stop_when(row, its tokens so far)`` is true) and the acceptance it counted. ``sampling``: greedy (the default;
+    equal to plain greedy decoding) or sampled by the speculative-sampling rule (distributed as plain sampling)."""
     k = check_speculative(config, k)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
@@ -137,7 +187,8 @@ def speculative_generate(
     b = len(prompts)
     logits, cache, hidden = prefill(params, config, prompts, dtype=dtype, router_bias=router_bias)
     lengths = cache.pos.clone()  # P: main positions fed
-    nxt = logits.argmax(-1)  # x_P
+    draws = _Draws(sampling)
+    nxt, _ = draws.draw(logits)  # x_P
     keep_cols = 2 * k + 2  # buffer columns a round reads: at most 2k positions back, plus the drafts
     # right-aligned buffers: tokens up to x_P, main hidden states up to position P - 1
     width = max(hidden.shape[1], keep_cols)
@@ -166,11 +217,13 @@ def speculative_generate(
         m = int((lengths - done)[running].max())
         positions = lengths[:, None] - m + torch.arange(m, device=dev)[None]
         active = (positions >= done[:, None]) & running[:, None]
-        h, drafts = h0[:, -m:], []
+        h, drafts, q = h0[:, -m:], [], []
         for d in range(1, k + 1):
             tok_d = torch.cat([toks, *[x[:, None] for x in drafts]], 1)[:, -m:]  # the token at position + d
             h, c = mtp_extend(params, config, d, mtp[d - 1], h, tok_d, positions.clamp(min=0), active, router_bias)
-            drafts.append(_argmax(h[:, -1], w_head))
+            draft, q_d = draws.draw(F.linear(h[:, -1], w_head))
+            drafts.append(draft)
+            q.append(q_d)
             # positions <= P - k read true tokens at every depth: kept; the last k - 1 are recomputed next round
             mtp[d - 1] = kv_keep(c, m, torch.full((b,), max(0, m - k + 1), device=dev))
         done = torch.where(running, torch.maximum(done, lengths - k + 1), done)
@@ -179,14 +232,18 @@ def speculative_generate(
         hid, ext = extend(params, cache, fed, config, lengths=running.long() * (k + 1), router_bias=router_bias,
                           stepwise=True)
         passes += 1
-        greedy = _argmax(hid, w_head)  # [b k+1]: the main model's token after each prefix
-        match = (fed[:, 1:] == greedy[:, :-1]).long()
-        accepted = match.cumprod(1).sum(1)  # leading drafts equal to the main model's greedy tokens
+        if draws.greedy:
+            greedy = _argmax(hid, w_head)  # [b k+1]: the main model's token after each prefix
+            match = (fed[:, 1:] == greedy[:, :-1]).long()
+            accepted = match.cumprod(1).sum(1)  # leading drafts equal to the main model's greedy tokens
+            after = greedy[torch.arange(b, device=dev), accepted]
+        else:
+            accepted, after = _accept_sampled(draws, fed, q, F.linear(hid, w_head), running)
         keep = torch.where(running, accepted + 1, 0)
-        # 3. roll the main cache back to the kept tokens; commit drafts[:a] and the bonus token
+        # 3. roll the main cache back to the kept tokens; commit drafts[:a] and the token after them
         cache = keep_prefix(ext, keep, config)
-        new = torch.cat([fed[:, 1:], greedy[:, -1:]], 1).clone()
-        new[torch.arange(b, device=dev), accepted] = greedy[torch.arange(b, device=dev), accepted]
+        new = torch.cat([fed[:, 1:], after[:, None]], 1).clone()
+        new[torch.arange(b, device=dev), accepted] = after
         for r in running.nonzero().flatten().tolist():
             a = int(accepted[r])
             rounds.append((r, int(lengths[r]) - 1, a))

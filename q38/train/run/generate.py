@@ -174,7 +174,7 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
     prompt (``prompt``: a text prompt; ``messages`` and ``tools``: a chat), ``prompt_ids``, ``ids`` (every sampled
     token, the stop token or the tokens of a stop string included), ``text`` (the answer: the text of ``ids``, special
     tokens left out unless not ``skip_special_tokens``, cut before the first ``stop`` string) and ``stopped``
-    (``eos``, ``stop_string`` or ``length``). One process. ``speculative`` K (not None): greedy decoding with K MTP
+    (``eos``, ``stop_string`` or ``length``). One process. ``speculative`` K (not None): decoding with K MTP
     drafts per pass (``q38.speculative``); each record then holds ``speculative``: its verification ``passes`` and
     the ``tokens`` they committed."""
     from q38.decode import Sampling, generate
@@ -197,7 +197,7 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
     if speculative is not None:
         from q38.speculative import check_speculative
 
-        check_speculative(cfg.model, speculative, temperature)
+        check_speculative(cfg.model, speculative)
     tok = load_tokenizer(cfg.data.tokenizer)
     prompts = [prompt_ids(r, tok) for r in recs]
     check_lengths(prompts, recs, max_new_tokens, cfg.model.max_position_embeddings)
@@ -216,7 +216,8 @@ def generate_from(source: str, *, text: Sequence[str] | None = None, chat: Seque
         from q38.speculative import speculative_generate
 
         outs, stats = speculative_generate(params, cfg.model, prompts, k=speculative, max_new_tokens=max_new_tokens,
-                                           stop_ids=stop_ids, router_bias=state.router_bias, stop_when=stop_when)
+                                           stop_ids=stop_ids, router_bias=state.router_bias, stop_when=stop_when,
+                                           sampling=sampling)
     else:
         with torch.no_grad():
             outs = generate(params, cfg.model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
