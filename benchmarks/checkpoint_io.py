@@ -38,7 +38,7 @@ PATHS = ("fresh", "save", "resume", "init_from_q38", "init_from_hf", "to_hf", "f
 
 
 def model_config():
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
 
     gdn3 = ("linear_attention",) * 3 + ("full_attention",)
     return ModelConfig.preset("tiny").replace(

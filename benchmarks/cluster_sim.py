@@ -52,7 +52,7 @@ OVERLAP_PLAN = {True: {"prefetch": True, "async_reduce": True, "ep_overlap": Tru
 
 
 def _model():
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
 
     return ModelConfig.preset("tiny").replace(mtp_num_layers=1)
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def _rank_fn(rank, world, fsdp, ep, recompute, param_dtype="float32", reduce_dtype="float32", reshard=True):
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
     from q38.parallel.layout import Layout
     from q38.parallel.mesh import make_mesh, shard, shard_batch
     from q38.train.core.step_config import TrainConfig

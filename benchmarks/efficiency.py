@@ -31,7 +31,7 @@ def shapes(model: str, tokens: int, local_experts: int, seq: int) -> dict:
     """One rank's shapes in a layer of ``model``: ``tokens`` tokens, ``local_experts`` experts each receiving
     tokens × top-k / local_experts rows, attention over rows of ``seq`` (at most 16 heads: the masked kernels'
     score matrices must fit one device)."""
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
 
     cfg = ModelConfig.preset(model)
     return {"tokens": tokens, "d": cfg.hidden_size, "f": cfg.moe_intermediate_size, "experts": local_experts,
@@ -65,7 +65,7 @@ def cases(s: dict, dev: str, dt: torch.dtype):
     """(op, impl, run, executed FLOPs) per case; ``run`` is forward + backward."""
     import torch.nn.functional as F
 
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
     from q38.layers.context import seq_info
     from q38.layers.kinds import MIXER_KINDS, Workload
 

@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from q38.model_config import ModelConfig
+from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
 from q38.kernels import DEFAULT_KERNELS, GDN_CHUNK
 from q38.layers.context import LocalSeqComm, SeqInfo
 from q38.layers.gdn import gdn_core_fla, gdn_core_torch

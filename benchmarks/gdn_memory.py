@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from q38.model_config import ModelConfig
+from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
 from q38.layers.context import SeqInfo
 from q38.layers.gdn import gdn_apply
 from q38.model import abstract_params

@@ -48,7 +48,7 @@ def worker(mode: str, rank: int, world: int, work: Path, layout: str, seq: int, 
     import torch
     import torch.distributed as dist
 
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
     from q38.parallel.layout import Layout
     from q38.parallel.mesh import init_sharded, make_mesh, shard_batch
     from q38.pytree import tree_leaves
@@ -135,7 +135,7 @@ def _sides(state) -> dict:
 def plan_sides(world: int, layout: str, seq: int, rows: int, mode: str, train: str) -> tuple[float, float, float]:
     """The plan's ``(compute-dtype shards, gradients, host bytes)`` per rank of an offloaded step (``q38 plan
     --offload-optimizer``; the host figure per node of the h200 profile over its devices per node)."""
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
     from q38.parallel.budget import estimate
     from q38.parallel.hardware import Hardware
     from q38.parallel.layout import Layout
@@ -156,7 +156,7 @@ def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str,
     argument of ``estimate``). ``train``: the step's train settings (JSON); the communication overlap they set
     (``overlap_comm``, ``fsdp_prefetch``) and their dtypes (``param_dtype``, ``reduce_dtype``, ``moment_dtype``,
     ``master_dtype``) are priced as ``q38 plan`` prices a run's."""
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
     from q38.parallel.budget import estimate
     from q38.parallel.layout import Layout
     from q38.parallel.search import _dtype_name

@@ -42,7 +42,7 @@ def worker(kind: str, rank: int, world: int, work: Path, seq: int, rows: int, st
     import torch.distributed as dist
     import yaml
 
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
     from q38.parallel.layout import Layout
     from q38.parallel.mesh import init_sharded, make_mesh, shard_batch
     from q38.pytree import tree_leaves
@@ -98,7 +98,7 @@ def run(kind: str, world: int, seq: int, rows: int, steps: int, micro: int) -> l
 def plan_stages(world: int, seq: int, rows: int, micro: int, kind: str):
     import yaml
 
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
     from q38.parallel.budget import estimate
     from q38.parallel.layout import Layout
 

@@ -37,7 +37,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     a = ap.parse_args()
 
-    from q38.model_config import ModelConfig
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
     from q38.kernels import KernelConfig, resolve_kernels
     from q38.parallel.budget import Hardware, estimate
     from q38.parallel.layout import Layout

@@ -17,7 +17,7 @@ import torch
 from q38.decode import Sampling
 from q38.lora import PeftConfig, add_adapters
 from q38.model import init_params
-from q38.model_config import ModelConfig
+from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
 from q38.rollout import rollout
 from q38.train.core.policy import PolicyLossConfig
 from q38.train.core.state import state_from_params
