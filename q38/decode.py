@@ -185,6 +185,19 @@ def generate(
     or when ``stop_when(row, its tokens so far)`` is true, and keeps that token). The prompts (of any lengths, one
     batch) go through ``prefill``; rows that stopped skip later steps. A prompt and its new tokens must fit the
     model's ``max_position_embeddings``."""
+    return generate_scored(params, config, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                           stop_ids=stop_ids, router_bias=router_bias, dtype=dtype, stop_when=stop_when)[0]
+
+
+@torch.no_grad()
+def generate_scored(
+    params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+    sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (), router_bias: Tensor | None = None,
+    dtype: torch.dtype | None = None, stop_when: Callable[[int, list[int]], bool] | None = None,
+    score: Callable[[Tensor, Tensor], Tensor] | None = None,
+) -> tuple[list[list[int]], list[list[float]]]:
+    """``generate``, and for each sampled token ``score(logits, tokens)[row]`` taken at sampling time from the
+    logits it was drawn from (``score`` None: no scores; the rollouts of ``q38.rollout`` record log-probs)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
     longest = max(len(p) for p in prompts)
@@ -196,18 +209,22 @@ def generate(
     gen = torch.Generator().manual_seed(int(sampling.seed))
     logits, cache, _ = prefill(params, config, prompts, dtype=dtype, router_bias=router_bias)
     out: list[list[int]] = [[] for _ in prompts]
+    scores: list[list[float]] = [[] for _ in prompts]
     running = torch.ones(len(prompts), dtype=torch.bool, device=dev)
     for step in range(max_new_tokens):
         nxt = sample(logits, sampling, gen)
+        sc = score(logits, nxt).tolist() if score is not None else None
         for r, t in enumerate(nxt.tolist()):
             if running[r]:
                 out[r].append(t)
+                if sc is not None:
+                    scores[r].append(sc[r])
                 if t in stop_ids or (stop_when is not None and stop_when(r, out[r])):
                     running[r] = False
         if not bool(running.any()) or step + 1 == max_new_tokens:
             break
         logits, cache = decode_step(params, cache, nxt, config, active=running.clone(), router_bias=router_bias)
-    return out
+    return out, scores
 
 
 # ---- several tokens per row in one pass: prefill, and the verification pass of speculative decoding ----------------

@@ -13,7 +13,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from q38.decode import Sampling, cache_bytes, decode_step, empty_cache, left_aligned, sample
+from q38.decode import Sampling, cache_bytes, generate_scored
 from q38.errors import ConfigError
 from q38.model import ModelParams
 from q38.model_config import ModelConfig
@@ -90,28 +90,10 @@ def rollout(
                               f"{max(0, max_bytes * rows // need // group_size)} prompts per iteration or fewer new "
                               "tokens")
     rows = [list(p) for p in prompts for _ in range(group_size)]
-    dev = params.embed.device
-    gen = torch.Generator().manual_seed(int(sampling.seed))
-    tokens, active = left_aligned(rows, device=dev)
-    cache = empty_cache(config, len(rows), dtype=dtype, device=dev)
-    for t in range(tokens.shape[1]):  # the prompts, fed to end together; the last step's logits draw token 1
-        logits, cache = decode_step(params, cache, tokens[:, t], config, active=active[:, t], router_bias=router_bias)
-    out: list[list[int]] = [[] for _ in rows]
-    lps: list[list[float]] = [[] for _ in rows]
-    stopped = [False] * len(rows)
-    running = torch.ones(len(rows), dtype=torch.bool, device=dev)
-    stops = set(int(s) for s in stop_ids)
-    for step in range(max_new_tokens):
-        nxt = sample(logits, sampling, gen)
-        lp = sampled_logprobs(logits, nxt, sampling.temperature).tolist()
-        for r, tok in enumerate(nxt.tolist()):
-            if running[r]:
-                out[r].append(tok)
-                lps[r].append(lp[r])
-                if tok in stops:
-                    running[r], stopped[r] = False, True
-        if not bool(running.any()) or step + 1 == max_new_tokens:
-            break
-        logits, cache = decode_step(params, cache, nxt, config, active=running.clone(), router_bias=router_bias)
+    stops = tuple(int(t) for t in stop_ids)
+    out, lps = generate_scored(params, config, rows, max_new_tokens=max_new_tokens, sampling=sampling,
+                               stop_ids=stops, router_bias=router_bias, dtype=dtype,
+                               score=lambda logits, tok: sampled_logprobs(logits, tok, sampling.temperature))
+    stopped = [bool(o) and o[-1] in stops for o in out]
     return [Completion(r // group_size, tuple(rows[r]), tuple(out[r]), tuple(lps[r]), stopped[r])
             for r in range(len(rows))]
