@@ -69,3 +69,21 @@ def test_q38_rl_bad_input_is_one_line(hf_dir, tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "group of one" in err
+
+
+@pytest.mark.parametrize("where", ["the source", "inside the source", "a second name of the source"])
+def test_q38_rl_refuses_an_out_that_is_its_source(hf_dir, tmp_path, capsys, where):
+    """``--out`` the source directory (or inside it, or a symlink to it) would put the RL checkpoints among the
+    source's own: one line, nothing written."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(hf_dir, src)
+    before = sorted(p.name for p in src.rglob("*"))
+    link = tmp_path / "link"
+    link.symlink_to(src)
+    out = {"the source": src, "inside the source": src / "rl", "a second name of the source": link}[where]
+    assert main(_args(src, _prompts(tmp_path), out, 1)) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "run.out_dir" in err and "source" in err, err
+    assert sorted(p.name for p in src.rglob("*")) == before

@@ -366,6 +366,12 @@ def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str],
     if world.world_size > 1:
         raise NotImplementedError("q38 rl runs on one process (rollouts decode one process's parameters); run it "
                                   "without torchrun")
+    from q38.train.io.dirs import check_run_out_dir
+
+    # ``out`` never is, holds or lies inside the source or the prompts file (device and inode compared): the RL
+    # checkpoints would land among the source's own and be taken for them
+    check_run_out_dir(out, [(role, Path(p)) for role, p in (("source", source), ("prompts file", prompts_file))
+                            if Path(p).exists()])
     records = load_prompts(prompts_file, rewards)
     for spec in rewards:
         load_reward(spec)
