@@ -45,6 +45,7 @@ class StepBatch:
     mtp_inputs: tuple
     mtp_targets: tuple
     extra: dict | None = None  # per-token values of a policy-gradient batch, at target positions (TOKEN_VALUE_KEYS)
+    routes: Tensor | None = None  # [b, s, main layers, k] routing replay: each input token's experts (-1: none)
 
 
 def prepare_batch(
@@ -54,12 +55,17 @@ def prepare_batch(
     mtp_depths: int,
     attention_mask: Int[Tensor, "b s"] | None = None,
     token_values: dict | None = None,
+    routes: Int[Tensor, "b s l k"] | None = None,
 ) -> StepBatch:
     """Shift labels and MTP inputs per document on whole rows (labels are HF-style: ``labels[t]`` is token ``t``).
 
     Real (non-padding) tokens: ``attention_mask != 0`` when given, else ``doc_ids != -1``, else every token.
     ``token_values``: a policy-gradient batch's per-token values (``TOKEN_VALUE_KEYS``, HF-aligned float ``[b, s]``);
-    they become ``extra`` at target positions, with ``seq_weight`` (1 / the valid targets of the token's document)."""
+    they become ``extra`` at target positions, with ``seq_weight`` (1 / the valid targets of the token's document).
+    ``routes``: routing replay's experts of each input token per main layer (not shifted: position ``t`` is token
+    ``t``'s routing), carried as they are."""
+    if routes is not None and tuple(routes.shape[:2]) != tuple(input_ids.shape):
+        raise ValueError(f"routes {tuple(routes.shape)} must start with the batch's shape {tuple(input_ids.shape)}")
     b, s = input_ids.shape
     packed_docs = doc_ids
     if doc_ids is None:
@@ -85,6 +91,7 @@ def prepare_batch(
         mtp_inputs=tuple(shift_tokens(input_ids, packed_docs, d, 0) for d in range(1, mtp_depths + 1)),
         mtp_targets=tuple(shift_tokens(labels, packed_docs, 1 + d, IGNORE_INDEX) for d in range(1, mtp_depths + 1)),
         extra=extra,
+        routes=routes,
     )
 
 

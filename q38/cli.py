@@ -243,6 +243,8 @@ def _rl(argv: list[str]) -> int:
     p.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the reference (a LoRA run's base; "
                    "default 0)")
     p.add_argument("--updates", type=positive_int, default=1, help="optimizer steps per rollout batch (default 1)")
+    p.add_argument("--routing-replay", action="store_true", help="record each token's experts at sampling and "
+                   "route the training forward by them (gates from the router's current logits)")
     p.add_argument("--save-every", type=nonnegative_int, default=0, help="checkpoint every N iterations (default "
                    "0: at the end only)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -257,7 +259,7 @@ def _rl(argv: list[str]) -> int:
     rl_from(a.source, a.prompts, a.out, rewards=a.reward, iterations=a.iterations,
             prompts_per_iteration=a.prompts_per_iteration, group_size=a.group_size, max_new_tokens=a.max_new_tokens,
             temperature=a.temperature, top_p=a.top_p, seed=a.seed, loss=loss, updates=a.updates,
-            save_every=a.save_every, overrides=_overrides(a.set), log=lambda line: print(line, flush=True))
+            routing_replay=a.routing_replay, save_every=a.save_every, overrides=_overrides(a.set), log=lambda line: print(line, flush=True))
     return 0
 
 

@@ -22,7 +22,7 @@ from q38.layers.decode import (
     GDNCache, attention_decode, attention_extend, empty_gdn_cache, empty_kv_cache, gdn_decode, gdn_extend, gdn_keep,
     kv_keep,
 )
-from q38.layers.moe import moe_apply
+from q38.layers.moe import ExpertDispatch, moe_apply, select_experts
 from q38.layers.norm import rms_norm
 from q38.model import ModelParams, head_weight
 from q38.model_config import ModelConfig
@@ -61,6 +61,41 @@ def cache_bytes(cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype) ->
     return rows * (fixed + length * per_step)
 
 
+def _identity(tree):
+    return tree
+
+
+@attrs.frozen
+class DecodeHooks:
+    """How a decode batch runs on a rank whose parameters are sharded (``q38.train.run.rl``'s rollouts on a mesh);
+    the identity on one process.
+
+    ``gather``: a main layer's parameters in compute form (FSDP all-gather), called once per layer and step, so one
+    layer's gathered parameters are alive at a time; ``dispatch``: the MoE expert dispatch when experts are spread
+    over ranks (EP all-to-all); ``any_rows(flag)``: whether any rank still has a running row (every rank must take
+    the same number of steps, since each step's gathers and exchanges are collectives); ``routes``: a list that
+    receives, per step of the sequence form and per token step, every MoE layer's chosen experts (routing replay,
+    ``q38.rollout``)."""
+
+    gather: Callable = _identity
+    dispatch: ExpertDispatch | None = None
+    any_rows: Callable[[bool], bool] = bool
+    routes: list | None = None
+
+
+NO_HOOKS = DecodeHooks()
+
+
+def _moe(lp, x: Tensor, config: ModelConfig, bias: Tensor | None, hooks: DecodeHooks, chosen: list | None) -> Tensor:
+    """The MoE of one layer over ``x`` ``[b, s, d]`` (normed), as training runs it; ``chosen`` (when not None)
+    receives its top-k experts ``[b, s, k]`` (the router's own selection, ``select_experts`` of its logits)."""
+    y, logits = moe_apply(lp.moe, x, config, hooks.dispatch, bias)
+    if chosen is not None:
+        idx = select_experts(logits, config.num_experts_per_tok, bias)[1]
+        chosen.append(idx.view(*x.shape[:2], -1))
+    return y
+
+
 def _keep(active: Tensor, new: Tensor, old: Tensor) -> Tensor:
     """``new`` where the row is active, else ``old`` (rows are dim 0)."""
     return torch.where(active.view(-1, *([1] * (new.dim() - 1))), new, old)
@@ -74,18 +109,22 @@ def decode_step(
     *,
     active: Bool[Tensor, " b"] | None = None,
     router_bias: Float[Tensor, "l e"] | None = None,
+    hooks: DecodeHooks = NO_HOOKS,
 ) -> tuple[Float[Tensor, "b v"], DecodeCache]:
     """Feed one token per row; return the next-token logits of every row and the new cache (inputs unchanged).
 
-    ``params``: plain tensors (a LoRA tree merged first: ``q38.lora.merged_params``); ``active``: rows that take
-    this step (None: all); an inactive row's cache and position are kept and its logits are meaningless.
-    ``router_bias[i]``: MoE layer ``i``'s expert-selection bias (aux-loss-free balancing), as in training."""
+    ``params``: plain tensors (a LoRA tree merged first: ``q38.lora.merged_params``), or on a mesh the layers as
+    ``hooks.gather`` takes them; ``active``: rows that take this step (None: all); an inactive row's cache and
+    position are kept and its logits are meaningless. ``router_bias[i]``: MoE layer ``i``'s expert-selection bias
+    (aux-loss-free balancing), as in training."""
     b = token.shape[0]
     if active is None:
         active = torch.ones(b, dtype=torch.bool, device=token.device)
     x = F.embedding(token, params.embed)  # [b d]
     caches = []
+    chosen = [] if hooks.routes is not None else None
     for i, (lp, lc, kind) in enumerate(zip(params.layers, cache.layers, config.layer_types)):
+        lp = hooks.gather(lp)
         h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
         if kind == "linear_attention":
             y, new = gdn_decode(lp.mixer, h, lc, config)
@@ -95,8 +134,10 @@ def decode_step(
         caches.append(new)
         x = x + y
         bias = None if router_bias is None else router_bias[i]
-        y, _ = moe_apply(lp.moe, rms_norm(x, lp.mlp_norm, config.rms_norm_eps)[:, None], config, None, bias)
+        y = _moe(lp, rms_norm(x, lp.mlp_norm, config.rms_norm_eps)[:, None], config, bias, hooks, chosen)
         x = x + y[:, 0]
+    if chosen is not None:
+        hooks.routes.append(torch.stack(chosen, dim=2))  # [b, 1, layers, k]
     logits = F.linear(rms_norm(x, params.final_norm, config.rms_norm_eps), head_weight(params))
     return logits, DecodeCache(layers=caches, pos=cache.pos + active.long())
 
@@ -175,6 +216,20 @@ def sample(logits: Float[Tensor, "b v"], s: Sampling, gen: torch.Generator | Non
     return torch.multinomial(sampling_probs(logits, s).cpu(), 1, generator=gen).view(-1).to(logits.device)
 
 
+def sample_at(logits: Float[Tensor, "b v"], s: Sampling, u: Float[Tensor, " b"]) -> Int[Tensor, " b"]:
+    """One token per row by inverse CDF: the first token whose cumulative probability under ``s`` (fp64) passes
+    ``u[r]`` times the row's total (``u`` uniform in [0, 1)); a token of probability 0 is never drawn. Greedy
+    (temperature 0): the argmax."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    probs = sampling_probs(logits, s).double()
+    cdf = probs.cumsum(-1)
+    at = (u.to(cdf.device, torch.float64) * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, at, right=True).squeeze(-1)
+    last = probs.shape[-1] - 1 - (probs > 0).flip(-1).long().argmax(-1)  # the last token that can be drawn
+    return torch.minimum(idx, last)
+
+
 @torch.no_grad()
 def generate(
     params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -194,10 +249,16 @@ def generate_scored(
     params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
     sampling: Sampling = Sampling(), stop_ids: Sequence[int] = (), router_bias: Tensor | None = None,
     dtype: torch.dtype | None = None, stop_when: Callable[[int, list[int]], bool] | None = None,
-    score: Callable[[Tensor, Tensor], Tensor] | None = None,
+    score: Callable[[Tensor, Tensor], Tensor] | None = None, draw_rows: tuple[int, Sequence[int]] | None = None,
+    hooks: DecodeHooks = NO_HOOKS,
 ) -> tuple[list[list[int]], list[list[float]]]:
     """``generate``, and for each sampled token ``score(logits, tokens)[row]`` taken at sampling time from the
-    logits it was drawn from (``score`` None: no scores; the rollouts of ``q38.rollout`` record log-probs)."""
+    logits it was drawn from (``score`` None: no scores; the rollouts of ``q38.rollout`` record log-probs).
+
+    ``draw_rows = (total, rows)``: these prompts are rows ``rows`` of a batch of ``total`` rows spread over ranks;
+    each step draws ``total`` uniforms from the seed's generator and row ``rows[r]``'s token is the inverse CDF of
+    its distribution at its uniform (``sample_at``), so a row's tokens depend on the seed and its index only, however
+    the rows are split. ``hooks``: a sharded decode (``DecodeHooks``)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, each of at least one token")
     longest = max(len(p) for p in prompts)
@@ -207,12 +268,20 @@ def generate_scored(
     dev = params.embed.device
     dtype = dtype or params.embed.dtype
     gen = torch.Generator().manual_seed(int(sampling.seed))
-    logits, cache, _ = prefill(params, config, prompts, dtype=dtype, router_bias=router_bias)
+    logits, cache, _ = prefill(params, config, prompts, dtype=dtype, router_bias=router_bias, hooks=hooks)
     out: list[list[int]] = [[] for _ in prompts]
     scores: list[list[float]] = [[] for _ in prompts]
     running = torch.ones(len(prompts), dtype=torch.bool, device=dev)
+    if draw_rows is not None:
+        total, mine = draw_rows
+        mine = torch.as_tensor(list(mine), dtype=torch.long)
+        if len(mine) != len(prompts) or not (0 <= int(mine.min()) and int(mine.max()) < total):
+            raise ValueError(f"draw_rows: {len(mine)} row indices below {total} for {len(prompts)} prompts")
     for step in range(max_new_tokens):
-        nxt = sample(logits, sampling, gen)
+        if draw_rows is None:
+            nxt = sample(logits, sampling, gen)
+        else:
+            nxt = sample_at(logits, sampling, torch.rand(total, generator=gen, dtype=torch.float64)[mine])
         sc = score(logits, nxt).tolist() if score is not None else None
         for r, t in enumerate(nxt.tolist()):
             if running[r]:
@@ -221,9 +290,10 @@ def generate_scored(
                     scores[r].append(sc[r])
                 if t in stop_ids or (stop_when is not None and stop_when(r, out[r])):
                     running[r] = False
-        if not bool(running.any()) or step + 1 == max_new_tokens:
+        if not hooks.any_rows(bool(running.any())) or step + 1 == max_new_tokens:
             break
-        logits, cache = decode_step(params, cache, nxt, config, active=running.clone(), router_bias=router_bias)
+        logits, cache = decode_step(params, cache, nxt, config, active=running.clone(), router_bias=router_bias,
+                                    hooks=hooks)
     return out, scores
 
 
@@ -244,7 +314,7 @@ class Extension:
 def extend(
     params: ModelParams, cache: DecodeCache, tokens: Int[Tensor, "b n"], config: ModelConfig, *,
     lengths: Int[Tensor, " b"] | None = None, router_bias: Float[Tensor, "l e"] | None = None,
-    stepwise: bool = False,
+    stepwise: bool = False, hooks: DecodeHooks = NO_HOOKS,
 ) -> tuple[Float[Tensor, "b n d"], Extension]:
     """Feed ``n`` tokens per row in one pass over the cache (row ``r``: its first ``lengths[r]`` columns; None: all
     ``n``), each layer running its sequence form from the row's cache (``gdn_extend``, ``attention_extend``, the
@@ -261,7 +331,9 @@ def extend(
     active = torch.arange(n, device=dev)[None] < lengths[:, None]
     x = F.embedding(tokens, params.embed)  # [b n d]
     caches, steps = [], []
+    chosen = [] if hooks.routes is not None else None
     for i, (lp, lc, kind) in enumerate(zip(params.layers, cache.layers, config.layer_types)):
+        lp = hooks.gather(lp)
         h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
         if kind == "linear_attention":
             y, new, st = gdn_extend(lp.mixer, h, lc, lengths, config, stepwise=stepwise)
@@ -272,8 +344,9 @@ def extend(
         steps.append(st)
         x = x + y
         bias = None if router_bias is None else router_bias[i]
-        y, _ = moe_apply(lp.moe, rms_norm(x, lp.mlp_norm, config.rms_norm_eps), config, None, bias)
-        x = x + y
+        x = x + _moe(lp, rms_norm(x, lp.mlp_norm, config.rms_norm_eps), config, bias, hooks, chosen)
+    if chosen is not None:
+        hooks.routes.append(torch.stack(chosen, dim=2))  # [b, n, layers, k]
     hidden = rms_norm(x, params.final_norm, config.rms_norm_eps)
     after = DecodeCache(layers=caches, pos=cache.pos + lengths)
     return hidden, Extension(before=cache, after=after, new=n, steps=steps)
@@ -304,7 +377,7 @@ def right_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None)
 
 def prefill(
     params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
-    dtype: torch.dtype | None = None, router_bias: Tensor | None = None,
+    dtype: torch.dtype | None = None, router_bias: Tensor | None = None, hooks: DecodeHooks = NO_HOOKS,
 ) -> tuple[Float[Tensor, "b v"], DecodeCache, Float[Tensor, "b n d"]]:
     """The prompts (of any lengths, one batch) through the model's sequence form once, from an empty cache
     (``extend``, chunked GDN): returns the next-token logits after each prompt's last token, the decode cache after
@@ -315,6 +388,6 @@ def prefill(
     dev = params.embed.device
     tokens, lengths = right_padded(prompts, device=dev)
     cache = empty_cache(config, len(prompts), dtype=dtype or params.embed.dtype, device=dev)
-    hidden, ext = extend(params, cache, tokens, config, lengths=lengths, router_bias=router_bias)
+    hidden, ext = extend(params, cache, tokens, config, lengths=lengths, router_bias=router_bias, hooks=hooks)
     last = hidden[torch.arange(len(prompts), device=dev), lengths - 1]
     return F.linear(last, head_weight(params)), ext.after, hidden

@@ -154,11 +154,12 @@ def shift_tokens(
     return out
 
 
-def _run_layer(hooks: LayerHooks, p, x, cfg, info, router_bias=None, recomputed_next=None, kind=None):
+def _run_layer(hooks: LayerHooks, p, x, cfg, info, router_bias=None, recomputed_next=None, kind=None, replay=None):
     """One layer through the hooks. ``recomputed_next``: the params of the layer backward recomputes after this
-    one (the one before it in forward; None for the first layer). ``kind``: its ``layer_types`` entry."""
+    one (the one before it in forward; None for the first layer). ``kind``: its ``layer_types`` entry. ``replay``:
+    its tokens' experts ``[n, k]`` (routing replay) or None."""
     apply = info.kernels.fn("block")(layer_apply)  # kernels.block: the layer eager or compiled
-    fn = lambda p_, x_: apply(hooks.gather(p_), x_, cfg, info, hooks.dispatch, router_bias, kind)  # noqa: E731
+    fn = lambda p_, x_: apply(hooks.gather(p_), x_, cfg, info, hooks.dispatch, router_bias, kind, replay)  # noqa: E731
     if hooks.wrap_layer is None:
         return fn(p, x)
     if hooks.prefetch is None:
@@ -199,6 +200,7 @@ def forward(
     info: SeqInfo | None = None,
     hooks: LayerHooks | None = None,
     router_bias: Float[Tensor, "l e"] | None = None,
+    routes: Int[Tensor, "b s l k"] | None = None,
 ) -> ModelOutput:
     """Run the decoder stack and the MTP block.
 
@@ -206,10 +208,15 @@ def forward(
     ``mtp_input_ids[d-1]`` is the input of depth ``d`` (tokens shifted left by ``d`` within each document); it is
     derived from ``input_ids`` when not given (context parallel passes it, shifted before the split).
     ``router_bias[i]`` is the expert-selection bias of MoE layer ``i`` (main layers, then MTP depths), for
-    aux-loss-free balancing; None routes by the plain top-k.
+    aux-loss-free balancing; None routes by the plain top-k. ``routes[:, :, i]``: routing replay, the experts of
+    every token in main layer ``i`` (-1: the router's own top-k), used instead of the router's choice (the gates
+    still from the router; the MTP depths route by their own top-k).
     """
     hooks = hooks or LayerHooks()
     b, s = input_ids.shape
+    if routes is not None and tuple(routes.shape) != (b, s, config.num_hidden_layers, config.num_experts_per_tok):
+        raise ValueError(f"routes {tuple(routes.shape)} must be [batch, seq, main layers, top-k] = "
+                         f"{(b, s, config.num_hidden_layers, config.num_experts_per_tok)}")
     info = info or seq_info(doc_ids, b, s, input_ids.device)
     embed = hooks.gather(params.embed)
     x = F.embedding(input_ids, embed)
@@ -218,8 +225,9 @@ def forward(
     for i, lp in enumerate(params.layers):
         if hooks.prefetch is not None and torch.is_grad_enabled() and i < len(upcoming):
             hooks.prefetch(upcoming[i])
+        replay = None if routes is None else routes[:, :, i].reshape(-1, routes.shape[-1]).long()
         x, rl = _run_layer(hooks, lp, x, config, info, None if router_bias is None else router_bias[i],
-                           params.layers[i - 1] if i > 0 else None, config.layer_types[i])
+                           params.layers[i - 1] if i > 0 else None, config.layer_types[i], replay)
         router_logits.append(rl)
     hidden = rms_norm(x, hooks.gather(params.final_norm), config.rms_norm_eps)
 

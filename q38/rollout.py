@@ -13,7 +13,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from q38.decode import Sampling, cache_bytes, generate_scored
+from q38.decode import NO_HOOKS, DecodeHooks, Sampling, cache_bytes, generate_scored
 from q38.errors import ConfigError
 from q38.model import ModelParams
 from q38.model_config import ModelConfig
@@ -23,13 +23,15 @@ from q38.model_config import ModelConfig
 class Completion:
     """One sampled completion: ``prompt_index`` into the prompts, the ``prompt`` and sampled ``tokens`` (ids),
     ``logprobs[j]`` the log-prob of ``tokens[j]`` when it was drawn, ``stopped``: it ended at a stop id (else at
-    ``max_new_tokens``)."""
+    ``max_new_tokens``); ``routes`` (``record_routes``): the experts every MoE main layer chose for each token of
+    prompt and completion as the rollout fed it, -1 for the last sampled token (never fed)."""
 
     prompt_index: int
     prompt: tuple
     tokens: tuple
     logprobs: tuple
     stopped: bool
+    routes: Tensor | None = None  # routing replay: [prompt + tokens, main layers, k] int16 experts (-1: none)
 
 
 def check_rollout(prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int, sampling: Sampling,
@@ -72,13 +74,25 @@ def sampled_logprobs(logits, token: Tensor, temperature: float) -> Tensor:
 def rollout(
     params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *, group_size: int,
     max_new_tokens: int, sampling: Sampling, stop_ids: Sequence[int] = (), router_bias: Tensor | None = None,
-    dtype: torch.dtype | None = None, max_bytes: int | None = None,
+    dtype: torch.dtype | None = None, max_bytes: int | None = None, hooks: DecodeHooks = NO_HOOKS,
+    first_prompt: int = 0, total_prompts: int | None = None, record_routes: bool = False,
 ) -> list[Completion]:
     """``group_size`` completions of every prompt (prompt ``i``'s group: results ``i·G … i·G + G − 1``), all rows in
     one decode batch. A row stops after a token of ``stop_ids`` (kept) or at ``max_new_tokens``. ``params``: plain
     tensors (a LoRA tree merged first); ``sampling.seed`` fixes the draws. ``max_bytes``: refuse up front, before
-    any step, a rollout whose ``rollout_bytes`` pass it."""
+    any step, a rollout whose ``rollout_bytes`` pass it.
+
+    Rows draw by inverse CDF from one uniform per row and step (``q38.decode.sample_at``): row ``r`` of the whole
+    rollout (prompt ``p``, sample ``j``: ``r = p·G + j``) samples the same tokens however the prompts are split over
+    ranks. A rank's share: ``prompts`` are prompts ``first_prompt …`` of ``total_prompts`` (their ``prompt_index``
+    counts from ``first_prompt``), ``hooks`` the sharded decode (``q38.decode.DecodeHooks``).
+
+    ``record_routes``: each completion carries the experts its tokens were routed to (``Completion.routes``), for
+    routing replay in the training forward."""
     check_rollout(prompts, group_size, max_new_tokens, sampling, config)
+    total_prompts = len(prompts) if total_prompts is None else total_prompts
+    if not 0 <= first_prompt <= total_prompts - len(prompts):
+        raise ValueError(f"prompts {first_prompt}..{first_prompt + len(prompts) - 1} are not among {total_prompts}")
     dtype = dtype or params.embed.dtype
     if max_bytes is not None:
         need = rollout_bytes(config, prompts, group_size, max_new_tokens, dtype)
@@ -91,9 +105,29 @@ def rollout(
                               "tokens")
     rows = [list(p) for p in prompts for _ in range(group_size)]
     stops = tuple(int(t) for t in stop_ids)
+    first_row = first_prompt * group_size
+    if record_routes:
+        hooks = attrs.evolve(hooks, routes=[])
     out, lps = generate_scored(params, config, rows, max_new_tokens=max_new_tokens, sampling=sampling,
                                stop_ids=stops, router_bias=router_bias, dtype=dtype,
-                               score=lambda logits, tok: sampled_logprobs(logits, tok, sampling.temperature))
+                               score=lambda logits, tok: sampled_logprobs(logits, tok, sampling.temperature),
+                               draw_rows=(total_prompts * group_size, range(first_row, first_row + len(rows))),
+                               hooks=hooks)
     stopped = [bool(o) and o[-1] in stops for o in out]
-    return [Completion(r // group_size, tuple(rows[r]), tuple(out[r]), tuple(lps[r]), stopped[r])
-            for r in range(len(rows))]
+    routes = _row_routes(hooks.routes, rows, out) if record_routes else [None] * len(rows)
+    return [Completion(first_prompt + r // group_size, tuple(rows[r]), tuple(out[r]), tuple(lps[r]), stopped[r],
+                       routes[r]) for r in range(len(rows))]
+
+
+def _row_routes(steps: list, prompts: list, out: list) -> list[Tensor]:
+    """Each row's experts per token ``[prompt + completion, layers, k]`` int16 from the recorded calls: ``steps[0]``
+    the prefill ``[b, longest prompt, layers, k]`` (row ``r``'s first ``len(prompt)`` columns), ``steps[j]`` the
+    decode step that fed sampled token ``j - 1``. A row's tokens before its last were fed while it ran; its last
+    token never is (or only after the row stopped), so it gets -1 (the training forward routes it by its own top-k:
+    its output reaches no target of its sequence)."""
+    rows = []
+    for r, (p, o) in enumerate(zip(prompts, out)):
+        fed = [steps[0][r, :len(p)]] + [steps[1 + j][r] for j in range(len(o) - 1)]
+        last = torch.full_like(steps[0][r, :1], -1)
+        rows.append(torch.cat(fed + ([last] if o else [])).to("cpu", torch.int16))
+    return rows

@@ -126,6 +126,13 @@ def test_policy_loss_and_grads_equal_a_per_sequence_reference(norm, kl, chunk, p
     assert float(r.terms["clip_frac"]) == pytest.approx((hi + lo) / n_tok, abs=1e-6)
     assert float(r.terms["logprob_diff"]) == pytest.approx(
         float(torch.cat([n.abs() for n in _noise(seqs, 0.5, 3)]).mean()), abs=1e-5)
+    # the largest |trainer − rollout log-prob| of the step, against the naive per-sequence log-probs (a max over
+    # micro-batches when per_row): not the sum or the mean of the per-micro-batch maxima
+    with torch.no_grad():
+        naive_max = max(float((_seq_logprobs(state.params, p, c) - o).abs().max())
+                        for (p, c, _), o in zip(seqs, old))
+    assert float(r.terms["mismatch_max"]) == pytest.approx(naive_max, abs=1e-5)
+    assert naive_max > 1.5 * float(r.terms["logprob_diff"])  # a max, not the mean: the test can tell them apart
     if not kl:
         assert float(r.terms["kl"]) > 0  # reported even when not in the objective (the batch has ref_logprobs)
     checked = 0
@@ -148,6 +155,15 @@ def test_one_policy_step_runs_and_reports_its_metrics():
     d = m.as_dict()
     assert d["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and d["logprob_diff"] <= 1e-5 and d["clip_frac"] == 0
     assert d["kl"] == pytest.approx(0.0, abs=1e-6) and d["entropy"] > 0 and int(new.step) == 1
+
+
+def test_a_term_reduced_by_max_is_reported_only():
+    from q38.train.core.objective import Term
+
+    with pytest.raises(ValueError, match="weight 0"):
+        Term("m", 0.5, lambda ti: ti, reduce="max")
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        Term("m", 0.0, lambda ti: ti, reduce="mean")
 
 
 def test_bad_policy_settings_and_batches_are_one_line():

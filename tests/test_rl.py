@@ -270,3 +270,15 @@ def test_several_updates_per_rollout_batch_move_the_ratio_and_print_a_progress_l
     assert "\n" not in line and "reward" in line and "mismatch max" in line and "kl" in line
     with pytest.raises(ConfigError, match="rl.updates"):
         rl_iteration(_state(), PROMPTS, updates=0, **kw)
+
+
+def test_inverse_cdf_draws_equal_hand_values():
+    """``sample_at``: the first token whose cumulative probability passes u · total, never a token top-k or top-p
+    removed; probabilities here 0.5, 0.3, 0.2 (logits log p, temperature 1)."""
+    from q38.decode import sample_at
+
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(5, 3)
+    u = torch.tensor([0.0, 0.49, 0.51, 0.81, 0.999999], dtype=torch.float64)
+    assert sample_at(logits, Sampling(temperature=1.0), u).tolist() == [0, 0, 1, 2, 2]
+    assert sample_at(logits, Sampling(temperature=1.0, top_k=2), u).tolist() == [0, 0, 0, 1, 1]  # 0.625, 0.375
+    assert sample_at(logits, Sampling(temperature=0.0), u).tolist() == [0] * 5

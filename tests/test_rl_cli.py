@@ -87,3 +87,38 @@ def test_q38_rl_refuses_an_out_that_is_its_source(hf_dir, tmp_path, capsys, wher
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "run.out_dir" in err and "source" in err, err
     assert sorted(p.name for p in src.rglob("*")) == before
+
+
+@pytest.mark.slow
+def test_q38_rl_under_torchrun_equals_one_process(hf_dir, tmp_path, capsys):
+    """``torchrun --nproc_per_node 2 … rl --set layout=fsdp``: the state sharded over 2 gloo ranks, each rank
+    decoding its share of the prompts; progress lines from rank 0 only; the checkpoint it writes (on every rank)
+    holds the parameters 2 iterations on one process give (fp32, 1e-5)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from q38.train.core.state import init_state
+    from q38.train.core.step_config import TrainConfig
+    from q38.train.io.checkpoint import latest_checkpoint, load_checkpoint
+
+    prompts = _prompts(tmp_path)
+    assert main(_args(hf_dir, prompts, tmp_path / "one", 2)) == 0
+    capsys.readouterr()
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    repo = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "q38.cli",
+           *_args(hf_dir, prompts, tmp_path / "two", 2), "--set", "layout=fsdp"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, env=env, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("iter ")]
+    assert [ln.split()[1] for ln in lines] == ["0", "1"], proc.stdout
+    template = init_state(CFG, TrainConfig(), seed=0)
+    one, _ = load_checkpoint(latest_checkpoint(tmp_path / "one" / "checkpoints"), template)
+    two, _ = load_checkpoint(latest_checkpoint(tmp_path / "two" / "checkpoints"), template)
+    assert int(two.step) == 2
+    for (n, x), (_, y) in zip(named_leaves(one.params), named_leaves(two.params)):
+        assert float((x - y).abs().max()) <= 1e-5, n

@@ -92,8 +92,52 @@ def test_policy_objective_and_rollout_logprobs_on_two_ranks(layout, mesh_sizes):
         assert sum(n for _, n in o["mismatch"]) > 0
         worst = max(m for m, _ in o["mismatch"])
         assert worst <= TOL, f"max |rollout - trainer log-prob| = {worst:.2e} on {layout}"
+        assert abs(o["terms"]["mismatch_max"] - float(ref.terms["mismatch_max"])) <= 1e-6
+    # the step's max over ranks equals the max over the ranks' own maxima recorded by the test's term
+    assert abs(outs[0]["terms"]["mismatch_max"] - max(m for o in outs for m, _ in o["mismatch"])) <= 1e-6
     assert float(ref.terms["kl"]) > 0 and float(ref.terms["loss"]) != 0
     names = [n for n, _ in named_leaves(state.params)]
     for name, g in zip(names, ref.grads):
         err = float((outs[0]["grads"][name] - g).abs().max())
         assert err <= TOL, f"{name}: {err:.2e}"
+
+
+def _noisy(batch):
+    """``batch`` with its recorded log-probs moved by up to ±0.4 (seeded): a mismatch of ~0.4 whose largest token
+    lies on one rank, so a sum or mean over ranks would not give it."""
+    g = torch.Generator().manual_seed(7)
+    mask = batch["labels"] != IGNORE_INDEX
+    noise = (torch.rand(batch["old_logprobs"].shape, generator=g) * 2 - 1) * 0.4
+    return dict(batch, old_logprobs=torch.where(mask, batch["old_logprobs"] + noise, batch["old_logprobs"]))
+
+
+def _max_rank_fn(rank, world, layout_name, mesh_sizes, batch):
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
+
+    mesh = make_mesh(Layout.preset(layout_name).with_mesh(**mesh_sizes), world)
+    state = shard(init_state(CFG, TC, seed=5), mesh)
+    store: list = []
+    r = loss_and_grads(state, shard_batch(batch, mesh, CFG.mtp_num_layers), mesh,
+                       terms=(*policy_terms(CFG, TC, PC), _mismatch_term(store)))
+    return {"max": float(r.terms["mismatch_max"]), "mean": float(r.terms["logprob_diff"]),
+            "own": max((m for m, _ in store), default=0.0)}
+
+
+@pytest.mark.parametrize("layout,mesh_sizes", CASES, ids=[c[0] for c in CASES])
+def test_mismatch_max_is_a_max_over_every_rank(layout, mesh_sizes):
+    """The step's ``mismatch_max`` on 2 ranks equals one process's within 1e-6, and one process's equals the max
+    over every labelled token written here (trainer log-probs of the packed rows minus the recorded ones)."""
+    from q38.train.run.rl import trainer_logprobs
+
+    batch = _noisy(_batch())
+    state = init_state(CFG, TC, seed=5)
+    one = loss_and_grads(state, batch, terms=policy_terms(CFG, TC, PC))
+    mask = batch["labels"] != IGNORE_INDEX
+    naive = float((trainer_logprobs(state, batch, TEMP) - batch["old_logprobs"]).abs()[mask].max())
+    assert float(one.terms["mismatch_max"]) == pytest.approx(naive, abs=1e-6)
+    assert naive > 1.5 * float(one.terms["logprob_diff"])  # a max, not the mean
+    outs = run_distributed(_max_rank_fn, 2, layout, mesh_sizes, batch)
+    own = sorted(o["own"] for o in outs)
+    assert own[0] < own[1] - 1e-3  # the ranks' maxima differ: a sum or a mean over ranks would not be the max
+    for o in outs:
+        assert abs(o["max"] - float(one.terms["mismatch_max"])) <= 1e-6, layout

@@ -5,7 +5,7 @@ from typing import Callable, Union
 
 import attrs
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 from torch.profiler import record_function
 
@@ -48,17 +48,19 @@ def layer_apply(
     dispatch: ExpertDispatch | None = None,
     router_bias: Float[Tensor, " e"] | None = None,
     kind: str | None = None,
+    replay: Int[Tensor, "n k"] | None = None,
 ) -> tuple[Float[Tensor, "b s d"], Float[Tensor, "n e"]]:
     """``x + mixer(norm(x))``, then ``x + moe(norm(x))``; returns the router logits too. ``router_bias``: the MoE
     layer's expert-selection bias (aux-loss-free balancing), or None. ``kind``: the layer's ``layer_types`` entry
-    (the model passes it; None: the one kind whose params class ``p.mixer`` is, ``kind_of``)."""
+    (the model passes it; None: the one kind whose params class ``p.mixer`` is, ``kind_of``). ``replay``: the
+    tokens' experts to use instead of the router's top-k (``moe_apply``'s routing replay), or None."""
     h = rms_norm(x, p.attn_norm, cfg.rms_norm_eps)
     kind = kind_of(p.mixer) if kind is None else MIXER_KINDS[kind]
     with record_function(f"q38.{kind.name}"):  # phase names in a profiler trace (run.profile)
         x = x + kind.apply(p.mixer, h, cfg, info)
     with record_function("q38.moe"):
         y, router_logits = moe_apply(p.moe, rms_norm(x, p.mlp_norm, cfg.rms_norm_eps), cfg, dispatch, router_bias,
-                                     info.kernels)
+                                     info.kernels, replay)
     return x + y, router_logits
 
 

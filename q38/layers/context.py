@@ -116,6 +116,10 @@ class StepRuntime(Protocol):
         """Sum over every rank that holds a different part of the step's batch (data and CP dims)."""
         ...
 
+    def all_reduce_max(self, t: Tensor) -> Tensor:
+        """Elementwise max over the same ranks as ``all_reduce_sum`` (metrics such as a step's largest value)."""
+        ...
+
     def seq_all_reduce_sum(self, t: Tensor) -> Tensor:
         """Sum over the ranks that split one sequence (CP)."""
         ...

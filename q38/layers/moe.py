@@ -58,12 +58,24 @@ def select_experts(
     return probs_ne, torch.topk(scores_ne, top_k, dim=-1).indices
 
 
+def replayed(idx_nk: Int[Tensor, "n k"], replay_nk: Int[Tensor, "n k"] | None) -> Int[Tensor, "n k"]:
+    """Routing replay: each token's experts from ``replay_nk`` (recorded when the token was sampled), or its own
+    top-k ``idx_nk`` where the row of ``replay_nk`` is -1 (nothing recorded); ``replay_nk`` None: ``idx_nk``."""
+    if replay_nk is None:
+        return idx_nk
+    replay_nk = replay_nk.to(idx_nk.device, idx_nk.dtype)
+    return torch.where(replay_nk[:, :1] >= 0, replay_nk, idx_nk)
+
+
 def route(
-    logits_ne: Float[Tensor, "n e"], top_k: int, normalize: bool, bias_e: Float[Tensor, " e"] | None = None
+    logits_ne: Float[Tensor, "n e"], top_k: int, normalize: bool, bias_e: Float[Tensor, " e"] | None = None,
+    replay_nk: Int[Tensor, "n k"] | None = None,
 ) -> tuple[Float[Tensor, "n k"], Int[Tensor, "n k"]]:
     """Softmax over all experts in fp32, top-k (of the biased scores when ``bias_e`` is given), gate weights from the
-    unbiased probabilities of the chosen experts, optional renormalisation of the kept weights."""
+    unbiased probabilities of the chosen experts, optional renormalisation of the kept weights. ``replay_nk``: the
+    experts to use instead of the top-k (``replayed``); their gates still come from these logits."""
     probs, idx_nk = select_experts(logits_ne, top_k, bias_e)
+    idx_nk = replayed(idx_nk, replay_nk)
     w_nk = probs.gather(-1, idx_nk)
     if normalize:
         w_nk = w_nk / w_nk.sum(-1, keepdim=True)
@@ -252,15 +264,18 @@ def moe_apply(
     dispatch: ExpertDispatch | None = None,
     router_bias: Float[Tensor, " e"] | None = None,
     kernels: KernelConfig = DEFAULT_KERNELS,
+    replay: Int[Tensor, "n k"] | None = None,
 ) -> tuple[Float[Tensor, "b s d"], Float[Tensor, "n e"]]:
     """Routed + shared experts. Returns the output and the raw router logits (for the aux loss).
 
     ``router_bias``: per-expert selection bias (aux-loss-free balancing); not a parameter, no gradient.
-    ``kernels``: the step's resolved kernels (``kernels.experts`` runs the routed experts)."""
+    ``kernels``: the step's resolved kernels (``kernels.experts`` runs the routed experts).
+    ``replay``: routing replay, each token's experts (``n = b·s`` rows; -1 rows: the router's own top-k), gated by
+    the router's probabilities of them (docs/rl.md#routing-replay)."""
     b, s, d = x.shape
     x_nd = x.reshape(-1, d)
     logits_ne = linear(x_nd, p.w_router)
-    w_nk, idx_nk = route(logits_ne, cfg.num_experts_per_tok, cfg.norm_topk_prob, router_bias)
+    w_nk, idx_nk = route(logits_ne, cfg.num_experts_per_tok, cfg.norm_topk_prob, router_bias, replay)
     experts = kernels.fn("experts")
     if dispatch is None:
         # the routed outputs are added into the shared expert's output (no zero-filled buffer and no separate sum)

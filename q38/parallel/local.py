@@ -64,6 +64,10 @@ class LocalRuntime:
         """Sum over every rank that holds a different part of the step's batch (data and CP dims)."""
         return t
 
+    def all_reduce_max(self, t: Tensor) -> Tensor:
+        """Elementwise max over the ranks ``all_reduce_sum`` sums over."""
+        return t
+
     def seq_all_reduce_sum(self, t: Tensor) -> Tensor:
         """Sum over the ranks holding other parts of the same rows (the CP group)."""
         return t

@@ -325,7 +325,7 @@ def shard_batch(batch: dict, mesh: Mesh, mtp_depths: int, *, local_rows: bool = 
 
     values = {k: batch[k] for k in TOKEN_VALUE_KEYS if batch.get(k) is not None}
     full = prepare_batch(batch["input_ids"], batch["labels"], batch.get("doc_ids"), mtp_depths,
-                         batch.get("attention_mask"), values)
+                         batch.get("attention_mask"), values, batch.get("routes"))
     b, s = full.input_ids.shape
     row_dims = [d for d in mesh.layout.batch_mesh_dims if mesh.size(d) > 1]
     n_rows, r = 1, 0

@@ -312,6 +312,12 @@ class MeshRuntime:  # implements q38.layers.context.StepRuntime
         links.all_reduce(t, self.group)
         return t
 
+    def all_reduce_max(self, t: Tensor) -> Tensor:
+        """Elementwise max over the ranks ``all_reduce_sum`` sums over (every rank, or a pipeline stage's)."""
+        t = torch.as_tensor(t, device=self.device).detach().clone()
+        links.all_reduce(t, self.group, op=dist.ReduceOp.MAX)
+        return t
+
     def seq_all_reduce_sum(self, t: Tensor) -> Tensor:
         """Sum over the CP group (the ranks holding other parts of the same rows); identity without CP."""
         t = torch.as_tensor(t).detach().clone()

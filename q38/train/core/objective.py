@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from q38.kernels import DEFAULT_KERNELS, KernelConfig
-from q38.layers.moe import select_experts
+from q38.layers.moe import replayed, select_experts
 from q38.batch import IGNORE_INDEX, StepBatch, count_targets
 from q38.train.core.loss import chunked_lm_loss, unchunked_lm_loss
 
@@ -48,11 +48,17 @@ def _lm_loss(hidden: Tensor, w_head: Tensor, targets: Tensor, normalizer: Tensor
 # ---- router statistics ---------------------------------------------------------------------------------------------
 
 
-def routing(router_logits: tuple[Tensor, ...], top_k: int, router_bias: Tensor | None = None):
-    """Per MoE layer ``(probs [n, e] fp32, chosen experts [n, k])`` exactly as the layers routed (same function)."""
-    return [
-        select_experts(rl, top_k, None if router_bias is None else router_bias[i]) for i, rl in enumerate(router_logits)
-    ]
+def routing(router_logits: tuple[Tensor, ...], top_k: int, router_bias: Tensor | None = None,
+            routes: Tensor | None = None):
+    """Per MoE layer ``(probs [n, e] fp32, chosen experts [n, k])`` exactly as the layers routed (same functions):
+    ``routes`` ``[b, s, main layers, k]``: the main layers' replayed experts (routing replay; -1: own top-k)."""
+    out = []
+    for i, rl in enumerate(router_logits):
+        probs, idx = select_experts(rl, top_k, None if router_bias is None else router_bias[i])
+        if routes is not None and i < routes.shape[2]:
+            idx = replayed(idx, routes[:, :, i].reshape(-1, routes.shape[-1]))
+        out.append((probs, idx))
+    return out
 
 
 def expert_counts(routes, mask: Tensor) -> Float[Tensor, "l e"]:
@@ -164,13 +170,28 @@ class TermInput:
     kernels: KernelConfig = DEFAULT_KERNELS  # the step's resolved kernels
 
 
+REDUCTIONS = ("sum", "max")
+
+
 @attrs.frozen
 class Term:
-    """A named term: ``fn(TermInput)`` returns this rank's and micro-batch's partial; ``weight`` multiplies it."""
+    """A named term: ``fn(TermInput)`` returns this rank's and micro-batch's partial; ``weight`` multiplies it.
+
+    ``reduce``: how the partials combine over micro-batches and ranks: ``sum`` (every objective term), or ``max``
+    for a reported metric (weight 0) such as the largest per-token value of the step (``fn`` returns the
+    micro-batch's max on this rank, 0 when it has no token: the metric must be >= 0)."""
 
     name: str
     weight: float
     fn: Callable[[TermInput], Tensor]
+    reduce: str = "sum"
+
+    def __attrs_post_init__(self) -> None:
+        if self.reduce not in REDUCTIONS:
+            raise ValueError(f"term {self.name!r}: reduce must be one of {REDUCTIONS}, got {self.reduce!r}")
+        if self.reduce == "max" and self.weight:
+            raise ValueError(f"term {self.name!r} reduces by max, so it can only be reported (weight 0), not "
+                             f"weighted ({self.weight}): the objective's gradient is a sum over ranks")
 
 
 def aux_mask(mb: StepBatch, tc) -> Tensor:

@@ -17,7 +17,9 @@ partials are only summed, as for the LM terms (docs/objective.md#terms).
 
 Metrics, as zero-weight terms over the valid targets of the step: ``clip_frac`` (tokens whose clipped branch is
 taken), ``ratio_mean``, ``entropy`` (of the tempered distribution, from the logits the log-prob needs anyway),
-``logprob_diff`` (mean |logp − old|: the train–rollout mismatch on the first update of a rollout batch).
+``logprob_diff`` (mean |logp − old|: the train–rollout mismatch on the first update of a rollout batch) and
+``mismatch_max`` (max |logp − old| over the step's valid targets: a ``max`` term, reduced by max over micro-batches
+and every rank, so FSDP, EP and CP give the one-process value).
 
 The per-token log-probs run chunked over tokens (``train.loss_chunk_size`` or the dynamic budget), each chunk
 recomputed in backward (activation checkpointing): never a ``[tokens, vocab]`` tensor beyond one chunk.
@@ -135,16 +137,19 @@ def _parts(ti: TermInput, pc: PolicyLossConfig) -> dict:
         out["clip_frac"] = was_clipped.float().sum() / n_tok
         out["ratio_mean"] = ratio.sum() / n_tok
         out["entropy"] = ent.sum() / n_tok
-        out["logprob_diff"] = (logp - old).abs().sum() / n_tok
+        diff = (logp - old).abs()
+        out["logprob_diff"] = diff.sum() / n_tok
+        out["mismatch_max"] = diff.max() if diff.numel() else diff.new_zeros(())
     return out
 
 
 def policy_terms(mc, tc, pc: PolicyLossConfig, *, aux: bool = True) -> tuple[Term, ...]:
     """The policy-gradient objective's terms: ``loss`` (the clipped surrogate, weight 1), ``kl`` (``kl_coef``),
-    the metrics ``clip_frac``, ``ratio_mean``, ``entropy``, ``logprob_diff`` (weight 0: reported only) and, with
+    the metrics ``clip_frac``, ``ratio_mean``, ``entropy``, ``logprob_diff`` (weight 0: reported only),
+    ``mismatch_max`` (reduced by max over micro-batches and ranks, not summed) and, with
     ``aux``, the load-balancing ``aux`` term of the LM objective. Pass them as ``train_step(..., terms=...)``."""
     memo: list = [None, None]  # (the TermInput, its partials): every term of one micro-batch shares one pass
-    last = "logprob_diff"  # the last of them the step asks for: the memo (holding activations) is dropped then
+    last = "mismatch_max"  # the last of them the step asks for: the memo (holding activations) is dropped then
 
     def get(name: str):
         def fn(ti: TermInput) -> Tensor:
@@ -159,6 +164,7 @@ def policy_terms(mc, tc, pc: PolicyLossConfig, *, aux: bool = True) -> tuple[Ter
 
     terms = [Term("loss", 1.0, get("loss")), Term("kl", pc.kl_coef, get("kl"))]
     terms += [Term(m, 0.0, get(m)) for m in ("clip_frac", "ratio_mean", "entropy", "logprob_diff")]
+    terms.append(Term("mismatch_max", 0.0, get("mismatch_max"), reduce="max"))
     if aux:
         terms.append(Term("aux", aux_coef(mc, tc), aux_term))
     return tuple(terms)

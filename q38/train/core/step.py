@@ -123,7 +123,7 @@ def _as_step_batch(batch, depths: int) -> StepBatch:
     if input_ids.shape != labels.shape:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must have one shape")
     values = {k: get(k) for k in TOKEN_VALUE_KEYS if get(k) is not None}
-    return prepare_batch(input_ids, labels, get("doc_ids"), depths, get("attention_mask"), values)
+    return prepare_batch(input_ids, labels, get("doc_ids"), depths, get("attention_mask"), values, get("routes"))
 
 
 @attrs.frozen
@@ -189,6 +189,8 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     regions = KernelRegions()
     hooks = make_layer_hooks(runtime, tc, regions, lora=state.peft is not None)
     bias = state.router_bias
+    if mbs[0].routes is not None:
+        _check_routes(mbs, mc, mesh, runtime)
 
     # Only the leaves that train take part in autograd (a LoRA run's frozen base is gathered, never reduced).
     flat, spec = pytree.tree_flatten(state.params)
@@ -210,10 +212,12 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
 
     def run(mb: StepBatch):
         info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels, region=regions.enter)
-        return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, hooks=hooks, router_bias=bias)
+        return forward(p, mb.input_ids, mc, mtp_input_ids=mb.mtp_inputs, info=info, hooks=hooks, router_bias=bias,
+                       routes=mb.routes)
 
     def count_routing(mb: StepBatch):  # aux counts of the whole step need every micro-batch's routing first
-        return expert_counts(routing(run(mb).router_logits, mc.num_experts_per_tok, bias), aux_mask(mb, tc))
+        return expert_counts(routing(run(mb).router_logits, mc.num_experts_per_tok, bias, mb.routes),
+                             aux_mask(mb, tc))
 
     # Global normalisers and aux tables, known before the forwards (docs/objective.md#terms).
     ctx = step_context(mbs, runtime, mc, tc, count_routing)
@@ -223,13 +227,14 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     load = None  # [moe layers, e] real-token expert counts, for router metrics and the router-bias update
     for i, mb in enumerate(mbs):
         out = run(mb)
-        routes = routing(out.router_logits, mc.num_experts_per_tok, bias)
+        routes = routing(out.router_logits, mc.num_experts_per_tok, bias, mb.routes)
         ti = TermInput(out, mb, i, routes, runtime.gather(head_weight(p)), ctx, runtime, mc, tc, state.kernels)
         values = {t.name: t.fn(ti) for t in terms}
         g = runtime.grad(total(values, terms), trained)
         grads = _accumulate(grads, g, tc.torch_reduce_dtype)
-        values = pytree.tree_map(lambda v: v.detach(), values)
-        sums = values if sums is None else pytree.tree_map(torch.add, sums, values)
+        values = {k: v.detach() for k, v in values.items()}
+        sums = values if sums is None else {t.name: (torch.maximum if t.reduce == "max" else torch.add)(
+            sums[t.name], values[t.name]) for t in terms}
         mb_load = expert_counts(routes, mb.real_mask)
         load = mb_load if load is None else load + mb_load
     # Held in reduce_dtype (bf16 gradients: 2 bytes a parameter until each leaf's update casts its own to fp32);
@@ -238,11 +243,15 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
     grads = [torch.zeros_like(t, dtype=keep if t.dtype == torch.float32 else t.dtype) if g is None
              else g.to(keep if t.dtype == torch.float32 else t.dtype) for t, g in zip(trained, grads)]
 
-    # One collective for every term and the router loads.
-    names = [t.name for t in terms]
+    # One collective for every summed term and the router loads; one more for the terms reduced by max, if any.
+    names = [t.name for t in terms if t.reduce == "sum"]
     packed = runtime.all_reduce_sum(torch.cat([torch.stack([sums[n].float() for n in names]), load.reshape(-1)]))
     reduced = dict(zip(names, packed[: len(names)]))
     router_load = packed[len(names) :].view_as(load)
+    maxed = [t.name for t in terms if t.reduce == "max"]
+    if maxed:
+        reduced.update(zip(maxed, runtime.all_reduce_max(torch.stack([sums[n].float() for n in maxed]))))
+    reduced = {t.name: reduced[t.name] for t in terms}  # the terms' order
     grad_norm = runtime.grad_sq_norm(grads).sqrt()
     loads, copies = runtime.ep_stats()
     return Gradients(grads, reduced, total(reduced, terms), grad_norm, ctx.n_main, router_load, loads,
@@ -250,6 +259,27 @@ def loss_and_grads(state: TrainState, batch, mesh=None, terms=None) -> Gradients
                      async_reductions=runtime.async_reductions,
                      async_reduce_bytes=runtime.async_reduce_bytes, ep_copies=copies, mtp_tokens=tuple(ctx.n_mtp),
                      cp_early=runtime.cp_early)
+
+
+def _check_routes(mbs: list[StepBatch], mc, mesh, runtime) -> None:
+    """A batch's replayed routes fit the model (main layers, top-k, expert ids; the ids' range agreed over every
+    rank, so all ranks refuse together) and the mesh (not pipelined)."""
+    from q38.errors import ConfigError
+
+    if mesh is not None and mesh.pp > 1:
+        raise ConfigError("routing replay (a batch with routes) is not built for a pipelined step (pp > 1); drop pp "
+                          "from the layout or train without routing_replay")
+    r = mbs[0].routes
+    want = (mc.num_hidden_layers, mc.num_experts_per_tok)
+    if tuple(r.shape[2:]) != want:
+        raise ConfigError(f"the batch's routes have {tuple(r.shape[2:])} (main layers, top-k) per token; the model "
+                          f"routes {want}: record them with this model's rollout (routing_replay)")
+    span = torch.stack([torch.stack([-m.routes.min(), m.routes.max()]) for m in mbs]).amax(0).float()
+    neg_lo, hi = (int(v) for v in runtime.all_reduce_max(span).tolist())
+    lo = -neg_lo
+    if lo < -1 or hi >= mc.num_experts:
+        raise ConfigError(f"the batch's routes name experts {lo}..{hi}; the model has {mc.num_experts} (-1: none "
+                          "recorded): record them with this model's rollout")
 
 
 def update_router_bias(bias: Tensor, load: Tensor, rate: float) -> Tensor:

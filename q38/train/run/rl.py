@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from q38.batch import IGNORE_INDEX
+from q38.decode import DecodeHooks
 from q38.errors import ConfigError, DataError
 from q38.rollout import Completion, rollout
 from q38.train.core.policy import PolicyLossConfig, policy_terms, token_logprobs
@@ -110,7 +111,8 @@ def pack_rollouts(completions: Sequence[Completion], advantages: Sequence[float]
     """A policy-gradient batch: each completion with its prompt one document (first fit into rows of
     ``row_len``), prompts labelled -100, each completion token labelled with itself and carrying its recorded
     log-prob, its sequence's advantage and (optionally) the reference policy's log-prob. Completions without a
-    token are left out."""
+    token are left out. Completions that carry their routes (``rollout(record_routes=True)``) give ``routes``
+    ``[rows, row_len, main layers, k]`` (-1 on padding): the training forward replays them."""
     seqs = [(c, a, None if ref_logprobs is None else ref_logprobs[i])
             for i, (c, a) in enumerate(zip(completions, advantages)) if c.tokens]
     if not seqs:
@@ -135,6 +137,12 @@ def pack_rollouts(completions: Sequence[Completion], advantages: Sequence[float]
     labels = torch.full((b, row_len), IGNORE_INDEX, dtype=torch.long)
     docs = torch.full((b, row_len), -1, dtype=torch.long)
     old, adv, ref = (torch.zeros(b, row_len) for _ in range(3))
+    with_routes = seqs[0][0].routes is not None
+    if with_routes != all(c.routes is not None for c, _, _ in seqs):
+        raise ConfigError("some completions carry their routes and some do not; record them for every rollout "
+                          "(routing_replay) or none")
+    if with_routes:
+        routes = torch.full((b, row_len, *seqs[0][0].routes.shape[1:]), -1, dtype=torch.int16)
     doc = 0
     for r, members in enumerate(rows):
         at = 0
@@ -147,11 +155,37 @@ def pack_rollouts(completions: Sequence[Completion], advantages: Sequence[float]
             adv[r, at: at + n] = a
             if rl is not None:
                 ref[r, at + p: at + n] = torch.tensor(list(rl), dtype=torch.float32)
+            if with_routes:
+                routes[r, at: at + n] = c.routes
             at, doc = at + n, doc + 1
     batch = {"input_ids": ids, "labels": labels, "doc_ids": docs, "old_logprobs": old, "advantages": adv}
     if ref_logprobs is not None:
         batch["ref_logprobs"] = ref
+    if with_routes:
+        batch["routes"] = routes
     return batch
+
+
+def _mesh_batch(batch: dict, mesh, mtp_depths: int):
+    """This rank's share of a packed policy-gradient batch (``shard_batch``), its rows first padded with empty ones
+    (every label -100, document -1) to a multiple of the data-parallel ranks and its columns to a multiple of the
+    CP size; on the mesh's device."""
+    from q38.parallel.mesh import batch_row_rank, shard_batch
+
+    _, n_rows = batch_row_rank(mesh)
+    b, s = batch["input_ids"].shape
+    fill = {"labels": IGNORE_INDEX, "doc_ids": -1}
+    rows, cols = -b % n_rows, -s % mesh.size("cp")  # rows over the data ranks, columns over CP
+    if rows or cols:
+        def grow(k, v):
+            out = torch.full((b + rows, s + cols, *v.shape[2:]), fill.get(k, -1 if k == "routes" else 0), dtype=v.dtype)
+            out[:b, :s] = v
+            return out
+
+        batch = {k: grow(k, v) for k, v in batch.items()}
+    dt = mesh.device_mesh.device_type
+    dev = torch.device(dt) if dt == "cpu" else torch.device(dt, getattr(torch, dt).current_device())
+    return shard_batch({k: v.to(dev) for k, v in batch.items()}, mesh, mtp_depths)
 
 
 def _forward_logprobs(params, mc, batch: dict, temperature: float, router_bias, lora: bool) -> Tensor:
@@ -161,7 +195,8 @@ def _forward_logprobs(params, mc, batch: dict, temperature: float, router_bias, 
 
     sb = _as_step_batch(batch, mc.mtp_num_layers)
     hooks = LayerHooks(gather=compute_form) if lora else None  # the step's unmerged LoRA products
-    out = forward(params, sb.input_ids, mc, doc_ids=sb.doc_ids, router_bias=router_bias, hooks=hooks)
+    out = forward(params, sb.input_ids, mc, doc_ids=sb.doc_ids, router_bias=router_bias, hooks=hooks,
+                  routes=sb.routes)
     t = sb.targets.reshape(-1)
     valid = torch.nonzero(t != IGNORE_INDEX).flatten()
     h = out.hidden.reshape(-1, out.hidden.shape[-1]).index_select(0, valid)
@@ -204,19 +239,76 @@ def policy_params(state):
     return merged_params(state.params) if state.peft is not None else state.params
 
 
+def mesh_rollout(state, mesh, prompts: Sequence[Sequence[int]], *, group_size: int, max_new_tokens: int, sampling,
+                 stop_ids: Sequence[int] = (), max_bytes: int | None = None, hold_gathered: bool = False,
+                 record_routes: bool = False) -> list[Completion]:
+    """``rollout`` of a state sharded on ``mesh`` (every rank calls it with the same arguments; returns every
+    rank's completions, in the order one process gives). Each rank decodes its own share of the prompts (a
+    contiguous block; every rank needs at least one) on its own shards: the embedding, head and final norm are
+    gathered once for the rollout, each main layer's parameters gathered (FSDP) when its turn comes in each decode
+    step and dropped after it (``hold_gathered``: every layer gathered once and held for the rollout instead:
+    memory of the whole gathered model, one gather per layer per rollout), experts left where EP put them and
+    reached by the step's EP dispatch. Parameters run in the trainer's compute form (``param_dtype``); a LoRA
+    state's adapters are merged layer by layer after the gather. The draws follow ``q38.decode.sample_at``, so the
+    samples are those of one process. ``max_bytes`` prices this rank's share of the decode batch."""
+    import torch.distributed as dist
+
+    from q38.lora import compute_form, merge_adapters
+    from q38.model import ModelParams
+    from q38.train.core.step import step_runtime
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    n = len(prompts)
+    if n < world:
+        raise ConfigError(f"a rollout on {world} ranks needs at least {world} prompts per iteration (each rank "
+                          f"decodes its own share), got {n}; raise prompts_per_iteration")
+    lo, hi = rank * n // world, (rank + 1) * n // world
+    runtime = step_runtime(mesh, state.train_config)
+    runtime.bind(state.params)
+    lora = state.peft is not None
+
+    def gather(tree):
+        return merge_adapters(compute_form(runtime.gather(tree))) if lora else runtime.gather(tree)
+
+    def any_rows(flag: bool) -> bool:
+        return bool(runtime.all_reduce_max(torch.tensor(float(flag), device=runtime.device)) > 0)
+
+    p = state.params
+    layers = [gather(lp) for lp in p.layers] if hold_gathered else p.layers
+    params = ModelParams(embed=gather(p.embed), layers=layers, final_norm=gather(p.final_norm),
+                         lm_head=None if p.lm_head is None else gather(p.lm_head), mtp=None)
+    hooks = DecodeHooks(gather=(lambda t: t) if hold_gathered else gather, dispatch=runtime.dispatch,
+                        any_rows=any_rows)
+    mine = rollout(params, state.model_config, prompts[lo:hi], group_size=group_size, max_new_tokens=max_new_tokens,
+                   sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias, max_bytes=max_bytes,
+                   hooks=hooks, first_prompt=lo, total_prompts=n, record_routes=record_routes)
+    parts: list = [None] * world
+    dist.all_gather_object(parts, mine)
+    return [c for part in parts for c in part]
+
+
 def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Sequence[str],
                  answers: Sequence[str | None], detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str],
                  group_size: int, max_new_tokens: int, sampling, row_len: int, stop_ids: Sequence[int] = (),
                  loss: PolicyLossConfig | None = None, ref_params=None, max_rollout_bytes: int | None = None,
-                 updates: int = 1):
-    """One iteration on one process: rollout from ``state`` → rewards → group advantages → ``updates`` calls of
+                 updates: int = 1, mesh=None, routing_replay: bool = False):
+    """One iteration: rollout from ``state`` → rewards → group advantages → ``updates`` calls of
     ``train_step`` with the policy-gradient terms on that one batch (after the first, the ratio to the rollout's
     log-probs leaves 1 and the clip acts). Returns ``(new state, metrics dict)``: the last step's metrics plus
     ``reward_mean``,
     ``reward_std``, ``response_length``, ``mismatch_max`` (max |rollout − trainer log-prob| over the trained
     tokens, measured before the update). With ``loss.kl_coef`` > 0 the batch carries reference log-probs
     (``reference_logprobs``: ``ref_params``, or a LoRA state's base). ``max_rollout_bytes``: the rollout's decode
-    batch is priced and refused up front past it (``q38.rollout.rollout_bytes``)."""
+    batch is priced and refused up front past it (``q38.rollout.rollout_bytes``).
+
+    ``mesh``: ``state`` is sharded on it (every rank calls this with the same arguments): the rollout is
+    ``mesh_rollout`` (each rank decodes its share, every rank gets every completion), every rank scores and packs
+    the same batch (rows padded to a multiple of the data-parallel ranks) and the step trains on its share; the
+    same samples and, within float rounding, the same update as one process. Not with a KL term (the reference
+    log-probs are computed on one process).
+
+    ``routing_replay``: the rollout records every token's experts and each update's forward uses them instead of
+    the router's top-k (gates from the router's current probabilities of those experts; docs/rl.md)."""
     loss = loss or PolicyLossConfig(temperature=sampling.temperature)
     if not (isinstance(updates, int) and updates >= 1):
         raise ConfigError(f"rl.updates (optimizer steps per rollout batch) must be an integer >= 1, got {updates!r}")
@@ -224,24 +316,35 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
         raise ConfigError(f"rl.temperature of the loss ({loss.temperature}) and of sampling "
                           f"({sampling.temperature}) differ; the ratio needs the policy the rollout sampled from")
     mc, tc = state.model_config, state.train_config
-    comps = rollout(policy_params(state), mc, prompts, group_size=group_size, max_new_tokens=max_new_tokens,
-                    sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias, max_bytes=max_rollout_bytes)
+    if mesh is not None and loss.kl_coef > 0:
+        raise ConfigError("a KL term (rl.kl_coef > 0) is not built for a sharded state: the reference log-probs run "
+                          "on one process; set kl_coef: 0 or train on one process")
+    kw = {"group_size": group_size, "max_new_tokens": max_new_tokens, "sampling": sampling, "stop_ids": stop_ids,
+          "record_routes": bool(routing_replay)}
+    if mesh is None:
+        comps = rollout(policy_params(state), mc, prompts, router_bias=state.router_bias,
+                        max_bytes=max_rollout_bytes, **kw)
+    else:
+        comps = mesh_rollout(state, mesh, prompts, max_bytes=max_rollout_bytes, **kw)
     rew = score(rewards, prompt_texts, answers, comps, [detokenize(c.tokens) for c in comps])
     adv = group_advantages(rew, group_size)
-    dev = torch.utils._pytree.tree_leaves(state.params)[0].device
-    batch = {k: v.to(dev) for k, v in pack_rollouts(comps, adv, row_len).items()}
-    if loss.kl_coef > 0:
-        batch["ref_logprobs"] = reference_logprobs(state, batch, loss.temperature, ref_params)
-    lp = trainer_logprobs(state, batch, loss.temperature)
-    mask = batch["labels"] != IGNORE_INDEX
-    mismatch = float((lp - batch["old_logprobs"]).abs()[mask].max())
+    batch = pack_rollouts(comps, adv, row_len)
+    if mesh is None:
+        dev = torch.utils._pytree.tree_leaves(state.params)[0].device
+        batch = {k: v.to(dev) for k, v in batch.items()}
+        if loss.kl_coef > 0:
+            batch["ref_logprobs"] = reference_logprobs(state, batch, loss.temperature, ref_params)
+    else:
+        batch = _mesh_batch(batch, mesh, mc.mtp_num_layers)
     terms = policy_terms(mc, tc, loss)
     new = state
-    for _ in range(updates):
-        new, m = train_step(new, batch, terms=terms)
+    for u in range(updates):
+        new, m = train_step(new, batch, mesh, terms=terms)
+        if u == 0:  # the mismatch is the first update's (before it, the parameters the rollout sampled from)
+            first = m.as_dict()
     r = torch.tensor(rew)
     d = m.as_dict()
-    d.update(reward_mean=float(r.mean()), reward_std=float(r.std()), mismatch_max=mismatch,
+    d.update(reward_mean=float(r.mean()), reward_std=float(r.std()), mismatch_max=first["mismatch_max"],
              response_length=sum(len(c.tokens) for c in comps) / len(comps))
     return new, d
 
@@ -298,8 +401,8 @@ def rl_loop(state, records: Sequence[PromptRecord], *, encode: Callable[[str], S
             detokenize: Callable[[Sequence[int]], str], rewards: Sequence[str], iterations: int,
             prompts_per_iteration: int, group_size: int, max_new_tokens: int, sampling, row_len: int,
             stop_ids: Sequence[int] = (), loss: PolicyLossConfig | None = None, ref_params=None,
-            start_iteration: int = 0, max_rollout_bytes: int | None = None, updates: int = 1
-            ) -> Iterator[tuple]:
+            start_iteration: int = 0, max_rollout_bytes: int | None = None, updates: int = 1, mesh=None,
+            routing_replay: bool = False) -> Iterator[tuple]:
     """``rl_iteration`` ``iterations`` times over ``records`` in order (wrapping around), yielding ``(state,
     metrics, next_iteration)`` after each. Iteration ``i`` takes prompts ``i·P … i·P + P − 1`` (mod the count) and
     samples with seed ``sampling.seed + i``: the prompt cursor and the sampling RNG follow from ``i`` alone, so a
@@ -314,7 +417,7 @@ def rl_loop(state, records: Sequence[PromptRecord], *, encode: Callable[[str], S
             answers=[r.answer for r in picked], detokenize=detokenize, rewards=rewards, group_size=group_size,
             max_new_tokens=max_new_tokens, sampling=attrs.evolve(sampling, seed=int(sampling.seed) + it),
             row_len=row_len, stop_ids=stop_ids, loss=loss, ref_params=ref_params,
-            max_rollout_bytes=max_rollout_bytes, updates=updates)
+            max_rollout_bytes=max_rollout_bytes, updates=updates, mesh=mesh, routing_replay=routing_replay)
         metrics["iteration"] = it
         yield state, metrics, it + 1
 
@@ -347,27 +450,25 @@ def load_rl_checkpoint(path, template) -> tuple:
 def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str], iterations: int,
             prompts_per_iteration: int = 8, group_size: int = 8, max_new_tokens: int = 128, temperature: float = 1.0,
             top_p: float = 1.0, seed: int = 0, loss: PolicyLossConfig | None = None, updates: int = 1,
-            save_every: int = 0, overrides: dict | None = None, log: Callable[[str], None] = print):
+            routing_replay: bool = False, save_every: int = 0, overrides: dict | None = None,
+            log: Callable[[str], None] = print):
     """``q38 rl``: ``rl_loop`` from a q38 run / checkpoint or a Hugging Face directory (its tokenizer, its run
-    config's train settings: ``--set train.lr=…``), one process. Prompts: ``load_prompts``; a progress line per
-    iteration; checkpoints (``save_rl_checkpoint``) in ``out`` every ``save_every`` iterations and at the end. A
-    second call with the same ``out`` resumes from its newest checkpoint, exactly. Returns the last checkpoint."""
+    config's train settings: ``--set train.lr=…``), on one process, or on every rank under torchrun on the source's
+    layout (or ``--set layout=…``: the state sharded, rollouts by ``mesh_rollout``). Prompts: ``load_prompts``; a
+    progress line per iteration (rank 0); checkpoints (``save_rl_checkpoint``, every rank) in ``out`` every
+    ``save_every`` iterations and at the end. A second call with the same ``out`` resumes from its newest checkpoint,
+    exactly. Returns the last checkpoint."""
     from pathlib import Path
 
-    from q38.train.data.tokenizer import load_tokenizer
-    from q38.train.io.checkpoint import latest_checkpoint
-    from q38.train.run.generate import answer_text, prompt_ids, special_ids, stop_tokens
-    from q38.train.run.inference import load_state, open_source
-    from q38.train.run.launch import WorldInfo, check_run, pick_device
-    from q38.train.run.trainer import _source_precision
     from q38.decode import Sampling
+    from q38.train.data.tokenizer import load_tokenizer
+    from q38.train.io.dirs import check_run_out_dir
+    from q38.train.run.generate import prompt_ids
+    from q38.train.run.inference import load_state, open_source
+    from q38.train.run.launch import WorldInfo, _init_process_group, check_run, pick_backend, pick_device
+    from q38.train.run.trainer import _make_mesh, _source_precision
 
     world = WorldInfo.from_env()
-    if world.world_size > 1:
-        raise NotImplementedError("q38 rl runs on one process (rollouts decode one process's parameters); run it "
-                                  "without torchrun")
-    from q38.train.io.dirs import check_run_out_dir
-
     # ``out`` never is, holds or lies inside the source or the prompts file (device and inode compared): the RL
     # checkpoints would land among the source's own and be taken for them
     check_run_out_dir(out, [(role, Path(p)) for role, p in (("source", source), ("prompts file", prompts_file))
@@ -375,7 +476,7 @@ def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str],
     records = load_prompts(prompts_file, rewards)
     for spec in rewards:
         load_reward(spec)
-    src = open_source(source, dict(overrides or {}, layout="single"))
+    src = open_source(source, overrides, world_size=world.world_size)
     cfg = src.cfg if src.checkpoint is not None else _source_precision(src.cfg)
     tok = load_tokenizer(cfg.data.tokenizer)
     ids = [prompt_ids({"text": r.prompt, "from": f"{prompts_file}:{i + 1}"}, tok) for i, r in enumerate(records)]
@@ -384,11 +485,33 @@ def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str],
         raise ConfigError(f"the longest prompt ({row_len - max_new_tokens} tokens) plus --max-new-tokens "
                           f"{max_new_tokens} pass the model's max_position_embeddings "
                           f"({cfg.model.max_position_embeddings}); lower --max-new-tokens")
-    device = pick_device(cfg.run.device, 0)
-    import attrs as _attrs
+    device = pick_device(cfg.run.device, world.local_rank)
+    plan = check_run(cfg, world.world_size, device)
+    created = world.world_size > 1 and _init_process_group(device, pick_backend(device, cfg.run.backend), world,
+                                                           cfg.run.timeout_s)
+    try:
+        mesh, _ = _make_mesh(plan, world, device, cfg.model)
+        state = load_state(attrs.evolve(src, cfg=cfg), world, device, plan, mesh)
+        return _rl_run(state, mesh, records, ids, tok, Path(out) / "checkpoints", rewards=rewards,
+                       iterations=iterations, prompts_per_iteration=prompts_per_iteration, group_size=group_size,
+                       max_new_tokens=max_new_tokens, sampling=Sampling(temperature=temperature, top_p=top_p,
+                                                                        seed=seed),
+                       row_len=row_len, loss=loss or PolicyLossConfig(temperature=temperature), updates=updates,
+                       routing_replay=routing_replay, save_every=save_every,
+                       log=log if world.rank == 0 else (lambda line: None))
+    finally:
+        if created:
+            import torch.distributed as dist
 
-    state = load_state(_attrs.evolve(src, cfg=cfg), world, device, check_run(cfg, 1, device), None)
-    root = Path(out) / "checkpoints"
+            dist.destroy_process_group()
+
+
+def _rl_run(state, mesh, records, ids, tok, root, *, rewards, iterations, prompts_per_iteration, group_size,
+            max_new_tokens, sampling, row_len, loss, updates, routing_replay, save_every, log):
+    """``rl_from``'s loop once the state is loaded: resume from ``root``'s newest checkpoint, iterate, save."""
+    from q38.train.io.checkpoint import latest_checkpoint
+    from q38.train.run.generate import answer_text, special_ids, stop_tokens
+
     start = 0
     last = latest_checkpoint(root) if root.is_dir() else None
     if last is not None:
@@ -396,14 +519,13 @@ def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str],
         log(f"q38 rl: resuming from {last} at iteration {start}")
     by_text = {r.prompt: p for r, p in zip(records, ids)}
     skip = special_ids(tok)
-    loss = loss or PolicyLossConfig(temperature=temperature)
     done = start
     for state, m, nxt in rl_loop(state, records, encode=lambda t: by_text[t],
                                  detokenize=lambda o: answer_text(tok, o, skip=skip)[0], rewards=rewards,
                                  iterations=iterations, prompts_per_iteration=prompts_per_iteration,
-                                 group_size=group_size, max_new_tokens=max_new_tokens,
-                                 sampling=Sampling(temperature=temperature, top_p=top_p, seed=seed), row_len=row_len,
-                                 stop_ids=stop_tokens(tok), loss=loss, start_iteration=start, updates=updates):
+                                 group_size=group_size, max_new_tokens=max_new_tokens, sampling=sampling,
+                                 row_len=row_len, stop_ids=stop_tokens(tok), loss=loss, start_iteration=start,
+                                 updates=updates, mesh=mesh, routing_replay=routing_replay):
         log(progress_line(m))
         done = nxt
         if save_every and (nxt - start) % save_every == 0 and nxt < start + iterations:
