@@ -90,10 +90,11 @@ def test_q38_rl_refuses_an_out_that_is_its_source(hf_dir, tmp_path, capsys, wher
 
 
 @pytest.mark.slow
-def test_q38_rl_under_torchrun_equals_one_process(hf_dir, tmp_path, capsys):
+def test_q38_rl_under_torchrun_equals_one_process(tmp_path, capsys):
     """``torchrun --nproc_per_node 2 … rl --set layout=fsdp``: the state sharded over 2 gloo ranks, each rank
     decoding its share of the prompts; progress lines from rank 0 only; the checkpoint it writes (on every rank)
-    holds the parameters 2 iterations on one process give (fp32, 1e-5)."""
+    holds the parameters 2 iterations on one process give (fp32, 1e-5). 6 experts (FSDP shards them over 2 ranks),
+    top-3 routing."""
     import os
     import subprocess
     import sys
@@ -103,6 +104,9 @@ def test_q38_rl_under_torchrun_equals_one_process(hf_dir, tmp_path, capsys):
     from q38.train.core.step_config import TrainConfig
     from q38.train.io.checkpoint import latest_checkpoint, load_checkpoint
 
+    cfg = CFG.replace(num_experts=6, num_experts_per_tok=3)
+    hf_dir = tmp_path / "hf"
+    q38.save_hf(hf_dir, cfg, q38.init_params(cfg, seed=13))
     prompts = _prompts(tmp_path)
     assert main(_args(hf_dir, prompts, tmp_path / "one", 2)) == 0
     capsys.readouterr()
@@ -116,7 +120,7 @@ def test_q38_rl_under_torchrun_equals_one_process(hf_dir, tmp_path, capsys):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("iter ")]
     assert [ln.split()[1] for ln in lines] == ["0", "1"], proc.stdout
-    template = init_state(CFG, TrainConfig(), seed=0)
+    template = init_state(cfg, TrainConfig(), seed=0)
     one, _ = load_checkpoint(latest_checkpoint(tmp_path / "one" / "checkpoints"), template)
     two, _ = load_checkpoint(latest_checkpoint(tmp_path / "two" / "checkpoints"), template)
     assert int(two.step) == 2
