@@ -223,7 +223,8 @@ def _generate(argv: list[str]) -> int:
 def _rl(argv: list[str]) -> int:
     p = OneLineParser(prog="q38 rl", description="Post-train with rewards (GRPO / DAPO, docs/rl.md): sample groups "
                       "of completions of a prompts file, reward them, take policy-gradient steps, checkpoint. One "
-                      "process; running it again with the same --out resumes exactly.")
+                      "process, or every rank under torchrun (the source's layout or --set layout=...); running it "
+                      "again with the same --out resumes exactly.")
     p.add_argument("source", help=SOURCE_HELP)
     p.add_argument("--prompts", required=True, metavar="FILE", help="JSONL: {\"prompt\": TEXT, \"answer\": ...} "
                    "per line (answer needed by numeric_answer)")
