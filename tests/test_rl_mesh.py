@@ -5,6 +5,7 @@ the sharded trainer's (the step's ``mismatch_max`` ≤ 1e-5); one iteration leav
 process's iteration leaves (fp32, 1e-5)."""
 
 import pytest
+import torch
 
 from q38.decode import Sampling
 from q38.parallel.layout import Layout
@@ -120,3 +121,43 @@ def test_routing_replay_on_two_ep_ranks_equals_one_process():
         assert float((outs[0]["params"][name] - want).abs().max()) <= TOL, name
         differs = max(differs, float((dict(named_leaves(plain.params))[name] - want).abs().max()))
     assert differs > 1e-6  # replay changed the second update: the comparison could tell
+
+
+def _lora_state():
+    from q38.lora import PeftConfig, add_adapters
+    from q38.model import init_params
+    from q38.train.core.state import state_from_params
+
+    peft = PeftConfig(rank=4, alpha=8)
+    # B moved off zero so the merged policy differs from the base (the merge is exercised)
+    from q38.pytree import tree_map_with_path
+
+    p = add_adapters(init_params(CFG, seed=3), peft, seed=1)
+    g = torch.Generator().manual_seed(2)
+    p = tree_map_with_path(lambda path, t: t + 0.2 * torch.randn(t.shape, generator=g) if path.endswith("lora_b")
+                           else t, p)
+    return state_from_params(p, CFG, TC, peft=peft)
+
+
+def _lora_fn(rank, world):
+    from q38.parallel.mesh import make_mesh, shard
+    from q38.train.run.rl import mesh_rollout
+
+    mesh = make_mesh(Layout.preset("fsdp_ep").with_mesh(fsdp=1, ep=2), world)
+    return mesh_rollout(shard(_lora_state(), mesh), mesh, PROMPTS4, group_size=3, max_new_tokens=6,
+                        sampling=SAMPLING)
+
+
+def test_a_lora_states_mesh_rollout_samples_what_its_merged_policy_samples():
+    """A LoRA state sharded on 2 EP ranks: the adapters merged after each layer's gather give the samples and
+    log-probs of one process's merged policy (``policy_params``), which differ from the base's."""
+    from q38.lora import base_params
+    from q38.train.run.rl import policy_params
+
+    state = _lora_state()
+    one = rollout(policy_params(state), CFG, PROMPTS4, group_size=3, max_new_tokens=6, sampling=SAMPLING)
+    base = rollout(base_params(state.params), CFG, PROMPTS4, group_size=3, max_new_tokens=6, sampling=SAMPLING)
+    assert max(abs(a - b) for g, c in zip(one, base) for a, b in zip(g.logprobs, c.logprobs)) > 1e-3
+    for got in run_distributed(_lora_fn, 2):
+        assert [c.tokens for c in got] == [c.tokens for c in one]
+        assert max(abs(a - b) for g, c in zip(got, one) for a, b in zip(g.logprobs, c.logprobs)) <= TOL
