@@ -107,6 +107,7 @@ def _replay_fn(rank, world):
                                      for n, t in named_leaves(new.params)}}
 
 
+@pytest.mark.slow
 def test_routing_replay_on_two_ep_ranks_equals_one_process():
     """Routes recorded by each rank's share of the rollout (EP dispatch in the decode) and replayed in 2 updates on
     the EP mesh: the parameters one process's replayed iteration gives (1e-5)."""
@@ -148,6 +149,7 @@ def _lora_fn(rank, world):
                         sampling=SAMPLING)
 
 
+@pytest.mark.slow
 def test_a_lora_states_mesh_rollout_samples_what_its_merged_policy_samples():
     """A LoRA state sharded on 2 EP ranks: the adapters merged after each layer's gather give the samples and
     log-probs of one process's merged policy (``policy_params``), which differ from the base's."""

@@ -108,6 +108,7 @@ def _naive_objective(params, batch, pc):
     return -surr.sum() / mask.sum()
 
 
+@pytest.mark.slow  # the naive forward loops over every token and slot (~12 s)
 def test_loss_and_grads_with_replay_equal_a_naive_forward_on_the_given_experts():
     state = init_state(CFG, TrainConfig(lr=3e-2, warmup_steps=1), seed=6)
     _, batch = _rollout_batch(state)
