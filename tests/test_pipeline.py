@@ -225,6 +225,62 @@ def test_pipelined_sequence_aux_across_cp_shards_equals_one_process():
         assert (got[name] - g).abs().max() <= TOL, name
 
 
+def _policy_batch():
+    """``_batch`` as a policy-gradient batch: per-token rollout log-probs near the model's (so the ratio is clipped on
+    both sides), advantages of both signs per document, a reference policy's log-probs 0.3 off."""
+    b = _batch()
+    g = torch.Generator().manual_seed(7)
+    shape = b["input_ids"].shape
+    b["old_logprobs"] = -6.0 + 0.6 * (torch.rand(shape, generator=g) - 0.5)
+    b["ref_logprobs"] = b["old_logprobs"] + 0.6 * (torch.rand(shape, generator=g) - 0.5)
+    sign = torch.where(b["doc_ids"] % 2 == 0, 1.0, -1.0)
+    b["advantages"] = sign * (0.5 + torch.arange(shape[0])[:, None] / 4)
+    return b
+
+
+def _policy_rank(rank, world, text, tc, pc):
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
+    from q38.train.core.policy import policy_terms
+    from tests.device_check import FactoryDeviceMode
+
+    cfg = _cfg()
+    mesh = make_mesh(_layout(text), world, model=cfg)
+    state = shard(init_state(cfg, tc, seed=0), mesh)
+    with FactoryDeviceMode() as mode:  # every tensor the pipelined step and the policy terms make names its device
+        r = loss_and_grads(state, shard_batch(_policy_batch(), mesh, cfg.mtp_num_layers), mesh,
+                           terms=policy_terms(cfg, tc, pc))
+    names = [n for n, _ in named_leaves(state.params)]
+    return {"terms": {k: float(v) for k, v in r.terms.items()}, "objective": float(r.objective),
+            "grads": dict(zip(names, map(_full, r.grads))), "device_calls": mode.calls}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("norm", ["sequence", "token"])
+def test_pipelined_policy_objective_equals_one_process(norm):
+    """The GRPO / DAPO objective (``policy_terms``: clipped surrogate, k3 KL, the metrics and the aux term) on pp 2 (2
+    gloo ranks, 2 micro-batches): every term, the objective and every gradient within 1e-5 of one process; the terms
+    run on the last stage, the aux term stage by stage."""
+    from q38.train.core.policy import PolicyLossConfig, policy_terms
+
+    tc = _tc()
+    pc = PolicyLossConfig(clip_low=0.2, clip_high=0.28, norm=norm, kl_coef=0.2, temperature=0.9)
+    state = init_state(_cfg(), tc, seed=0)
+    ref = loss_and_grads(state, _policy_batch(), terms=policy_terms(_cfg(), tc, pc))
+    assert float(ref.terms["kl"]) > 0 and 0 < float(ref.terms["clip_frac"]) < 1
+    outs = run_distributed(_policy_rank, 2, "{include: fsdp.yaml, name: pp_only, mesh: {pp: 2, fsdp: 1}}", tc, pc)
+    for o in outs:
+        assert o["device_calls"] == [], o["device_calls"]
+        assert set(o["terms"]) == set(ref.terms)
+        for k, v in ref.terms.items():
+            assert abs(o["terms"][k] - float(v)) <= TOL, k
+        assert abs(o["objective"] - float(ref.objective)) <= TOL
+    got = {**outs[0]["grads"], **outs[1]["grads"]}
+    names = [n for n, _ in named_leaves(state.params)]
+    assert set(got) == set(names)
+    for name, g in zip(names, ref.grads):
+        assert (got[name] - g).abs().max() <= TOL, name
+
+
 # ---- the split and the schedules ------------------------------------------------------------------------------------
 
 
