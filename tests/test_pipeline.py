@@ -281,6 +281,56 @@ def test_pipelined_policy_objective_equals_one_process(norm):
         assert (got[name] - g).abs().max() <= TOL, name
 
 
+def _split_backward_rank(rank, world, overlap):
+    """A middle chunk (layers 2-3, an input that needs its gradient) on FSDP 2, its backward split the way
+    ``torch.distributed.pipelining``'s zero-bubble schedules split it (``stage_backward_input``, then
+    ``stage_backward_weight``), against one ``runtime.grad`` of the same chunk."""
+    import torch.utils._pytree as pytree
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from q38.model import forward_chunk
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
+    from q38.train.core.step import make_layer_hooks, step_runtime
+
+    cfg, tc = _cfg(), _tc(overlap_comm=overlap)
+    mesh = make_mesh(_layout("{include: fsdp.yaml, name: f, mesh: {fsdp: 2}}"), world)
+    flat, spec = pytree.tree_flatten(shard(init_state(cfg, tc, seed=0), mesh).params)
+    sb = shard_batch(_batch(), mesh, cfg.mtp_num_layers)
+    x0 = torch.randn(*sb.input_ids.shape, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def chunk():
+        leaves = [t.detach().requires_grad_() for t in flat]
+        rt = step_runtime(mesh, tc)
+        p = pytree.tree_unflatten(leaves, spec)
+        rt.bind(p, defer_reductions=True)
+        x = x0.clone().requires_grad_()
+        out = forward_chunk(p, range(2, 4), cfg, x=x, info=rt.seq_info(sb), hooks=make_layer_hooks(rt, tc))
+        return leaves, rt, x, out.x.float().pow(2).mean()
+
+    leaves, _, x, loss = chunk()
+    _, groups = stage_backward_input([loss], None, [x], iter(leaves))
+    stage_backward_weight(iter(leaves), groups)
+    split = [t.grad for t in leaves]
+    leaves, rt, x, loss = chunk()
+    want = rt.grad(loss, leaves)
+    n = sum(g is not None for g in want)
+    same = all(a is not None and torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(split, want)
+               if b is not None)
+    return {"found": sum(g is not None for g in split), "want": n, "same": same}
+
+
+@pytest.mark.dist
+def test_torchs_split_backward_finds_q38s_weights_only_without_overlapped_reductions():
+    """Why zero-bubble schedules are refused (docs/parallel.md#the-pipeline-axis): with ``train.overlap_comm`` (the
+    default) a gathered weight reaches autograd through the runtime's anchor, so the split's weight half finds none
+    of the chunk's weights and their gradients are never computed; with it off, the weight half gives every one,
+    bit for bit."""
+    on, off = (run_distributed(_split_backward_rank, 2, ov)[0] for ov in (True, False))
+    assert on["want"] == off["want"] > 0
+    assert on["found"] == 0
+    assert off["found"] == off["want"] and off["same"]
+
+
 # ---- the split and the schedules ------------------------------------------------------------------------------------
 
 
@@ -367,7 +417,15 @@ def test_one_f_one_b_holds_pp_minus_rank_micro_batches_in_flight():
     ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {stages: [[0, 5]]}}",
      r"lists 1 layer ranges, but pp=2 × virtual_stages=1 = 2"),
     ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: dualpipev}}",
-     r"pipeline.schedule 'dualpipev' is not run by q38; use one of 1f1b, interleaved_1f1b"),
+     (r"pipeline.schedule 'dualpipev' is not run by q38 \(it splits each backward into input and weight halves, "
+      r"which q38's step cannot: docs/parallel.md#the-pipeline-axis\); use interleaved_1f1b with virtual_stages >= 2 "
+      r"to shrink the bubble, or 1f1b")),
+    ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: zbv}}",
+     r"'zbv' is not run by q38 .*use interleaved_1f1b"),
+    ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: gpipe}}",
+     r"'gpipe' is not run by q38 \(all forwards, then all backwards.*\); use 1f1b"),
+    ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: 2f2b}}",
+     r"pipeline.schedule '2f2b' is unknown; use one of 1f1b, interleaved_1f1b"),
     ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: 1f1b, virtual_stages: 2}}",
      r"1f1b runs one chunk per rank"),
     ("{include: fsdp.yaml, mesh: {pp: -1, fsdp: 2}}", r"pp=-1; the number of pipeline stages must be stated"),
