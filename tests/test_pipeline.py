@@ -254,6 +254,7 @@ def _policy_rank(rank, world, text, tc, pc):
             "grads": dict(zip(names, map(_full, r.grads))), "device_calls": mode.calls}
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("norm", ["sequence", "token"])
 def test_pipelined_policy_objective_equals_one_process(norm):
