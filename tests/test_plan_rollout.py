@@ -36,7 +36,7 @@ def _tree_bytes(tree) -> int:
                if isinstance(t, torch.Tensor))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_the_planned_rollout_caches_equal_the_caches_decode_builds(dtype):
     """G 3 × 4 prompts of 7 tokens, 9 new tokens: the plan's caches at the prompt and at the end equal the bytes
     of the cache after ``prefill`` and after 8 more decode steps (the 9th sampled token is never fed)."""
