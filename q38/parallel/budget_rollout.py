@@ -9,9 +9,10 @@ What each item counts, per rank (the fullest rank), as q38's one-process rollout
   group hold the same rows (a decode step does not split a sequence);
 * the decode cache of a row (``q38.decode.cache_bytes``): each GDN layer's conv window and fp32 recurrent state,
   each attention layer's keys and values in the compute dtype and a valid flag per position;
-* prefill (one pass of the prompts, no gradient): the caches at the prompt length plus one layer's forward
-  intermediates (what training saves for that layer, an upper bound of the no-grad working set) and the residual
-  stream and hidden states of the prompt tokens;
+* prefill (one pass of the prompts, no gradient): the caches at the prompt length plus the widest layer's forward
+  intermediates (what training saves for that layer; for a GDN layer its projections, conv and norms and the torch
+  core's chunk factors, six ``[rows, heads, chunks, 64, 64]`` fp32 tensors alive at once, as measured) and the
+  residual stream and hidden states of the prompt tokens;
 * a decode step (the peak of the decode loop): the caches before and after the step (the step is functional: the
   old cache is freed when it returns), one attention layer's keys and values repeated to the query heads, and the
   logits with their fp32 sampling copies (the tempered logits, the probabilities, with top-p their sorted copy and
@@ -32,6 +33,8 @@ from q38.parallel.param_stats import Item
 
 REFERENCES = ("copy", "logprobs", "none")  # a frozen copy, precomputed log-probs, no KL term (no reference)
 SAMPLING_BYTES = 4 + 4 + 4 + 8  # per vocab entry: tempered fp32 logits, probabilities, top-p's sorted copy + order
+PREFILL_GDN_CHUNK = 64  # prefill runs the torch GDN core (gdn_extend: gated_delta_rule_chunked's default chunk)
+GDN_FACTORS = 6  # [rows, heads, chunks, C, C] fp32 tensors the torch core's chunk factors hold at once (measured)
 
 
 @attrs.frozen(kw_only=True)
@@ -77,8 +80,7 @@ def row_cache_bytes(cfg: ModelConfig, length: int, act: int) -> int:
     return cache_bytes(cfg, 1, length, {4: torch.float32, 2: torch.bfloat16}[act])
 
 
-def decode_items(cfg: ModelConfig, rows: int, prompt_len: int, max_new_tokens: int, act: int,
-                 gdn_chunk: int = 64, gdn_kernel: bool = False) -> list[Item]:
+def decode_items(cfg: ModelConfig, rows: int, prompt_len: int, max_new_tokens: int, act: int) -> list[Item]:
     """The decode batch of ``rows`` rows on one rank: prefill and decode-step items, each group transient (they
     are not alive together)."""
     from q38.parallel.budget_memory import layer_activations
@@ -86,8 +88,14 @@ def decode_items(cfg: ModelConfig, rows: int, prompt_len: int, max_new_tokens: i
     d, h, c = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     length = prompt_len + max_new_tokens - 1  # the last sampled token is never fed to the model
     at_prompt, at_end = rows * row_cache_bytes(cfg, prompt_len, act), rows * row_cache_bytes(cfg, length, act)
-    layer = max(layer_activations(cfg, kind, float(rows), prompt_len, act_bytes=act, gdn_kernel=gdn_kernel,
-                                  gdn_chunk=gdn_chunk).total for kind in set(cfg.layer_types))
+    def working(kind: str) -> float:  # one layer's no-grad forward over the prompts
+        la = layer_activations(cfg, kind, float(rows), prompt_len, act_bytes=act, gdn_chunk=PREFILL_GDN_CHUNK)
+        if kind != "linear_attention":
+            return la.total
+        chunks = -(-prompt_len // PREFILL_GDN_CHUNK)
+        return la.rest + GDN_FACTORS * rows * cfg.linear_num_value_heads * chunks * PREFILL_GDN_CHUNK**2 * 4
+
+    layer = max(working(kind) for kind in set(cfg.layer_types))
     attn = any(kind == "full_attention" for kind in cfg.layer_types)
     return [
         Item("rollout caches at the prompt", at_prompt, f"{rows} row(s) × {prompt_len} prompt tokens (GDN states, "
@@ -140,8 +148,7 @@ def rollout_budget(cfg: ModelConfig, layout, mesh: dict, rl: RolloutPlan, st, ps
     elif ps.gathered_layers:
         phase.append(Item("rollout gathered layer", 2 * ps.largest_layer * act, "the layer decoded + the one "
                           "prefetched, compute form", "decode step"))
-    phase += decode_items(cfg, rows, prompt_len, rl.max_new_tokens, act, gdn_chunk=st.gdn_chunk,
-                          gdn_kernel=st.gdn_kernel)
+    phase += decode_items(cfg, rows, prompt_len, rl.max_new_tokens, act)
     note = (f"{rl.prompts} prompts × G {rl.group_size} = {rl.rows} rows over dp {dp}: {rows} a rank, "
             f"{prompt_len} + {rl.max_new_tokens} tokens each")
     return ref, phase, note
