@@ -17,8 +17,9 @@ What each item counts, per rank (the fullest rank), as q38's one-process rollout
   old cache is freed when it returns), one attention layer's keys and values repeated to the query heads, and the
   logits with their fp32 sampling copies (the tempered logits, the probabilities, with top-p their sorted copy and
   int64 order);
-* the policy's weights in compute form: the layer being decoded (gathered like the forward's), or with LoRA the
-  merged fp32 copy ``policy_params`` makes (priced as every base shard in fp32, an upper bound);
+* the policy's weights in compute form: the layer running and the one prefetched (gathered like the forward's,
+  when the layout shards them), and with LoRA the merged fp32 copy ``policy_params`` makes (priced as every base
+  shard in fp32, an upper bound);
 * the reference policy: with LoRA the base with adapters off (nothing); a full fine-tune's frozen copy of the
   parameters in the compute dtype, sharded as the layout shards the parameters, held in every phase; or reference
   log-probs computed before the run (4 bytes a trained token, in the batch).
@@ -88,6 +89,7 @@ def decode_items(cfg: ModelConfig, rows: int, prompt_len: int, max_new_tokens: i
     d, h, c = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     length = prompt_len + max_new_tokens - 1  # the last sampled token is never fed to the model
     at_prompt, at_end = rows * row_cache_bytes(cfg, prompt_len, act), rows * row_cache_bytes(cfg, length, act)
+
     def working(kind: str) -> float:  # one layer's no-grad forward over the prompts
         la = layer_activations(cfg, kind, float(rows), prompt_len, act_bytes=act, gdn_chunk=PREFILL_GDN_CHUNK)
         if kind != "linear_attention":
@@ -145,9 +147,9 @@ def rollout_budget(cfg: ModelConfig, layout, mesh: dict, rl: RolloutPlan, st, ps
     if lora:
         phase.append(Item("merged policy weights", ls.base.numel * 4, "policy_params: the adapters merged into an "
                           "fp32 copy of the base shards (upper bound: unadapted leaves are not copied)"))
-    elif ps.gathered_layers:
-        phase.append(Item("rollout gathered layer", 2 * ps.largest_layer * act, "the layer decoded + the one "
-                          "prefetched, compute form", "decode step"))
+    if ps.gathered_layers:  # prefill and every decode step run layer by layer, each gathered like the forward's
+        phase.append(Item("rollout gathered layer", 2 * ps.largest_layer * act, "the layer running + the one "
+                          "prefetched, compute form"))
     phase += decode_items(cfg, rows, prompt_len, rl.max_new_tokens, act)
     note = (f"{rl.prompts} prompts × G {rl.group_size} = {rl.rows} rows over dp {dp}: {rows} a rank, "
             f"{prompt_len} + {rl.max_new_tokens} tokens each")
