@@ -177,3 +177,13 @@ def test_the_planned_prefill_and_decode_step_match_the_measured_peaks():
             logits, cache = decode_step(params, cache, tok, CFG)
     planned = _group(decode_items(CFG, rows, plen, 2, 4), "decode step")
     assert abs(planned / (m.peak - before) - 1) <= 0.05, (planned, m.peak - before)
+
+
+def test_a_rollout_that_does_not_fit_is_named_by_the_fit_line(tmp_path, capsys):
+    args = ["plan", "--model", _model_yaml(tmp_path), "--layout", "single", "--world", "1", "--seq-len", "4096",
+            "--hardware", "h200", "--rl-group-size", "64", "--rl-prompts", "4096", "--rl-max-new-tokens", "2048"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    fit = next(line for line in out.splitlines() if "FIT" in line or line.startswith("fits"))
+    assert fit.startswith("DOES NOT FIT") and "in the rollout (RL decode)" in out
+    assert "the rollout phase's largest item is" in fit and "fewer prompts or samples per rollout batch" in fit
