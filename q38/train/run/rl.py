@@ -388,6 +388,9 @@ def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str],
     import attrs as _attrs
 
     state = load_state(_attrs.evolve(src, cfg=cfg), world, device, check_run(cfg, 1, device), None)
+    from q38.train.run.rl_memory import check_rollout_memory
+
+    check_rollout_memory(state, ids, prompts_per_iteration, group_size, max_new_tokens, device)  # before any rollout
     root = Path(out) / "checkpoints"
     start = 0
     last = latest_checkpoint(root) if root.is_dir() else None
