@@ -7,9 +7,15 @@ moments), resets its high-water mark (``5`` into ``/proc/self/clear_refs``, as b
 ``--steps`` donated steps and reads ``VmHWM``; the table prints each rank's ``peak - baseline + state`` beside the
 plan's figure for its stage (``q38.parallel.budget.estimate`` of the same layout: ``Budget.pipeline``).
 
-``bubble``: 2 ranks, ``pp: 2`` × ``fsdp: 1``, the same global rows split into ``m`` micro-batches; the measured step
-time against ``m`` beside the plan's bubble factor ``(m + p - 1) / m`` (the step of ``m`` micro-batches over
-``m`` micro-batches' compute), both as ratios to the largest ``m``.
+``bubble``: for each micro-batch count ``m``, the same rows split into ``m`` micro-batches run twice: on one process
+(the whole model, no ``pp``: every micro-batch through every layer, one after another) and on 2 ranks, ``pp: 2`` ×
+``fsdp: 1`` (1F1B). With one core a rank (``OMP_NUM_THREADS=1``; run it on an otherwise idle machine with at least 2
+cores) the pipelined step over the one-process step measures what the schedule gives: ``1/p`` of the work per rank
+with perfect overlap, stretched by the bubble. The plan's figure for the same ratio is its pipelined step compute
+(the fullest stage's share of the layer costs times ``(m + p - 1) / m``) over its one-process compute: the two are
+printed side by side. Both runs build the same micro-batches, so a micro-batch's own efficiency (small matmuls are
+slower per FLOP) cancels; what the ratio adds beyond the plan is the point-to-point messages and the schedule's own
+work.
 
     python benchmarks/pipeline.py memory
     python benchmarks/pipeline.py bubble --micro-batches 2,4,8
@@ -27,7 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "benchmarks" / "models" / "ft512.yaml"
 LAYOUTS = {"memory": "{include: fsdp.yaml, name: pp2_fsdp, mesh: {pp: 2, fsdp: -1}}",
-           "bubble": "{include: fsdp.yaml, name: pp2, mesh: {pp: 2, fsdp: 1}}"}
+           "bubble": "{include: fsdp.yaml, name: pp2, mesh: {pp: 2, fsdp: 1}}",
+           "single": "{include: fsdp.yaml, name: one, mesh: {fsdp: 1}}"}
 
 
 def _status(key: str) -> int:
@@ -100,17 +107,34 @@ def plan_stages(world: int, seq: int, rows: int, micro: int, kind: str):
 
     from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
     from q38.parallel.budget import estimate
+    from q38.parallel.hardware import Hardware
     from q38.parallel.layout import Layout
 
     b = estimate(ModelConfig.from_yaml(MODEL), Layout.from_dict(yaml.safe_load(LAYOUTS[kind])), world, seq_len=seq,
                  rows_per_rank=rows, micro_batches=micro, param_dtype="fp32", reduce_dtype="fp32",
-                 adamw_impl="foreach", donated=True)
+                 adamw_impl="foreach", donated=True, hardware=Hardware.load("h100"))
     return b.pipeline
+
+
+def plan_compute(world: int, seq: int, rows: int, micro: int, kind: str) -> float:
+    """The plan's compute seconds of the step of layout ``kind`` (bubble included where it pipelines; the hardware
+    profile only scales both the pipelined and the one-process figure)."""
+    import yaml
+
+    from q38 import ModelConfig  # (registers the layer kinds a ModelConfig checks)
+    from q38.parallel.budget import estimate
+    from q38.parallel.hardware import Hardware
+    from q38.parallel.layout import Layout
+
+    b = estimate(ModelConfig.from_yaml(MODEL), Layout.from_dict(yaml.safe_load(LAYOUTS[kind])), world, seq_len=seq,
+                 rows_per_rank=rows, micro_batches=micro, param_dtype="fp32", reduce_dtype="fp32",
+                 adamw_impl="foreach", donated=True, hardware=Hardware.load("h100"))
+    return b.compute_s
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("kind", choices=("memory", "bubble"))
+    ap.add_argument("kind", choices=("memory", "bubble", "single"))
     ap.add_argument("--world", type=int, default=None, help="ranks (memory: 4, bubble: 2)")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--rows", type=int, default=None, help="rows per data-parallel rank and step (default 2; bubble: 8)")
@@ -137,15 +161,13 @@ def main(argv=None) -> int:
             print(f"| {o['rank']} | {o['stage']} | {got:,.1f} | {want:,.1f} | {got / want:.2f} |")
         return 0
     counts = [int(x) for x in (a.micro_batches or "2,4,8").split(",")]
-    rowsd = {}
+    print(f"| micro-batches | one process (s) | pp2, 2 ranks (s) | measured pp2 / one | plan pp2 / one | "
+          f"measured / plan |  (ft512, seq {a.seq}, {rows} rows, 1F1B, fp32, one thread a rank, best of {a.steps})")
     for m in counts:
-        outs = run("bubble", world, a.seq, rows, a.steps, m)
-        rowsd[m] = max(o["seconds"] for o in outs)
-    ref = max(counts)
-    print(f"| micro-batches | step (s) | measured / m={ref} | plan (m+p-1)/m over m={ref} |  (ft512, pp2, seq {a.seq}, "
-          f"{rows} rows)")
-    for m in counts:
-        print(f"| {m} | {rowsd[m]:.3f} | {rowsd[m] / rowsd[ref]:.2f} | {((m + 1) / m) / ((ref + 1) / ref):.2f} |")
+        one = run("single", 1, a.seq, rows, a.steps, m)[0]["seconds"]
+        pp = max(o["seconds"] for o in run("bubble", world, a.seq, rows, a.steps, m))
+        planned = plan_compute(world, a.seq, rows, m, "bubble") / plan_compute(1, a.seq, rows, m, "single")
+        print(f"| {m} | {one:.3f} | {pp:.3f} | {pp / one:.3f} | {planned:.3f} | {pp / one / planned:.2f} |")
     return 0
 
 

@@ -316,6 +316,15 @@ def _add_budget_args(ap) -> None:
                          "train.offload_optimizer)")
     ap.add_argument("--pure-step", action="store_true", help="price the optimizer phase of the pure train_step "
                     "(the library default) instead of the donated step the trainer runs")
+    ap.add_argument("--rl-group-size", type=positive_int, metavar="G", help="RL: price the rollout of G samples per "
+                    "prompt and the reference policy (with --rl-prompts, --rl-max-new-tokens; docs/plan.md)")
+    ap.add_argument("--rl-prompts", type=positive_int, help="RL: prompts per rollout batch (all ranks)")
+    ap.add_argument("--rl-max-new-tokens", type=positive_int, help="RL: new tokens per sample at most")
+    ap.add_argument("--rl-prompt-len", type=positive_int, help="RL: tokens of the longest prompt (default: seq_len "
+                    "less --rl-max-new-tokens, the longest a training row takes)")
+    ap.add_argument("--rl-reference", choices=("copy", "logprobs", "none"),
+                    help="RL reference policy: a frozen copy of the parameters (default for a full fine-tune), "
+                    "precomputed log-probs, or none (no KL term); LoRA: the base with adapters off by default")
     ap.add_argument("--out", help="where --search writes the best layout and its run config, --fewest-ranks each "
                     "row's in a subdirectory (a new or empty directory, or one it wrote before); without it nothing "
                     "is written")
@@ -344,7 +353,26 @@ def _recompute_mode(text: str) -> str:
 
 BUDGET_ARGS = ("hardware", "train", "seq_len", "global_batch", "micro_batches", "recompute", "param_dtype",
                "gdn_kernel", "search", "lora_rank", "lora_base_dtype", "doc_len", "efficiencies", "moment_dtype",
-               "master_dtype", "offload_optimizer", "pure_step")  # any of them set: q38 plan prints the budget (or the search) after the plan
+               "master_dtype", "offload_optimizer", "pure_step", "rl_group_size", "rl_prompts",
+               "rl_max_new_tokens", "rl_prompt_len", "rl_reference")  # any of them set: q38 plan prints the budget (or the search) after the plan
+
+
+def _rl_plan(ns):
+    """``q38 plan``'s ``--rl-*`` options as a ``RolloutPlan`` (None: no RL); the three sizes go together."""
+    sizes = {"--rl-group-size": ns.rl_group_size, "--rl-prompts": ns.rl_prompts,
+             "--rl-max-new-tokens": ns.rl_max_new_tokens}
+    if not any(sizes.values()) and ns.rl_prompt_len is None and ns.rl_reference is None:
+        return None
+    missing = [k for k, v in sizes.items() if v is None]
+    if missing:
+        raise ValueError(f"pricing RL needs {', '.join(sizes)} together; add {', '.join(missing)}")
+    if ns.fewest_ranks:
+        raise ValueError("--fewest-ranks does not price RL (its rows mix LoRA and full fine-tunes, whose references "
+                         "differ); drop --fewest-ranks or the --rl-* options")
+    from q38.parallel.budget_rollout import RolloutPlan
+
+    return RolloutPlan(group_size=ns.rl_group_size, prompts=ns.rl_prompts, max_new_tokens=ns.rl_max_new_tokens,
+                       prompt_len=ns.rl_prompt_len, reference=ns.rl_reference)
 
 
 def plan_cli(args: list[str]) -> int:
@@ -392,6 +420,7 @@ def plan_cli(args: list[str]) -> int:
     if ns.dtype and ns.param_dtype and DTYPES[ns.dtype] != DTYPES[ns.param_dtype]:
         raise ValueError(f"--dtype {ns.dtype} and --param-dtype {ns.param_dtype} disagree; --dtype is an alias of "
                          "--param-dtype: give one")
+    rl = _rl_plan(ns)
     query = BudgetQuery(world=ns.world, model=str(ns.model), layout=ns.layout, train=ns.train, hardware=ns.hardware,
                         seq_len=ns.seq_len, global_batch=ns.global_batch, micro_batches=ns.micro_batches,
                         recompute=ns.recompute, param_dtype=ns.param_dtype or ns.dtype, reduce_dtype=ns.reduce_dtype,
@@ -399,7 +428,7 @@ def plan_cli(args: list[str]) -> int:
                         overwrite=ns.overwrite, lora_rank=ns.lora_rank, lora_base_dtype=ns.lora_base_dtype,
                         fewest_ranks=ns.fewest_ranks, doc_len=ns.doc_len, efficiencies=ns.efficiencies,
                         moment_dtype=ns.moment_dtype, master_dtype=ns.master_dtype,
-                        offload_optimizer=ns.offload_optimizer, pure_step=ns.pure_step,
+                        offload_optimizer=ns.offload_optimizer, pure_step=ns.pure_step, rl=rl,
                         choices=RunChoices(finetune=ns.finetune, init_from=ns.init_from, data=ns.data,
                                            tokenizer=ns.tokenizer, steps=ns.steps))
     try:

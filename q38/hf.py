@@ -713,14 +713,22 @@ def hf_weights(config: ModelConfig, params: ModelParams, *, dtype: torch.dtype |
     ``load_weights`` take. ``params``: plain tensors (a LoRA tree merged first: ``q38.lora.merged_params``);
     ``dtype``: every tensor cast to it (default: each leaf's own)."""
     leaves = _check_params(config, params)
-    export = plan_export(config, lambda q: dtype or leaves[q].dtype)
+    yield from hf_pairs(config, leaves.__getitem__, lambda q: dtype or leaves[q].dtype)
+
+
+def hf_pairs(config: ModelConfig, leaf: Callable[[str], Tensor], dtype_of: Callable[[str], torch.dtype]):
+    """``hf_weights``' pairs from a leaf getter: ``leaf(q)`` gives q38 leaf ``q`` as a plain tensor when its rule is
+    converted (rule by rule, in ``plan_export``'s file order: one rule's leaves and outputs in flight),
+    ``dtype_of(q)`` the dtype its Hugging Face tensors take."""
+    export = plan_export(config, dtype_of)
     for _, entries in export.files:
         rule, out = None, ()
         for en in entries:
             if en.rule != rule:
                 r = export.rules[en.rule]
+                out = ()  # the previous rule's tensors released before this one's are gathered
                 with torch.no_grad():
-                    out = r.to_hf(*(leaves[q] for q in r.q38))
+                    out = r.to_hf(*(leaf(q) for q in r.q38))
                 rule = en.rule
             yield en.key, out[en.out].to(en.dtype)
 

@@ -66,6 +66,21 @@ def _grouped_mm_problem() -> str | None:
     return None
 
 
+def _grouped_mm_shape_problem(model, dtype: str | None) -> str | None:
+    """Why ``F.grouped_mm`` cannot take this model's expert matrices (None if it can): it needs every row stride
+    to be a multiple of 16 bytes, so the hidden size and the expert FFN width must be multiples of 16 / element
+    size (4 in fp32, 8 in bf16). ``model`` None: not checked; ``dtype`` None: fp32."""
+    if model is None:
+        return None
+    size = 2 if dtype in ("bfloat16", "float16", "bf16", "fp16") else 4
+    for key in ("hidden_size", "moe_intermediate_size"):
+        width = getattr(model, key)
+        if width * size % 16:
+            return (f"needs {key} to be a multiple of {16 // size} in {dtype or 'float32'} (its strides must be "
+                    f"multiples of 16 bytes); this model's is {width}")
+    return None
+
+
 def _compile_problem() -> str | None:
     """Why ``torch.compile`` cannot build kernels here: Triton for a CUDA device, a C++ compiler for the CPU."""
     import importlib.util
@@ -407,6 +422,11 @@ def resolve_kernels(
         if kc.experts != "auto":
             raise ConfigError(f"kernels.experts: grouped_mm cannot be compiled in {dtype} (its meta kernel takes "
                               "bfloat16 only); with kernels.block: compiled use kernels.experts: batched (or auto)")
+        out["experts"] = "batched"
+    bad = _grouped_mm_shape_problem(model, dtype) if out["experts"] == "grouped_mm" else None
+    if bad is not None:
+        if kc.experts != "auto":
+            raise ConfigError(f"kernels.experts: grouped_mm {bad}; use kernels.experts: batched (or auto)")
         out["experts"] = "batched"
     if out["gdn"] != "torch" and kc.gdn_chunk_size not in ("auto", GDN_CHUNK):
         raise ConfigError(

@@ -127,6 +127,8 @@ def structure(cls, d: Mapping[str, Any], section: str, *, where: str | None = No
                 raise ConfigError(
                     f"{section}.{name} must be {describe(fields[name].type)}, got {d[name]!r}"
                 ) from None
+        for exc in other:  # not a config problem (e.g. the layer kinds not loaded): its own message, not cattrs'
+            raise exc from None
         raise ConfigError(f"{section}: {' '.join(str(e).split())}") from None
     except ConfigError as e:  # a range validator or __attrs_post_init__ rule
         raise ConfigError(_prefix(str(e), section, fields)) from None

@@ -29,8 +29,11 @@ class PeakMemory(TorchDispatchMode):
         t = getattr(t, "_local_tensor", t)  # a DTensor: its local shard
         if t.device.type == "meta":
             return
-        st = t.untyped_storage()
-        key = st.data_ptr()
+        try:
+            st = t.untyped_storage()
+            key = st.data_ptr()
+        except RuntimeError:  # a wrapper without storage of its own (AsyncCollectiveTensor): its data is counted
+            return  # when the op that fills it returns
         n = st.nbytes()
         if key == 0 or key in self._seen:
             return

@@ -91,25 +91,33 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("train", [
-    {}, pytest.param({"master_dtype": "bfloat16_remainder", "param_dtype": "bfloat16"}, marks=pytest.mark.slow)],
-    ids=["fp32-masters", "bf16-remainder-masters"])
-def test_kill_9_during_background_writes_resumes_from_a_complete_checkpoint(tmp_path, train):
+@pytest.mark.parametrize("train,layout", [
+    ({}, "fsdp"),
+    pytest.param({"master_dtype": "bfloat16_remainder", "param_dtype": "bfloat16"}, "fsdp", marks=pytest.mark.slow),
+    pytest.param({"micro_batches": 2}, "{include: fsdp.yaml, name: pp2, mesh: {pp: 2, fsdp: 1}}",
+                 marks=pytest.mark.slow)],
+    ids=["fp32-masters", "bf16-remainder-masters", "pp2"])
+def test_kill_9_during_background_writes_resumes_from_a_complete_checkpoint(tmp_path, train, layout):
     """2 torchrun processes saving every step in the background; kill -9 of the whole process group at a random
     moment, twice; each relaunch resumes from the newest complete checkpoint, and the final losses equal a run that
-    never stopped (with fp32 masters, and with bf16 + remainder masters: both halves staged and resumed)."""
+    never stopped (with fp32 masters, with bf16 + remainder masters: both halves staged and resumed, and on a
+    pipelined layout: pp 2, each stage writing its own layers)."""
     steps = 12
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     (tmp_path / "driver.py").write_text(DRIVER)
+    if layout.startswith("{"):
+        (tmp_path / "layout.yaml").write_text(layout)
+        layout = str(tmp_path / "layout.yaml")
 
     def cmd(out, **run):
-        cfg = write_config(tmp_path / f"{out.name}.yaml", run_dict(out, steps=steps, layout="fsdp", run=run,
+        cfg = write_config(tmp_path / f"{out.name}.yaml", run_dict(out, steps=steps, layout=layout, run=run,
                                                                    train=train))
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                 str(tmp_path / "driver.py"), "train", str(cfg)]
 
-    ref = subprocess.run(cmd(tmp_path / "ref"), capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    ref = subprocess.run(cmd(tmp_path / "ref"), capture_output=True, text=True, cwd=REPO, env=env, timeout=300,
+                         check=False)
     assert ref.returncode == 0, ref.stderr
     out = tmp_path / "cut"
     rng = random.Random(0)
@@ -135,6 +143,6 @@ def test_kill_9_during_background_writes_resumes_from_a_complete_checkpoint(tmp_
         leftovers = [p.name for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name]
         assert all(ck.verify_checkpoint(out / "checkpoints" / n) is not None for n in leftovers)
     final = subprocess.run(cmd(out, save_every=1, async_save=True), capture_output=True, text=True, cwd=REPO,
-                           env=env, timeout=300)
+                           env=env, timeout=300, check=False)
     assert final.returncode == 0, final.stderr
     assert [m["loss"] for m in metrics(out)] == [m["loss"] for m in metrics(tmp_path / "ref")]

@@ -375,3 +375,47 @@ def test_the_step_runs_the_kernels_of_its_state(monkeypatch):
     assert ("loss", "torch") in seen["sdpa"] and ("gdn", "torch") in seen["sdpa"]
     with pytest.raises(ValueError, match="resolve_kernels first"):
         state_from_params(params, cfg, TrainConfig(), kernels=KernelConfig())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_mm_shape_rule_is_the_kernels_own(dtype):
+    """The stride rule ``auto`` and an explicit choice follow is what F.grouped_mm itself accepts: over a grid of
+    hidden sizes and expert widths, the rule says yes exactly where the kernel runs."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = getattr(torch, dtype)
+    for d in (16, 18, 20, 24, 36):
+        for f in (8, 12, 18, 20, 32):
+            cfg = attrs.evolve(ModelConfig.preset("tiny"), hidden_size=d, moe_intermediate_size=f)
+            try:
+                F.grouped_mm(torch.ones(5, d, dtype=dt), torch.ones(2, d, f, dtype=dt),
+                             offs=torch.tensor([2, 5], dtype=torch.int32))
+                runs = True
+            except RuntimeError as e:
+                assert "16 bytes" in str(e)
+                runs = False
+            assert (K._grouped_mm_shape_problem(cfg, dtype) is None) == runs, (d, f, dtype)
+
+
+def test_grouped_mm_at_an_unaligned_width_falls_back_or_is_refused():
+    """Expert width 18 in fp32 (72-byte rows): ``auto`` takes the batched experts and a step trains; naming
+    grouped_mm is one line naming the width and the fix (it was torch's internal stride error at the first step)."""
+    import torch
+
+    from q38.model import init_params
+    from q38.train.core.state import state_from_params
+    from q38.train.core.step import train_step
+    from q38.train.core.step_config import TrainConfig
+
+    cfg = attrs.evolve(ModelConfig.preset("tiny"), hidden_size=40, moe_intermediate_size=18, num_experts=6,
+                       num_experts_per_tok=3, shared_expert_intermediate_size=28)
+    assert cfg.hidden_size != ModelConfig.preset("tiny").hidden_size
+    assert resolve_kernels(KernelConfig(), device="cpu", dtype="float32", model=cfg).experts == "batched"
+    with pytest.raises(ConfigError, match="kernels.experts: grouped_mm needs moe_intermediate_size to be a multiple "
+                                          "of 4 in float32.*is 18; use kernels.experts: batched"):
+        resolve_kernels(KernelConfig(experts="grouped_mm"), device="cpu", dtype="float32", model=cfg)
+    state = state_from_params(init_params(cfg, seed=0), cfg, TrainConfig(param_dtype="float32"))
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    _, m = train_step(state, {"input_ids": ids, "labels": ids.clone()})
+    assert torch.isfinite(m.loss)

@@ -148,3 +148,18 @@ def test_layer_types_are_the_tables_names(monkeypatch, tiny_cfg):
         MIXER_KINDS["mamba"]
     monkeypatch.setitem(MIXER_KINDS, "mamba", attrs.evolve(next(iter(MIXER_KINDS.values())), name="mamba"))
     assert tiny_cfg.replace(layer_types=("mamba",) + tiny_cfg.layer_types[1:]).layer_types[0] == "mamba"
+
+
+def test_a_config_built_before_the_kinds_load_says_what_to_import():
+    """``q38.model_config`` alone has no layer-kind table (the layers register it): building a config there names
+    the import to add, instead of cattrs' "While structuring ModelConfig (1 sub-exception)"."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = "from q38.model_config import ModelConfig; ModelConfig.from_dict({'hidden_size': 40})"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: the layer-kind table is not loaded: import q38.model"), last

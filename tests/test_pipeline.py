@@ -64,6 +64,14 @@ name: pp_interleaved
 mesh: {pp: 2, fsdp: -1}
 pipeline: {schedule: interleaved_1f1b, virtual_stages: 2}
 """
+# pp × cp: every stage's sequence split over 2 CP ranks (K/V all-gather, conv halo, GDN state carry inside a stage;
+# the MTP depths' shifted inputs cross the CP border), 3 + 3 layers (GDN and attention in each stage).
+PP_CP = """
+include: fsdp_cp.yaml
+name: pp_cp
+mesh: {pp: 2, fsdp: -1, cp: 2}
+pipeline: {schedule: 1f1b, stages: [[0, 2], [3, 5]]}
+"""
 STEPS = 3
 
 
@@ -132,7 +140,8 @@ def _pp_rank(rank, world, text, tc):
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("text", [PP_EP, PP_INTERLEAVED], ids=["pp2-fsdp-ep-uneven", "pp2-interleaved-fsdp"])
+@pytest.mark.parametrize("text", [PP_EP, PP_INTERLEAVED, PP_CP],
+                         ids=["pp2-fsdp-ep-uneven", "pp2-interleaved-fsdp", "pp2-cp2"])
 def test_pipelined_step_equals_one_process(text):
     tc = _tc()
     ref_terms, ref_params = _reference(tc)
@@ -194,6 +203,133 @@ def test_pipelined_aux_forms_and_scopes_equal_one_process(aux):
         assert abs(outs[0]["terms"][name] - float(ref.terms[name])) <= TOL, name
     for name, g in zip(names, ref.grads):
         assert (got[name] - g).abs().max() <= TOL, name
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_pipelined_sequence_aux_across_cp_shards_equals_one_process():
+    """The ``sequence`` aux form, whose per-sequence counts are summed over the CP ranks holding parts of a sequence,
+    on pp 2 × cp 2 (one data rank a stage, so micro-batches hold the rows one process gives them): every term and
+    gradient of one step within 1e-5."""
+    tc = _tc(aux_loss_type="sequence", aux_loss_scope="micro_batch", micro_batches=2)
+    state = init_state(_cfg(), tc, seed=0)
+    ref = loss_and_grads(state, _batch())
+    names = [n for n, _ in named_leaves(state.params)]
+    outs = run_distributed(_scope_rank, 4, PP_CP, tc)
+    got = {k: v for o in outs for k, v in o["grads"].items()}
+    assert set(got) == set(names)
+    for o in outs:
+        for name in ("loss", "mtp_1", "aux"):
+            assert abs(o["terms"][name] - float(ref.terms[name])) <= TOL, name
+    for name, g in zip(names, ref.grads):
+        assert (got[name] - g).abs().max() <= TOL, name
+
+
+def _policy_batch():
+    """``_batch`` as a policy-gradient batch: per-token rollout log-probs near the model's (so the ratio is clipped on
+    both sides), advantages of both signs per document, a reference policy's log-probs 0.3 off."""
+    b = _batch()
+    g = torch.Generator().manual_seed(7)
+    shape = b["input_ids"].shape
+    b["old_logprobs"] = -6.0 + 0.6 * (torch.rand(shape, generator=g) - 0.5)
+    b["ref_logprobs"] = b["old_logprobs"] + 0.6 * (torch.rand(shape, generator=g) - 0.5)
+    sign = torch.where(b["doc_ids"] % 2 == 0, 1.0, -1.0)
+    b["advantages"] = sign * (0.5 + torch.arange(shape[0])[:, None] / 4)
+    return b
+
+
+def _policy_rank(rank, world, text, tc, pc):
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
+    from q38.train.core.policy import policy_terms
+    from tests.device_check import FactoryDeviceMode
+
+    cfg = _cfg()
+    mesh = make_mesh(_layout(text), world, model=cfg)
+    state = shard(init_state(cfg, tc, seed=0), mesh)
+    with FactoryDeviceMode() as mode:  # every tensor the pipelined step and the policy terms make names its device
+        r = loss_and_grads(state, shard_batch(_policy_batch(), mesh, cfg.mtp_num_layers), mesh,
+                           terms=policy_terms(cfg, tc, pc))
+    names = [n for n, _ in named_leaves(state.params)]
+    return {"terms": {k: float(v) for k, v in r.terms.items()}, "objective": float(r.objective),
+            "grads": dict(zip(names, map(_full, r.grads))), "device_calls": mode.calls}
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("norm", ["sequence", "token"])
+def test_pipelined_policy_objective_equals_one_process(norm):
+    """The GRPO / DAPO objective (``policy_terms``: clipped surrogate, k3 KL, the metrics and the aux term) on pp 2 (2
+    gloo ranks, 2 micro-batches): every term, the objective and every gradient within 1e-5 of one process; the terms
+    run on the last stage, the aux term stage by stage."""
+    from q38.train.core.policy import PolicyLossConfig, policy_terms
+
+    tc = _tc()
+    pc = PolicyLossConfig(clip_low=0.2, clip_high=0.28, norm=norm, kl_coef=0.2, temperature=0.9)
+    state = init_state(_cfg(), tc, seed=0)
+    ref = loss_and_grads(state, _policy_batch(), terms=policy_terms(_cfg(), tc, pc))
+    assert float(ref.terms["kl"]) > 0 and 0 < float(ref.terms["clip_frac"]) < 1
+    outs = run_distributed(_policy_rank, 2, "{include: fsdp.yaml, name: pp_only, mesh: {pp: 2, fsdp: 1}}", tc, pc)
+    for o in outs:
+        assert o["device_calls"] == [], o["device_calls"]
+        assert set(o["terms"]) == set(ref.terms)
+        for k, v in ref.terms.items():
+            assert abs(o["terms"][k] - float(v)) <= TOL, k
+        assert abs(o["objective"] - float(ref.objective)) <= TOL
+    got = {**outs[0]["grads"], **outs[1]["grads"]}
+    names = [n for n, _ in named_leaves(state.params)]
+    assert set(got) == set(names)
+    for name, g in zip(names, ref.grads):
+        assert (got[name] - g).abs().max() <= TOL, name
+
+
+def _split_backward_rank(rank, world, overlap):
+    """A middle chunk (layers 2-3, an input that needs its gradient) on FSDP 2, its backward split the way
+    ``torch.distributed.pipelining``'s zero-bubble schedules split it (``stage_backward_input``, then
+    ``stage_backward_weight``), against one ``runtime.grad`` of the same chunk."""
+    import torch.utils._pytree as pytree
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    from q38.model import forward_chunk
+    from q38.parallel.mesh import make_mesh, shard, shard_batch
+    from q38.train.core.step import make_layer_hooks, step_runtime
+
+    cfg, tc = _cfg(), _tc(overlap_comm=overlap)
+    mesh = make_mesh(_layout("{include: fsdp.yaml, name: f, mesh: {fsdp: 2}}"), world)
+    flat, spec = pytree.tree_flatten(shard(init_state(cfg, tc, seed=0), mesh).params)
+    sb = shard_batch(_batch(), mesh, cfg.mtp_num_layers)
+    x0 = torch.randn(*sb.input_ids.shape, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+
+    def chunk():
+        leaves = [t.detach().requires_grad_() for t in flat]
+        rt = step_runtime(mesh, tc)
+        p = pytree.tree_unflatten(leaves, spec)
+        rt.bind(p, defer_reductions=True)
+        x = x0.clone().requires_grad_()
+        out = forward_chunk(p, range(2, 4), cfg, x=x, info=rt.seq_info(sb), hooks=make_layer_hooks(rt, tc))
+        return leaves, rt, x, out.x.float().pow(2).mean()
+
+    leaves, _, x, loss = chunk()
+    _, groups = stage_backward_input([loss], None, [x], iter(leaves))
+    stage_backward_weight(iter(leaves), groups)
+    split = [t.grad for t in leaves]
+    leaves, rt, x, loss = chunk()
+    want = rt.grad(loss, leaves)
+    n = sum(g is not None for g in want)
+    same = all(a is not None and torch.equal(a.full_tensor(), b.full_tensor()) for a, b in zip(split, want)
+               if b is not None)
+    return {"found": sum(g is not None for g in split), "want": n, "same": same}
+
+
+@pytest.mark.dist
+def test_torchs_split_backward_finds_q38s_weights_only_without_overlapped_reductions():
+    """Why zero-bubble schedules are refused (docs/parallel.md#the-pipeline-axis): with ``train.overlap_comm`` (the
+    default) a gathered weight reaches autograd through the runtime's anchor, so the split's weight half finds none
+    of the chunk's weights and their gradients are never computed; with it off, the weight half gives every one,
+    bit for bit."""
+    on, off = (run_distributed(_split_backward_rank, 2, ov)[0] for ov in (True, False))
+    assert on["want"] == off["want"] > 0
+    assert on["found"] == 0
+    assert off["found"] == off["want"] and off["same"]
 
 
 # ---- the split and the schedules ------------------------------------------------------------------------------------
@@ -282,7 +418,15 @@ def test_one_f_one_b_holds_pp_minus_rank_micro_batches_in_flight():
     ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {stages: [[0, 5]]}}",
      r"lists 1 layer ranges, but pp=2 × virtual_stages=1 = 2"),
     ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: dualpipev}}",
-     r"pipeline.schedule 'dualpipev' is not run by q38; use one of 1f1b, interleaved_1f1b"),
+     (r"pipeline.schedule 'dualpipev' is not run by q38 \(it splits each backward into input and weight halves, "
+      r"which q38's step cannot: docs/parallel.md#the-pipeline-axis\); use interleaved_1f1b with virtual_stages >= 2 "
+      r"to shrink the bubble, or 1f1b")),
+    ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: zbv}}",
+     r"'zbv' is not run by q38 .*use interleaved_1f1b"),
+    ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: gpipe}}",
+     r"'gpipe' is not run by q38 \(all forwards, then all backwards.*\); use 1f1b"),
+    ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: 2f2b}}",
+     r"pipeline.schedule '2f2b' is unknown; use one of 1f1b, interleaved_1f1b"),
     ("{include: fsdp.yaml, mesh: {pp: 2, fsdp: -1}, pipeline: {schedule: 1f1b, virtual_stages: 2}}",
      r"1f1b runs one chunk per rank"),
     ("{include: fsdp.yaml, mesh: {pp: -1, fsdp: 2}}", r"pp=-1; the number of pipeline stages must be stated"),

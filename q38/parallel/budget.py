@@ -77,6 +77,7 @@ def estimate(
     peft=None,
     kernels=None,
     doc_len: int = DEFAULT_DOC_LEN,
+    rl=None,
 ) -> Budget:
     """Predict one step of ``cfg`` under ``layout`` on ``world`` ranks; ``rows_per_rank`` rows of ``seq_len`` per
     data-parallel rank (split into ``micro_batches``). ``param_dtype``: compute form (gathers move it);
@@ -96,7 +97,11 @@ def estimate(
     ``kernels``: the resolved ``KernelConfig`` the run uses (``resolve_kernels``); with a hardware profile each op's
     executed FLOPs are priced at its kernel's efficiency (``price_ops``); None: every FLOP at the profile's
     ``achievable_fraction``. ``doc_len``: tokens per document in packed rows (what block-sparse and per-document
-    attention kernels skip)."""
+    attention kernels skip). ``rl``: a ``budget_rollout.RolloutPlan``: the RL rollout phase and the reference policy
+    priced too (``q38.parallel.budget_rollout``)."""
+    if rl is not None and layout.pp > 1:
+        raise ConfigError("RL (--rl-*) on a pipelined layout (pp > 1) is not priced: the pipelined step runs only the "
+                          "LM objective; pick a layout without pp")
     if layout.pp > 1:  # a pipeline axis: priced per stage (q38.parallel.pipeline_plan)
         args = {n: v for n, v in locals().items() if n not in ("cfg", "layout", "world")} | {"placements": None}
         from q38.parallel.pipeline_plan import estimate_pipelined
@@ -169,6 +174,13 @@ def estimate(
         opt_items = lora_budget.lora_optimizer(opt_items, ls)
         start_items = lora_budget.lora_start(start_items, ls, st)
         comm_ps, reduced = lora_budget.scaled_gathers(ls, act), ls.adapters
+    rollout_phase, rollout_note = [], ""
+    if rl is not None:  # the reference is held in every phase; the rollout is a phase of its own
+        from q38.parallel import budget_rollout
+
+        ref, rollout_phase, rollout_note = budget_rollout.rollout_budget(
+            cfg, layout, mesh, rl, st, ps, ls, start_items, seq_len=seq_len, tokens_per_rank=rows_per_rank * st.seq)
+        memory, opt_items, start_items = memory + ref, opt_items + ref, start_items + ref
     fl = _step_flops(cfg, rows_per_rank, st.seq, cp=cp, recompute=recompute, micro_batches=micro_batches,
                     gdn_chunk=gdn_chunk, aux_global=aux_global, causal_skip=True)
     if ls is not None:  # no weight gradient for any frozen weight; the adapters' own GEMMs added
@@ -219,6 +231,7 @@ def estimate(
         hardware=hw.name if hw else None, peak_flops=peak, global_tokens=dp * rows_per_rank * seq_len,
         hbm_bytes=hw.hbm_bytes if hw else None, ops=ops, kernels=kernels if ops else None,
         doc_len=doc_len if packed_rows else None, compute_spread=_spread(hw) if hw and not ops else (1.0, 1.0),
+        rollout_phase=tuple(rollout_phase), rollout_note=rollout_note,
     )
 
 

@@ -47,6 +47,8 @@ class Budget:
     pipeline: tuple = ()  # a pp layout: one q38.parallel.pipeline_plan.StageRow per pipeline rank (else empty)
     # without per-op pricing: the compute time's factor at the slow and fast ends of achievable_fraction's range
     compute_spread: tuple[float, float] = (1.0, 1.0)
+    rollout_phase: tuple[Item, ...] = ()  # RL: decoding the rollout batch (q38.parallel.budget_rollout; else empty)
+    rollout_note: str = ""  # RL: the rollout batch, rows per rank and tokens per row
 
     def fit_line(self, fixes: str = "try --recompute full, a fused GDN kernel (--gdn-kernel fla keeps 16-bit outputs, "
                                       "not fp32 per-chunk states), more ranks, or q38 plan --search") -> str | None:
@@ -60,6 +62,10 @@ class Budget:
         if self.peak_bytes <= cap:
             return f"fits: {share}"
         verdict = "DOES NOT FIT" if self.peak_bytes > self.hbm_bytes else "OVER THE CAP"
+        if self.rollout_phase and self.peak_rollout >= self.peak_fwd_bwd:  # RL: the rollout phase is the peak
+            fixes = "fewer prompts or samples per rollout batch, fewer new tokens, shorter prompts, or more ranks"
+            largest = max(self.rollout_phase, key=lambda it: it.bytes).name.strip()
+            return f"{verdict}: {share}; the rollout phase's largest item is {largest}: {fixes}"
         largest = max(self.memory, key=lambda it: it.bytes).name.strip()
         return f"{verdict}: {share}; the largest item is {largest}: {fixes}"
 
@@ -94,13 +100,17 @@ class Budget:
         return phase_total([it for it in self.start_phase if it.transient in ("", path)])
 
     @property
+    def peak_rollout(self) -> float:
+        return phase_total(self.rollout_phase)
+
+    @property
     def peak_bytes(self) -> float:
-        return max(self.peak_fwd_bwd, self.peak_optimizer, self.peak_start)
+        return max(self.peak_fwd_bwd, self.peak_optimizer, self.peak_start, self.peak_rollout)
 
     @property
     def peak_phase(self) -> str:
         phases = {"forward/backward": self.peak_fwd_bwd, "optimizer step": self.peak_optimizer,
-                  "start (loading the state)": self.peak_start}
+                  "start (loading the state)": self.peak_start, "rollout (RL decode)": self.peak_rollout}
         return max(phases, key=phases.get)
 
     @property
@@ -240,6 +250,12 @@ def format_budget(b: Budget) -> str:
     for it in b.optimizer_phase:
         if it.name not in {m.name for m in b.memory}:
             lines.append(f"  {it.name:<32}{_fmt_bytes(it.bytes):>14}   {it.note}")
+    if b.rollout_phase:  # RL: decoding the rollout batch (q38.parallel.budget_rollout)
+        lines.append(f"rollout phase total {_fmt_bytes(b.peak_rollout)} (RL: decoding the rollout batch; "
+                     f"{b.rollout_note})")
+        for it in b.rollout_phase:
+            tag = f" [transient: {it.transient}]" if it.transient else ""
+            lines.append(f"  {it.name:<32}{_fmt_bytes(it.bytes):>14}   {it.note}{tag}")
     if b.host_optimizer:
         held, host_s, link_s = b.host_optimizer
         lines.append(f"offloaded optimizer: host memory {_fmt_bytes(held)} per node (masters and moments); host "

@@ -12,8 +12,9 @@ import fnmatch
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import attrs
 import yaml
@@ -306,9 +307,16 @@ class PipelineSpec:
 
     def check(self, where: str, pp: int) -> None:
         """Static checks against the ``pp`` size (no model): schedule, virtual stages, the number of ranges."""
-        if self.schedule in UNSUPPORTED_SCHEDULES or self.schedule not in PIPELINE_SCHEDULES:
-            what = "is not run by q38" if self.schedule in UNSUPPORTED_SCHEDULES else "is unknown"
-            raise LayoutError(f"{where}: pipeline.schedule {self.schedule!r} {what}; use one of "
+        if self.schedule == "gpipe":
+            raise LayoutError(f"{where}: pipeline.schedule 'gpipe' is not run by q38 (all forwards, then all "
+                              "backwards: 1f1b's bubble with every micro-batch's activations held); use 1f1b")
+        if self.schedule in UNSUPPORTED_SCHEDULES:
+            raise LayoutError(f"{where}: pipeline.schedule {self.schedule!r} is not run by q38 (it splits each "
+                              "backward into input and weight halves, which q38's step cannot: "
+                              "docs/parallel.md#the-pipeline-axis); use interleaved_1f1b with virtual_stages >= 2 "
+                              "to shrink the bubble, or 1f1b")
+        if self.schedule not in PIPELINE_SCHEDULES:
+            raise LayoutError(f"{where}: pipeline.schedule {self.schedule!r} is unknown; use one of "
                               f"{', '.join(PIPELINE_SCHEDULES)}")
         if self.schedule == "1f1b" and self.virtual_stages != 1:
             raise LayoutError(f"{where}: pipeline.schedule 1f1b runs one chunk per rank, but virtual_stages="
@@ -699,14 +707,14 @@ class Layout:
                     compute_axes_per_dim=cspec, mesh=mesh_items, uneven=is_uneven,
                 )
         msgs = []
-        for kind in _HINTS:
+        for kind, hint in _HINTS.items():
             group = [(first, more) for key, (first, *more) in errors.items() if key[0] == kind]
             for first, more in group[:_MAX_SHOWN]:
                 msgs.append(first + (f" (and {len(more)} more alike, e.g. {more[0]!r})" if more else ""))
             if len(group) > _MAX_SHOWN:
                 msgs.append(f"{len(group) - _MAX_SHOWN} more problem(s) of this kind")
             if group:
-                msgs[-1] += f" ({_HINTS[kind]})"
+                msgs[-1] += f" ({hint})"
         if msgs:
             raise LayoutError(f"{where}: " + "; ".join(msgs))
         return out

@@ -8,11 +8,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from q38.batch import StepBatch
 from q38.parallel.layout import Layout
 from q38.parallel.links import Topology, current_topology
 from q38.pytree import named_leaves
-from q38.batch import StepBatch
-
 
 # ---- the mesh ----------------------------------------------------------------------------------------------------
 
@@ -273,8 +272,11 @@ def init_sharded(model_config, mesh: Mesh, *, seed: int = 0, device=None, dtype=
 def adapter_maker(mesh: Mesh, *, seed: int = 0, device=None, empty: bool = False):
     """``make(path, info, like)`` for ``q38.lora.add_adapters`` on ``mesh``: the adapter matrix ``path`` (declared
     ``info``) as an fp32 DTensor placed by the layout on its own logical axes, each rank drawing (or, ``empty``,
-    allocating) only its shard."""
+    allocating) only its shard. On a pipelined mesh the adapter lives on its weight's stage (the caller adds adapters
+    to the stage's own weights only), placed on that stage's ranks."""
     from q38.layers.common import materialize
+
+    mesh = mesh.stage
 
     def make(path, info, like):
         placements = mesh.layout.placements_of_shapes([(path, info)], mesh.sizes)[path].dtensor_placements()

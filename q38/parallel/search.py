@@ -308,6 +308,7 @@ class BudgetQuery:
     master_dtype: str | None = None  # float32 | bfloat16_remainder
     offload_optimizer: bool | None = None  # masters and moments in host memory, AdamW on the host
     pure_step: bool = False  # price the optimizer phase of the pure train_step (the library default), not the donated
+    rl: Any = None  # a budget_rollout.RolloutPlan: the RL rollout phase and reference priced too (None: no RL)
     choices: RunChoices = RunChoices()  # --finetune, --init-from, --data, --tokenizer, --steps: what --out writes
 
 
@@ -426,6 +427,8 @@ def budget_report(q: BudgetQuery, cfg: ModelConfig, layout: Layout | None, check
               "with a LoRA run (peft)", file=sys.stderr)
     kw["doc_len"] = q.doc_len or DEFAULT_DOC_LEN
     kw["donated"] = not q.pure_step
+    if q.rl is not None:
+        kw["rl"] = q.rl
     shipped = fallback = None
     global_batch = q.global_batch
     batch_source = "--global-batch" if global_batch is not None else None

@@ -10,11 +10,15 @@ How the one-process math is kept:
   every rank (per micro-batch for ``micro_batch`` scope; the one-process step does this pass too for ``global_batch``
   scope with several micro-batches); given the counts, the aux loss is a sum of per-layer terms, and each chunk adds
   its own layers' share to its backward (the ``sequence`` form is per layer already);
-- the main and MTP terms run on the last chunk, which owns the head and the MTP block; the MTP depths' input
-  embeddings are made by the first chunk (it owns the embedding) and travel with the residual stream;
+- every term but the aux loss (the main and MTP terms, a policy-gradient objective's terms: any ``Term``) runs on
+  the last chunk, which owns the head and the MTP block; the per-token values a term reads (a policy batch's
+  log-probs and advantages) are in every stage's copy of the micro-batch (``pp`` does not split the batch); the MTP
+  depths' input embeddings are made by the first chunk (it owns the embedding) and travel with the residual stream;
+  a head term's ``TermInput.routes`` is None (router statistics are per stage; the aux term is built stage by stage);
 - each chunk's backward is one ``runtime.grad`` over its outputs (the received output gradients, 1 for its
   losses); gradients are accumulated per leaf over micro-batches in ``reduce_dtype``, as one process does;
-- metrics (terms, router loads) are summed over every rank, the gradient norm over stages.
+- metrics (terms, router loads) are summed over every rank (a ``max`` term: its max over micro-batches and every
+  rank), the gradient norm over stages.
 """
 
 import attrs
@@ -30,6 +34,7 @@ from q38.train.core.objective import (
     _segment_index,
     aux_from_stats,
     aux_mask,
+    aux_term,
     expert_counts,
     prob_sums,
     routing,
@@ -57,19 +62,21 @@ class PipelineResult:
     ctx: object  # StepContext
 
 
-def _check_terms(terms, mc) -> None:
-    names = {t.name for t in terms}
-    allowed = {"loss", "aux", *(f"mtp_{d}" for d in range(1, mc.mtp_num_layers + 1))}
-    if not names <= allowed:
-        raise ConfigError(f"a pipelined step (pp > 1) runs the objective's loss, mtp_<d> and aux terms, not "
-                          f"{sorted(names - allowed)}; drop pp from the layout to train with other terms")
+def _split_terms(terms) -> tuple[list, list]:
+    """``(aux terms, head terms)``: the load-balancing term (``objective.aux_term``) is added chunk by chunk, each
+    stage its own layers' share; every other term runs on the last chunk, which owns the head."""
+    aux = [t for t in terms if t.fn is aux_term]
+    if len(aux) > 1:
+        raise ConfigError(f"the objective has {len(aux)} load-balancing terms ({', '.join(t.name for t in aux)}); "
+                          "keep one")
+    return aux, [t for t in terms if t.fn is not aux_term]
 
 
 def pipelined_grads(state, mbs, mesh, runtime, hooks, regions, terms, p, trained) -> PipelineResult:
     """Forward and backward of the objective ``terms`` over micro-batches ``mbs`` on pipelined ``mesh``; ``runtime``
     is the stage mesh's runtime (bound to ``p``), ``trained`` the leaves of ``p`` that train (this stage's)."""
     mc, tc = state.model_config, state.train_config
-    _check_terms(terms, mc)
+    aux_terms, head_terms = _split_terms(terms)
     check_micro_batches(mesh.layout, len(mbs))
     chunks, pp, rank = mesh.chunks, mesh.pp, mesh.pp_rank
     v = len(chunks) // pp
@@ -101,7 +108,7 @@ def pipelined_grads(state, mbs, mesh, runtime, hooks, regions, terms, p, trained
     aux_kind = tc.aux_loss_type
     # 1. expert counts of every layer, per micro-batch, before any backward (a no-grad pipelined forward)
     counts_mb = None
-    if aux_kind != "sequence":
+    if aux_terms and aux_kind != "sequence":
         table = torch.zeros(m, n_layers, e, device=dev)
 
         def count_forward(c, i, inputs):
@@ -130,6 +137,7 @@ def pipelined_grads(state, mbs, mesh, runtime, hooks, regions, terms, p, trained
     load = torch.zeros(n_layers, e, device=dev)
     saved: dict = {}  # (chunk, mb) -> (inputs that need gradients, outputs, objective part)
     weights = {t.name: t.weight for t in terms}
+    combine = {t.name: torch.maximum if t.reduce == "max" else torch.add for t in terms}  # over micro-batches
 
     def chunk_aux(c, i, routes, mb) -> Tensor:
         ids = layer_ids(c)
@@ -161,22 +169,23 @@ def pipelined_grads(state, mbs, mesh, runtime, hooks, regions, terms, p, trained
         out: ChunkOutput = run_chunk(c, mb, ins)
         ids = layer_ids(c)
         routes = routing(out.router_logits, mc.num_experts_per_tok, None if bias is None else bias[ids])
-        values = {"aux": chunk_aux(c, i, routes, mb)} if "aux" in weights else {}
+        values = {t.name: chunk_aux(c, i, routes, mb) for t in aux_terms}
         if chunks[c].head:
             from q38.model import ModelOutput, head_weight
 
+            # router statistics are per stage here: the aux term is computed stage by stage above, and a head term
+            # gets no routes (None) rather than the last stage's layers only
             mo = ModelOutput(hidden=out.x, router_logits=(), mtp_hidden=out.mtp_hidden)
-            ti = TermInput(mo, mb, i, routes, runtime.gather(head_weight(p)), ctx, runtime, mc, tc, state.kernels)
-            for t in terms:
-                if t.name != "aux":
-                    values[t.name] = t.fn(ti)
+            ti = TermInput(mo, mb, i, None, runtime.gather(head_weight(p)), ctx, runtime, mc, tc, state.kernels)
+            for t in head_terms:
+                values[t.name] = t.fn(ti)
         objective = None
         for name, val in values.items():
             if weights[name]:
                 objective = weights[name] * val if objective is None else objective + weights[name] * val
         for name, val in values.items():
             val = val.detach()
-            sums[name] = val if name not in sums else sums[name] + val
+            sums[name] = val if name not in sums else combine[name](sums[name], val)
         with torch.no_grad():
             load = load.index_add(0, torch.tensor(ids, device=dev), expert_counts(routes, mb.real_mask))
         if chunks[c].head:
@@ -218,11 +227,17 @@ def pipelined_grads(state, mbs, mesh, runtime, hooks, regions, terms, p, trained
     keep = tc.torch_reduce_dtype
     grads = [torch.zeros_like(t, dtype=keep if t.dtype == torch.float32 else t.dtype) if g is None
              else g.to(keep if t.dtype == torch.float32 else t.dtype) for t, g in zip(trained, grads)]
-    names = [t.name for t in terms]
+    names = [t.name for t in terms if t.reduce == "sum"]
     zero = torch.zeros((), device=dev)
     packed = _world_sum(torch.cat([torch.stack([sums.get(n, zero).float() for n in names]), load.reshape(-1)]))
     reduced = dict(zip(names, packed[: len(names)]))
     router_load = packed[len(names):].view_as(load)
+    maxed = [t.name for t in terms if t.reduce == "max"]  # a max term: 0 on the stages without the head (values >= 0)
+    if maxed:
+        mx = torch.stack([sums.get(n, zero).float() for n in maxed]).detach().clone()
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        reduced.update(zip(maxed, mx))
+    reduced = {t.name: reduced[t.name] for t in terms}
     sq = runtime.grad_sq_norm(grads)  # over the stage's ranks
     dist.all_reduce(sq, group=pp_group)
     return PipelineResult(grads, reduced, router_load, sq.sqrt(), ctx)

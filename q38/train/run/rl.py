@@ -257,6 +257,9 @@ def mesh_rollout(state, mesh, prompts: Sequence[Sequence[int]], *, group_size: i
     from q38.model import ModelParams
     from q38.train.core.step import step_runtime
 
+    if mesh.pp > 1:
+        raise ConfigError("a rollout on a pipelined layout (pp > 1) is not built: a rank holds only its stage's "
+                          "layers and decoding needs all of them; drop pp from the layout for RL")
     world, rank = dist.get_world_size(), dist.get_rank()
     n = len(prompts)
     if n < world:
@@ -492,6 +495,11 @@ def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str],
     try:
         mesh, _ = _make_mesh(plan, world, device, cfg.model)
         state = load_state(attrs.evolve(src, cfg=cfg), world, device, plan, mesh)
+        from q38.train.run.rl_memory import check_rollout_memory
+
+        # before any rollout; on a mesh each rank decodes its share of the prompts (mesh_rollout)
+        share = -(-prompts_per_iteration // world.world_size)
+        check_rollout_memory(state, ids, share, group_size, max_new_tokens, device)
         return _rl_run(state, mesh, records, ids, tok, Path(out) / "checkpoints", rewards=rewards,
                        iterations=iterations, prompts_per_iteration=prompts_per_iteration, group_size=group_size,
                        max_new_tokens=max_new_tokens, sampling=Sampling(temperature=temperature, top_p=top_p,
