@@ -47,6 +47,9 @@ class Budget:
     pipeline: tuple = ()  # a pp layout: one q38.parallel.pipeline_plan.StageRow per pipeline rank (else empty)
     # without per-op pricing: the compute time's factor at the slow and fast ends of achievable_fraction's range
     compute_spread: tuple[float, float] = (1.0, 1.0)
+    # micro_batches > 1: the moment a micro-batch's gradients are added into the sum (budget_memory.accumulate_items)
+    accumulate_phase: tuple[Item, ...] = ()
+    layer_saved: tuple[float, ...] = ()  # bytes each layer (main, then MTP depths) saves over one micro-batch
 
     def fit_line(self, fixes: str = "try --recompute full, a fused GDN kernel (--gdn-kernel fla keeps 16-bit outputs, "
                                       "not fp32 per-chunk states), more ranks, or q38 plan --search") -> str | None:
@@ -94,13 +97,17 @@ class Budget:
         return phase_total([it for it in self.start_phase if it.transient in ("", path)])
 
     @property
+    def peak_accumulate(self) -> float:
+        return phase_total(self.accumulate_phase)
+
+    @property
     def peak_bytes(self) -> float:
-        return max(self.peak_fwd_bwd, self.peak_optimizer, self.peak_start)
+        return max(self.peak_fwd_bwd, self.peak_optimizer, self.peak_start, self.peak_accumulate)
 
     @property
     def peak_phase(self) -> str:
         phases = {"forward/backward": self.peak_fwd_bwd, "optimizer step": self.peak_optimizer,
-                  "start (loading the state)": self.peak_start}
+                  "start (loading the state)": self.peak_start, "gradient accumulation": self.peak_accumulate}
         return max(phases, key=phases.get)
 
     @property
@@ -234,6 +241,10 @@ def format_budget(b: Budget) -> str:
         lines.append(f"start of the run (every rank loads only its shards): resume {_fmt_bytes(b.start_peak('resume'))}"
                      f", init_from a HF directory {_fmt_bytes(b.start_peak('init_from'))} per rank (shards "
                      f"{_fmt_bytes(b.start_peak('none'))} + the largest read in flight)")
+    if b.accumulate_phase:
+        lines.append(f"gradient accumulation total {_fmt_bytes(b.peak_accumulate)} (adding a micro-batch's gradients "
+                     "into the sum: " + ", ".join(it.name for it in b.accumulate_phase
+                                                   if it.name not in {m.name for m in b.memory}) + ")")
     lines.append(f"optimizer phase total {_fmt_bytes(b.peak_optimizer)}"
                  + (f" ({b.optimizer_state})" if b.optimizer_state else "")
                  + f"; peak {_fmt_bytes(b.peak_bytes)} in the {b.peak_phase}")
