@@ -24,6 +24,7 @@ same rows and micro-batches: ``q38.parallel.budget.estimate``), then gives each 
 The rank with the largest peak is reported as the budget (``Budget.pipeline`` lists every rank).
 """
 
+import functools
 import math
 
 import attrs
@@ -157,25 +158,35 @@ def _awaiting(items, unit: str, ps, red: int, freed: float) -> tuple:
     return tuple(out)
 
 
-def estimate_pipelined(estimate, cfg, layout, world: int, **kw):
-    """The budget of ``layout`` (with ``pp``) on ``world`` ranks: the fullest pipeline rank's, ``pipeline`` listing
-    every rank. ``estimate``: ``q38.parallel.budget.estimate`` (the one-stage price)."""
+@functools.lru_cache(maxsize=32)
+def _stage_facts(cfg, layout, world: int, prefetch: bool):
+    """What a pipelined layout's plan needs beyond the batch (the search prices many batches of one layout):
+    ``(mesh sizes, chunks, stage layout, stage placements, each rank's share of the per-rank parameter elements,
+    the stage's ParamStats)``. Raises the layout's errors (``check_model``)."""
     from q38.model import abstract_params
     from q38.parallel.pipeline import owns
 
     sizes = layout.resolve_mesh(world)
-    pp = sizes["pp"]
     chunks = check_model(layout, cfg)
+    stage_sizes = {n: s for n, s in sizes.items() if n != "pp"}
+    stage = layout.stage_layout().with_mesh(**stage_sizes)
+    pl = stage.placements(abstract_params(cfg), stage_sizes)
+    local = {p: math.prod(x.shape) / x.shard_factor for p, x in pl.items()}
+    total = sum(local.values())
+    shares = tuple(sum(n for p, n in local.items() if owns(chunks, r, p)) / total for r in range(sizes["pp"]))
+    return sizes, chunks, stage, pl, shares, param_stats(pl, stage_sizes, prefetch)
+
+
+def estimate_pipelined(estimate, cfg, layout, world: int, **kw):
+    """The budget of ``layout`` (with ``pp``) on ``world`` ranks: the fullest pipeline rank's, ``pipeline`` listing
+    every rank. ``estimate``: ``q38.parallel.budget.estimate`` (the one-stage price)."""
+    sizes, chunks, stage, pl, shares, ps = _stage_facts(cfg, layout, world, bool(kw.get("prefetch", True)))
+    pp = sizes["pp"]
     m = int(kw.get("micro_batches", 1))
     check_micro_batches(layout, m)
     v = len(chunks) // pp
-    stage = layout.stage_layout().with_mesh(**{n: s for n, s in sizes.items() if n != "pp"})
     stage_world = world // pp
-    base = estimate(cfg, stage, stage_world, **kw)
-    stage_sizes = {n: s for n, s in sizes.items() if n != "pp"}
-    pl = stage.placements(abstract_params(cfg), stage_sizes)
-    local = {p: math.prod(x.shape) / x.shard_factor for p, x in pl.items()}
-    total_local = sum(local.values())
+    base = estimate(cfg, stage, stage_world, **{**kw, "placements": pl})
     per, emb, head = layer_costs(cfg, kw.get("seq_len", 4096))
     all_cost = sum(per) + emb + head
     L = cfg.num_hidden_layers
@@ -198,12 +209,11 @@ def estimate_pipelined(estimate, cfg, layout, world: int, **kw):
     count = {c.index: len(c.layers) + (cfg.mtp_num_layers if c.head else 0) for c in chunks}
     acc_item = next((it for it in base.memory if it.name == "gradient accumulator"), None)
     acc_unit = acc_item.bytes / accumulator_buffers(m - 1) if acc_item is not None else 0.0  # one buffer, every rank
-    ps = param_stats(pl, stage_sizes, kw.get("prefetch", True))
     red = _nbytes(kw.get("reduce_dtype", "fp32"))
     rows, budgets = [], []
     for r in range(pp):
         mine = [c for c in chunks if c.rank == r]
-        share = sum(n for p, n in local.items() if owns(chunks, r, p)) / total_local
+        share = shares[r]
         live = in_flight_layers(chunks, pp, v, m, r)
         embed, owns_head = any(c.embed for c in mine), any(c.head for c in mine)
         cost = sum(per[i] for c in mine for i in c.layers) + (emb if embed else 0.0) + (head if owns_head else 0.0)
