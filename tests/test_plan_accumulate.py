@@ -51,7 +51,7 @@ def _counting(monkeypatch):
     when a backward starts (``("B", bytes)``)
     and at the end of each accumulation, while the old sum, the micro-batch's gradients and the new sum are all
     still referenced (``("A", bytes)``)."""
-    import q38.train.core.pipeline_step as pipeline_step
+    from q38.train.core import pipeline_step
     import q38.train.core.step as step_mod
 
     made, events = [], []

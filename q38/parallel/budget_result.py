@@ -63,7 +63,9 @@ class Budget:
         if self.peak_bytes <= cap:
             return f"fits: {share}"
         verdict = "DOES NOT FIT" if self.peak_bytes > self.hbm_bytes else "OVER THE CAP"
-        largest = max(self.memory, key=lambda it: it.bytes).name.strip()
+        phase = {"optimizer step": self.optimizer_phase, "start (loading the state)": self.start_phase,
+                 "gradient accumulation": self.accumulate_phase}.get(self.peak_phase, self.memory)
+        largest = max(phase, key=lambda it: it.bytes).name.strip()
         return f"{verdict}: {share}; the largest item is {largest}: {fixes}"
 
     @property

@@ -11,8 +11,8 @@ same rows and micro-batches: ``q38.parallel.budget.estimate``), then gives each 
   at that backward (``budget_memory.accumulator_buffers``: the sum alone from the second backward on);
 - the moment a micro-batch's gradients are added into the sum (three gradient buffers of the rank's share, the
   other micro-batches' activations still in flight): its own phase (``Budget.accumulate_phase``);
-- the async reductions a layer's backward waits beside (``awaiting_unit``): a layer's gradients only where a chunk
-  of the rank has two layers or more, an edge leaf's on a head chunk of one layer, none otherwise;
+- the async reductions a layer's backward waits beside (``awaiting_units``): a layer's gradients where a chunk of
+  the rank has two layers or more, an edge leaf's on the rank with the head, none otherwise;
 - the loss workspace on the rank with the head, the model edges on the ranks with the embedding or the head;
 - compute: the rank's share of the layer FLOPs (``pipeline.layer_costs``, the split's own cost model) times
   ``(m + (p - 1) / v) / m`` (the bubble: ``(p - 1) / (m + p - 1)`` of a 1F1B step, the idle part divided by ``v``
@@ -97,15 +97,14 @@ def saved_backward_peaks(chunks, pp: int, v: int, m: int, rank: int, size: dict)
     return out
 
 
-def awaiting_unit(chunks, rank: int) -> str:
-    """What gradients wait for their async reduction while a layer of ``rank`` runs its backward: those of the
+def awaiting_units(chunks, rank: int) -> tuple[bool, bool]:
+    """What gradients can wait for their async reduction while a layer of ``rank`` runs its backward: those of the
     gather call back-propagated just before it in the same chunk's backward (``runtime.grad`` waits for all of a
-    chunk's at its end). A chunk of two or more layers: a layer's (``layer``). A head chunk of one layer: its LM
-    head's before the MTP layers, the MTP block's projection before the layer (``edge``). Otherwise none (``""``)."""
+    chunk's at its end). ``(a layer's, an edge leaf's)``: a layer's where a chunk of the rank has two layers or more;
+    an edge's (the LM head's before the MTP layers, the MTP block's projection before the last layer) on the rank
+    with the head; neither on a rank whose chunks are single layers without the head."""
     mine = [c for c in chunks if c.rank == rank]
-    if any(len(c.layers) > 1 for c in mine):
-        return "layer"
-    return "edge" if any(c.head for c in mine) else ""
+    return any(len(c.layers) > 1 for c in mine), any(c.head for c in mine)
 
 
 @attrs.frozen
@@ -116,7 +115,7 @@ class _Part:
     head: bool
     saved: float = 0.0  # bytes of saved activations alive at the rank's worst backward
     live: int = 0  # layer-micro-batches in flight at that backward
-    awaiting: str = "layer"  # awaiting_unit of the rank
+    awaiting: tuple[bool, bool] = (True, True)  # awaiting_units of the rank
 
 
 def _scaled(items, part: _Part) -> tuple:
@@ -138,20 +137,19 @@ def _scaled(items, part: _Part) -> tuple:
     return tuple(out)
 
 
-def _awaiting(items, unit: str, ps, red: int, freed: float) -> tuple:
-    """The async-reduction items of a rank whose layers wait only for an edge's gradients (``unit == "edge"``: the
-    largest gathered leaf outside the layers) or none (``""``); a rank with a layer before a layer keeps them."""
-    if unit == "layer":
-        return tuple(items)
+def _awaiting(items, units: tuple[bool, bool], ps, red: int, freed: float) -> tuple:
+    """The async-reduction items of a rank, sized by what can wait on it (``awaiting_units``): the largest layer's
+    full-size gradients, an edge leaf's, or none (the whole model's price takes the larger of the two everywhere)."""
+    full = max(ps.largest_layer if units[0] else 0, ps.largest_edge if units[1] else 0) * red
+    what = "a layer" if units[0] and ps.largest_layer >= (ps.largest_edge if units[1] else 0) else "an edge leaf"
     out = []
     for it in items:
         if it.name in ("gradients awaiting reduction", "reduce-scatter staging"):
-            if not unit or not ps.largest_edge:
+            if not full:
                 continue
-            full = ps.largest_edge * red
             if it.name.startswith("gradients"):
-                it = attrs.evolve(it, bytes=full, note="an edge leaf's full-size gradients (no layer of this rank "
-                                                       "follows another in one chunk's backward), async")
+                it = attrs.evolve(it, bytes=full, note=f"{what}'s full-size gradients, reduce-scatter in flight "
+                                                       "(async), the one back-propagated before on this rank")
             else:
                 it = attrs.evolve(it, bytes=max(0.0, full + ps.largest_layer_local * red - freed))
         out.append(it)
@@ -223,9 +221,11 @@ def estimate_pipelined(estimate, cfg, layout, world: int, **kw):
         peaks = saved_backward_peaks(chunks, pp, v, m, r, size)
         during, _, k = max(peaks, key=lambda p: p[0] + acc_unit * share * accumulator_buffers(p[2], True))
         n_live = saved_backward_peaks(chunks, pp, v, m, r, count)[k][0]
-        part = _Part(share, L, embed, owns_head, during, int(n_live), awaiting_unit(chunks, r))
-        fb = [attrs.evolve(it, bytes=acc_unit * accumulator_buffers(k, True)) if it.name == "gradient accumulator"
-              else it for it in base.memory]
+        part = _Part(share, L, embed, owns_head, during, int(n_live), awaiting_units(chunks, r))
+        fb = [attrs.evolve(it, bytes=acc_unit * accumulator_buffers(k, True),
+                           note="the first micro-batch's gradients" if k == 1 else "the sum of earlier micro-batches "
+                           "(a pipelined backward's own gradients are local to it)")
+              if it.name == "gradient accumulator" else it for it in base.memory]
         fb = [it for it in fb if not (it.name == "gradient accumulator" and not it.bytes)]
         recv = Item("pipeline receive buffer", bundle, "one micro-batch's activations from the previous stage")
         memory = _awaiting(_scaled(fb, part), part.awaiting, ps, red, min(layer_saved)) + (recv,)

@@ -198,7 +198,7 @@ def search(
     if not facts:
         shown = "; ".join(sorted(set(why))[:3]) or f"no cp ≤ {MAX_CP} divides seq_len {seq_len}"
         raise ConfigError(
-            f"world {world} has no valid factorisation fsdp × cp × ep for {model_name or cfg.model_type} "
+            f"world {world} has no valid factorisation (pp ×) fsdp × cp × ep for {model_name or cfg.model_type} "
             f"(seq_len {seq_len}, global batch {global_batch} sequences): {shown}; change --world or --global-batch")
     from q38.model import is_param_info
     from q38.pytree import named_leaves
