@@ -51,8 +51,8 @@ def _counting(monkeypatch):
     when a backward starts (``("B", bytes)``)
     and at the end of each accumulation, while the old sum, the micro-batch's gradients and the new sum are all
     still referenced (``("A", bytes)``)."""
-    from q38.train.core import pipeline_step
     import q38.train.core.step as step_mod
+    from q38.train.core import pipeline_step
 
     made, events = [], []
 
