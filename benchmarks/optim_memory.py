@@ -178,10 +178,11 @@ def plan_figure(world: int, layout: str, seq: int, rows: int, mode: str,
         if key in t:
             kw[key] = t[key]
     b = estimate(cfg, Layout.preset(layout if world > 1 else "single"), world, seq_len=seq, rows_per_rank=rows,
+                 micro_batches=int(t.get("micro_batches", 1)),
                  param_dtype=_dtype_name(t.get("param_dtype", "float32")),
                  reduce_dtype=_dtype_name(t.get("reduce_dtype", "float32")), adamw_impl="foreach", **kw)
     state = sum(it.bytes for it in b.optimizer_phase if it.name in ("master weights", "optimizer moments"))
-    return b.peak_fwd_bwd, b.peak_optimizer, state
+    return max(b.peak_fwd_bwd, b.peak_accumulate), b.peak_optimizer, state  # (accumulation: inside loss_and_grads)
 
 
 def run_mode(mode: str, world: int, layout: str, seq: int, rows: int, steps: int, train: str = "{}") -> list[dict]:

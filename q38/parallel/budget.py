@@ -21,7 +21,7 @@ from q38.parallel.param_stats import Item, ParamStats, param_stats
 from q38.parallel.hardware import GIB, MEMORY_HEADROOM, Hardware, _nbytes
 from q38.parallel.budget_memory import (
     LayerActivations, _forward_backward_items, _loss_workspace, _optimizer_items, _start_items, _Step,
-    host_optimizer, layer_activations, moment_bytes, optimizer_traffic,
+    accumulate_items, host_optimizer, layer_activations, moment_bytes, optimizer_traffic, saved_per_layer,
 )
 from q38.parallel.budget_comm import CommTerm, _comm_terms, distinct_nodes, ep_exchange_bytes, group_shape
 from q38.parallel.budget_result import Budget, format_budget, format_ops
@@ -174,6 +174,7 @@ def estimate(
         opt_items = lora_budget.lora_optimizer(opt_items, ls)
         start_items = lora_budget.lora_start(start_items, ls, st)
         comm_ps, reduced = lora_budget.scaled_gathers(ls, act), ls.adapters
+    acc_items = accumulate_items(st, memory, ps.numel if ls is None else ls.adapters.numel)
     rollout_phase, rollout_note = [], ""
     if rl is not None:  # the reference is held in every phase; the rollout is a phase of its own
         from q38.parallel import budget_rollout
@@ -181,6 +182,7 @@ def estimate(
         ref, rollout_phase, rollout_note = budget_rollout.rollout_budget(
             cfg, layout, mesh, rl, st, ps, ls, start_items, seq_len=seq_len, tokens_per_rank=rows_per_rank * st.seq)
         memory, opt_items, start_items = memory + ref, opt_items + ref, start_items + ref
+        acc_items = acc_items + ref if acc_items else acc_items
     fl = _step_flops(cfg, rows_per_rank, st.seq, cp=cp, recompute=recompute, micro_batches=micro_batches,
                     gdn_chunk=gdn_chunk, aux_global=aux_global, causal_skip=True)
     if ls is not None:  # no weight gradient for any frozen weight; the adapters' own GEMMs added
@@ -222,6 +224,8 @@ def estimate(
         seq_len=seq_len, rows_per_rank=rows_per_rank, micro_batches=micro_batches, recompute=recompute,
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, memory=tuple(memory),
         optimizer_phase=tuple(opt_items), start_phase=tuple(start_items), flops=fl,
+        accumulate_phase=tuple(acc_items),
+        layer_saved=tuple(0.0 for _ in kinds) if offload_activations else tuple(saved_per_layer(cfg, st, kinds)),
         comm=tuple(_comm_terms(cfg, st, comm_ps, kinds, hw, moe_s, reduced)),
         compute_s=compute_s, compute_fwd_s=compute_fwd_s,
         optimizer_s=optimizer_s, dequant_s=dequant_s, host_optimizer=host,

@@ -152,6 +152,36 @@ class _Step:
         return self.rows_mb * self.seq
 
 
+def saved_per_layer(cfg: ModelConfig, st: _Step, kinds: list) -> list[float]:
+    """Bytes autograd keeps for each layer of ``kinds`` (``layer_kinds``: main layers, then the MTP depths) over one
+    micro-batch until its backward, per the recompute mode: every saved tensor (``none``), else the layer's input and
+    the kept kernel outputs. Their sum is the "activations (saved)" item; a pipeline rank holds its own layers'."""
+    acts = [layer_activations(cfg, k.name, st.rows_mb, st.seq, act_bytes=st.act, cp=st.cp, ep=st.ep,
+                              ep_balance=st.ep_balance, gdn_kernel=st.gdn_kernel, kv_native=st.kv_native,
+                              gdn_chunk=st.gdn_chunk) for k in kinds]
+    if st.recompute == "none":
+        return [a.total for a in acts]
+    keep = kept_regions(st.recompute)
+    return [st.n_mb * cfg.hidden_size * st.act + (a.kept if k.region in keep else 0.0) for a, k in zip(acts, kinds)]
+
+
+# The micro-batch loop's gradient buffers, as the step keeps them (q38/train/core/step.py ``loss_and_grads`` and
+# q38/train/core/pipeline_step.py; ``accumulate`` returns a new list, the first micro-batch's gradients as they are,
+# later sums as new tensors). Each buffer is the rank's trained elements in the gradient dtype.
+ACCUMULATE_BUFFERS = 3  # while a micro-batch's gradients are added in: the old sum, those gradients and the new sum
+
+
+def accumulator_buffers(micro_batch: int, pipelined: bool = False) -> int:
+    """Gradient-sized buffers from earlier micro-batches alive while micro-batch ``micro_batch`` (0-based, in the
+    order the rank runs its backwards) runs its forward and backward. None for the first. One process: the sum so
+    far, and the previous micro-batch's gradients, still bound to the loop's variable until the next ones return (at
+    the second micro-batch the sum *is* the first one's gradients: one buffer). A pipelined rank: the sum only (each
+    backward's gradients are local to it)."""
+    if micro_batch <= 0:
+        return 0
+    return 1 if pipelined or micro_batch == 1 else 2
+
+
 def _activations(cfg: ModelConfig, st: _Step, kinds: list) -> tuple[float | int, float | int, str, float | int]:
     """``(saved, working, note, least)``: the bytes autograd saves over every layer of one micro-batch (per the
     recompute mode), the backward working set of one layer, and the least one layer saves."""
@@ -211,8 +241,11 @@ def _forward_backward_items(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: 
     saved, working, saved_note, layer_saved = _activations(cfg, st, kinds)
     memory = _state_items(st, numel, " on the fullest rank")
     if st.micro_batches > 1:
-        memory.append(Item("gradient accumulator", numel * st.red * 2,
-                           "sum and the next micro-batch's"))
+        n_acc = accumulator_buffers(st.micro_batches - 1)
+        memory.append(Item("gradient accumulator", numel * st.red * n_acc,
+                           "the first micro-batch's gradients" if n_acc == 1 else
+                           "the sum of earlier micro-batches + the previous one's gradients (bound until the next "
+                           "return)"))
     memory.append(Item("activations (saved)", 0.0 if st.offload_activations else saved,
                        saved_note + (" — offloaded to host" if st.offload_activations else "")
                        + ", one micro-batch"))
@@ -274,6 +307,21 @@ def _forward_backward_items(cfg: ModelConfig, st: _Step, ps: ParamStats, kinds: 
         memory.append(Item("CP buffers", 2 * n_mb * st.cp * cfg.num_key_value_heads * cfg.head_dim * act * 2,
                            "gathered keys/values of the layer in flight (+ gradient)", "layer"))
     return memory
+
+
+STATE_NAMES = ("master weights", "optimizer moments", "compute-dtype shards", "frozen base", "adapter master weights")
+
+
+def accumulate_items(st: _Step, memory: list[Item], numel: int | float) -> list[Item]:  # noqa: PYI041
+    """The moment a later micro-batch's gradients are added into the sum (``micro_batches > 1``): the stored state
+    (the forward/backward phase's state items), the old sum, the micro-batch's gradients and the new sum
+    (``ACCUMULATE_BUFFERS``); that micro-batch's activations are freed by then. Empty with one micro-batch."""
+    if st.micro_batches < 2:
+        return []
+    return [*(it for it in memory if it.name in STATE_NAMES),
+            Item("gradient sum", numel * st.red, f"{st.reduce_dtype}, earlier micro-batches"),
+            Item("micro-batch gradients", numel * st.held, "the micro-batch just back-propagated"),
+            Item("new gradient sum", numel * st.red, "accumulate's result (a new tensor per leaf)")]
 
 
 def _optimizer_items(st: _Step, numel: int, grad_clip: bool, impl: str, largest_leaf: int = 0) -> list[Item]:

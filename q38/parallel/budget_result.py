@@ -49,6 +49,9 @@ class Budget:
     compute_spread: tuple[float, float] = (1.0, 1.0)
     rollout_phase: tuple[Item, ...] = ()  # RL: decoding the rollout batch (q38.parallel.budget_rollout; else empty)
     rollout_note: str = ""  # RL: the rollout batch, rows per rank and tokens per row
+    # micro_batches > 1: the moment a micro-batch's gradients are added into the sum (budget_memory.accumulate_items)
+    accumulate_phase: tuple[Item, ...] = ()
+    layer_saved: tuple[float, ...] = ()  # bytes each layer (main, then MTP depths) saves over one micro-batch
 
     def fit_line(self, fixes: str = "try --recompute full, a fused GDN kernel (--gdn-kernel fla keeps 16-bit outputs, "
                                       "not fp32 per-chunk states), more ranks, or q38 plan --search") -> str | None:
@@ -62,11 +65,13 @@ class Budget:
         if self.peak_bytes <= cap:
             return f"fits: {share}"
         verdict = "DOES NOT FIT" if self.peak_bytes > self.hbm_bytes else "OVER THE CAP"
-        if self.rollout_phase and self.peak_rollout >= self.peak_fwd_bwd:  # RL: the rollout phase is the peak
+        if self.rollout_phase and self.peak_phase == "rollout (RL decode)":  # RL: the rollout phase is the peak
             fixes = "fewer prompts or samples per rollout batch, fewer new tokens, shorter prompts, or more ranks"
             largest = max(self.rollout_phase, key=lambda it: it.bytes).name.strip()
             return f"{verdict}: {share}; the rollout phase's largest item is {largest}: {fixes}"
-        largest = max(self.memory, key=lambda it: it.bytes).name.strip()
+        phase = {"optimizer step": self.optimizer_phase, "start (loading the state)": self.start_phase,
+                 "gradient accumulation": self.accumulate_phase}.get(self.peak_phase, self.memory)
+        largest = max(phase, key=lambda it: it.bytes).name.strip()
         return f"{verdict}: {share}; the largest item is {largest}: {fixes}"
 
     @property
@@ -104,13 +109,18 @@ class Budget:
         return phase_total(self.rollout_phase)
 
     @property
+    def peak_accumulate(self) -> float:
+        return phase_total(self.accumulate_phase)
+
+    @property
     def peak_bytes(self) -> float:
-        return max(self.peak_fwd_bwd, self.peak_optimizer, self.peak_start, self.peak_rollout)
+        return max(self.peak_fwd_bwd, self.peak_optimizer, self.peak_start, self.peak_accumulate, self.peak_rollout)
 
     @property
     def peak_phase(self) -> str:
         phases = {"forward/backward": self.peak_fwd_bwd, "optimizer step": self.peak_optimizer,
-                  "start (loading the state)": self.peak_start, "rollout (RL decode)": self.peak_rollout}
+                  "start (loading the state)": self.peak_start, "gradient accumulation": self.peak_accumulate,
+                  "rollout (RL decode)": self.peak_rollout}
         return max(phases, key=phases.get)
 
     @property
@@ -244,6 +254,10 @@ def format_budget(b: Budget) -> str:
         lines.append(f"start of the run (every rank loads only its shards): resume {_fmt_bytes(b.start_peak('resume'))}"
                      f", init_from a HF directory {_fmt_bytes(b.start_peak('init_from'))} per rank (shards "
                      f"{_fmt_bytes(b.start_peak('none'))} + the largest read in flight)")
+    if b.accumulate_phase:
+        lines.append(f"gradient accumulation total {_fmt_bytes(b.peak_accumulate)} (adding a micro-batch's gradients "
+                     "into the sum: " + ", ".join(it.name for it in b.accumulate_phase
+                                                   if it.name not in {m.name for m in b.memory}) + ")")
     lines.append(f"optimizer phase total {_fmt_bytes(b.peak_optimizer)}"
                  + (f" ({b.optimizer_state})" if b.optimizer_state else "")
                  + f"; peak {_fmt_bytes(b.peak_bytes)} in the {b.peak_phase}")

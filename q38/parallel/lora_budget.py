@@ -25,6 +25,7 @@ import functools
 
 import attrs
 
+from q38.parallel.budget_memory import accumulator_buffers
 from q38.parallel.param_stats import Item, ParamStats, param_stats
 from q38.parallel.plan import local_numel_grid
 
@@ -147,7 +148,8 @@ def lora_memory(items: list[Item], ls: LoraStats, st, cfg, peft) -> list[Item]:
         elif it.name == "optimizer moments":
             out.append(Item("optimizer moments", ad * st.mom, f"AdamW m and v of the adapters, {st.moment_dtype}"))
         elif it.name == "gradient accumulator":
-            out.append(Item("gradient accumulator", ad * st.red * 2, "adapters only"))
+            out.append(Item("gradient accumulator", ad * st.red * accumulator_buffers(st.micro_batches - 1),
+                            "adapters only"))
         elif it.name == "layer weight gradients":  # the frozen base has none
             out.append(Item(it.name, ls.adapters.largest_layer * st.act, "LoRA adapters: " + it.note, "layer"))
         elif it.name in ("gradients awaiting reduction", "reduce-scatter staging"):  # adapters only: the base is

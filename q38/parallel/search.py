@@ -5,9 +5,12 @@ Candidates: every factorisation ``N = fsdp × cp × ep`` over the mesh dims the 
 expert count, cp divides the sequence, the data-parallel size fsdp × ep divides the global batch), each built from
 the shipped layout of that shape (``fsdp``, ``fsdp_cp``, ``fsdp_ep``, ``fsdp_ep_cp``; embed and lm_head opt into
 uneven shards when the vocab does not divide), times every micro-batch count that divides a rank's rows, times the
-recompute modes. All arithmetic: no tensors, no processes.
+recompute modes. With a pipeline axis (``pp``, outermost; each divisor of the world from 2 to ``MAX_PP`` and the
+model's layers, not with cp, not for a LoRA run): 1F1B over the automatic stage split, written explicit in the
+layout, at every micro-batch count of at least ``pp``. All arithmetic: no tensors, no processes.
 """
 
+import functools
 import math
 from pathlib import Path
 from typing import Any, Mapping
@@ -28,6 +31,9 @@ from q38.parallel.precision import Precision, run_precision
 
 TEMPLATES = {(False, False): "fsdp", (True, False): "fsdp_cp", (False, True): "fsdp_ep", (True, True): "fsdp_ep_cp"}
 MAX_CP = 16
+# pipeline sizes the search tries: each divisor of the world from 2 up to this (and the model's layers), 1F1B with
+# the automatic stage split, the most micro-batches first; not with cp (untested) nor for a LoRA run (untested)
+MAX_PP = 8
 
 
 @attrs.frozen
@@ -35,6 +41,9 @@ class Candidate:
     layout_dict: dict = attrs.field(eq=False)
     budget: Budget
     ep_dispatch: str = "flat"
+    # the fastest candidate with a pipeline axis of the same search when this one has none (what --fewest-ranks
+    # prints beside its row); None: no pp candidate fits, or this one is pipelined
+    pp_alternative: "Candidate | None" = attrs.field(default=None, eq=False)
 
     @property
     def mesh(self) -> str:
@@ -45,8 +54,26 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@functools.lru_cache(maxsize=64)
+def pipeline_stages(cfg: ModelConfig, pp: int) -> tuple[tuple[int, int], ...]:
+    """The automatic 1F1B split of ``cfg`` over ``pp`` stages (``q38.parallel.pipeline``: balanced by the per-layer
+    cost, the embedding and the head counted), as the explicit ``[first, last]`` ranges a layout writes."""
+    from q38.parallel.pipeline import balanced_split, layer_costs
+
+    per, emb, head = layer_costs(cfg)
+    return tuple((int(a), int(b)) for a, b in balanced_split(per, pp, emb, head))
+
+
+def pipeline_sizes(cfg: ModelConfig, world: int) -> list[int]:
+    """The ``pp`` sizes the search tries on ``world`` ranks (``MAX_PP``; none with tied embeddings, which a pipeline
+    refuses)."""
+    if cfg.tie_word_embeddings:
+        return []
+    return [p for p in _divisors(world) if 1 < p <= min(MAX_PP, cfg.num_hidden_layers)]
+
+
 def candidate_layout(cfg: ModelConfig, fsdp: int, cp: int, ep: int, dp_replicate: int = 1,
-                     order: tuple[str, ...] | None = None) -> dict:
+                     order: tuple[str, ...] | None = None, pp: int = 1) -> dict:
     """The layout table for one factorisation: the shipped layout of that shape, resized (``dp_replicate`` > 1:
     ``hsdp``, FSDP over ``fsdp`` consecutive ranks and replicated ``dp_replicate`` times; without cp and ep).
     ``order``: the mesh dims major → minor (the last one is innermost: its groups are consecutive ranks, inside a
@@ -77,6 +104,13 @@ def candidate_layout(cfg: ModelConfig, fsdp: int, cp: int, ep: int, dp_replicate
         d["activations"] = {"batch": [n for n in order if n != "cp"]}
     if cfg.vocab_size % (fsdp * cp * ep):
         d["uneven"] = ["embed", "lm_head"]
+    if pp > 1:  # the pipeline axis outermost (stages nodes apart), the stage split written as priced
+        if order is not None:
+            raise ValueError("the search builds pp candidates in the template's mesh order")
+        d["name"] = f"pp{pp}_{d['name']}"
+        d["mesh"] = {"pp": pp, **d["mesh"]}
+        d["pipeline"] = {"schedule": "1f1b", "virtual_stages": 1,
+                         "stages": [list(r) for r in pipeline_stages(cfg, pp)]}
     return d
 
 
@@ -117,6 +151,17 @@ def factorisations(cfg: ModelConfig, world: int, seq_len: int, global_batch: int
     return ok, why
 
 
+def pipeline_factorisations(cfg: ModelConfig, world: int, seq_len: int, global_batch: int) -> list[tuple]:
+    """``(fsdp, cp, ep, 1, pp)`` with a pipeline axis: each of ``pipeline_sizes`` times the factorisations of a stage's
+    ``world / pp`` ranks without cp or HSDP, where a data rank's rows make at least ``pp`` micro-batches (1F1B)."""
+    out = []
+    for pp in pipeline_sizes(cfg, world):
+        for fsdp, cp, ep, dpr in factorisations(cfg, world // pp, seq_len, global_batch)[0]:
+            if cp == 1 and dpr == 1 and global_batch // (fsdp * ep) >= pp:
+                out.append((fsdp, cp, ep, dpr, pp))
+    return out
+
+
 def search(
     cfg: ModelConfig,
     world: int,
@@ -147,10 +192,13 @@ def search(
     resolved: dict[int, KernelConfig | None] = {}
     cap = float(memory_cap) if memory_cap is not None else MEMORY_HEADROOM * hardware.hbm_bytes
     facts, why = factorisations(cfg, world, seq_len, global_batch)
+    facts = [(*f, 1) for f in facts]
+    if kw.get("peft") is None:
+        facts += pipeline_factorisations(cfg, world, seq_len, global_batch)
     if not facts:
         shown = "; ".join(sorted(set(why))[:3]) or f"no cp ≤ {MAX_CP} divides seq_len {seq_len}"
         raise ConfigError(
-            f"world {world} has no valid factorisation fsdp × cp × ep for {model_name or cfg.model_type} "
+            f"world {world} has no valid factorisation (pp ×) fsdp × cp × ep for {model_name or cfg.model_type} "
             f"(seq_len {seq_len}, global batch {global_batch} sequences): {shown}; change --world or --global-batch")
     from q38.model import is_param_info
     from q38.pytree import named_leaves
@@ -160,15 +208,21 @@ def search(
     least_modes = ("full",) if "full" in recompute_modes else tuple(recompute_modes)
     fits: list[Candidate] = []
     smallest: tuple[float, str] | None = None
-    for fsdp, cp, ep, dpr in facts:
-        orders = mesh_orders(fsdp, cp, ep) if dpr == 1 else [None]
+    for fsdp, cp, ep, dpr, pp in facts:
+        orders = mesh_orders(fsdp, cp, ep) if dpr == 1 and pp == 1 else [None]
         probed = not prune
         for order in orders:
-            d = candidate_layout(cfg, fsdp, cp, ep, dpr, order)
+            d = candidate_layout(cfg, fsdp, cp, ep, dpr, order, pp)
             try:
                 layout = Layout.from_dict(d, source=d["name"])
                 mesh = layout.resolve_mesh(world)
-                pl = layout.placements_of_shapes(leaves, mesh)
+                if pp == 1:
+                    pl = layout.placements_of_shapes(leaves, mesh)
+                else:  # a pp plan places its stages (and checks the split against the model)
+                    from q38.parallel.pipeline_plan import _stage_facts
+
+                    pl = None
+                    _stage_facts(cfg, layout, world, bool(kw.get("prefetch", True)))
             except LayoutError:
                 continue
             rows = global_batch // (fsdp * ep * dpr)
@@ -195,7 +249,7 @@ def search(
                 if least[0] > cap:
                     break
             for disp in (ep_dispatches if ep > 1 else ("flat",)):
-                for mb in _divisors(rows):
+                for mb in [n for n in _divisors(rows) if n >= pp]:  # 1F1B runs at least pp micro-batches
                     for rc in recompute_modes:
                         b = estimate(cfg, layout, world, seq_len=seq_len, rows_per_rank=rows, micro_batches=mb,
                                      recompute=rc, hardware=hardware, placements=pl, model_name=model_name,
@@ -552,7 +606,11 @@ def fewest_ranks(cfg: ModelConfig, hardware: Hardware, max_world: int, *, seq_le
         try:
             cands, _ = search(cfg, world, hardware, seq_len=seq_len, global_batch=global_batch or world, prune=True,
                               **kw)
-            return world, cands[0]
+            pp = [c for c in cands if dict(c.budget.mesh).get("pp", 1) > 1]
+            best = cands[0]
+            if pp and pp[0] is not best:
+                best = attrs.evolve(best, pp_alternative=pp[0])
+            return world, best
         except ConfigError:
             world *= 2
     return None
@@ -703,4 +761,13 @@ def format_fewest(rows: list[FewestRow], hardware: Hardware, max_world: int, *, 
         lines.append(f"  {r.name}: {world} ({c.mesh}{' hier' if c.ep_dispatch == 'hierarchical' else ''}, recompute "
                      f"{b.recompute}, {b.micro_batches} micro-batch(es); peak {_fmt_bytes(b.peak_bytes)} per device, "
                      f"step {_fmt_s(b.step_s)}, MFU {100 * (b.mfu or 0):.1f}%){r.suffix}")
+        if dict(b.mesh).get("pp", 1) == 1 and r.kw.get("peft") is None:  # (the search tries no pp for LoRA)
+            p = c.pp_alternative
+            if p is None:
+                lines.append(f"    with pp: no pipelined layout fits {world} devices")
+            else:
+                pb = p.budget
+                lines.append(f"    with pp: {p.mesh}{' hier' if p.ep_dispatch == 'hierarchical' else ''}, recompute "
+                             f"{pb.recompute}, {pb.micro_batches} micro-batch(es); peak {_fmt_bytes(pb.peak_bytes)}, "
+                             f"step {_fmt_s(pb.step_s)} ({pb.step_s / b.step_s:.2f} × the row's)")
     return "\n".join(lines)
