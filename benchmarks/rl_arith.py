@@ -109,8 +109,8 @@ class Chat:
 
 
 def held_out(state, chat: Chat, items, group: int, max_new: int, seed: int) -> dict:
-    """Mean reward of ``group`` samples a prompt at temperature 1 (sampling seed ``seed``) and the greedy
-    exact-answer rate, on ``items``."""
+    """Mean reward of ``group`` samples a prompt at temperature 1 (sampling seed ``seed``), their exact-answer rate
+    (the same number while the reward is ``numeric_answer`` alone) and the greedy exact-answer rate, on ``items``."""
     from q38.decode import Sampling, generate
     from q38.rollout import rollout
     from q38.train.run.rl import numeric_answer, policy_params, score
@@ -159,12 +159,13 @@ def grpo(state, chat: Chat, items, *, iterations: int, prompts: int, group: int,
 
     records = [PromptRecord(q, a) for q, a in items]
     row_len = max(len(chat.encode(q)) for q, _ in items) + max_new
-    means = []
+    means, new = [], state
+    # rows of 4 of the longest prompt + completion: a few completions packed a row
     for new, m, _ in rl_loop(state, records, encode=chat.encode, detokenize=chat.text, rewards=list(REWARDS),
-                               iterations=iterations, prompts_per_iteration=prompts, group_size=group,
-                               max_new_tokens=max_new, sampling=Sampling(temperature=1.0, seed=seed * 100_003),
-                               row_len=row_len * 4, stop_ids=chat.stop_ids,
-                               loss=PolicyLossConfig(clip_low=0.2, clip_high=0.28, norm="token")):
+                             iterations=iterations, prompts_per_iteration=prompts, group_size=group,
+                             max_new_tokens=max_new, sampling=Sampling(temperature=1.0, seed=seed * 100_003),
+                             row_len=row_len * 4, stop_ids=chat.stop_ids,
+                             loss=PolicyLossConfig(clip_low=0.2, clip_high=0.28, norm="token")):
         means.append(m["reward_mean"])
         if verbose:
             print(progress_line(m), flush=True)
@@ -195,6 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     ap.add_argument("--eval-seed", type=int, default=12345, help="the held-out sampling seed (before and after)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--verbose", action="store_true", help="print rl_loop's progress line every iteration")
     ap.add_argument("--work", help="keep the data and the SFT run here (default: a temporary directory)")
     a = ap.parse_args(argv)
     if a.quick:
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
                 state = rl_state(ck, mode, lr, a.iterations, seed, a.lora_rank)
                 t0 = time.perf_counter()
                 state, means = grpo(state, chat, rl_items, iterations=a.iterations, prompts=a.prompts_per_iteration,
-                                    group=a.group, max_new=a.max_new, seed=seed)
+                                    group=a.group, max_new=a.max_new, seed=seed, verbose=a.verbose)
                 dt = time.perf_counter() - t0
                 after = held_out(state, chat, held_items, a.group, a.max_new, a.eval_seed)
                 k = max(1, a.iterations // 5)
