@@ -126,3 +126,38 @@ def test_q38_rl_under_torchrun_equals_one_process(tmp_path, capsys):
     assert int(two.step) == 2
     for (n, x), (_, y) in zip(named_leaves(one.params), named_leaves(two.params)):
         assert float((x - y).abs().max()) <= 1e-5, n
+
+
+def test_chat_prompts_go_through_the_chat_template(tmp_path):
+    """A chat line (``messages``) is rendered as ChatML with the assistant turn opened, the text written out here by
+    hand; the reward functions get that rendered text; a line with both keys or a bad chat is one line."""
+    from q38.errors import DataError
+    from q38.train.data.tokenizer import load_tokenizer
+    from q38.train.run.rl import encode_prompts, load_prompts
+
+    f = tmp_path / "chat.jsonl"
+    f.write_text('{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}], '
+                 '"answer": 3}\n{"prompt": "2+2=", "answer": 4}\n')
+    records = load_prompts(f, ["numeric_answer"])
+    tok = load_tokenizer("byte")
+    records, ids = encode_prompts(records, tok, str(f))
+    chatml = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    assert records[0].prompt == chatml and tok.decode(ids[0]) == chatml and records[0].answer == "3"
+    assert ids[1] == list(tok.encode("2+2=")) and records[1].prompt == "2+2="
+    for line, msg in [('{"prompt": "x", "messages": [{"role": "user", "content": "x"}]}', "both `prompt` and"),
+                      ('{"messages": []}', "non-empty list"),
+                      ('{"messages": [{"role": "wizard", "content": "x"}]}', r"messages\[0\].role is 'wizard'")]:
+        f.write_text(line + "\n")
+        with pytest.raises(DataError, match=msg) as e:
+            load_prompts(f)
+        assert "line 1" in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_q38_rl_takes_chat_prompts(hf_dir, tmp_path, capsys):
+    f = tmp_path / "chat.jsonl"
+    f.write_text("".join('{"messages": [{"role": "user", "content": "%s"}], "answer": %d}\n' % (q, a)
+                         for q, a in [("1+2=", 3), ("2+2=", 4), ("5-1=", 4)]))
+    assert main(_args(hf_dir, f, tmp_path / "chat_out", 1)) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("iter ")]
+    assert len(lines) == 1 and "mismatch max" in lines[0]

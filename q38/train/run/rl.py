@@ -359,16 +359,36 @@ MAX_PROMPTS_BYTES = 1 << 30
 
 @attrs.frozen
 class PromptRecord:
-    """One line of a prompts file: the ``prompt`` text and its reference ``answer`` (None when the line has none)."""
+    """One line of a prompts file: the ``prompt`` text and its reference ``answer`` (None when the line has none).
+    A chat line keeps its ``chat`` record (``messages``, and ``tools`` / ``chat_template_kwargs`` where given):
+    ``encode_prompts`` renders it through the tokenizer's chat template with the assistant turn opened, and
+    ``prompt`` becomes that rendered text (what the reward functions are given); before it, ``prompt`` is empty."""
 
     prompt: str
     answer: str | None = None
+    chat: dict | None = attrs.field(default=None, hash=False)
+
+
+def encode_prompts(records: Sequence[PromptRecord], tok, source: str) -> tuple[list[PromptRecord], list[list[int]]]:
+    """Each record's token ids as ``q38 generate`` encodes a prompt: a text prompt as it is (no bos), a chat through
+    the chat template (ChatML without one) with the assistant turn opened; chat records come back with their
+    rendered text as ``prompt``. ``source``: the prompts file (named in errors, with the line)."""
+    from q38.train.run.generate import prompt_ids
+
+    out, ids = [], []
+    for i, r in enumerate(records):
+        where = f"{source}:{i + 1}"
+        p = prompt_ids({**r.chat, "from": where} if r.chat is not None else {"text": r.prompt, "from": where}, tok)
+        ids.append(p)
+        out.append(attrs.evolve(r, prompt=tok.decode(p)) if r.chat is not None else r)
+    return out, ids
 
 
 def load_prompts(path, rewards: Sequence[str] = ()) -> list[PromptRecord]:
-    """A JSON-lines prompts file, one ``{"prompt": str, "answer": str | number}`` object a line (``answer``
-    optional unless a reward in ``rewards`` needs it: ``numeric_answer``). Bad lines are one ``DataError`` naming
-    the file and line."""
+    """A JSON-lines prompts file, one ``{"prompt": str, "answer": str | number}`` object a line, or a chat
+    ``{"messages": [...], "answer": ...}`` (checked as the trainer's chat loader checks one; rendered by
+    ``encode_prompts``). ``answer`` is optional unless a reward in ``rewards`` needs it (``numeric_answer``). Bad
+    lines are one ``DataError`` naming the file and line."""
     from q38.files import parse_json, read_bounded
 
     data = read_bounded(path, MAX_PROMPTS_BYTES, f"prompts file {path}", follow=True)
@@ -377,16 +397,26 @@ def load_prompts(path, rewards: Sequence[str] = ()) -> list[PromptRecord]:
         if not line.strip():
             continue
         rec = parse_json(line, f"prompts file {path} line {n}", DataError)
-        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
+        chat = isinstance(rec, dict) and "messages" in rec
+        if chat and "prompt" in rec:
+            raise DataError(f"prompts file {path} line {n} has both `prompt` and `messages`; give one (a text prompt "
+                            "or a chat whose assistant turn the model writes)")
+        if chat:
+            from q38.train.data.chat import validate_chat_record
+
+            validate_chat_record(rec, f"prompts file {path} line {n}")
+        elif not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str) or not rec["prompt"]:
             raise DataError(f"prompts file {path} line {n}: each line must be an object with a non-empty string "
-                            "`prompt` (and an `answer` where a reward needs one)")
+                            "`prompt` or a chat's `messages` (and an `answer` where a reward needs one)")
         ans = rec.get("answer")
         if ans is not None and (isinstance(ans, bool) or not isinstance(ans, (str, int, float))):
             raise DataError(f"prompts file {path} line {n}: `answer` must be a string or a number, got {ans!r}")
         if ans is None and "numeric_answer" in rewards:
             raise DataError(f"prompts file {path} line {n} has no `answer`, which the reward numeric_answer needs; "
                             "add one to every line or drop that reward")
-        out.append(PromptRecord(rec["prompt"], None if ans is None else str(ans)))
+        keep = ("messages", "tools", "chat_template_kwargs")
+        out.append(PromptRecord("" if chat else rec["prompt"], None if ans is None else str(ans),
+                                {k: rec[k] for k in keep if k in rec} if chat else None))
     if not out:
         raise DataError(f"prompts file {path} holds no prompt")
     return out
@@ -466,7 +496,6 @@ def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str],
     from q38.decode import Sampling
     from q38.train.data.tokenizer import load_tokenizer
     from q38.train.io.dirs import check_run_out_dir
-    from q38.train.run.generate import prompt_ids
     from q38.train.run.inference import load_state, open_source
     from q38.train.run.launch import WorldInfo, _init_process_group, check_run, pick_backend, pick_device
     from q38.train.run.trainer import _make_mesh, _source_precision
@@ -482,7 +511,7 @@ def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str],
     src = open_source(source, overrides, world_size=world.world_size)
     cfg = src.cfg if src.checkpoint is not None else _source_precision(src.cfg)
     tok = load_tokenizer(cfg.data.tokenizer)
-    ids = [prompt_ids({"text": r.prompt, "from": f"{prompts_file}:{i + 1}"}, tok) for i, r in enumerate(records)]
+    records, ids = encode_prompts(records, tok, str(prompts_file))
     row_len = max(len(p) for p in ids) + max_new_tokens
     if row_len > cfg.model.max_position_embeddings:
         raise ConfigError(f"the longest prompt ({row_len - max_new_tokens} tokens) plus --max-new-tokens "
