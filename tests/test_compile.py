@@ -69,6 +69,14 @@ def test_compiled_blocks_refuse_what_they_do_not_support():
     assert resolve_kernels(KernelConfig(block="compiled"), device="cpu", dtype="float32").experts == "batched"
     with pytest.raises(ConfigError, match="grouped_mm cannot be compiled in float32"):
         resolve_kernels(KernelConfig(block="compiled", experts="grouped_mm"), device="cpu", dtype="float32")
+    # routing replay (q38 rl) through a compiled layer: one line at the first layer, before any trace
+    cfg = ModelConfig.preset("tiny")
+    b, s = 1, 8
+    kc = DEFAULT_KERNELS.replace(block="compiled", experts="batched")
+    routes = torch.zeros(b, s, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.long)
+    with pytest.raises(NotImplementedError, match="compiled with routing replay"):
+        q38.forward(q38.init_params(cfg, seed=0), torch.zeros(b, s, dtype=torch.long), cfg, routes=routes,
+                    info=seq_info(None, b, s, "cpu", kernels=kc))
 
 
 if __name__ == "__main__":

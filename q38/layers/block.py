@@ -83,7 +83,10 @@ def compiled_block(apply: Callable) -> Callable:
     if run is None:
         compiled = torch.compile(apply, fullgraph=True)
 
-        def run(p, x, cfg, info, dispatch=None, router_bias=None, kind=None):
+        def run(p, x, cfg, info, dispatch=None, router_bias=None, kind=None, replay=None):
+            if replay is not None:
+                raise NotImplementedError("kernels.block: compiled with routing replay (rl.routing_replay) is not "
+                                          "implemented yet; set kernels.block: eager")
             if dispatch is not None or not info.comm.is_local:
                 raise NotImplementedError("kernels.block: compiled runs on one device without expert parallelism "
                                           "(no cp / ep mesh dims) for now; set kernels.block: eager")
