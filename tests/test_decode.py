@@ -145,6 +145,7 @@ def test_greedy_generation_equals_transformers_on_the_hf_export(tmp_path, peft):
     assert [r["ids"] for r in from_hf] == [r["ids"] for r in recs]
 
 
+@pytest.mark.slow
 def test_generate_cli_chat_prompts_and_errors(tmp_path, capsys):
     """``q38 generate``: a chat message is rendered as ChatML by a tokenizer without a template (ids written out
     here by hand) with the assistant turn opened; a JSONL of text and chat prompts runs as one batch; the same

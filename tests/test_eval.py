@@ -109,6 +109,7 @@ def test_eval_on_two_ranks_equals_the_logged_loss(tmp_path, peft):
         assert one[k] == pytest.approx(ev0[k], rel=1e-6, abs=1e-9), k
 
 
+@pytest.mark.slow
 def test_small_held_out_chat_file_evaluates_at_batch_size_8(tmp_path):
     """6 held-out chat records at batch_size 8: training's periodic eval takes them (one padded batch), and so does
     ``q38 eval`` of the checkpoint, through the CLI."""

@@ -354,6 +354,7 @@ CHECKS = textwrap.dedent('''\
 ''')
 
 
+@pytest.mark.slow
 def test_the_recipes_hold_in_a_copy(extended):
     """The four recipes applied to a copy (each edit finds its place), the copy's recipe checks and its kind tests
     (which read the table, so they cover the sliding-window kind) pass."""

@@ -108,6 +108,7 @@ def test_offloaded_optimizer_host_bytes_and_time():
     assert not [it for it in b.memory if it.name in ("master weights", "optimizer moments")]
 
 
+@pytest.mark.slow
 def test_the_search_keeps_an_offloaded_candidate_only_when_the_host_holds_its_state():
     """Host bytes per node = devices per node × (4 + 8) × the rank's parameters (hand count from the layout's
     shards): a profile whose host memory is just above that (over the 90 % headroom) keeps the candidate, one just

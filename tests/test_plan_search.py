@@ -1,6 +1,7 @@
 """``q38 plan --search`` and the budget options: the written layout and run config are accepted by ``q38 train``'s
 checks unchanged; bad input gives one line each."""
 
+import pytest
 import yaml
 
 from q38.cli import plan_cli
@@ -156,6 +157,7 @@ def test_the_plan_says_whether_the_peak_fits_the_hardware(capsys):
     assert attrs.evolve(b, hbm_bytes=None).fit_line() is None
 
 
+@pytest.mark.slow
 def test_the_search_covers_hsdp_and_charges_each_collective_on_its_link(tmp_path):
     """On 16 H200s (2 nodes of 8) the search prices HSDP (fsdp 8 inside a node, replicated over the 2 nodes): its
     gathers and reduce-scatters on NVLink, its gradient all-reduce on the NIC. The layout it would write is accepted
@@ -175,6 +177,7 @@ def test_the_search_covers_hsdp_and_charges_each_collective_on_its_link(tmp_path
     assert layout.resolve_mesh(16) == {"dp_replicate": 2, "fsdp": 8}
 
 
+@pytest.mark.slow
 def test_the_search_tries_mesh_orders_and_both_dispatches_and_the_run_config_names_its_choice():
     """On 16 ranks of 8 per node, fsdp 2 × ep 8 in the template order (ep innermost) keeps every EP group inside a
     node; the order with fsdp innermost spreads each EP group over both nodes, where the hierarchical dispatch

@@ -233,6 +233,7 @@ def _tv(counts: dict, exact: dict) -> float:
     return 0.5 * sum(abs(counts.get(key, 0) / n - exact.get(key, 0.0)) for key in set(counts) | set(exact))
 
 
+@pytest.mark.slow
 def test_sampled_speculative_decoding_follows_plain_sampling(monkeypatch):
     """Sampled speculative decoding (temperature 1, top-k 3, k = 2 drafts) commits tokens distributed as plain
     sampling's: the empirical joint distribution of the first three tokens over 3,000 rows is within total-variation

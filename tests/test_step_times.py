@@ -77,6 +77,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_the_progress_line_names_a_slow_rank(tmp_path):
     out = tmp_path / "run"

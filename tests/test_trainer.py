@@ -331,6 +331,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_workers_do_not_outlive_a_killed_torchrun_agent(tmp_path):
     """kill -9 of the torchrun agent alone: both workers are gone within seconds (parent-death signal), the newest

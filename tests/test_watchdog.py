@@ -74,6 +74,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_rank_that_stalls_is_named_on_every_rank(tmp_path):
     """2 gloo ranks under torchrun; rank 1 sleeps in step 3. Within the step timeout (plus the answer window) both
@@ -151,6 +152,7 @@ def _stop_rank_1(tmp_path, run: dict, wait_s: float) -> tuple[str, float]:
     return (tmp_path / "log.txt").read_text(), waited
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_run_timeout_s_bounds_a_collective_wait(tmp_path):
     """2 gloo ranks; rank 1 is stopped (SIGSTOP) mid-run. With run.timeout_s: 5 rank 0's next collective fails
@@ -162,6 +164,7 @@ def test_run_timeout_s_bounds_a_collective_wait(tmp_path):
     assert "run.timeout_s" in lines[0] and "internal error" not in text
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_a_stopped_rank_ends_the_run_by_default(tmp_path):
     """Default settings but a small floor of the automatic step bound (the default floor, 300 s, is too long for a
