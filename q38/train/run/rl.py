@@ -232,6 +232,88 @@ def reference_logprobs(state, batch: dict, temperature: float = 1.0, ref_params=
     return _forward_logprobs(ref_params, state.model_config, batch, temperature, state.router_bias, False)
 
 
+def _check_ref_params(state, ref_params) -> None:
+    """A frozen reference for a sharded state is sharded as the state is: the same leaves, shapes and placements."""
+    from torch.distributed.tensor import DTensor
+
+    from q38.lora import base_params
+    from q38.pytree import named_leaves
+
+    want, got = named_leaves(base_params(state.params)), named_leaves(ref_params)
+    if [n for n, _ in want] != [n for n, _ in got]:
+        raise ConfigError("ref_params do not have the state's parameter leaves; pass a frozen copy of the model "
+                          "being trained (e.g. tree_map(lambda t: t.detach().clone(), state.params))")
+    for (name, w), (_, g) in zip(want, got):
+        same = isinstance(g, DTensor) == isinstance(w, DTensor) and tuple(g.shape) == tuple(w.shape) and (
+            not isinstance(w, DTensor) or tuple(g.placements) == tuple(w.placements))
+        if not same:
+            raise ConfigError(f"ref_params leaf {name} is not placed as the sharded state's ({type(g).__name__} "
+                              f"{tuple(g.shape)}); shard the reference as the state is (q38.parallel.shard("
+                              "ref_params, mesh)) or copy the sharded parameters")
+
+
+@torch.no_grad()
+def mesh_reference_logprobs(state, batch: dict, mesh, temperature: float = 1.0, ref_params=None) -> Tensor:
+    """``reference_logprobs`` of a state sharded on ``mesh`` (every rank calls it with the same packed ``batch``,
+    as ``pack_rollouts`` gives it): a no-grad forward of the reference on the mesh, as the step runs its layers
+    (FSDP gathers layer by layer in the compute form, experts reached by the EP dispatch, sequences split over CP),
+    each rank on its own rows and sequence shard (``shard_batch``, micro-batch by micro-batch); the per-token
+    log-probs are then gathered so every rank returns the whole batch's ``[rows, length]`` tensor, HF-aligned like
+    ``labels`` (0 where -100), on ``batch``'s device. The reference: ``ref_params`` (a frozen copy sharded as the
+    state is), else a LoRA state's base with its adapters off (no second copy)."""
+    from q38.batch import split_micro_batches
+    from q38.lora import base_params, compute_form
+    from q38.model import LayerHooks, forward, head_weight
+    from q38.train.core.policy import _chunk_rows
+    from q38.train.core.step import step_runtime
+
+    if mesh.pp > 1:
+        raise ConfigError("reference log-probs on a pipelined layout (pp > 1) are not built; drop pp from the "
+                          "layout for RL")
+    if ref_params is None:
+        if state.peft is None:
+            raise ConfigError("a KL term to a reference policy needs reference parameters for a full fine-tune "
+                              "(ref_params=, a frozen copy sharded as the state is) or a LoRA run (its base is the "
+                              "reference)")
+        ref = base_params(state.params)
+    else:
+        _check_ref_params(state, ref_params)
+        ref = ref_params
+    mc, tc = state.model_config, state.train_config
+    runtime = step_runtime(mesh, tc)
+    runtime.bind(ref)
+    hooks = LayerHooks(gather=lambda tree: compute_form(runtime.gather(tree)), dispatch=runtime.dispatch)
+    b, s = batch["input_ids"].shape
+    sb = _mesh_batch(batch, mesh, mc.mtp_num_layers)
+    w = runtime.gather(head_weight(ref))
+    parts = []
+    for mb in split_micro_batches(sb, tc.micro_batches):
+        info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels)
+        out = forward(ref, mb.input_ids, mc, info=info, hooks=hooks, router_bias=state.router_bias,
+                      routes=mb.routes)
+        t = mb.targets.reshape(-1)
+        valid = torch.nonzero(t != IGNORE_INDEX).flatten()
+        h = out.hidden.reshape(-1, out.hidden.shape[-1]).index_select(0, valid)
+        lp, _ = token_logprobs(h, w, t.index_select(0, valid), temperature=temperature,
+                               chunk=_chunk_rows(h.shape[0], w.shape[0], tc))
+        parts.append(torch.zeros(t.numel(), dtype=torch.float32, device=t.device).index_copy(0, valid, lp)
+                     .view_as(mb.targets))
+    local = torch.cat(parts)  # this rank's rows and sequence shard, at target positions
+    # every rank's block into the whole (padded) batch: -inf elsewhere, a max over every rank (ranks that hold the
+    # same block, e.g. EP peers of one row group, hold the same values)
+    from q38.parallel.mesh import batch_row_rank
+
+    r, n_rows = batch_row_rank(mesh)
+    c = mesh.local_rank("cp")
+    rows, cols = local.shape
+    whole = torch.full((rows * n_rows, cols * mesh.size("cp")), float("-inf"), device=local.device)
+    whole[r * rows: (r + 1) * rows, c * cols: (c + 1) * cols] = local
+    at_target = runtime.all_reduce_max(whole)[:b, :s].to(batch["labels"].device)
+    shifted = torch.zeros_like(at_target)  # target position t holds token t + 1: move it back
+    shifted[:, 1:] = at_target[:, :-1]
+    return torch.where(batch["labels"] != IGNORE_INDEX, shifted, torch.zeros_like(shifted))
+
+
 def policy_params(state):
     """The parameters a rollout samples from: plain tensors (a LoRA state's adapters merged, fp32)."""
     from q38.lora import merged_params
@@ -307,8 +389,8 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
     ``mesh``: ``state`` is sharded on it (every rank calls this with the same arguments): the rollout is
     ``mesh_rollout`` (each rank decodes its share, every rank gets every completion), every rank scores and packs
     the same batch (rows padded to a multiple of the data-parallel ranks) and the step trains on its share; the
-    same samples and, within float rounding, the same update as one process. Not with a KL term (the reference
-    log-probs are computed on one process).
+    same samples and, within float rounding, the same update as one process. A KL term's reference log-probs run
+    on the mesh (``mesh_reference_logprobs``: a LoRA state's base, or ``ref_params`` sharded as the state is).
 
     ``routing_replay``: the rollout records every token's experts and each update's forward uses them instead of
     the router's top-k (gates from the router's current probabilities of those experts; docs/rl.md)."""
@@ -319,9 +401,6 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
         raise ConfigError(f"rl.temperature of the loss ({loss.temperature}) and of sampling "
                           f"({sampling.temperature}) differ; the ratio needs the policy the rollout sampled from")
     mc, tc = state.model_config, state.train_config
-    if mesh is not None and loss.kl_coef > 0:
-        raise ConfigError("a KL term (rl.kl_coef > 0) is not built for a sharded state: the reference log-probs run "
-                          "on one process; set kl_coef: 0 or train on one process")
     kw = {"group_size": group_size, "max_new_tokens": max_new_tokens, "sampling": sampling, "stop_ids": stop_ids,
           "record_routes": bool(routing_replay)}
     if mesh is None:
@@ -338,6 +417,8 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
         if loss.kl_coef > 0:
             batch["ref_logprobs"] = reference_logprobs(state, batch, loss.temperature, ref_params)
     else:
+        if loss.kl_coef > 0:  # before the split: every rank holds the whole batch's reference, as one process
+            batch["ref_logprobs"] = mesh_reference_logprobs(state, batch, mesh, loss.temperature, ref_params)
         batch = _mesh_batch(batch, mesh, mc.mtp_num_layers)
     terms = policy_terms(mc, tc, loss)
     new = state
