@@ -15,28 +15,21 @@ import yaml
 
 from q38.cli import plan_cli
 from q38.kernels import KernelConfig
-from q38.model_config import SPECS_DIR, ModelConfig
+from q38.model_config import SPECS_DIR
 from q38.parallel.budget import Hardware, estimate
 from q38.parallel.budget_result import _fmt_bytes, _fmt_s
 from q38.parallel.layout import Layout
 from q38.parallel.pipeline import stage_split
 from q38.parallel.search import fewest_ranks, pipeline_sizes, search
+from tests.model_utils import PLAN_CFG, dims_like_tiny
 
-DIMS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-        "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-        "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
-CFG = ModelConfig.preset("tiny").replace(
-    vocab_size=400, hidden_size=40, num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
-    num_attention_heads=3, num_key_value_heads=1, head_dim=8, linear_num_key_heads=1, linear_num_value_heads=3,
-    linear_key_head_dim=12, linear_value_head_dim=12, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=28,
-    shared_expert_intermediate_size=20, initializer_range=0.1)
+CFG = PLAN_CFG  # unlike tiny in every dimension
 CPU_KERNELS = {"attention": "sdpa", "gdn": "torch", "experts": "batched"}
 KW = {"param_dtype": "fp32", "reduce_dtype": "fp32", "kernels": KernelConfig.from_dict(CPU_KERNELS)}
 
 
 def test_the_model_is_unlike_tiny():
-    tiny = ModelConfig.preset("tiny")
-    assert [k for k in DIMS if getattr(tiny, k) == getattr(CFG, k)] == []
+    assert dims_like_tiny(CFG) == []
 
 
 def _slow_link(tmp_path) -> str:
