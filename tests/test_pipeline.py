@@ -72,6 +72,13 @@ name: pp_cp
 mesh: {pp: 2, fsdp: -1, cp: 2}
 pipeline: {schedule: 1f1b, stages: [[0, 2], [3, 5]]}
 """
+# pp × ep × cp on 8 ranks: every axis at once (the EP dispatch inside a stage whose sequences CP splits), 3 + 3 layers
+PP_EP_CP = """
+include: fsdp_ep_cp.yaml
+name: pp_ep_cp
+mesh: {pp: 2, fsdp: -1, cp: 2, ep: 2}
+pipeline: {schedule: 1f1b, stages: [[0, 2], [3, 5]]}
+"""
 STEPS = 3
 
 
@@ -140,12 +147,12 @@ def _pp_rank(rank, world, text, tc):
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("text", [PP_EP, PP_INTERLEAVED, PP_CP],
-                         ids=["pp2-fsdp-ep-uneven", "pp2-interleaved-fsdp", "pp2-cp2"])
-def test_pipelined_step_equals_one_process(text):
+@pytest.mark.parametrize("text,world", [(PP_EP, 4), (PP_INTERLEAVED, 4), (PP_CP, 4), (PP_EP_CP, 8)],
+                         ids=["pp2-fsdp-ep-uneven", "pp2-interleaved-fsdp", "pp2-cp2", "pp2-ep2-cp2-8ranks"])
+def test_pipelined_step_equals_one_process(text, world):
     tc = _tc()
     ref_terms, ref_params = _reference(tc)
-    outs = run_distributed(_pp_rank, 4, text, tc, timeout=600)
+    outs = run_distributed(_pp_rank, world, text, tc, timeout=900)
     all_names = set(ref_params)
     # each rank holds only its stage's parameters; the two stages together hold every one, once per stage
     by_stage: dict = {}
@@ -168,7 +175,11 @@ def test_pipelined_step_equals_one_process(text):
                 assert abs(o["steps"][i]["terms"][name] - terms[name]) <= TOL, (i, name)
                 assert abs(o["steps"][i]["metrics"][name] - ref_terms[i][name]) <= TOL, (i, name)  # trajectory
         for name, g in grads.items():
-            assert (got[name] - g).abs().max() <= TOL, (i, name)
+            # 8 ranks (pp × ep × cp): relative to the gradient's size, as tests/test_parallel.py's overlap test;
+            # a GDN conv weight's gradient (up to 2.6) sums every token over 4 data-and-sequence shards in another
+            # order and came 1.08e-5 off (4.2e-6 of its size)
+            bound = TOL * (max(1.0, float(g.abs().max())) if world > 4 else 1.0)
+            assert (got[name] - g).abs().max() <= bound, (i, name)
     for o in outs:
         for name, p in o["pure"].items():
             assert (p - ref_params[name]).abs().max() <= TOL, name
