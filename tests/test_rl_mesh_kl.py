@@ -85,17 +85,19 @@ def test_reference_logprobs_and_a_kl_iteration_on_two_ranks_equal_one_process(la
     got, avg = outs[0]["params"], outs[0]["exp_avg"]
     moments = dict(named_leaves(new.exp_avg))  # a LoRA state's: its adapters only
     assert len(moments) > 4
-    errs = []
+    n_kept = n_trained = 0
     for name, w in named_leaves(new.params):
         diff = (got[name] - w).abs()
         if name in moments:
             err_m = float((avg[name] - moments[name]).abs().max())
             assert err_m <= 1e-7, f"{name}'s first moment after one KL iteration on {layout} ({mode}): {err_m:.2e}"
             kept = moments[name].abs() > 1e-7  # |gradient| > 1e-6: see the module's docstring
-            assert kept.float().mean() > 0.5, name
+            n_kept, n_trained = n_kept + int(kept.sum()), n_trained + kept.numel()
             diff = diff[kept]
-        errs.append(float(diff.max()))
-        assert errs[-1] <= TOL, f"{name} after one KL iteration on {layout} ({mode}): {errs[-1]:.2e}"
+        err = float(diff.max()) if diff.numel() else 0.0
+        assert err <= TOL, f"{name} after one KL iteration on {layout} ({mode}): {err:.2e}"
+    # most trained weights are compared (an embedding's rows of tokens absent from the batch get no gradient)
+    assert n_kept > n_trained / 2, (n_kept, n_trained)
 
 
 def _refuse_fn(rank, world):
