@@ -332,23 +332,33 @@ def mesh_rollout(state, mesh, prompts: Sequence[Sequence[int]], *, group_size: i
     memory of the whole gathered model, one gather per layer per rollout), experts left where EP put them and
     reached by the step's EP dispatch. Parameters run in the trainer's compute form (``param_dtype``); a LoRA
     state's adapters are merged layer by layer after the gather. The draws follow ``q38.decode.sample_at``, so the
-    samples are those of one process. ``max_bytes`` prices this rank's share of the decode batch."""
+    samples are those of one process. ``max_bytes`` prices this rank's share of the decode batch.
+
+    On a pipelined layout (``pp`` > 1) the shares go to the data-parallel ranks of a stage, and the stages of one
+    pipeline group decode the same share together: each runs only its own chunks' layers (their decode caches only),
+    in the prefill and in every step, the hidden states sent from stage to stage and the last stage's logits
+    broadcast over the group (``q38.parallel.pipeline.DecodePipe``), so every stage samples the same tokens.
+    Routing replay (``record_routes``) is not built there."""
     import torch.distributed as dist
 
     from q38.lora import compute_form, merge_adapters
     from q38.model import ModelParams
     from q38.train.core.step import step_runtime
 
-    if mesh.pp > 1:
-        raise ConfigError("a rollout on a pipelined layout (pp > 1) is not built: a rank holds only its stage's "
-                          "layers and decoding needs all of them; drop pp from the layout for RL")
+    pp = mesh.pp
+    if pp > 1 and record_routes:
+        raise ConfigError("routing replay on a pipelined layout (pp > 1) is not built (the pipelined step takes no "
+                          "routes); drop pp from the layout or train without routing_replay")
     world, rank = dist.get_world_size(), dist.get_rank()
-    n = len(prompts)
-    if n < world:
-        raise ConfigError(f"a rollout on {world} ranks needs at least {world} prompts per iteration (each rank "
-                          f"decodes its own share), got {n}; raise prompts_per_iteration")
-    lo, hi = rank * n // world, (rank + 1) * n // world
     runtime = step_runtime(mesh, state.train_config)
+    # the prompts split over the data-parallel ranks: every rank, or on a pipelined layout the ranks of one stage
+    # (the stages of one pipeline group decode the same share together)
+    shares, share = (world, rank) if pp <= 1 else (world // pp, dist.get_rank(runtime.group))
+    n = len(prompts)
+    if n < shares:
+        raise ConfigError(f"a rollout on {shares} data-parallel ranks needs at least {shares} prompts per iteration "
+                          f"(each decodes its own share), got {n}; raise prompts_per_iteration")
+    lo, hi = share * n // shares, (share + 1) * n // shares
     runtime.bind(state.params)
     lora = state.peft is not None
 
@@ -356,20 +366,40 @@ def mesh_rollout(state, mesh, prompts: Sequence[Sequence[int]], *, group_size: i
         return merge_adapters(compute_form(runtime.gather(tree))) if lora else runtime.gather(tree)
 
     def any_rows(flag: bool) -> bool:
-        return bool(runtime.all_reduce_max(torch.tensor(float(flag), device=runtime.device)) > 0)
+        t = torch.tensor(float(flag), device=runtime.device)
+        if pp > 1:  # over every rank (a stage's runtime reduces inside the stage only)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return bool(t > 0)
+        return bool(runtime.all_reduce_max(t) > 0)
 
     p = state.params
-    layers = [gather(lp) for lp in p.layers] if hold_gathered else p.layers
-    params = ModelParams(embed=gather(p.embed), layers=layers, final_norm=gather(p.final_norm),
-                         lm_head=None if p.lm_head is None else gather(p.lm_head), mtp=None)
+    pipe = None
+    if pp > 1:
+        from q38.parallel.pipeline import DecodePipe
+
+        pipe = DecodePipe(mesh.chunks, mesh.group("pp"), pp, mesh.pp_rank, runtime.device)
+    mine_layers = range(len(p.layers)) if pipe is None else sorted(pipe.layers)
+    layers = list(p.layers)
+    if hold_gathered:
+        for i in mine_layers:
+            layers[i] = gather(p.layers[i])
+
+    def opt(t):  # a stage holds the embedding / head side only where its chunks own them
+        return None if t is None or not torch.utils._pytree.tree_leaves(t) else gather(t)
+
+    params = ModelParams(embed=opt(p.embed), layers=layers, final_norm=opt(p.final_norm), lm_head=opt(p.lm_head),
+                         mtp=None)
     hooks = DecodeHooks(gather=(lambda t: t) if hold_gathered else gather, dispatch=runtime.dispatch,
-                        any_rows=any_rows)
+                        any_rows=any_rows, pipe=pipe)
+    # every stage's caches in the compute form's dtype (what the embedding gathers to)
+    dtype = None if pipe is None else state.train_config.torch_param_dtype
     mine = rollout(params, state.model_config, prompts[lo:hi], group_size=group_size, max_new_tokens=max_new_tokens,
                    sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias, max_bytes=max_bytes,
-                   hooks=hooks, first_prompt=lo, total_prompts=n, record_routes=record_routes)
+                   hooks=hooks, first_prompt=lo, total_prompts=n, record_routes=record_routes, dtype=dtype)
     parts: list = [None] * world
-    dist.all_gather_object(parts, mine)
-    return [c for part in parts for c in part]
+    dist.all_gather_object(parts, (lo, mine))
+    by_share = dict(parts)  # the stages of one pipeline group hold the same share
+    return [c for lo_ in sorted(by_share) for c in by_share[lo_]]
 
 
 def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Sequence[str],
