@@ -351,7 +351,7 @@ def extend(
     params: ModelParams, cache: DecodeCache, tokens: Int[Tensor, "b n"], config: ModelConfig, *,
     lengths: Int[Tensor, " b"] | None = None, router_bias: Float[Tensor, "l e"] | None = None,
     stepwise: bool = False, hooks: DecodeHooks = NO_HOOKS,
-) -> tuple[Float[Tensor, "b n d"], Extension]:
+) -> tuple[Float[Tensor, "b n d"] | None, Extension]:
     """Feed ``n`` tokens per row in one pass over the cache (row ``r``: its first ``lengths[r]`` columns; None: all
     ``n``), each layer running its sequence form from the row's cache (``gdn_extend``, ``attention_extend``, the
     MoE over the ``[b, n]`` tokens). Returns the post-final-norm hidden states of every column (the logits are
@@ -416,7 +416,7 @@ def right_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None)
 def prefill(
     params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
     dtype: torch.dtype | None = None, router_bias: Tensor | None = None, hooks: DecodeHooks = NO_HOOKS,
-) -> tuple[Float[Tensor, "b v"], DecodeCache, Float[Tensor, "b n d"]]:
+) -> tuple[Float[Tensor, "b v"], DecodeCache, Float[Tensor, "b n d"] | None]:
     """The prompts (of any lengths, one batch) through the model's sequence form once, from an empty cache
     (``extend``, chunked GDN): returns the next-token logits after each prompt's last token, the decode cache after
     it (what ``feed`` builds one token at a time, within float rounding) and the hidden states of every prompt

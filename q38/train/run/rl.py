@@ -166,13 +166,14 @@ def pack_rollouts(completions: Sequence[Completion], advantages: Sequence[float]
     return batch
 
 
-def _mesh_batch(batch: dict, mesh, mtp_depths: int):
+def _mesh_batch(batch: dict, mesh, mtp_depths: int, micro_batches: int = 1):
     """This rank's share of a packed policy-gradient batch (``shard_batch``), its rows first padded with empty ones
-    (every label -100, document -1) to a multiple of the data-parallel ranks and its columns to a multiple of the
-    CP size; on the mesh's device."""
+    (every label -100, document -1) to a multiple of the data-parallel ranks times ``micro_batches`` and its columns
+    to a multiple of the CP size; on the mesh's device."""
     from q38.parallel.mesh import batch_row_rank, shard_batch
 
     _, n_rows = batch_row_rank(mesh)
+    n_rows *= micro_batches
     b, s = batch["input_ids"].shape
     fill = {"labels": IGNORE_INDEX, "doc_ids": -1}
     rows, cols = -b % n_rows, -s % mesh.size("cp")  # rows over the data ranks, columns over CP
@@ -267,9 +268,6 @@ def mesh_reference_logprobs(state, batch: dict, mesh, temperature: float = 1.0, 
     from q38.train.core.policy import _chunk_rows
     from q38.train.core.step import step_runtime
 
-    if mesh.pp > 1:
-        raise ConfigError("reference log-probs on a pipelined layout (pp > 1) are not built; drop pp from the "
-                          "layout for RL")
     if ref_params is None:
         if state.peft is None:
             raise ConfigError("a KL term to a reference policy needs reference parameters for a full fine-tune "
@@ -284,34 +282,84 @@ def mesh_reference_logprobs(state, batch: dict, mesh, temperature: float = 1.0, 
     runtime.bind(ref)
     hooks = LayerHooks(gather=lambda tree: compute_form(runtime.gather(tree)), dispatch=runtime.dispatch)
     b, s = batch["input_ids"].shape
-    sb = _mesh_batch(batch, mesh, mc.mtp_num_layers)
-    w = runtime.gather(head_weight(ref))
-    parts = []
-    for mb in split_micro_batches(sb, tc.micro_batches):
-        info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels)
-        out = forward(ref, mb.input_ids, mc, info=info, hooks=hooks, router_bias=state.router_bias,
-                      routes=mb.routes)
+    sb = _mesh_batch(batch, mesh, mc.mtp_num_layers, tc.micro_batches)
+    mbs = split_micro_batches(sb, tc.micro_batches)
+
+    def logprobs(hidden: Tensor, mb, w: Tensor) -> Tensor:  # [rows, cols] at target positions (0 elsewhere)
         t = mb.targets.reshape(-1)
         valid = torch.nonzero(t != IGNORE_INDEX).flatten()
-        h = out.hidden.reshape(-1, out.hidden.shape[-1]).index_select(0, valid)
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)
         lp, _ = token_logprobs(h, w, t.index_select(0, valid), temperature=temperature,
                                chunk=_chunk_rows(h.shape[0], w.shape[0], tc))
-        parts.append(torch.zeros(t.numel(), dtype=torch.float32, device=t.device).index_copy(0, valid, lp)
-                     .view_as(mb.targets))
-    local = torch.cat(parts)  # this rank's rows and sequence shard, at target positions
+        return torch.zeros(t.numel(), dtype=torch.float32, device=t.device).index_copy(0, valid, lp) \
+            .view_as(mb.targets)
+
+    if mesh.pp > 1:
+        parts = _pipelined_logprobs(state, ref, mbs, mesh, runtime, hooks, logprobs)
+    else:
+        w = runtime.gather(head_weight(ref))
+        parts = []
+        for mb in mbs:
+            info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels)
+            out = forward(ref, mb.input_ids, mc, info=info, hooks=hooks, router_bias=state.router_bias,
+                          routes=mb.routes)
+            parts.append(logprobs(out.hidden, mb, w))
     # every rank's block into the whole (padded) batch: -inf elsewhere, a max over every rank (ranks that hold the
-    # same block, e.g. EP peers of one row group, hold the same values)
+    # same block, e.g. EP peers of one row group, hold the same values; on pp, the stages without the head none)
     from q38.parallel.mesh import batch_row_rank
 
     r, n_rows = batch_row_rank(mesh)
     c = mesh.local_rank("cp")
-    rows, cols = local.shape
-    whole = torch.full((rows * n_rows, cols * mesh.size("cp")), float("-inf"), device=local.device)
-    whole[r * rows: (r + 1) * rows, c * cols: (c + 1) * cols] = local
-    at_target = runtime.all_reduce_max(whole)[:b, :s].to(batch["labels"].device)
+    rows, cols = sb.targets.shape
+    whole = torch.full((rows * n_rows, cols * mesh.size("cp")), float("-inf"), device=sb.targets.device)
+    if parts:  # this rank's rows and sequence shard, at target positions
+        whole[r * rows: (r + 1) * rows, c * cols: (c + 1) * cols] = torch.cat(parts)
+    if mesh.pp > 1:  # over every rank (a stage's runtime reduces inside the stage only)
+        import torch.distributed as dist
+
+        dist.all_reduce(whole, op=dist.ReduceOp.MAX)
+    else:
+        whole = runtime.all_reduce_max(whole)
+    at_target = whole[:b, :s].to(batch["labels"].device)
     shifted = torch.zeros_like(at_target)  # target position t holds token t + 1: move it back
     shifted[:, 1:] = at_target[:, :-1]
     return torch.where(batch["labels"] != IGNORE_INDEX, shifted, torch.zeros_like(shifted))
+
+
+def _pipelined_logprobs(state, ref, mbs: list, mesh, runtime, hooks, logprobs: Callable) -> list[Tensor]:
+    """The reference's no-grad forward over the pipeline (each stage its own chunks, the residual stream sent on in
+    ``forward_order``); the last chunk's rank returns ``logprobs(hidden, mb, head weight)`` of every micro-batch,
+    the other ranks an empty list."""
+    from q38.model import forward_chunk, head_weight
+    from q38.parallel.pipeline import PipeLink, forward_order, run_schedule
+
+    mc = state.model_config
+    chunks, pp, rank = mesh.chunks, mesh.pp, mesh.pp_rank
+    ref = attrs.evolve(ref, mtp=None)  # the MTP depths' outputs are not needed (their inputs still travel)
+    head = chunks[-1].rank == rank
+    w = runtime.gather(head_weight(ref)) if head else None
+    out: list = [None] * len(mbs)
+
+    def fwd(c: int, i: int, inputs):
+        mb = mbs[i]
+        info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels)
+        if chunks[c].embed:
+            o = forward_chunk(ref, chunks[c].layers, mc, input_ids=mb.input_ids, mtp_input_ids=mb.mtp_inputs,
+                              info=info, hooks=hooks, router_bias=state.router_bias)
+        else:
+            o = forward_chunk(ref, chunks[c].layers, mc, x=inputs[0], mtp_embeds=tuple(inputs[1:]), info=info,
+                              hooks=hooks, router_bias=state.router_bias)
+        if not chunks[c].head:
+            return [o.x, *o.mtp_embeds]
+        out[i] = logprobs(o.x, mb, w)
+        return None
+
+    def input_shapes(c: int, i: int) -> list:
+        return [(*mbs[i].input_ids.shape, mc.hidden_size)] * (1 + mc.mtp_num_layers)
+
+    link = PipeLink(mesh.group("pp"), pp, rank, runtime.device, pass_id=2)
+    run_schedule(forward_order(chunks, rank, len(mbs)), chunks, link, fwd, None, input_shapes)
+    return out if head else []
 
 
 def policy_params(state):
@@ -449,7 +497,7 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
     else:
         if loss.kl_coef > 0:  # before the split: every rank holds the whole batch's reference, as one process
             batch["ref_logprobs"] = mesh_reference_logprobs(state, batch, mesh, loss.temperature, ref_params)
-        batch = _mesh_batch(batch, mesh, mc.mtp_num_layers)
+        batch = _mesh_batch(batch, mesh, mc.mtp_num_layers, tc.micro_batches)
     terms = policy_terms(mc, tc, loss)
     new = state
     for u in range(updates):
