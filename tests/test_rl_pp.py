@@ -128,7 +128,9 @@ def _check(outs, mode, m1, new, one=None, label=""):
             err = max(abs(a - b) for g, c in zip(got, one) for a, b in zip(g.logprobs, c.logprobs))
             assert err <= TOL, f"rollout log-probs on {label} vs one process: {err:.2e}"
         m = o["metrics"]
-        assert m["mismatch_max"] <= TOL, f"max |rollout - trainer log-prob| on {label}: {m['mismatch_max']:.2e}"
+        # a LoRA state samples from its merged weights and trains unmerged: one process's own mismatch (1.8e-5 here)
+        limit = TOL if mode != "lora" else m1["mismatch_max"] + 1e-6
+        assert m["mismatch_max"] <= limit, f"max |rollout - trainer log-prob| on {label}: {m['mismatch_max']:.2e}"
         for k in ("reward_mean", "reward_std", "response_length"):
             assert m[k] == m1[k], k
         for k in ("loss", "logprob_diff", "entropy", "grad_norm"):
