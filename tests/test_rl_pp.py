@@ -178,12 +178,15 @@ def _batch(policy):
     return pack_rollouts(comps, group_advantages([float(len(c.tokens)) for c in comps], 3), 16)
 
 
-@pytest.mark.parametrize("mode", ["lora", "kl"], ids=["lora-base", "full-frozen-copy"])
-def test_reference_logprobs_and_a_kl_iteration_on_pp2_equal_one_process(mode):
-    """pp 2 on 2 ranks: the reference's log-probs of a packed batch (a LoRA state's base; a full fine-tune's frozen
-    copy sharded as the state is) equal one process's ``reference_logprobs``; one KL iteration gives its ``kl``
-    (1e-6), loss and update; the LoRA state's rollout (adapters merged layer by layer) samples what its merged policy
-    samples."""
+KL_CASES = [("pp2", PP2, 2, "lora"), ("pp2", PP2, 2, "kl"), ("pp2-fsdp2", PP2_FSDP2, 4, "kl")]
+
+
+@pytest.mark.parametrize("label,text,world,mode", KL_CASES,
+                         ids=[f"{c[0]}-{'lora-base' if c[3] == 'lora' else 'full-frozen-copy'}" for c in KL_CASES])
+def test_reference_logprobs_and_a_kl_iteration_on_pp_equal_one_process(label, text, world, mode):
+    """The reference's log-probs of a packed batch (a LoRA state's base; a full fine-tune's frozen copy sharded as
+    the state is) equal one process's ``reference_logprobs``; one KL iteration gives its ``kl`` (1e-6), loss and
+    update; the LoRA state's rollout (adapters merged layer by layer) samples what its merged policy samples."""
     state, ref, policy = _one_process(mode)
     batch = _batch(policy)
     want = reference_logprobs(state, batch, LOSS.temperature, ref)
@@ -193,11 +196,11 @@ def test_reference_logprobs_and_a_kl_iteration_on_pp2_equal_one_process(mode):
     new, m1 = rl_iteration(state, PROMPTS4, loss=LOSS, ref_params=ref, **KW)
     assert m1["kl"] > 1e-4
     one = rollout(policy, CFG, PROMPTS4, group_size=3, max_new_tokens=6, sampling=SAMPLING)
-    outs = run_distributed(_rank_fn, 2, PP2, mode, batch)
+    outs = run_distributed(_rank_fn, world, text, mode, batch)
     for o in outs:
         err = float((o["ref"] - want).abs().max())
-        assert o["ref"].shape == want.shape and err <= TOL, f"reference log-probs on pp2 ({mode}): {err:.2e}"
-    _check(outs, mode, m1, new, one if mode == "lora" else None, f"pp2 ({mode})")
+        assert o["ref"].shape == want.shape and err <= TOL, f"reference log-probs on {label} ({mode}): {err:.2e}"
+    _check(outs, mode, m1, new, one if mode == "lora" else None, f"{label} ({mode})")
 
 
 def _refuse_fn(rank, world):
