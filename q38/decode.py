@@ -10,7 +10,8 @@ A batch holds one sequence per row. Rows may skip steps (``active`` False: the r
 were), which is how prompts of different lengths are fed as one batch: left-aligned to end together (``feed``).
 """
 
-from typing import TYPE_CHECKING, Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch

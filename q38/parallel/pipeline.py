@@ -11,6 +11,7 @@ order :func:`schedule` gives, through a :class:`PipeLink`.
 """
 
 import math
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -354,9 +355,8 @@ class DecodePipe:
         self.ranks = dist.get_process_group_ranks(group)
         self.link = PipeLink(group, pp, rank, device)
         self.layers = frozenset(i for c in chunks if c.rank == rank for i in c.layers)
-        self.sent_bytes = 0
 
-    def run(self, x: Tensor | None, shape: tuple, layer) -> Tensor | None:
+    def run(self, x: Tensor | None, shape: tuple, layer: Callable[[int, Tensor], Tensor]) -> Tensor | None:
         """``x = layer(i, x)`` over this rank's layers, chunk by chunk (``x``: the embedded tokens on the first
         chunk's rank; ``shape``: the hidden states' shape); the last chunk's output where this rank runs it, else
         None."""
@@ -371,12 +371,10 @@ class DecodePipe:
             if c.index < last:
                 self.link.send_forward(c.index, 0, [x])
                 x = None
-        self.sent_bytes += self.link.sent_bytes
-        self.link.sent_bytes = 0
         self.link.finish()
         return x
 
-    def head(self, x: Tensor | None, shape: tuple, fn) -> Tensor:
+    def head(self, x: Tensor | None, shape: tuple, fn: Callable[[Tensor], Tensor]) -> Tensor:
         """``fn(x)`` on the last chunk's rank (``x`` its output), broadcast over the ``pp`` group (``shape``: the
         result's shape; its dtype travels first)."""
         src = self.chunks[-1].rank
@@ -388,5 +386,4 @@ class DecodePipe:
         if self.rank != src:
             out = torch.empty(shape, dtype=_DTYPES[int(code)], device=self.device)
         dist.broadcast(out, self.ranks[src], group=self.group)
-        self.sent_bytes += out.numel() * out.element_size() if self.rank == src else 0
         return out

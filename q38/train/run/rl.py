@@ -685,8 +685,10 @@ def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str],
         state = load_state(attrs.evolve(src, cfg=cfg), world, device, plan, mesh)
         from q38.train.run.rl_memory import check_rollout_memory
 
-        # before any rollout; on a mesh each rank decodes its share of the prompts (mesh_rollout)
-        share = -(-prompts_per_iteration // world.world_size)
+        # before any rollout; on a mesh each data-parallel rank decodes its share of the prompts (mesh_rollout: on a
+        # pipelined layout the stages of a pipeline group share one, each holding its own layers' caches; priced
+        # here as if one rank held them all)
+        share = -(-prompts_per_iteration // (world.world_size // (mesh.pp if mesh is not None else 1)))
         check_rollout_memory(state, ids, share, group_size, max_new_tokens, device)
         return _rl_run(state, mesh, records, ids, tok, Path(out) / "checkpoints", rewards=rewards,
                        iterations=iterations, prompts_per_iteration=prompts_per_iteration, group_size=group_size,
