@@ -6,7 +6,8 @@ every dimension) with four layers, so each of the two stages runs a GDN and an a
 values come from one process's ``rollout`` / ``rl_iteration`` / ``reference_logprobs`` (no mesh, no pipeline): the
 same tokens, log-probs within 1e-5, loss within 1e-5, ``mismatch_max`` ≤ 1e-5, first moments within 1e-7 and
 weights within 1e-5 wherever |gradient| > 1e-6 (Adam's first step amplifies the rounding of near-zero gradients:
-see tests/test_rl_mesh_kl.py)."""
+see tests/test_rl_mesh_kl.py). With CP inside a stage (sums split over sequence shards) the first moments are held
+within 2e-7 (1.2e-7 seen: a gradient difference of 1.2e-6 on a gradient of norm 10.6)."""
 
 import pytest
 import torch
@@ -38,6 +39,7 @@ STAGES = "pipeline: {schedule: 1f1b, stages: [[0, 1], [2, 3]]}"
 PP2 = "{include: fsdp.yaml, name: pp2, mesh: {pp: 2, fsdp: 1}, " + STAGES + "}"
 PP2_FSDP2 = "{include: fsdp.yaml, name: pp2_fsdp2, mesh: {pp: 2, fsdp: 2}, " + STAGES + "}"
 PP2_EP2 = "{include: fsdp_ep.yaml, name: pp2_ep2, mesh: {pp: 2, fsdp: 1, ep: 2}, " + STAGES + "}"
+PP2_CP2 = "{include: fsdp_cp.yaml, name: pp2_cp2, mesh: {pp: 2, fsdp: 1, cp: 2}, " + STAGES + "}"
 LOSS = PolicyLossConfig(temperature=SAMPLING.temperature, kl_coef=0.5)
 
 
@@ -65,7 +67,7 @@ def _lora_state():
 
 
 def test_each_stage_runs_both_layer_kinds_and_the_model_is_pipelinable():
-    for text in (PP2, PP2_FSDP2, PP2_EP2):
+    for text in (PP2, PP2_FSDP2, PP2_EP2, PP2_CP2):
         chunks = stage_split(_layout(text), CFG)
         assert len(chunks) == 2
         for c in chunks:
@@ -148,7 +150,7 @@ def _check(outs, mode, m1, new, one=None, label=""):
         diff = (got[name] - w).abs()
         if name in moments:
             err_m = float((avg[name] - moments[name]).abs().max())
-            assert err_m <= 1e-7, f"{name}'s first moment after one iteration on {label}: {err_m:.2e}"
+            assert err_m <= (2e-7 if "cp" in label else 1e-7), f"{name}'s first moment after one iteration on {label}: {err_m:.2e}"
             kept = moments[name].abs() > 1e-7  # |gradient| > 1e-6: see the module's docstring
             compared, total = compared + int(kept.sum()), total + kept.numel()
             diff = diff[kept]
@@ -157,7 +159,7 @@ def _check(outs, mode, m1, new, one=None, label=""):
     assert compared > total / 2  # most weights compared (the embedding's unused rows have no gradient)
 
 
-CASES = [("pp2", PP2, 2), ("pp2-fsdp2", PP2_FSDP2, 4), ("pp2-ep2", PP2_EP2, 4)]
+CASES = [("pp2", PP2, 2), ("pp2-fsdp2", PP2_FSDP2, 4), ("pp2-ep2", PP2_EP2, 4), ("pp2-cp2", PP2_CP2, 4)]
 
 
 @pytest.mark.parametrize("label,text,world", CASES, ids=[c[0] for c in CASES])
@@ -178,7 +180,8 @@ def _batch(policy):
     return pack_rollouts(comps, group_advantages([float(len(c.tokens)) for c in comps], 3), 16)
 
 
-KL_CASES = [("pp2", PP2, 2, "lora"), ("pp2", PP2, 2, "kl"), ("pp2-fsdp2", PP2_FSDP2, 4, "kl")]
+KL_CASES = [("pp2", PP2, 2, "lora"), ("pp2", PP2, 2, "kl"), ("pp2-fsdp2", PP2_FSDP2, 4, "kl"),
+            ("pp2-cp2", PP2_CP2, 4, "kl")]
 
 
 @pytest.mark.parametrize("label,text,world,mode", KL_CASES,
