@@ -10,7 +10,8 @@ A batch holds one sequence per row. Rows may skip steps (``active`` False: the r
 were), which is how prompts of different lengths are fed as one batch: left-aligned to end together (``feed``).
 """
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -28,6 +29,9 @@ from q38.model import ModelParams, head_weight
 from q38.model_config import ModelConfig
 from q38.pytree import pytree_node
 
+if TYPE_CHECKING:
+    from q38.parallel.pipeline import DecodePipe
+
 
 @pytree_node
 @attrs.frozen
@@ -39,14 +43,17 @@ class DecodeCache:
     pos: Tensor  # [b] int64
 
 
-def empty_cache(cfg: ModelConfig, batch: int, *, dtype: torch.dtype = torch.float32, device=None) -> DecodeCache:
-    """The cache before any token: every row at position 0."""
+def empty_cache(cfg: ModelConfig, batch: int, *, dtype: torch.dtype = torch.float32, device=None,
+                layers: Collection[int] | None = None) -> DecodeCache:
+    """The cache before any token: every row at position 0. ``layers``: only these main layers get a cache (the
+    others None: a pipeline stage's decode holds its own layers' caches); None: every layer."""
     make = {"linear_attention": empty_gdn_cache, "full_attention": empty_kv_cache}
     unknown = sorted({t for t in cfg.layer_types if t not in make})
     if unknown:
         raise NotImplementedError(f"decoding has no one-token step for layer kind(s) {unknown}; add one to "
                                   "q38/layers/decode.py")
-    return DecodeCache(layers=[make[t](cfg, batch, dtype, device) for t in cfg.layer_types],
+    return DecodeCache(layers=[make[t](cfg, batch, dtype, device) if layers is None or i in layers else None
+                               for i, t in enumerate(cfg.layer_types)],
                        pos=torch.zeros(batch, dtype=torch.long, device=device))
 
 
@@ -75,15 +82,40 @@ class DecodeHooks:
     over ranks (EP all-to-all); ``any_rows(flag)``: whether any rank still has a running row (every rank must take
     the same number of steps, since each step's gathers and exchanges are collectives); ``routes``: a list that
     receives, per step of the sequence form and per token step, every MoE layer's chosen experts (routing replay,
-    ``q38.rollout``)."""
+    ``q38.rollout``); ``pipe``: a pipelined layout's decode (``q38.parallel.pipeline.DecodePipe``): this rank runs
+    only its stage's layers and holds only their caches, the hidden states travel between stages and every stage
+    gets the last stage's logits."""
 
     gather: Callable = _identity
     dispatch: ExpertDispatch | None = None
     any_rows: Callable[[bool], bool] = bool
     routes: list | None = None
+    pipe: "DecodePipe | None" = None
 
 
 NO_HOOKS = DecodeHooks()
+
+
+def _run_layers(hooks: DecodeHooks, n: int, x: Tensor | None, shape: tuple, layer: Callable) -> Tensor | None:
+    """``x = layer(i, x)`` over main layers ``0..n-1``, or over this rank's stage chunks (``hooks.pipe``: None
+    where this rank does not hold the last chunk)."""
+    if hooks.pipe is None:
+        for i in range(n):
+            x = layer(i, x)
+        return x
+    return hooks.pipe.run(x, shape, layer)
+
+
+def _head(hooks: DecodeHooks, x: Tensor | None, shape: tuple, fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """``fn(x)`` (the logits ``shape``), computed where the last layer ran and shared over the pipeline."""
+    return fn(x) if hooks.pipe is None else hooks.pipe.head(x, shape, fn)
+
+
+def _first_leaf(params: ModelParams) -> Tensor:
+    """The embedding, or on a pipeline stage without it the first parameter it holds (for its device / dtype)."""
+    if params.embed is not None:
+        return params.embed
+    return next(t for t in torch.utils._pytree.tree_leaves(params) if t is not None)
 
 
 def _moe(lp, x: Tensor, config: ModelConfig, bias: Tensor | None, hooks: DecodeHooks, chosen: list | None) -> Tensor:
@@ -120,25 +152,29 @@ def decode_step(
     b = token.shape[0]
     if active is None:
         active = torch.ones(b, dtype=torch.bool, device=token.device)
-    x = F.embedding(token, params.embed)  # [b d]
-    caches = []
+    x = None if params.embed is None else F.embedding(token, params.embed)  # [b d]
+    caches = list(cache.layers)
     chosen = [] if hooks.routes is not None else None
-    for i, (lp, lc, kind) in enumerate(zip(params.layers, cache.layers, config.layer_types)):
-        lp = hooks.gather(lp)
+
+    def layer(i: int, x: Tensor) -> Tensor:
+        lp, lc, kind = hooks.gather(params.layers[i]), cache.layers[i], config.layer_types[i]
         h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
         if kind == "linear_attention":
             y, new = gdn_decode(lp.mixer, h, lc, config)
             new = GDNCache(conv=_keep(active, new.conv, lc.conv), ssm=_keep(active, new.ssm, lc.ssm))
         else:
             y, new = attention_decode(lp.mixer, h, lc, cache.pos, active, config)
-        caches.append(new)
+        caches[i] = new
         x = x + y
         bias = None if router_bias is None else router_bias[i]
         y = _moe(lp, rms_norm(x, lp.mlp_norm, config.rms_norm_eps)[:, None], config, bias, hooks, chosen)
-        x = x + y[:, 0]
+        return x + y[:, 0]
+
+    x = _run_layers(hooks, len(config.layer_types), x, (b, config.hidden_size), layer)
     if chosen is not None:
         hooks.routes.append(torch.stack(chosen, dim=2))  # [b, 1, layers, k]
-    logits = F.linear(rms_norm(x, params.final_norm, config.rms_norm_eps), head_weight(params))
+    logits = _head(hooks, x, (b, config.vocab_size),
+                   lambda x: F.linear(rms_norm(x, params.final_norm, config.rms_norm_eps), head_weight(params)))
     return logits, DecodeCache(layers=caches, pos=cache.pos + active.long())
 
 
@@ -265,8 +301,9 @@ def generate_scored(
     if longest + max_new_tokens > config.max_position_embeddings:
         raise ValueError(f"a prompt of {longest} tokens and {max_new_tokens} new tokens pass the model's "
                          f"max_position_embeddings ({config.max_position_embeddings})")
-    dev = params.embed.device
-    dtype = dtype or params.embed.dtype
+    first = _first_leaf(params)
+    dev = first.device
+    dtype = dtype or first.dtype
     gen = torch.Generator().manual_seed(int(sampling.seed))
     logits, cache, _ = prefill(params, config, prompts, dtype=dtype, router_bias=router_bias, hooks=hooks)
     out: list[list[int]] = [[] for _ in prompts]
@@ -315,39 +352,41 @@ def extend(
     params: ModelParams, cache: DecodeCache, tokens: Int[Tensor, "b n"], config: ModelConfig, *,
     lengths: Int[Tensor, " b"] | None = None, router_bias: Float[Tensor, "l e"] | None = None,
     stepwise: bool = False, hooks: DecodeHooks = NO_HOOKS,
-) -> tuple[Float[Tensor, "b n d"], Extension]:
+) -> tuple[Float[Tensor, "b n d"] | None, Extension]:
     """Feed ``n`` tokens per row in one pass over the cache (row ``r``: its first ``lengths[r]`` columns; None: all
     ``n``), each layer running its sequence form from the row's cache (``gdn_extend``, ``attention_extend``, the
     MoE over the ``[b, n]`` tokens). Returns the post-final-norm hidden states of every column (the logits are
     ``hidden @ headᵀ``) and an ``Extension`` whose ``after`` is the cache after each row's tokens.
 
     ``stepwise``: the GDN layers keep every token's state, so that ``keep_prefix`` can keep a shorter prefix of each
-    row (speculative decoding's rollback); otherwise the rule runs its chunked form (prefill)."""
+    row (speculative decoding's rollback); otherwise the rule runs its chunked form (prefill). With ``hooks.pipe``
+    the rank runs its stage's layers only; ``hidden`` is None where the last layer did not run."""
     b, n = tokens.shape
     dev = tokens.device
     if lengths is None:
         lengths = torch.full((b,), n, dtype=torch.long, device=dev)
     positions = cache.pos[:, None] + torch.arange(n, device=dev)[None]
     active = torch.arange(n, device=dev)[None] < lengths[:, None]
-    x = F.embedding(tokens, params.embed)  # [b n d]
-    caches, steps = [], []
+    x = None if params.embed is None else F.embedding(tokens, params.embed)  # [b n d]
+    caches, steps = list(cache.layers), [None] * len(cache.layers)
     chosen = [] if hooks.routes is not None else None
-    for i, (lp, lc, kind) in enumerate(zip(params.layers, cache.layers, config.layer_types)):
-        lp = hooks.gather(lp)
+
+    def layer(i: int, x: Tensor) -> Tensor:
+        lp, lc, kind = hooks.gather(params.layers[i]), cache.layers[i], config.layer_types[i]
         h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
         if kind == "linear_attention":
-            y, new, st = gdn_extend(lp.mixer, h, lc, lengths, config, stepwise=stepwise)
+            y, new, steps[i] = gdn_extend(lp.mixer, h, lc, lengths, config, stepwise=stepwise)
         else:
             y, new = attention_extend(lp.mixer, h, lc, positions, active, config)
-            st = None
-        caches.append(new)
-        steps.append(st)
+        caches[i] = new
         x = x + y
         bias = None if router_bias is None else router_bias[i]
-        x = x + _moe(lp, rms_norm(x, lp.mlp_norm, config.rms_norm_eps), config, bias, hooks, chosen)
+        return x + _moe(lp, rms_norm(x, lp.mlp_norm, config.rms_norm_eps), config, bias, hooks, chosen)
+
+    x = _run_layers(hooks, len(config.layer_types), x, (b, n, config.hidden_size), layer)
     if chosen is not None:
         hooks.routes.append(torch.stack(chosen, dim=2))  # [b, n, layers, k]
-    hidden = rms_norm(x, params.final_norm, config.rms_norm_eps)
+    hidden = None if x is None else rms_norm(x, params.final_norm, config.rms_norm_eps)
     after = DecodeCache(layers=caches, pos=cache.pos + lengths)
     return hidden, Extension(before=cache, after=after, new=n, steps=steps)
 
@@ -378,16 +417,19 @@ def right_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0, device=None)
 def prefill(
     params: ModelParams, config: ModelConfig, prompts: Sequence[Sequence[int]], *,
     dtype: torch.dtype | None = None, router_bias: Tensor | None = None, hooks: DecodeHooks = NO_HOOKS,
-) -> tuple[Float[Tensor, "b v"], DecodeCache, Float[Tensor, "b n d"]]:
+) -> tuple[Float[Tensor, "b v"], DecodeCache, Float[Tensor, "b n d"] | None]:
     """The prompts (of any lengths, one batch) through the model's sequence form once, from an empty cache
     (``extend``, chunked GDN): returns the next-token logits after each prompt's last token, the decode cache after
     it (what ``feed`` builds one token at a time, within float rounding) and the hidden states of every prompt
-    position (row ``r``'s first ``len(prompts[r])`` columns)."""
+    position (row ``r``'s first ``len(prompts[r])`` columns; None on a pipeline stage without the last layer)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prefill needs at least one prompt, each of at least one token")
-    dev = params.embed.device
+    first = _first_leaf(params)
+    dev = first.device
     tokens, lengths = right_padded(prompts, device=dev)
-    cache = empty_cache(config, len(prompts), dtype=dtype or params.embed.dtype, device=dev)
+    cache = empty_cache(config, len(prompts), dtype=dtype or first.dtype, device=dev,
+                        layers=None if hooks.pipe is None else hooks.pipe.layers)
     hidden, ext = extend(params, cache, tokens, config, lengths=lengths, router_bias=router_bias, hooks=hooks)
-    last = hidden[torch.arange(len(prompts), device=dev), lengths - 1]
-    return F.linear(last, head_weight(params)), ext.after, hidden
+    logits = _head(hooks, hidden, (len(prompts), config.vocab_size),
+                   lambda h: F.linear(h[torch.arange(len(prompts), device=dev), lengths - 1], head_weight(params)))
+    return logits, ext.after, hidden

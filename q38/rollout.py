@@ -13,7 +13,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from q38.decode import NO_HOOKS, DecodeHooks, Sampling, cache_bytes, generate_scored
+from q38.decode import NO_HOOKS, DecodeHooks, Sampling, _first_leaf, cache_bytes, generate_scored
 from q38.errors import ConfigError
 from q38.model import ModelParams
 from q38.model_config import ModelConfig
@@ -93,7 +93,7 @@ def rollout(
     total_prompts = len(prompts) if total_prompts is None else total_prompts
     if not 0 <= first_prompt <= total_prompts - len(prompts):
         raise ValueError(f"prompts {first_prompt}..{first_prompt + len(prompts) - 1} are not among {total_prompts}")
-    dtype = dtype or params.embed.dtype
+    dtype = dtype or _first_leaf(params).dtype
     if max_bytes is not None:
         need = rollout_bytes(config, prompts, group_size, max_new_tokens, dtype)
         if need > max_bytes:

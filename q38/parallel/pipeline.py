@@ -11,6 +11,7 @@ order :func:`schedule` gives, through a :class:`PipeLink`.
 """
 
 import math
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -337,3 +338,52 @@ def p2p_bytes_per_micro_batch(rows: int, seq: int, hidden: int, mtp_depths: int,
     """Bytes one chunk boundary carries per micro-batch in forward (the residual stream and the MTP depths' input
     embeddings, which travel from the first chunk to the last); backward carries the same back."""
     return math.prod((rows, seq, hidden)) * (1 + mtp_depths) * act_bytes
+
+
+# ---- a pipelined decode (RL rollouts on a pp layout) ----------------------------------------------------------------
+
+
+class DecodePipe:
+    """One decode pass at a time over the pipeline (``q38.decode.DecodeHooks.pipe``): this rank runs the layers of
+    its chunks in pipeline order, receiving each chunk's input from the previous chunk's rank and sending its output
+    on (``PipeLink``, one message at a time: a decode step's chunks run one after another); the last chunk's rank
+    computes the logits and broadcasts them over the ``pp`` group, so every stage of the group takes the same
+    sampling steps. ``layers``: the main layers this rank runs (and holds decode caches for)."""
+
+    def __init__(self, chunks: tuple[Chunk, ...], group, pp: int, rank: int, device):
+        self.chunks, self.group, self.rank, self.device = chunks, group, rank, device
+        self.ranks = dist.get_process_group_ranks(group)
+        self.link = PipeLink(group, pp, rank, device)
+        self.layers = frozenset(i for c in chunks if c.rank == rank for i in c.layers)
+
+    def run(self, x: Tensor | None, shape: tuple, layer: Callable[[int, Tensor], Tensor]) -> Tensor | None:
+        """``x = layer(i, x)`` over this rank's layers, chunk by chunk (``x``: the embedded tokens on the first
+        chunk's rank; ``shape``: the hidden states' shape); the last chunk's output where this rank runs it, else
+        None."""
+        last = len(self.chunks) - 1
+        for c in self.chunks:
+            if c.rank != self.rank:
+                continue
+            if c.index > 0:
+                x = self.link.recv_forward(c.index, 0, [shape])[0]
+            for i in c.layers:
+                x = layer(i, x)
+            if c.index < last:
+                self.link.send_forward(c.index, 0, [x])
+                x = None
+        self.link.finish()
+        return x
+
+    def head(self, x: Tensor | None, shape: tuple, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """``fn(x)`` on the last chunk's rank (``x`` its output), broadcast over the ``pp`` group (``shape``: the
+        result's shape; its dtype travels first)."""
+        src = self.chunks[-1].rank
+        code = torch.empty(1, dtype=torch.int64, device=self.device)
+        if self.rank == src:
+            out = fn(x).contiguous()
+            code.fill_(_DTYPES.index(out.dtype))
+        dist.broadcast(code, self.ranks[src], group=self.group)
+        if self.rank != src:
+            out = torch.empty(shape, dtype=_DTYPES[int(code)], device=self.device)
+        dist.broadcast(out, self.ranks[src], group=self.group)
+        return out

@@ -166,13 +166,14 @@ def pack_rollouts(completions: Sequence[Completion], advantages: Sequence[float]
     return batch
 
 
-def _mesh_batch(batch: dict, mesh, mtp_depths: int):
+def _mesh_batch(batch: dict, mesh, mtp_depths: int, micro_batches: int = 1):
     """This rank's share of a packed policy-gradient batch (``shard_batch``), its rows first padded with empty ones
-    (every label -100, document -1) to a multiple of the data-parallel ranks and its columns to a multiple of the
-    CP size; on the mesh's device."""
+    (every label -100, document -1) to a multiple of the data-parallel ranks times ``micro_batches`` and its columns
+    to a multiple of the CP size; on the mesh's device."""
     from q38.parallel.mesh import batch_row_rank, shard_batch
 
     _, n_rows = batch_row_rank(mesh)
+    n_rows *= micro_batches
     b, s = batch["input_ids"].shape
     fill = {"labels": IGNORE_INDEX, "doc_ids": -1}
     rows, cols = -b % n_rows, -s % mesh.size("cp")  # rows over the data ranks, columns over CP
@@ -267,9 +268,6 @@ def mesh_reference_logprobs(state, batch: dict, mesh, temperature: float = 1.0, 
     from q38.train.core.policy import _chunk_rows
     from q38.train.core.step import step_runtime
 
-    if mesh.pp > 1:
-        raise ConfigError("reference log-probs on a pipelined layout (pp > 1) are not built; drop pp from the "
-                          "layout for RL")
     if ref_params is None:
         if state.peft is None:
             raise ConfigError("a KL term to a reference policy needs reference parameters for a full fine-tune "
@@ -284,34 +282,84 @@ def mesh_reference_logprobs(state, batch: dict, mesh, temperature: float = 1.0, 
     runtime.bind(ref)
     hooks = LayerHooks(gather=lambda tree: compute_form(runtime.gather(tree)), dispatch=runtime.dispatch)
     b, s = batch["input_ids"].shape
-    sb = _mesh_batch(batch, mesh, mc.mtp_num_layers)
-    w = runtime.gather(head_weight(ref))
-    parts = []
-    for mb in split_micro_batches(sb, tc.micro_batches):
-        info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels)
-        out = forward(ref, mb.input_ids, mc, info=info, hooks=hooks, router_bias=state.router_bias,
-                      routes=mb.routes)
+    sb = _mesh_batch(batch, mesh, mc.mtp_num_layers, tc.micro_batches)
+    mbs = split_micro_batches(sb, tc.micro_batches)
+
+    def logprobs(hidden: Tensor, mb, w: Tensor) -> Tensor:  # [rows, cols] at target positions (0 elsewhere)
         t = mb.targets.reshape(-1)
         valid = torch.nonzero(t != IGNORE_INDEX).flatten()
-        h = out.hidden.reshape(-1, out.hidden.shape[-1]).index_select(0, valid)
+        h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, valid)
         lp, _ = token_logprobs(h, w, t.index_select(0, valid), temperature=temperature,
                                chunk=_chunk_rows(h.shape[0], w.shape[0], tc))
-        parts.append(torch.zeros(t.numel(), dtype=torch.float32, device=t.device).index_copy(0, valid, lp)
-                     .view_as(mb.targets))
-    local = torch.cat(parts)  # this rank's rows and sequence shard, at target positions
+        return torch.zeros(t.numel(), dtype=torch.float32, device=t.device).index_copy(0, valid, lp) \
+            .view_as(mb.targets)
+
+    if mesh.pp > 1:
+        parts = _pipelined_logprobs(state, ref, mbs, mesh, runtime, hooks, logprobs)
+    else:
+        w = runtime.gather(head_weight(ref))
+        parts = []
+        for mb in mbs:
+            info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels)
+            out = forward(ref, mb.input_ids, mc, info=info, hooks=hooks, router_bias=state.router_bias,
+                          routes=mb.routes)
+            parts.append(logprobs(out.hidden, mb, w))
     # every rank's block into the whole (padded) batch: -inf elsewhere, a max over every rank (ranks that hold the
-    # same block, e.g. EP peers of one row group, hold the same values)
+    # same block, e.g. EP peers of one row group, hold the same values; on pp, the stages without the head none)
     from q38.parallel.mesh import batch_row_rank
 
     r, n_rows = batch_row_rank(mesh)
     c = mesh.local_rank("cp")
-    rows, cols = local.shape
-    whole = torch.full((rows * n_rows, cols * mesh.size("cp")), float("-inf"), device=local.device)
-    whole[r * rows: (r + 1) * rows, c * cols: (c + 1) * cols] = local
-    at_target = runtime.all_reduce_max(whole)[:b, :s].to(batch["labels"].device)
+    rows, cols = sb.targets.shape
+    whole = torch.full((rows * n_rows, cols * mesh.size("cp")), float("-inf"), device=sb.targets.device)
+    if parts:  # this rank's rows and sequence shard, at target positions
+        whole[r * rows: (r + 1) * rows, c * cols: (c + 1) * cols] = torch.cat(parts)
+    if mesh.pp > 1:  # over every rank (a stage's runtime reduces inside the stage only)
+        import torch.distributed as dist
+
+        dist.all_reduce(whole, op=dist.ReduceOp.MAX)
+    else:
+        whole = runtime.all_reduce_max(whole)
+    at_target = whole[:b, :s].to(batch["labels"].device)
     shifted = torch.zeros_like(at_target)  # target position t holds token t + 1: move it back
     shifted[:, 1:] = at_target[:, :-1]
     return torch.where(batch["labels"] != IGNORE_INDEX, shifted, torch.zeros_like(shifted))
+
+
+def _pipelined_logprobs(state, ref, mbs: list, mesh, runtime, hooks, logprobs: Callable) -> list[Tensor]:
+    """The reference's no-grad forward over the pipeline (each stage its own chunks, the residual stream sent on in
+    ``forward_order``); the last chunk's rank returns ``logprobs(hidden, mb, head weight)`` of every micro-batch,
+    the other ranks an empty list."""
+    from q38.model import forward_chunk, head_weight
+    from q38.parallel.pipeline import PipeLink, forward_order, run_schedule
+
+    mc = state.model_config
+    chunks, pp, rank = mesh.chunks, mesh.pp, mesh.pp_rank
+    ref = attrs.evolve(ref, mtp=None)  # the MTP depths' outputs are not needed (their inputs still travel)
+    head = chunks[-1].rank == rank
+    w = runtime.gather(head_weight(ref)) if head else None
+    out: list = [None] * len(mbs)
+
+    def fwd(c: int, i: int, inputs):
+        mb = mbs[i]
+        info = attrs.evolve(runtime.seq_info(mb), kernels=state.kernels)
+        if chunks[c].embed:
+            o = forward_chunk(ref, chunks[c].layers, mc, input_ids=mb.input_ids, mtp_input_ids=mb.mtp_inputs,
+                              info=info, hooks=hooks, router_bias=state.router_bias)
+        else:
+            o = forward_chunk(ref, chunks[c].layers, mc, x=inputs[0], mtp_embeds=tuple(inputs[1:]), info=info,
+                              hooks=hooks, router_bias=state.router_bias)
+        if not chunks[c].head:
+            return [o.x, *o.mtp_embeds]
+        out[i] = logprobs(o.x, mb, w)
+        return None
+
+    def input_shapes(c: int, i: int) -> list:
+        return [(*mbs[i].input_ids.shape, mc.hidden_size)] * (1 + mc.mtp_num_layers)
+
+    link = PipeLink(mesh.group("pp"), pp, rank, runtime.device, pass_id=2)
+    run_schedule(forward_order(chunks, rank, len(mbs)), chunks, link, fwd, None, input_shapes)
+    return out if head else []
 
 
 def policy_params(state):
@@ -332,23 +380,33 @@ def mesh_rollout(state, mesh, prompts: Sequence[Sequence[int]], *, group_size: i
     memory of the whole gathered model, one gather per layer per rollout), experts left where EP put them and
     reached by the step's EP dispatch. Parameters run in the trainer's compute form (``param_dtype``); a LoRA
     state's adapters are merged layer by layer after the gather. The draws follow ``q38.decode.sample_at``, so the
-    samples are those of one process. ``max_bytes`` prices this rank's share of the decode batch."""
+    samples are those of one process. ``max_bytes`` prices this rank's share of the decode batch.
+
+    On a pipelined layout (``pp`` > 1) the shares go to the data-parallel ranks of a stage, and the stages of one
+    pipeline group decode the same share together: each runs only its own chunks' layers (their decode caches only),
+    in the prefill and in every step, the hidden states sent from stage to stage and the last stage's logits
+    broadcast over the group (``q38.parallel.pipeline.DecodePipe``), so every stage samples the same tokens.
+    Routing replay (``record_routes``) is not built there."""
     import torch.distributed as dist
 
     from q38.lora import compute_form, merge_adapters
     from q38.model import ModelParams
     from q38.train.core.step import step_runtime
 
-    if mesh.pp > 1:
-        raise ConfigError("a rollout on a pipelined layout (pp > 1) is not built: a rank holds only its stage's "
-                          "layers and decoding needs all of them; drop pp from the layout for RL")
+    pp = mesh.pp
+    if pp > 1 and record_routes:
+        raise ConfigError("routing replay on a pipelined layout (pp > 1) is not built (the pipelined step takes no "
+                          "routes); drop pp from the layout or train without routing_replay")
     world, rank = dist.get_world_size(), dist.get_rank()
-    n = len(prompts)
-    if n < world:
-        raise ConfigError(f"a rollout on {world} ranks needs at least {world} prompts per iteration (each rank "
-                          f"decodes its own share), got {n}; raise prompts_per_iteration")
-    lo, hi = rank * n // world, (rank + 1) * n // world
     runtime = step_runtime(mesh, state.train_config)
+    # the prompts split over the data-parallel ranks: every rank, or on a pipelined layout the ranks of one stage
+    # (the stages of one pipeline group decode the same share together)
+    shares, share = (world, rank) if pp <= 1 else (world // pp, dist.get_rank(runtime.group))
+    n = len(prompts)
+    if n < shares:
+        raise ConfigError(f"a rollout on {shares} data-parallel ranks needs at least {shares} prompts per iteration "
+                          f"(each decodes its own share), got {n}; raise prompts_per_iteration")
+    lo, hi = share * n // shares, (share + 1) * n // shares
     runtime.bind(state.params)
     lora = state.peft is not None
 
@@ -356,20 +414,40 @@ def mesh_rollout(state, mesh, prompts: Sequence[Sequence[int]], *, group_size: i
         return merge_adapters(compute_form(runtime.gather(tree))) if lora else runtime.gather(tree)
 
     def any_rows(flag: bool) -> bool:
-        return bool(runtime.all_reduce_max(torch.tensor(float(flag), device=runtime.device)) > 0)
+        t = torch.tensor(float(flag), device=runtime.device)
+        if pp > 1:  # over every rank (a stage's runtime reduces inside the stage only)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return bool(t > 0)
+        return bool(runtime.all_reduce_max(t) > 0)
 
     p = state.params
-    layers = [gather(lp) for lp in p.layers] if hold_gathered else p.layers
-    params = ModelParams(embed=gather(p.embed), layers=layers, final_norm=gather(p.final_norm),
-                         lm_head=None if p.lm_head is None else gather(p.lm_head), mtp=None)
+    pipe = None
+    if pp > 1:
+        from q38.parallel.pipeline import DecodePipe
+
+        pipe = DecodePipe(mesh.chunks, mesh.group("pp"), pp, mesh.pp_rank, runtime.device)
+    mine_layers = range(len(p.layers)) if pipe is None else sorted(pipe.layers)
+    layers = list(p.layers)
+    if hold_gathered:
+        for i in mine_layers:
+            layers[i] = gather(p.layers[i])
+
+    def opt(t):  # a stage holds the embedding / head side only where its chunks own them
+        return None if t is None or not torch.utils._pytree.tree_leaves(t) else gather(t)
+
+    params = ModelParams(embed=opt(p.embed), layers=layers, final_norm=opt(p.final_norm), lm_head=opt(p.lm_head),
+                         mtp=None)
     hooks = DecodeHooks(gather=(lambda t: t) if hold_gathered else gather, dispatch=runtime.dispatch,
-                        any_rows=any_rows)
+                        any_rows=any_rows, pipe=pipe)
+    # every stage's caches in the compute form's dtype (what the embedding gathers to)
+    dtype = None if pipe is None else state.train_config.torch_param_dtype
     mine = rollout(params, state.model_config, prompts[lo:hi], group_size=group_size, max_new_tokens=max_new_tokens,
                    sampling=sampling, stop_ids=stop_ids, router_bias=state.router_bias, max_bytes=max_bytes,
-                   hooks=hooks, first_prompt=lo, total_prompts=n, record_routes=record_routes)
+                   hooks=hooks, first_prompt=lo, total_prompts=n, record_routes=record_routes, dtype=dtype)
     parts: list = [None] * world
-    dist.all_gather_object(parts, mine)
-    return [c for part in parts for c in part]
+    dist.all_gather_object(parts, (lo, mine))
+    by_share = dict(parts)  # the stages of one pipeline group hold the same share
+    return [c for lo_ in sorted(by_share) for c in by_share[lo_]]
 
 
 def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Sequence[str],
@@ -419,7 +497,7 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
     else:
         if loss.kl_coef > 0:  # before the split: every rank holds the whole batch's reference, as one process
             batch["ref_logprobs"] = mesh_reference_logprobs(state, batch, mesh, loss.temperature, ref_params)
-        batch = _mesh_batch(batch, mesh, mc.mtp_num_layers)
+        batch = _mesh_batch(batch, mesh, mc.mtp_num_layers, tc.micro_batches)
     terms = policy_terms(mc, tc, loss)
     new = state
     for u in range(updates):
@@ -607,8 +685,10 @@ def rl_from(source: str, prompts_file: str, out: str, *, rewards: Sequence[str],
         state = load_state(attrs.evolve(src, cfg=cfg), world, device, plan, mesh)
         from q38.train.run.rl_memory import check_rollout_memory
 
-        # before any rollout; on a mesh each rank decodes its share of the prompts (mesh_rollout)
-        share = -(-prompts_per_iteration // world.world_size)
+        # before any rollout; on a mesh each data-parallel rank decodes its share of the prompts (mesh_rollout: on a
+        # pipelined layout the stages of a pipeline group share one, each holding its own layers' caches; priced
+        # here as if one rank held them all)
+        share = -(-prompts_per_iteration // (world.world_size // (mesh.pp if mesh is not None else 1)))
         check_rollout_memory(state, ids, share, group_size, max_new_tokens, device)
         return _rl_run(state, mesh, records, ids, tok, Path(out) / "checkpoints", rewards=rewards,
                        iterations=iterations, prompts_per_iteration=prompts_per_iteration, group_size=group_size,
