@@ -89,12 +89,17 @@ def test_q38_rl_refuses_an_out_that_is_its_source(hf_dir, tmp_path, capsys, wher
     assert sorted(p.name for p in src.rglob("*")) == before
 
 
+PP_LAYOUT = "{include: fsdp.yaml, name: pp_only, mesh: {pp: 2, fsdp: 1}}\n"
+
+
 @pytest.mark.slow
-def test_q38_rl_under_torchrun_equals_one_process(tmp_path, capsys):
+@pytest.mark.parametrize("layout", ["fsdp", "pp"])
+def test_q38_rl_under_torchrun_equals_one_process(tmp_path, capsys, layout):
     """``torchrun --nproc_per_node 2 … rl --set layout=fsdp``: the state sharded over 2 gloo ranks, each rank
     decoding its share of the prompts; progress lines from rank 0 only; the checkpoint it writes (on every rank)
     holds the parameters 2 iterations on one process give (fp32, 1e-5). 6 experts (FSDP shards them over 2 ranks),
-    top-3 routing."""
+    top-3 routing. ``pp``: 2 pipeline stages (each decoding every prompt, its own layers; 2 micro-batches, the one
+    process too)."""
     import os
     import subprocess
     import sys
@@ -108,16 +113,29 @@ def test_q38_rl_under_torchrun_equals_one_process(tmp_path, capsys):
     hf_dir = tmp_path / "hf"
     q38.save_hf(hf_dir, cfg, q38.init_params(cfg, seed=13))
     prompts = _prompts(tmp_path)
-    assert main(_args(hf_dir, prompts, tmp_path / "one", 2)) == 0
+    extra = ["--set", "train.micro_batches=2"] if layout == "pp" else []
+    if layout == "pp":
+        (tmp_path / "pp.yaml").write_text(PP_LAYOUT)
+    assert main(_args(hf_dir, prompts, tmp_path / "one", 2) + extra) == 0
     capsys.readouterr()
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
     repo = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join([str(repo), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "q38.cli",
-           *_args(hf_dir, prompts, tmp_path / "two", 2), "--set", "layout=fsdp"]
+           *_args(hf_dir, prompts, tmp_path / "two", 2), *extra, "--set",
+           f"layout={tmp_path / 'pp.yaml' if layout == 'pp' else 'fsdp'}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, env=env, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if layout == "pp":  # each stage wrote only its own layers (0-1 on rank 0, 2-3 on rank 1): the pipeline ran
+        from torch.distributed.checkpoint import FileSystemReader
+
+        md = FileSystemReader(latest_checkpoint(tmp_path / "two" / "checkpoints")).read_metadata()
+        files: dict = {}
+        for k, v in md.storage_data.items():
+            files.setdefault(k.fqn, set()).add(v.relative_path)
+        assert files["params.layers.0.attn_norm"] == {"__0_0.distcp"}, files["params.layers.0.attn_norm"]
+        assert files["params.layers.3.attn_norm"] == {"__1_0.distcp"}, files["params.layers.3.attn_norm"]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("iter ")]
     assert [ln.split()[1] for ln in lines] == ["0", "1"], proc.stdout
     template = init_state(cfg, TrainConfig(), seed=0)
