@@ -124,7 +124,8 @@ def test_routing_replay_on_two_ep_ranks_equals_one_process():
     assert differs > 1e-6  # replay changed the second update: the comparison could tell
 
 
-def _lora_state():
+def _lora_state(cfg=CFG, tc=TC):
+    """A LoRA state of ``cfg`` whose adapters are off zero (the merged policy differs from its base)."""
     from q38.lora import PeftConfig, add_adapters
     from q38.model import init_params
     from q38.train.core.state import state_from_params
@@ -133,11 +134,11 @@ def _lora_state():
     # B moved off zero so the merged policy differs from the base (the merge is exercised)
     from q38.pytree import tree_map_with_path
 
-    p = add_adapters(init_params(CFG, seed=3), peft, seed=1)
+    p = add_adapters(init_params(cfg, seed=3), peft, seed=1)
     g = torch.Generator().manual_seed(2)
     p = tree_map_with_path(lambda path, t: t + 0.2 * torch.randn(t.shape, generator=g) if path.endswith("lora_b")
                            else t, p)
-    return state_from_params(p, CFG, TC, peft=peft)
+    return state_from_params(p, cfg, tc, peft=peft)
 
 
 def _lora_fn(rank, world):

@@ -10,7 +10,6 @@ see tests/test_rl_mesh_kl.py). With CP inside a stage (sums split over sequence 
 within 2e-7 (1.2e-7 seen: a gradient difference of 1.2e-6 on a gradient of norm 10.6)."""
 
 import pytest
-import torch
 import yaml
 
 from q38.parallel.layout import Layout
@@ -26,6 +25,7 @@ from tests.dist_utils import run_distributed
 from tests.test_policy_loss import CFG as _CFG
 from tests.test_rl_mesh import KW as _KW
 from tests.test_rl_mesh import PROMPTS4, SAMPLING
+from tests.test_rl_mesh import _lora_state as _mesh_lora_state
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -53,17 +53,7 @@ def _full(t):
 
 def _lora_state():
     """A LoRA state whose adapters are off zero (the merged policy differs from its base, the reference)."""
-    from q38.lora import PeftConfig, add_adapters
-    from q38.model import init_params
-    from q38.pytree import tree_map_with_path
-    from q38.train.core.state import state_from_params
-
-    peft = PeftConfig(rank=4, alpha=8)
-    p = add_adapters(init_params(CFG, seed=3), peft, seed=1)
-    g = torch.Generator().manual_seed(2)
-    p = tree_map_with_path(lambda path, t: t + 0.2 * torch.randn(t.shape, generator=g) if path.endswith("lora_b")
-                           else t, p)
-    return state_from_params(p, CFG, TC, peft=peft)
+    return _mesh_lora_state(CFG, TC)
 
 
 def test_each_stage_runs_both_layer_kinds_and_the_model_is_pipelinable():
