@@ -9,9 +9,7 @@ moves a weight by about lr · g / (|g| + eps), so a gradient of 2e-9 that rounds
 moves its weight by a few percent of lr more or less; the gradient itself agrees."""
 
 import pytest
-import torch
 
-from q38.decode import Sampling
 from q38.parallel.layout import Layout
 from q38.pytree import named_leaves
 from q38.rollout import rollout
