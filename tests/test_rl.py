@@ -266,8 +266,12 @@ def test_several_updates_per_rollout_batch_move_the_ratio_and_print_a_progress_l
     assert int(one.step) == 1 and int(three.step) == 3
     assert d1["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and d1["clip_frac"] == 0
     assert abs(d3["ratio_mean"] - 1.0) > 1e-4 and d3["clip_frac"] > 0 and d3["logprob_diff"] > 1e-4
+    # the mismatch is the first update's (the rollout's weights), not the third's (which measures learning)
+    assert d3["mismatch_mean"] == d1["logprob_diff"] and d3["mismatch_max"] == d1["mismatch_max"]
+    assert d3["mismatch_mean"] <= MISMATCH_TOL < d3["logprob_diff"]
     line = progress_line(d3)
-    assert "\n" not in line and "reward" in line and "mismatch max" in line and "kl" in line
+    assert "\n" not in line and "reward" in line and "kl" in line
+    assert f"mismatch max {d3['mismatch_max']:.2e} mean {d3['mismatch_mean']:.2e}" in line
     with pytest.raises(ConfigError, match="rl.updates"):
         rl_iteration(_state(), PROMPTS, updates=0, **kw)
 

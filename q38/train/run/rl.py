@@ -507,7 +507,7 @@ def rl_iteration(state, prompts: Sequence[Sequence[int]], *, prompt_texts: Seque
     r = torch.tensor(rew)
     d = m.as_dict()
     d.update(reward_mean=float(r.mean()), reward_std=float(r.std()), mismatch_max=first["mismatch_max"],
-             response_length=sum(len(c.tokens) for c in comps) / len(comps))
+             mismatch_mean=first["logprob_diff"], response_length=sum(len(c.tokens) for c in comps) / len(comps))
     return new, d
 
 
@@ -585,7 +585,8 @@ def progress_line(m: dict) -> str:
     """One iteration's progress line: reward mean / std, mean response length, mismatch (max, and the step's mean),
     KL, clip fraction, entropy, loss."""
     return (f"iter {m.get('iteration', 0)} | reward {m['reward_mean']:.4f} ± {m['reward_std']:.4f} | "
-            f"len {m['response_length']:.1f} | mismatch max {m['mismatch_max']:.2e} | kl {m['kl']:.2e} | "
+            f"len {m['response_length']:.1f} | mismatch max {m['mismatch_max']:.2e} mean {m['mismatch_mean']:.2e} | "
+            f"kl {m['kl']:.2e} | "
             f"clip {m['clip_frac']:.3f} | entropy {m['entropy']:.3f} | loss {m['loss']:.4f}")
 
 
