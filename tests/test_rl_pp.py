@@ -37,6 +37,10 @@ TC = TrainConfig(lr=1e-3, warmup_steps=1, aux_loss_coef=0.01, micro_batches=2, a
 KW = {**_KW, "row_len": 20}  # 6 packed rows: 2 micro-batches on one process
 STAGES = "pipeline: {schedule: 1f1b, stages: [[0, 1], [2, 3]]}"
 PP2 = "{include: fsdp.yaml, name: pp2, mesh: {pp: 2, fsdp: 1}, " + STAGES + "}"
+# interleaved: 4 chunks of one layer, stage 0 holds layers 0 and 2, stage 1 layers 1 and 3, so a decode step's hidden
+# state goes 0 -> 1 -> 0 -> 1 and the last stage's logits come back to stage 0
+PP2_V2 = "{include: fsdp.yaml, name: pp2_v2, mesh: {pp: 2, fsdp: 1}, " \
+         "pipeline: {schedule: interleaved_1f1b, virtual_stages: 2}}"
 PP2_FSDP2 = "{include: fsdp.yaml, name: pp2_fsdp2, mesh: {pp: 2, fsdp: 2}, " + STAGES + "}"
 PP2_EP2 = "{include: fsdp_ep.yaml, name: pp2_ep2, mesh: {pp: 2, fsdp: 1, ep: 2}, " + STAGES + "}"
 PP2_CP2 = "{include: fsdp_cp.yaml, name: pp2_cp2, mesh: {pp: 2, fsdp: 1, cp: 2}, " + STAGES + "}"
@@ -63,6 +67,9 @@ def test_each_stage_runs_both_layer_kinds_and_the_model_is_pipelinable():
         for c in chunks:
             assert {CFG.layer_types[i] for i in c.layers} == {"linear_attention", "full_attention"}
     assert not CFG.tie_word_embeddings and CFG.num_experts % 2 == 0
+    # the interleaved layout: one layer a chunk, the stages alternating, the head on stage 1
+    assert [(c.rank, list(c.layers), c.embed, c.head) for c in stage_split(_layout(PP2_V2), CFG)] == \
+           [(0, [0], True, False), (1, [1], False, False), (0, [2], False, False), (1, [3], False, True)]
 
 
 def _state_on(mesh, mode: str):
@@ -149,7 +156,7 @@ def _check(outs, mode, m1, new, one=None, label=""):
     assert compared > total / 2  # most weights compared (the embedding's unused rows have no gradient)
 
 
-CASES = [("pp2", PP2, 2), ("pp2-fsdp2", PP2_FSDP2, 4), ("pp2-ep2", PP2_EP2, 4), ("pp2-cp2", PP2_CP2, 4)]
+CASES = [("pp2", PP2, 2), ("pp2-interleaved", PP2_V2, 2), ("pp2-fsdp2", PP2_FSDP2, 4), ("pp2-ep2", PP2_EP2, 4), ("pp2-cp2", PP2_CP2, 4)]
 
 
 @pytest.mark.parametrize("label,text,world", CASES, ids=[c[0] for c in CASES])
