@@ -11,7 +11,7 @@ were), which is how prompts of different lengths are fed as one batch: left-alig
 """
 
 from collections.abc import Callable, Collection, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 import torch
@@ -29,8 +29,18 @@ from q38.model import ModelParams, head_weight
 from q38.model_config import ModelConfig
 from q38.pytree import pytree_node
 
-if TYPE_CHECKING:
-    from q38.parallel.pipeline import DecodePipe
+
+class StagePipe(Protocol):
+    """What a pipelined decode needs of its pipeline (``q38.parallel.pipeline.DecodePipe``; declared here so the
+    model floor imports nothing above it): ``layers``, the main layers this rank runs; ``run``, this rank's layers
+    with the hidden states received from and sent to the neighbouring stages; ``head``, the last stage's logits on
+    every stage."""
+
+    layers: frozenset
+
+    def run(self, x: Tensor | None, shape: tuple, layer: Callable[[int, Tensor], Tensor]) -> Tensor | None: ...
+
+    def head(self, x: Tensor | None, shape: tuple, fn: Callable[[Tensor], Tensor]) -> Tensor: ...
 
 
 @pytree_node
@@ -90,7 +100,7 @@ class DecodeHooks:
     dispatch: ExpertDispatch | None = None
     any_rows: Callable[[bool], bool] = bool
     routes: list | None = None
-    pipe: "DecodePipe | None" = None
+    pipe: StagePipe | None = None
 
 
 NO_HOOKS = DecodeHooks()
